@@ -1,0 +1,47 @@
+"""Per-request sampling settings, validated once at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 0.0  # 0 means greedy
+    top_p: float = 1.0  # nucleus mass in (0, 1]
+    top_k: int = -1  # -1 (or 0) disables
+    seed: int | None = None  # per-request generator seed; reproducible regardless of batch mates
+    presence_penalty: float = 0.0  # OpenAI semantics, in [-2, 2], over generated tokens
+    frequency_penalty: float = 0.0  # OpenAI semantics, in [-2, 2], over generated tokens
+    repetition_penalty: float = 1.0  # HF/CTRL semantics, > 0, over prompt + generated tokens
+    max_tokens: int = 16  # generated tokens at most
+    stop: list[str] = field(default_factory=list)  # stop strings; excluded from the output
+    stop_token_ids: list[int] = field(default_factory=list)  # extra stop ids (kept in token output)
+    ignore_eos: bool = False  # keep generating past EOS until max_tokens
+    logprobs: int | None = None  # None: none; k >= 0: sampled token's logprob plus top-k alternatives
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids)
+        if self.top_k == 0:
+            self.top_k = -1
+        checks = [
+            (self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}"),
+            (0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}"),
+            (self.top_k == -1 or self.top_k >= 1, f"top_k must be -1 or >= 1, got {self.top_k}"),
+            (-2.0 <= self.presence_penalty <= 2.0, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
+            (-2.0 <= self.frequency_penalty <= 2.0, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
+            (self.repetition_penalty > 0.0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
+            (self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
+            (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings"),
+            (self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs must be in [0, 20], got {self.logprobs}"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise ValueError(msg)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

@@ -1,0 +1,76 @@
+"""One `Sequence` per request, passed by reference through scheduler, block manager and runner."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # queued (new, or preempted and waiting to be recomputed)
+    RUNNING = "running"  # holds blocks and is scheduled every step
+    FINISHED = "finished"  # done; blocks released
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # top-k alternatives (token id, logprob), best first
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: str
+    token_ids: list[int]  # prompt followed by generated tokens
+    params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    num_prompt_tokens: int = 0  # set from token_ids at construction
+    status: SequenceStatus = SequenceStatus.WAITING
+    block_table: list[int] = field(default_factory=list)  # physical block ids, in order
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    num_cached_tokens: int = 0  # of those, tokens that came from a prefix-cache hit
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: str | int | None = None  # matched stop string or stop token id
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per generated token, if asked
+    arrival_time: float = field(default_factory=time.monotonic)
+    num_preemptions: int = 0
+    generator: Any = None  # per-request torch.Generator when seeded; owned by the sampler
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            raise ValueError("a sequence needs at least one prompt token")
+        self.token_ids = list(self.token_ids)
+        self.num_prompt_tokens = len(self.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def completion_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def last_token(self) -> int:
+        return self.token_ids[-1]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    @property
+    def is_prefilling(self) -> bool:
+        # True while the prompt (or, after preemption, prompt + output) is not fully in the cache.
+        return self.num_computed_tokens < self.num_tokens - 1
+
+    def num_blocks_needed(self, num_tokens: int, block_size: int) -> int:
+        return (num_tokens + block_size - 1) // block_size

@@ -1,0 +1,88 @@
+"""The one interface the engine and the KV data plane call for attention, cache writes and KV packing.
+
+KV pool layout (shared by every node of a cluster, and by the wire format):
+
+    kv_cache: [L, 2, NB, BS, Hkv, D]   L layers, 2 = (key, value), NB blocks of BS slots
+    k_cache = kv_cache[l, 0]:  [NB, BS, Hkv, D]   (a contiguous view per layer)
+
+A *slot* is ``block_id * BS + offset``. Block tables are int32 ``[B, MB]`` rows of physical block ids;
+entries past a sequence's last block are ignored (pad them with 0).
+
+Wire format, layout version 1 (``pack_blocks``): the gathered blocks as one contiguous tensor in the
+pool dtype, ordered ``[L, 2, n, BS, Hkv, D]`` for all layers or ``[2, n, BS, Hkv, D]`` for one layer,
+``n`` = number of blocks in the order given. The receiver scatters it into its own block ids, so pools
+of different sizes interoperate as long as L, BS, Hkv, D and dtype agree.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+KV_LAYOUT_VERSION = 1
+
+
+class KernelOps(ABC):
+    """Attention and KV-movement operations over a paged KV pool. Implementations never allocate
+    pool memory; they only read it, or write the slots/blocks they are given."""
+
+    name: str = "abstract"
+
+    @abstractmethod
+    def store_kv(
+        self,
+        key: torch.Tensor,  # [N, Hkv, D]
+        value: torch.Tensor,  # [N, Hkv, D]
+        k_cache: torch.Tensor,  # [NB, BS, Hkv, D]
+        v_cache: torch.Tensor,  # [NB, BS, Hkv, D]
+        slot_mapping: torch.Tensor,  # [N] int64; -1 means "do not store"
+    ) -> None:
+        """Writes key[i]/value[i] into slot slot_mapping[i] of k_cache/v_cache. Changes only those slots."""
+
+    @abstractmethod
+    def decode_attention(
+        self,
+        q: torch.Tensor,  # [B, Hq, D], one query token per sequence (the last position)
+        k_cache: torch.Tensor,  # [NB, BS, Hkv, D]
+        v_cache: torch.Tensor,  # [NB, BS, Hkv, D]
+        block_tables: torch.Tensor,  # [B, MB] int32
+        context_lens: torch.Tensor,  # [B] int32, number of KV tokens (includes the query's own token)
+        scale: float,
+    ) -> torch.Tensor:  # [B, Hq, D]
+        """Attention of each query over its first context_lens[b] cached tokens. Changes nothing."""
+
+    @abstractmethod
+    def prefill_attention(
+        self,
+        q: torch.Tensor,  # [T, Hq, D], queries of B sequences packed back to back
+        k_cache: torch.Tensor,  # [NB, BS, Hkv, D]
+        v_cache: torch.Tensor,  # [NB, BS, Hkv, D]
+        block_tables: torch.Tensor,  # [B, MB] int32
+        cu_seqlens_q: torch.Tensor,  # [B + 1] int32, query offsets into q
+        context_lens: torch.Tensor,  # [B] int32, KV tokens per sequence including the new ones
+        scale: float,
+    ) -> torch.Tensor:  # [T, Hq, D]
+        """Causal attention for new tokens whose K/V are already stored in the cache. Query i of
+        sequence b sits at position context_lens[b] - q_len_b + i and sees positions <= its own
+        (earlier positions may come from a prefix-cache hit or an earlier chunk). Changes nothing."""
+
+    @abstractmethod
+    def pack_blocks(
+        self,
+        kv_cache: torch.Tensor,  # [L, 2, NB, BS, Hkv, D]
+        block_ids: torch.Tensor,  # [n] int64
+        layer: int | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # [L, 2, n, BS, Hkv, D] or [2, n, BS, Hkv, D] when layer is given
+        """Gathers the blocks into one contiguous buffer (wire format v1). Writes only `out` if given."""
+
+    @abstractmethod
+    def unpack_blocks(
+        self,
+        buffer: torch.Tensor,  # [L, 2, n, BS, Hkv, D] or [2, n, BS, Hkv, D]
+        kv_cache: torch.Tensor,  # [L, 2, NB, BS, Hkv, D]
+        block_ids: torch.Tensor,  # [n] int64
+        layer: int | None = None,
+    ) -> None:
+        """Scatters a wire-format buffer into the given blocks of kv_cache. Changes only those blocks."""
