@@ -29,7 +29,7 @@ class Sequence:
     token_ids: list[int]  # prompt followed by generated tokens
     params: SamplingParams
     eos_token_ids: frozenset[int] = frozenset()
-    num_prompt_tokens: int = 0  # set from token_ids at construction
+    num_prompt_tokens: int = 0  # 0 = all of token_ids at construction (a transferred seq passes its own)
     status: SequenceStatus = SequenceStatus.WAITING
     block_table: list[int] = field(default_factory=list)  # physical block ids, in order
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
@@ -45,7 +45,10 @@ class Sequence:
         if not self.token_ids:
             raise ValueError("a sequence needs at least one prompt token")
         self.token_ids = list(self.token_ids)
-        self.num_prompt_tokens = len(self.token_ids)
+        if not self.num_prompt_tokens:
+            self.num_prompt_tokens = len(self.token_ids)
+        if not 0 < self.num_prompt_tokens <= len(self.token_ids):
+            raise ValueError("num_prompt_tokens must be in [1, len(token_ids)]")
 
     @property
     def num_tokens(self) -> int:

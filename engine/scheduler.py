@@ -1,0 +1,387 @@
+"""Continuous-batching scheduler: picks each step's decodes and prefill chunks under a token budget.
+
+Per step, in this order: running decodes (one token each, oldest first), sequences whose prompt K/V
+arrived by transfer (straight to decoding), running partial prefills (chunked), then waiting requests
+first-come-first-served (prefix-cache hits applied, chunked to what is left of the budget).
+
+When the pool runs out of blocks for a running sequence, the newest running sequence is preempted
+(blocks freed, progress dropped, put back at the front of the waiting queue) and the allocation is
+retried; a preempted sequence is later recomputed from prompt + tokens generated so far, usually
+mostly from the prefix cache. A sequence that can never fit the whole pool is finished instead of
+spinning: finish_reason "abort" if its prompt alone does not fit, "length" if it outgrew the pool while
+generating. Such sequences appear in ``SchedulerOutput.rejected`` and in the list ``update`` returns.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from engine.block_manager import BlockManager
+from engine.sequence import Sequence, SequenceStatus
+
+FINISH_REASONS = frozenset({"stop", "length", "abort"})
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64  # sequences scheduled per step at most
+    max_num_batched_tokens: int = 2048  # tokens per step: a decode counts 1, a prefill chunk its length
+    max_prefill_chunk: int = 0  # cap on one sequence's prefill chunk per step; 0: only the budget caps it
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_prefill_chunk < 0:
+            raise ValueError(f"max_prefill_chunk must be >= 0, got {self.max_prefill_chunk}")
+
+    @property
+    def max_running(self) -> int:
+        """Sequences allowed to hold blocks and run at once. Never more than the token budget, so every
+        running sequence can decode in the same step and none is left idle holding blocks."""
+        return min(self.max_num_seqs, self.max_num_batched_tokens)
+
+
+@dataclass
+class SchedulerOutput:
+    # Sequences computing one token each this step: token_ids[-1] at position num_tokens - 1
+    # (num_computed_tokens == num_tokens - 1). The runner samples a token for every one of them.
+    decode_seqs: list[Sequence]
+    # Sequences computing a chunk of their prompt (or, after preemption, prompt + generated tokens).
+    prefill_seqs: list[Sequence]
+    # Chunk i is prefill_seqs[i].token_ids[c : c + prefill_chunk_lens[i]] with c = num_computed_tokens
+    # as it is before ``update``; the runner samples only for a chunk that reaches num_tokens.
+    prefill_chunk_lens: list[int]
+    # Sequences sent back to the waiting queue this step (blocks freed, to be recomputed later).
+    preempted: list[Sequence]
+    # Sequences finished this step because they can never fit the pool (see the module docstring).
+    rejected: list[Sequence]
+    # len(decode_seqs) + sum(prefill_chunk_lens); never above max_num_batched_tokens.
+    num_batched_tokens: int
+
+    @property
+    def is_empty(self) -> bool:
+        return self.num_batched_tokens == 0
+
+    def sampled_seqs(self) -> list[Sequence]:
+        """Sequences the runner must sample a token for. Valid between ``schedule`` and ``update``."""
+        done_prefills = [
+            s
+            for s, n in zip(self.prefill_seqs, self.prefill_chunk_lens, strict=True)
+            if s.num_computed_tokens + n == s.num_tokens
+        ]
+        return self.decode_seqs + done_prefills
+
+
+class StopDecision(NamedTuple):
+    finish_reason: str  # "stop" or "length"
+    stop_reason: int | None  # the stop token id that matched, if any
+
+
+@dataclass(eq=False)
+class _Step:
+    """What one ``schedule`` call has decided so far."""
+
+    budget: int  # tokens still available this step
+    tokens: dict[Sequence, int] = field(default_factory=dict)  # scheduled sequence -> tokens this step
+    decoding: set[Sequence] = field(default_factory=set)  # the scheduled sequences that decode
+    preempted: list[Sequence] = field(default_factory=list)
+    rejected: list[Sequence] = field(default_factory=list)
+
+    def add(self, seq: Sequence, num_tokens: int, decode: bool) -> None:
+        assert 0 < num_tokens <= self.budget, "scheduling past the token budget"
+        self.tokens[seq] = num_tokens
+        if decode:
+            self.decoding.add(seq)
+        self.budget -= num_tokens
+
+    def drop(self, seq: Sequence) -> None:
+        """Unschedules ``seq`` (it is being preempted) and gives its tokens back to the budget."""
+        self.budget += self.tokens.pop(seq, 0)
+        self.decoding.discard(seq)
+
+
+class Scheduler:
+    """Owns the request queues of one engine. Changes the ``Sequence`` objects it is given (status,
+    ``num_computed_tokens``, ``token_ids``, finish fields) and their blocks in ``block_manager``."""
+
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        max_prefill_chunk: int = 0,
+    ) -> None:
+        self.config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_prefill_chunk)
+        self.block_manager = block_manager
+        self._waiting: deque[Sequence] = deque()  # hold no blocks; the front is admitted first
+        # Transferred sequences hold blocks with their prompt K/V and wait only for a running slot.
+        self._transferred: deque[Sequence] = deque()
+        self._running: list[Sequence] = []  # hold blocks; admission order, so the last is the newest
+        self._seqs: dict[str, Sequence] = {}  # every unfinished sequence, by id
+        self._num_preemptions = 0
+
+    # ----------------------------------------------------------------------------------- queues
+
+    @property
+    def num_waiting(self) -> int:
+        """Sequences not running yet: waiting (or preempted) ones plus transferred ones awaiting a slot."""
+        return len(self._waiting) + len(self._transferred)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def running_seqs(self) -> tuple[Sequence, ...]:
+        """Running sequences in admission order: the last one is preempted first."""
+        return tuple(self._running)
+
+    @property
+    def waiting_seqs(self) -> tuple[Sequence, ...]:
+        """Waiting sequences in admission order (preempted ones at the front), then transferred ones."""
+        return tuple(self._waiting) + tuple(self._transferred)
+
+    @property
+    def num_preemptions(self) -> int:
+        """Preemptions since this scheduler was built."""
+        return self._num_preemptions
+
+    def has_unfinished(self) -> bool:
+        return bool(self._seqs)
+
+    def get(self, seq_id: str) -> Sequence | None:
+        return self._seqs.get(seq_id)
+
+    def add(self, seq: Sequence) -> None:
+        """Queues a new request at the back of the waiting queue."""
+        self._check_new(seq)
+        if seq.block_table or seq.num_computed_tokens:
+            raise ValueError(f"sequence {seq.seq_id} must arrive with no blocks and nothing computed")
+        seq.status = SequenceStatus.WAITING
+        self._waiting.append(seq)
+        self._seqs[seq.seq_id] = seq
+
+    def add_transferred(self, seq: Sequence) -> None:
+        """Queues a sequence whose prompt K/V were written into blocks it already holds (see
+        ``BlockManager.reserve`` / ``commit_filled``); it goes straight to decoding once a running slot
+        is free. Requires ``num_computed_tokens == num_tokens - 1``."""
+        self._check_new(seq)
+        if not self.block_manager.holds(seq):
+            raise ValueError(f"sequence {seq.seq_id} holds no reserved blocks")
+        if seq.num_computed_tokens != seq.num_tokens - 1:
+            raise ValueError(
+                f"sequence {seq.seq_id} has {seq.num_computed_tokens} computed tokens, needs {seq.num_tokens - 1}"
+            )
+        seq.status = SequenceStatus.WAITING
+        self._transferred.append(seq)
+        self._seqs[seq.seq_id] = seq
+
+    def abort(self, seq_id: str) -> Sequence | None:
+        """Finishes an unfinished sequence in whatever state with finish_reason "abort", freeing its
+        blocks. Returns it, or None if no unfinished sequence has that id."""
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            return None
+        self.finish(seq, "abort")
+        return seq
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
+        """Marks ``seq`` finished with ``reason`` and ``stop_reason``, dropping it from the queues and
+        freeing its blocks. On an already finished sequence only the two reason fields change (e.g. a
+        stop string matched by the last token of a sequence that also hit max_tokens)."""
+        if reason not in FINISH_REASONS:
+            raise ValueError(f"finish reason must be one of {sorted(FINISH_REASONS)}, got {reason!r}")
+        if not seq.is_finished:
+            if self._seqs.get(seq.seq_id) is not seq:
+                raise ValueError(f"sequence {seq.seq_id} is not scheduled here")
+            self._forget(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+
+    # ----------------------------------------------------------------------------------- one step
+
+    def schedule(self) -> SchedulerOutput:
+        """Decides this step's batch, allocating blocks (and preempting) as needed."""
+        step = _Step(budget=self.config.max_num_batched_tokens)
+        self._schedule_running(step, decoding=True)
+        # Transferred sequences only decode, so they join the decodes ahead of any prefill work.
+        self._admit_transferred(step)
+        self._schedule_running(step, decoding=False)
+        # Blocks just ran short: admitting more work now would only be preempted again.
+        if not step.preempted:
+            self._admit_waiting(step)
+        decode_seqs = [s for s in self._running if s in step.decoding]
+        prefill_seqs = [s for s in self._running if s in step.tokens and s not in step.decoding]
+        out = SchedulerOutput(
+            decode_seqs=decode_seqs,
+            prefill_seqs=prefill_seqs,
+            prefill_chunk_lens=[step.tokens[s] for s in prefill_seqs],
+            preempted=step.preempted,
+            rejected=step.rejected,
+            num_batched_tokens=self.config.max_num_batched_tokens - step.budget,
+        )
+        assert out.num_batched_tokens == len(decode_seqs) + sum(out.prefill_chunk_lens)
+        assert len(decode_seqs) + len(prefill_seqs) <= self.config.max_running
+        return out
+
+    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Sequence]:
+        """Applies a computed step: advances ``num_computed_tokens`` by what was computed, commits newly
+        full blocks to the prefix cache, appends the sampled tokens, finishes sequences on EOS (unless
+        ``ignore_eos``), a stop token id or ``max_tokens``, and frees their blocks. Sequences finished
+        or aborted since ``schedule`` are skipped. Returns the sequences that finished this step,
+        ``out.rejected`` included."""
+        work = [(s, 1) for s in out.decode_seqs]
+        work += zip(out.prefill_seqs, out.prefill_chunk_lens, strict=True)
+        live = [(s, n) for s, n in work if s.status == SequenceStatus.RUNNING]
+        missing = [
+            s.seq_id for s, n in live if s.num_computed_tokens + n == s.num_tokens and s.seq_id not in sampled
+        ]
+        if missing:
+            raise ValueError(f"no sampled token for {missing}")
+        finished = list(out.rejected)
+        for seq, num_tokens in live:
+            seq.num_computed_tokens += num_tokens
+            assert seq.num_computed_tokens <= seq.num_tokens, f"{seq.seq_id} computed past its tokens"
+            self.block_manager.commit(seq)
+            if seq.num_computed_tokens < seq.num_tokens:
+                continue
+            seq.token_ids.append(sampled[seq.seq_id])
+            decision = self._stop_decision(seq)
+            if decision is not None:
+                self.finish(seq, decision.finish_reason, decision.stop_reason)
+                finished.append(seq)
+        return finished
+
+    def check_integrity(self) -> None:
+        """Asserts the queue invariants and the block manager's; changes nothing."""
+        bm = self.block_manager
+        queued = list(self._waiting) + list(self._transferred) + self._running
+        assert len({id(s) for s in queued}) == len(queued), "a sequence is queued twice"
+        assert {s.seq_id: s for s in queued} == self._seqs, "queues and the id map disagree"
+        assert len(self._running) <= self.config.max_running
+        for seq in self._waiting:
+            assert seq.status == SequenceStatus.WAITING and not bm.holds(seq) and not seq.block_table
+            assert seq.num_computed_tokens == 0
+        for seq in self._transferred:
+            assert seq.status == SequenceStatus.WAITING and bm.holds(seq)
+            assert seq.num_computed_tokens == seq.num_tokens - 1
+        for seq in self._running:
+            assert seq.status == SequenceStatus.RUNNING and bm.holds(seq)
+            assert seq.num_computed_tokens < seq.num_tokens
+        bm.check_integrity()
+
+    # ----------------------------------------------------------------------------------- internals
+
+    def _check_new(self, seq: Sequence) -> None:
+        if seq.is_finished:
+            raise ValueError(f"sequence {seq.seq_id} is already finished")
+        if seq.seq_id in self._seqs:
+            raise ValueError(f"a sequence with id {seq.seq_id} is already scheduled")
+
+    def _chunk_len(self, remaining: int, budget: int) -> int:
+        n = min(remaining, budget)
+        if self.config.max_prefill_chunk:
+            n = min(n, self.config.max_prefill_chunk)
+        return n
+
+    def _schedule_running(self, step: _Step, decoding: bool) -> None:
+        i = 0
+        while i < len(self._running) and step.budget > 0:
+            seq = self._running[i]
+            if seq in step.tokens or seq.is_prefilling == decoding:
+                i += 1
+                continue
+            if decoding:
+                n = 1
+            else:
+                n = self._chunk_len(seq.num_tokens - seq.num_computed_tokens, step.budget)
+            if not self._allocate_or_preempt(seq, n, step):
+                break  # seq was the newest, so nothing after it is left
+            step.add(seq, n, decode=decoding)
+            i += 1
+
+    def _allocate_or_preempt(self, seq: Sequence, num_tokens: int, step: _Step) -> bool:
+        """Allocates blocks for ``num_tokens`` more tokens of running ``seq``, preempting the newest
+        running sequences until it fits; False if ``seq`` itself had to be preempted."""
+        while not self.block_manager.allocate(seq, num_tokens):
+            victim = self._running[-1]
+            self._preempt(victim, step)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence, step: _Step) -> None:
+        step.drop(seq)
+        self._running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_cached_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self._num_preemptions += 1
+        self._waiting.appendleft(seq)
+        step.preempted.append(seq)
+
+    def _admit_transferred(self, step: _Step) -> None:
+        while self._transferred and len(self._running) < self.config.max_running and step.budget > 0:
+            seq = self._transferred[0]
+            if not self.block_manager.allocate(seq, 1):
+                break
+            self._transferred.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self._running.append(seq)
+            step.add(seq, 1, decode=True)
+
+    def _admit_waiting(self, step: _Step) -> None:
+        bm = self.block_manager
+        while self._waiting and len(self._running) < self.config.max_running and step.budget > 0:
+            seq = self._waiting[0]
+            if bm.blocks_needed(seq.num_tokens) > bm.num_blocks:
+                self._waiting.popleft()
+                self._reject(seq, step)
+                continue
+            hit_tokens = bm.num_prefix_hit_tokens(seq)
+            n = self._chunk_len(seq.num_tokens - hit_tokens, step.budget)
+            # FCFS: a head that does not fit blocks everything behind it, so it cannot starve.
+            if not bm.allocate(seq, n):
+                break
+            assert seq.num_computed_tokens == hit_tokens, "prefix hits changed between lookup and allocation"
+            self._waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self._running.append(seq)
+            step.add(seq, n, decode=False)
+
+    def _reject(self, seq: Sequence, step: _Step) -> None:
+        # Removed from its queue by the caller; only the bookkeeping of a finished sequence is left.
+        del self._seqs[seq.seq_id]
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = "length" if seq.num_completion_tokens else "abort"
+        seq.stop_reason = None
+        step.rejected.append(seq)
+
+    def _forget(self, seq: Sequence) -> None:
+        if seq.status == SequenceStatus.RUNNING:
+            self._running.remove(seq)
+        elif seq in self._transferred:
+            self._transferred.remove(seq)
+        else:
+            self._waiting.remove(seq)
+        del self._seqs[seq.seq_id]
+        self.block_manager.free(seq)
+
+    @staticmethod
+    def _stop_decision(seq: Sequence) -> StopDecision | None:
+        token = seq.last_token
+        if not seq.params.ignore_eos and token in seq.eos_token_ids:
+            return StopDecision("stop", None)
+        if token in seq.params.stop_token_ids:
+            return StopDecision("stop", token)
+        if seq.num_completion_tokens >= seq.params.max_tokens:
+            return StopDecision("length", None)
+        return None
