@@ -1,0 +1,1 @@
+"""Generated gRPC/protobuf modules for the pdserve control plane (see pdserve.proto)."""
