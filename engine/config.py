@@ -1,0 +1,46 @@
+"""The engine's one validated configuration (each process that runs an engine builds exactly one)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str  # path to a Hugging Face model directory
+    dtype: str = "auto"  # "auto" = the model config's dtype
+    device: str = "cpu"  # "cpu" or "cuda[:N]"
+    kernel_backend: str = "auto"  # "auto" | "torch" | "triton" (see kernels.get_kernel_ops)
+    block_size: int = 16  # tokens per KV block; must match across a cluster
+    kv_cache_memory_bytes: int = 1 << 30  # KV pool budget when num_kv_blocks is not given
+    num_kv_blocks: int | None = None  # exact pool size; overrides the memory budget
+    max_num_seqs: int = 128  # sequences per step at most
+    max_num_batched_tokens: int = 2048  # tokens per step at most (chunked-prefill budget)
+    max_model_len: int | None = None  # context cap; None = the model's max_position_embeddings
+    enable_prefix_caching: bool = True
+    prefix_hash_seed: int = 0  # shared by every node of a cluster so prefix hashes agree
+    seed: int = 0  # seeds the generator used by sampled requests without their own seed
+    num_threads: int | None = None  # torch intra-op threads; None = leave torch's default
+
+    def __post_init__(self) -> None:
+        checks = [
+            (bool(self.model), "model path is required"),
+            (self.dtype in _DTYPES, f"dtype must be one of {_DTYPES}, got {self.dtype!r}"),
+            (self.device == "cpu" or self.device.startswith("cuda"), f"device must be cpu or cuda[:N], got {self.device!r}"),
+            (self.kernel_backend in ("auto", "torch", "triton"), f"bad kernel_backend {self.kernel_backend!r}"),
+            (self.block_size in (8, 16, 32, 64, 128), f"block_size must be one of 8/16/32/64/128, got {self.block_size}"),
+            (self.kv_cache_memory_bytes > 0, "kv_cache_memory_bytes must be > 0"),
+            (self.num_kv_blocks is None or self.num_kv_blocks >= 2, "num_kv_blocks must be >= 2"),
+            (self.max_num_seqs >= 1, "max_num_seqs must be >= 1"),
+            (self.max_num_batched_tokens >= self.block_size, "max_num_batched_tokens must be >= block_size"),
+            (self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be >= 2"),
+            (self.num_threads is None or self.num_threads >= 1, "num_threads must be >= 1"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise ValueError(f"EngineConfig: {msg}")
+        if not os.path.isdir(self.model):
+            raise ValueError(f"EngineConfig: model directory {self.model!r} does not exist")

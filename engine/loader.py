@@ -1,0 +1,98 @@
+"""Loads a Hugging Face model directory as it ships (config.json + safetensors, single or sharded)
+into the engine's own `CausalLM`."""
+
+from __future__ import annotations
+
+import dataclasses
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from engine.model import CausalLM
+from engine.model_config import (
+    SAFETENSORS_INDEX,
+    ModelConfig,
+    ModelLoadError,
+    load_model_config,
+    parse_dtype,
+    weight_files,
+)
+from kernels import KernelOps, get_kernel_ops
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig  # dtype is the dtype the weights are held in
+    model: CausalLM
+    path: Path
+
+
+class CheckpointReader:
+    """Hands out checkpoint tensors by HF name, checking shapes. Open files stay mapped until `close`."""
+
+    def __init__(self, root: Path, files: dict[str, Path]) -> None:
+        self.root = root
+        self.files = files
+        self._stack = ExitStack()
+        self._handles: dict[Path, Any] = {}
+
+    def _listing(self) -> Path:
+        # Where a missing tensor "should" have been: the index for sharded checkpoints, else the one file.
+        index = self.root / SAFETENSORS_INDEX
+        return index if index.exists() else next(iter(set(self.files.values())), self.root)
+
+    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """Returns tensor `name` on CPU in its stored dtype. Raises ModelLoadError naming the file and tensor
+        when it is missing or its shape differs from `shape`."""
+        file = self.files.get(name)
+        if file is None:
+            raise ModelLoadError(f"{self._listing()}: tensor '{name}' is missing from the checkpoint")
+        if file not in self._handles:
+            try:
+                self._handles[file] = self._stack.enter_context(safe_open(file, framework="pt", device="cpu"))
+            except Exception as e:  # safetensors raises its own error types for corrupt files
+                raise ModelLoadError(f"{file}: unreadable safetensors file ({e})") from e
+        try:
+            tensor = self._handles[file].get_tensor(name)
+        except Exception as e:
+            raise ModelLoadError(f"{file}: tensor '{name}' is not readable ({e})") from e
+        if tuple(tensor.shape) != tuple(shape):
+            raise ModelLoadError(
+                f"{file}: tensor '{name}' has shape {list(tensor.shape)}, but config.json implies {list(shape)}"
+            )
+        return tensor
+
+    def close(self) -> None:
+        """Unmaps every opened file."""
+        self._stack.close()
+        self._handles.clear()
+
+
+def load_model(
+    path: str | Path,
+    dtype: str | torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+    *,
+    ops: KernelOps | None = None,
+) -> LoadedModel:
+    """Builds the model of a Hugging Face directory with its weights, in `dtype` (default: the config's
+    dtype) on `device`. `ops` defaults to the kernels `get_kernel_ops("auto", device)` picks.
+    Raises ModelLoadError naming the file and field/tensor for a directory that cannot be served."""
+    root = Path(path)
+    config = load_model_config(root)
+    if dtype is not None:
+        config = dataclasses.replace(config, dtype=parse_dtype(dtype))
+    ops = ops if ops is not None else get_kernel_ops("auto", str(device))
+    with torch.device(device):
+        model = CausalLM(config, ops)
+    reader = CheckpointReader(root, weight_files(root))
+    try:
+        model.load_hf_weights(reader.get)
+    finally:
+        reader.close()
+    model.eval()
+    return LoadedModel(config=config, model=model, path=root)

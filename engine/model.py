@@ -1,0 +1,250 @@
+"""The decoder-only transformer the engine runs (Llama / Mistral / Qwen2 / Qwen3), over a paged KV pool.
+
+Every op is batched over the T packed tokens of a step; attention goes through `engine.attention`.
+Numerics follow the Hugging Face reference so fp32 greedy outputs agree token for token: RMSNorm in
+float32 then cast back, RoPE tables in float32 with the rotate-half convention, SiLU-gated MLP. q/k/v and
+gate/up are fused into one matmul each at load time.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import AttentionMetadata, paged_attention
+from engine.model_config import ModelConfig
+from kernels import KernelOps
+
+# Returns the named Hugging Face tensor after checking it has the given shape (the loader owns the files).
+WeightGetter = Callable[[str, tuple[int, ...]], torch.Tensor]
+
+DEFAULT_ROPE_TABLE_LEN = 32768
+
+
+def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    # Uninitialized: every parameter is overwritten by load_hf_weights, so skip nn.Linear's random init.
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:  # [D/2] float32
+    """Inverse RoPE frequencies, including linear and llama3 frequency scaling."""
+    d = cfg.head_dim
+    exponents = torch.arange(0, d, 2, dtype=torch.int64).to(torch.float32) / d
+    inv_freq = 1.0 / (cfg.rope_theta**exponents)
+    scaling = cfg.rope_scaling
+    if scaling is None:
+        return inv_freq
+    factor = float(scaling["factor"])
+    if scaling["rope_type"] == "linear":
+        return inv_freq / factor
+    # llama3: keep high frequencies, divide low ones by `factor`, blend smoothly in between.
+    old_len = float(scaling["original_max_position_embeddings"])
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    in_between = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+    return torch.where(in_between, blended, scaled)
+
+
+class Rope(NamedTuple):
+    cos: torch.Tensor  # [P, D] table, or [T, 1, D] gathered for a step
+    sin: torch.Tensor
+
+
+def rope_tables(inv_freq: torch.Tensor, length: int) -> Rope:  # [P, D] float32 each
+    """cos/sin for positions [0, length), in the layout rotate-half expects (frequencies repeated twice)."""
+    pos = torch.arange(length, device=inv_freq.device, dtype=torch.int64).float()
+    freqs = pos[:, None] * inv_freq[None, :]  # [P, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
+    return Rope(emb.cos(), emb.sin())
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] rotated by cos/sin [T, 1, D] (already in x's dtype); returns a new tensor."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = _param(dim, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim] -> same shape and dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, ops: KernelOps) -> None:
+        super().__init__()
+        self.ops = ops
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
+        self.scale = cfg.head_dim**-0.5
+        dt = cfg.dtype
+        self.qkv_weight = _param(cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size, dtype=dt)  # rows: q | k | v
+        self.qkv_bias = _param(cfg.q_size + 2 * cfg.kv_size, dtype=dt) if cfg.attention_bias else None
+        self.o_weight = _param(cfg.hidden_size, cfg.q_size, dtype=dt)
+        self.o_bias = _param(cfg.hidden_size, dtype=dt) if cfg.o_proj_bias else None
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dt) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dt) if cfg.qk_norm else None
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        cos: torch.Tensor,  # [T, 1, D]
+        sin: torch.Tensor,  # [T, 1, D]
+        meta: AttentionMetadata,
+        k_cache: torch.Tensor,  # [NB, BS, Hkv, D]
+        v_cache: torch.Tensor,  # [NB, BS, Hkv, D]
+    ) -> torch.Tensor:  # [T, hidden]
+        t = x.shape[0]
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)  # [T, Q + 2KV]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = paged_attention(self.ops, q, k, v, k_cache, v_cache, meta, self.scale)  # [T, Hq, D]
+        return F.linear(out.reshape(t, self.q_size), self.o_weight, self.o_bias)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = cfg.intermediate_size
+        dt = cfg.dtype
+        self.gate_up_weight = _param(2 * cfg.intermediate_size, cfg.hidden_size, dtype=dt)  # rows: gate | up
+        self.gate_up_bias = _param(2 * cfg.intermediate_size, dtype=dt) if cfg.mlp_bias else None
+        self.down_weight = _param(cfg.hidden_size, cfg.intermediate_size, dtype=dt)
+        self.down_bias = _param(cfg.hidden_size, dtype=dt) if cfg.mlp_bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).split(self.intermediate_size, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down_weight, self.down_bias)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, ops: KernelOps) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
+        self.self_attn = Attention(cfg, ops)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
+        self.mlp = MLP(cfg)
+
+    def forward(
+        self,
+        h: torch.Tensor,  # [T, hidden]
+        cos: torch.Tensor,  # [T, 1, D]
+        sin: torch.Tensor,  # [T, 1, D]
+        meta: AttentionMetadata,
+        layer_cache: torch.Tensor,  # [2, NB, BS, Hkv, D]
+    ) -> torch.Tensor:  # [T, hidden]
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, meta, layer_cache[0], layer_cache[1])
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class CausalLM(nn.Module):
+    """Parameters are created uninitialized in `cfg.dtype` on the current default device; fill them with
+    `load_hf_weights`. `forward` writes this step's K/V into `kv_cache` and returns final-normed hidden states.
+    Both run under no_grad rather than inference_mode, so callers may edit the returned logits in place."""
+
+    def __init__(self, cfg: ModelConfig, ops: KernelOps, rope_table_len: int | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.ops = ops
+        self.embed_weight = _param(cfg.vocab_size, cfg.hidden_size, dtype=cfg.dtype)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, ops) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
+        self.lm_head_weight = (
+            self.embed_weight if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size, dtype=cfg.dtype)
+        )
+        # Plain tensors, not buffers: model.to(dtype) must not round the float32 tables.
+        self._inv_freq = rope_inv_freq(cfg).to(self.embed_weight.device)  # [D/2]
+        self._table = rope_tables(self._inv_freq, rope_table_len or min(cfg.max_model_len, DEFAULT_ROPE_TABLE_LEN))
+
+    def _rope(self, positions: torch.Tensor) -> Rope:  # [T, 1, D] each, in the model dtype
+        # One host sync per step (positions.max) buys the window check and the lazily grown table.
+        top = int(positions.max()) + 1 if positions.numel() else 0
+        window = self.cfg.sliding_window
+        if window is not None and top > window:
+            raise NotImplementedError(
+                f"position {top - 1} is past the sliding window ({window}); contexts are capped at max_model_len"
+            )
+        table = self._table
+        if top > table.cos.shape[0]:  # grow; entries already there come out identical
+            table = self._table = rope_tables(self._inv_freq, max(top, 2 * table.cos.shape[0]))
+        dt = self.embed_weight.dtype
+        return Rope(
+            table.cos.index_select(0, positions).to(dt)[:, None, :],
+            table.sin.index_select(0, positions).to(dt)[:, None, :],
+        )
+
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        meta: AttentionMetadata,
+        kv_cache: torch.Tensor,  # [L, 2, NB, BS, Hkv, D]
+    ) -> torch.Tensor:  # [T, hidden]
+        """Runs the T packed tokens of one step. Changes only the kv_cache slots in meta.slot_mapping
+        (and may grow the RoPE table when a position is past it)."""
+        cos, sin = self._rope(positions)
+        h = F.embedding(input_ids, self.embed_weight)  # [T, hidden]
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, meta, kv_cache[i])
+        return self.norm(h)
+
+    @torch.no_grad()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V] float32
+        """Vocabulary logits for the selected rows of `forward`'s output. Changes nothing."""
+        return F.linear(hidden, self.lm_head_weight).float()
+
+    @torch.no_grad()
+    def load_hf_weights(self, get: WeightGetter) -> None:
+        """Copies the Hugging Face checkpoint tensors (HF names) into the fused parameters, converting to
+        the parameter dtype/device. Changes every parameter; raises whatever `get` raises for a missing or
+        misshapen tensor."""
+        cfg = self.cfg
+        hid, q, kv, inter, d = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size, cfg.head_dim
+        self.embed_weight.copy_(get("model.embed_tokens.weight", (cfg.vocab_size, hid)))
+        self.norm.weight.copy_(get("model.norm.weight", (hid,)))
+        if not cfg.tie_word_embeddings:
+            self.lm_head_weight.copy_(get("lm_head.weight", (cfg.vocab_size, hid)))
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            attn, mlp = layer.self_attn, layer.mlp
+            layer.input_layernorm.weight.copy_(get(p + "input_layernorm.weight", (hid,)))
+            layer.post_attention_layernorm.weight.copy_(get(p + "post_attention_layernorm.weight", (hid,)))
+            spans = (("q_proj", 0, q), ("k_proj", q, q + kv), ("v_proj", q + kv, q + 2 * kv))
+            for name, lo, hi in spans:
+                attn.qkv_weight[lo:hi].copy_(get(f"{p}self_attn.{name}.weight", (hi - lo, hid)))
+                if attn.qkv_bias is not None:
+                    attn.qkv_bias[lo:hi].copy_(get(f"{p}self_attn.{name}.bias", (hi - lo,)))
+            attn.o_weight.copy_(get(p + "self_attn.o_proj.weight", (hid, q)))
+            if attn.o_bias is not None:
+                attn.o_bias.copy_(get(p + "self_attn.o_proj.bias", (hid,)))
+            if attn.q_norm is not None and attn.k_norm is not None:
+                attn.q_norm.weight.copy_(get(p + "self_attn.q_norm.weight", (d,)))
+                attn.k_norm.weight.copy_(get(p + "self_attn.k_norm.weight", (d,)))
+            for name, lo, hi in (("gate_proj", 0, inter), ("up_proj", inter, 2 * inter)):
+                mlp.gate_up_weight[lo:hi].copy_(get(f"{p}mlp.{name}.weight", (inter, hid)))
+                if mlp.gate_up_bias is not None:
+                    mlp.gate_up_bias[lo:hi].copy_(get(f"{p}mlp.{name}.bias", (inter,)))
+            mlp.down_weight.copy_(get(p + "mlp.down_proj.weight", (hid, inter)))
+            if mlp.down_bias is not None:
+                mlp.down_bias.copy_(get(p + "mlp.down_proj.bias", (hid,)))

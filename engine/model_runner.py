@@ -1,0 +1,103 @@
+"""Turns a scheduled step into tensors, runs the model over the paged KV pool, and samples."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention import AttentionMetadata
+from engine.sampler import Sampler
+from engine.scheduler import SchedulerOutput
+from engine.sequence import Sequence, TokenLogprob
+
+
+@dataclass
+class StepResult:
+    sampled: dict[str, int]  # seq_id -> new token, for sequences whose step ended at their last token
+    logprobs: dict[str, TokenLogprob]  # seq_id -> logprob record, only where the request asked for it
+    num_tokens: int  # tokens run through the model this step
+    logits: dict[str, torch.Tensor] | None = None  # seq_id -> [V] float32, only when capture_logits is on
+
+
+def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    return num_layers * 2 * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+class ModelRunner:
+    """Owns the KV pool tensor and the model. `run` writes the step's K/V into the pool slots the
+    scheduler assigned and returns sampled tokens; it changes no scheduling state."""
+
+    def __init__(
+        self, model: torch.nn.Module, kv_cache: torch.Tensor, block_size: int, sampler: Sampler,
+        capture_logits: bool = False,
+    ):
+        self.model = model
+        self.capture_logits = capture_logits  # tests compare logits with a reference implementation
+        self.kv_cache = kv_cache  # [L, 2, NB, BS, Hkv, D]
+        self.block_size = block_size
+        self.sampler = sampler
+        self.device = kv_cache.device
+
+    def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
+        bs, table = self.block_size, seq.block_table
+        return [table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def _tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(data, dtype=dtype, device=self.device)
+
+    def _block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
+        width = max(len(s.block_table) for s in seqs)
+        return self._tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs], torch.int32)
+
+    def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[Sequence]]:
+        """Builds (input_ids [T], positions [T], metadata, rows to sample, their sequences)."""
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        sample_rows: list[int] = []
+        sample_seqs: list[Sequence] = []
+        for seq in out.decode_seqs:
+            p = seq.num_tokens - 1
+            ids.append(seq.token_ids[p])
+            pos.append(p)
+            slots.append(seq.block_table[p // self.block_size] * self.block_size + p % self.block_size)
+            sample_rows.append(len(ids) - 1)
+            sample_seqs.append(seq)
+        cu = [0]
+        ctx: list[int] = []
+        for seq, n in zip(out.prefill_seqs, out.prefill_chunk_lens, strict=True):
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            ids.extend(seq.token_ids[start:end])
+            pos.extend(range(start, end))
+            slots.extend(self._slots(seq, start, end))
+            cu.append(cu[-1] + n)
+            ctx.append(end)
+            if end == seq.num_tokens:  # the chunk completes the sequence: its last row yields a token
+                sample_rows.append(len(ids) - 1)
+                sample_seqs.append(seq)
+        nd = len(out.decode_seqs)
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(slots, torch.int64),
+            num_decode_tokens=nd,
+            decode_block_tables=self._block_tables(out.decode_seqs) if nd else None,
+            decode_context_lens=self._tensor([s.num_tokens for s in out.decode_seqs], torch.int32) if nd else None,
+            prefill_block_tables=self._block_tables(out.prefill_seqs) if out.prefill_seqs else None,
+            prefill_cu_seqlens_q=self._tensor(cu, torch.int32) if out.prefill_seqs else None,
+            prefill_context_lens=self._tensor(ctx, torch.int32) if out.prefill_seqs else None,
+        )
+        return self._tensor(ids, torch.int64), self._tensor(pos, torch.int64), meta, sample_rows, sample_seqs
+
+    @torch.inference_mode()
+    def run(self, out: SchedulerOutput) -> StepResult:
+        input_ids, positions, meta, rows, seqs = self.prepare(out)
+        hidden = self.model(input_ids, positions, meta, self.kv_cache)  # [T, hidden]
+        if not rows:
+            return StepResult({}, {}, int(input_ids.shape[0]))
+        idx = torch.tensor(rows, device=hidden.device)
+        logits = self.model.compute_logits(hidden.index_select(0, idx))  # [N, V] float32
+        res = self.sampler(logits, seqs)
+        sampled = {s.seq_id: t for s, t in zip(seqs, res.token_ids, strict=True)}
+        lps = {s.seq_id: lp for s, lp in zip(seqs, res.logprobs, strict=True) if lp is not None}
+        captured = {s.seq_id: logits[i].clone() for i, s in enumerate(seqs)} if self.capture_logits else None
+        return StepResult(sampled, lps, int(input_ids.shape[0]), captured)

@@ -1,0 +1,41 @@
+"""Shared fixtures: the cached tiny models (created on first use, safe when test processes race)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.tiny import default_model_dir
+
+
+@pytest.fixture(autouse=True)
+def _seed_torch() -> None:
+    torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir() -> Callable[[str], Path]:
+    """`tiny_model_dir(arch)` -> directory of the cached tiny model ("llama" | "qwen2" | "qwen3", seed 0)."""
+
+    def get(arch: str) -> Path:
+        return default_model_dir(arch)
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tiny_model_dir: Callable[[str], Path]) -> Path:
+    return tiny_model_dir("llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tiny_model_dir: Callable[[str], Path]) -> Path:
+    return tiny_model_dir("qwen2")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tiny_model_dir: Callable[[str], Path]) -> Path:
+    return tiny_model_dir("qwen3")
