@@ -1,0 +1,528 @@
+"""The Kubernetes manifests (deploy/k8s) and the Prometheus config and rules (deploy/prometheus).
+
+Manifests are rendered with deploy/k8s/render.py for several value sets and checked two ways:
+- every built-in object against the Kubernetes OpenAPI schemas, offline, with `kubernetes-validate`
+  (it bundles the schemas; strict mode rejects unknown fields), for the oldest version the manifests
+  support (1.27: gRPC probes are GA there) and the newest it knows;
+- structurally: what the schemas cannot say (etcd quorum wiring, pool sizes, GPU requests, probes, the
+  drain hook, scrape annotations, selectors that select, ConfigMaps that exist). The Prometheus Operator
+  objects (ServiceMonitor, PrometheusRule) have no bundled schema and get structural checks only.
+
+The Prometheus files are checked with `promtool` (Debian package `prometheus`, installed here when
+missing and running as root), including unit tests of the recording rules.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from deploy.k8s import render as k8s
+
+ROOT = Path(__file__).resolve().parents[1]
+PROM_DIR = ROOT / "deploy" / "prometheus"
+EXAMPLE = ROOT / "deploy" / "k8s" / "examples" / "multi-model.yaml"
+MIN_K8S = "1.27"
+WORKLOAD_KINDS = {"Deployment", "StatefulSet"}
+ALL_FEATURES = [
+    "monitoring.serviceMonitor.enabled=true",
+    "monitoring.prometheusRule.enabled=true",
+    "networkPolicy.enabled=true",
+    "frontend.hpa.enabled=true",
+]
+
+
+def _render(*sets: str, files: tuple[Path, ...] = ()) -> list[dict[str, Any]]:
+    return k8s.render_objects(k8s.load_values(list(files), list(sets)))
+
+
+def _by_kind(objs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [o for o in objs if o["kind"] == kind]
+
+
+def _one(objs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    found = [o for o in objs if o["kind"] == kind and o["metadata"]["name"] == name]
+    assert len(found) == 1, f"expected one {kind} {name}, found {len(found)}"
+    return found[0]
+
+
+def _pools(objs: list[dict[str, Any]], role: str) -> list[dict[str, Any]]:
+    return [o for o in _by_kind(objs, "Deployment")
+            if o["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"] == role]
+
+
+def _container(workload: dict[str, Any]) -> dict[str, Any]:
+    containers = workload["spec"]["template"]["spec"]["containers"]
+    assert len(containers) == 1
+    return containers[0]
+
+
+def _flag(args: list[str], name: str) -> str:
+    values = [a.split("=", 1)[1] for a in args if a.startswith(f"--{name}=")]
+    assert len(values) == 1, f"--{name} appears {len(values)} times in {args}"
+    return values[0]
+
+
+def _selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+# ---------------------------------------------------------------------------------------- schemas
+
+
+@pytest.fixture(scope="module")
+def kubernetes_validate() -> Any:
+    return pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate (dev extra)")
+
+
+@pytest.mark.parametrize("case", ["defaults", "all-features", "multi-model-example"])
+def test_manifests_validate_against_kubernetes_schemas(case: str, kubernetes_validate: Any) -> None:
+    if case == "defaults":
+        objs = _render()
+    elif case == "all-features":
+        objs = _render(*ALL_FEATURES, "prefill.replicas=3", "decode.replicas=5", "tenants.enabled=false")
+    else:
+        objs = _render(files=(EXAMPLE,))
+    checked, errors = 0, []
+    for version in (MIN_K8S, kubernetes_validate.latest_version()):
+        for obj in objs:
+            if obj["apiVersion"].startswith("monitoring.coreos.com/"):
+                continue  # CRDs: no bundled schema; see test_monitoring_objects
+            try:
+                kubernetes_validate.validate(obj, version, strict=True)
+                checked += 1
+            except kubernetes_validate.ValidationError as err:
+                path = ".".join(str(p) for p in err.path)
+                errors.append(f"{version} {obj['kind']}/{obj['metadata']['name']} {path}: {err.message[:300]}")
+    assert not errors, "\n".join(errors)
+    kinds = {o["kind"] for o in objs}
+    assert {"StatefulSet", "Deployment", "Service", "ConfigMap", "PodDisruptionBudget"} <= kinds
+    assert checked == 2 * sum(1 for o in objs if not o["apiVersion"].startswith("monitoring.coreos.com/"))
+
+
+# ---------------------------------------------------------------------------------------- structure
+
+
+@pytest.fixture(scope="module")
+def default_objs() -> list[dict[str, Any]]:
+    return _render()
+
+
+def test_every_object_is_namespaced_and_labelled(default_objs: list[dict[str, Any]]) -> None:
+    ns = _one(default_objs, "Namespace", "pdserve")
+    assert ns is default_objs[0], "the Namespace must come first so that kubectl apply can create the rest"
+    for obj in default_objs[1:]:
+        meta = obj["metadata"]
+        assert meta["namespace"] == "pdserve", f"{obj['kind']}/{meta['name']}"
+        assert meta["labels"]["app.kubernetes.io/name"] == "pdserve", f"{obj['kind']}/{meta['name']}"
+    names = [(o["kind"], o["metadata"]["name"]) for o in default_objs]
+    assert len(names) == len(set(names)), "duplicate objects"
+
+
+def test_etcd_is_a_three_member_statefulset_with_a_pdb(default_objs: list[dict[str, Any]]) -> None:
+    sts = _one(default_objs, "StatefulSet", "pdserve-etcd")
+    spec = sts["spec"]
+    assert spec["replicas"] == 3
+    assert spec["podManagementPolicy"] == "Parallel"  # OrderedReady would deadlock the bootstrap
+    headless = _one(default_objs, "Service", spec["serviceName"])
+    assert headless["spec"]["clusterIP"] == "None" and headless["spec"]["publishNotReadyAddresses"] is True
+    assert _selects(headless["spec"]["selector"], spec["template"]["metadata"]["labels"])
+
+    args = _container(sts)["args"]
+    initial = next(a for a in args if a.startswith("--initial-cluster=")).split("=", 1)[1]
+    members = dict(item.split("=", 1) for item in initial.split(","))
+    domain = "pdserve-etcd.pdserve.svc.cluster.local"
+    assert members == {f"pdserve-etcd-{i}": f"http://pdserve-etcd-{i}.{domain}:2380" for i in range(3)}
+    # Each member announces itself under the name the others know it by.
+    assert f"--initial-advertise-peer-urls=http://$(POD_NAME).{domain}:2380" in args
+    assert "--name=$(POD_NAME)" in args
+    assert spec["volumeClaimTemplates"][0]["spec"]["accessModes"] == ["ReadWriteOnce"]
+    assert {"name": "data", "mountPath": "/var/lib/etcd"} in _container(sts)["volumeMounts"]
+
+    pdb = _one(default_objs, "PodDisruptionBudget", "pdserve-etcd")
+    assert pdb["spec"]["maxUnavailable"] == 1
+    assert _selects(pdb["spec"]["selector"]["matchLabels"], spec["template"]["metadata"]["labels"])
+
+    # Every pdserve process is pointed at all three members.
+    endpoints = {f"pdserve-etcd-{i}.{domain}:2379" for i in range(3)}
+    for dep in _by_kind(default_objs, "Deployment"):
+        assert set(_flag(_container(dep)["args"], "etcd").split(",")) == endpoints
+
+
+@pytest.mark.parametrize(("prefill", "decode"), [(1, 1), (3, 5), (0, 2)])
+def test_pool_sizes_are_parameters(prefill: int, decode: int) -> None:
+    objs = _render(f"prefill.replicas={prefill}", f"decode.replicas={decode}")
+    assert [d["spec"]["replicas"] for d in _pools(objs, "prefill")] == [prefill]
+    assert [d["spec"]["replicas"] for d in _pools(objs, "decode")] == [decode]
+
+
+def test_per_model_pools_and_overrides() -> None:
+    objs = _render(files=(EXAMPLE,))
+    sizes = {(d["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"],
+              _flag(_container(d)["args"], "model-name")): d["spec"]["replicas"]
+             for d in _by_kind(objs, "Deployment") if "frontend" not in d["metadata"]["name"]}
+    assert sizes == {
+        ("prefill", "qwen2.5-32b-instruct"): 2, ("decode", "qwen2.5-32b-instruct"): 6,
+        ("prefill", "qwen2.5-7b-instruct"): 1, ("decode", "qwen2.5-7b-instruct"): 2,
+    }
+    big_decode = _one(objs, "Deployment", "pdserve-decode-qwen2-5-32b-instruct")
+    assert _flag(_container(big_decode)["args"], "kv-cache-memory-mib") == "49152"
+    # The override of the drain timeout reaches both the hook and the grace period.
+    assert _container(big_decode)["lifecycle"]["preStop"]["exec"]["command"][-1] == "600"
+    assert big_decode["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > 600
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_node_pods_request_gpus_probe_and_drain(role: str) -> None:
+    objs = _render("prefill.gpus=1", "decode.gpus=2")
+    gpus = {"prefill": 1, "decode": 2}[role]
+    (dep,) = _pools(objs, role)
+    pod = dep["spec"]["template"]["spec"]
+    c = _container(dep)
+    assert c["command"] == ["pdserve", role]
+    # Extended resources: the request must equal the limit.
+    assert c["resources"]["requests"]["nvidia.com/gpu"] == gpus == c["resources"]["limits"]["nvidia.com/gpu"]
+
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert set(ports) == {"grpc", "kv", "metrics"}
+    grpc_port = ports["grpc"]
+    assert _flag(c["args"], "grpc-port") == str(grpc_port)
+    assert _flag(c["args"], "kv-port") == str(ports["kv"])
+    assert _flag(c["args"], "metrics-port") == str(ports["metrics"])
+    for kind in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert c[kind]["grpc"]["port"] == grpc_port, kind
+    # Liveness asks about the process, readiness about the node's service (which stops while draining).
+    assert "service" not in c["livenessProbe"]["grpc"]
+    assert c["readinessProbe"]["grpc"]["service"] == f"pdserve.v1.{role.capitalize()}Node"
+    assert c["startupProbe"]["periodSeconds"] * c["startupProbe"]["failureThreshold"] >= 900
+
+    drain = c["lifecycle"]["preStop"]["exec"]["command"]
+    assert drain[:2] == ["pdserve", "drain"]
+    assert drain[drain.index("--grpc") + 1] == f"127.0.0.1:{grpc_port}"
+    timeout = int(drain[drain.index("--timeout") + 1])
+    assert timeout == {"prefill": 60, "decode": 300}[role]
+    assert pod["terminationGracePeriodSeconds"] > timeout
+
+    # Identity and addresses from the downward API.
+    env = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in c["env"]}
+    assert env["POD_NAME"] == "metadata.name" and env["POD_IP"] == "status.podIP"
+    assert _flag(c["args"], "node-id") == "$(POD_NAME)"
+    assert _flag(c["args"], "advertise-host") == "$(POD_IP)"
+    assert _flag(c["args"], "kv-host") == "$(POD_IP)"
+    assert _flag(c["args"], "model") == "/models/Meta-Llama-3.1-8B-Instruct"
+    mounts = {m["name"]: m for m in c["volumeMounts"]}
+    assert mounts["models"]["readOnly"] is True and mounts["dshm"]["mountPath"] == "/dev/shm"
+
+    spread = pod["topologySpreadConstraints"][0]
+    assert spread["topologyKey"] == "kubernetes.io/hostname"
+    assert _selects(spread["labelSelector"]["matchLabels"], dep["spec"]["template"]["metadata"]["labels"])
+    pdb = _one(objs, "PodDisruptionBudget", dep["metadata"]["name"])
+    assert pdb["spec"]["maxUnavailable"] == 1
+    assert _selects(pdb["spec"]["selector"]["matchLabels"], dep["spec"]["template"]["metadata"]["labels"])
+
+
+def test_every_pod_has_scrape_annotations_on_a_declared_port() -> None:
+    objs = _render(files=(EXAMPLE,))
+    workloads = [o for o in objs if o["kind"] in WORKLOAD_KINDS]
+    assert len(workloads) == 6  # etcd, frontend, 2 models x (prefill, decode)
+    for w in workloads:
+        ann = w["spec"]["template"]["metadata"]["annotations"]
+        assert ann["prometheus.io/scrape"] == "true", w["metadata"]["name"]
+        assert ann["prometheus.io/path"] == "/metrics"
+        declared = {p["containerPort"] for p in _container(w)["ports"]}
+        assert int(ann["prometheus.io/port"]) in declared, w["metadata"]["name"]
+
+
+def test_selectors_select_their_pods() -> None:
+    objs = _render(*ALL_FEATURES, files=(EXAMPLE,))
+    pods = [o["spec"]["template"]["metadata"]["labels"] for o in objs if o["kind"] in WORKLOAD_KINDS]
+    for w in (o for o in objs if o["kind"] in WORKLOAD_KINDS):
+        assert _selects(w["spec"]["selector"]["matchLabels"], w["spec"]["template"]["metadata"]["labels"])
+    for obj in _by_kind(objs, "Service"):
+        assert any(_selects(obj["spec"]["selector"], p) for p in pods), obj["metadata"]["name"]
+    for obj in _by_kind(objs, "PodDisruptionBudget"):
+        matched = [p for p in pods if _selects(obj["spec"]["selector"]["matchLabels"], p)]
+        assert len(matched) == 1, f"PDB {obj['metadata']['name']} selects {len(matched)} workloads"
+
+
+def test_frontend_service_config_maps_and_probes(default_objs: list[dict[str, Any]]) -> None:
+    dep = _one(default_objs, "Deployment", "pdserve-frontend")
+    c = _container(dep)
+    pod = dep["spec"]["template"]
+    svc = _one(default_objs, "Service", "pdserve-frontend")
+    assert _selects(svc["spec"]["selector"], pod["metadata"]["labels"])
+    assert svc["spec"]["ports"][0]["targetPort"] == "http"
+    assert dep["spec"]["replicas"] == 2 and _flag(c["args"], "limit-share") == "2"
+    assert c["livenessProbe"]["httpGet"]["path"] == "/health"
+    assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert c["lifecycle"]["preStop"]["exec"]["command"][0] == "sleep"
+
+    # Every ConfigMap the frontend mounts exists, and the files its flags name are in them.
+    (config,) = [v for v in pod["spec"]["volumes"] if v["name"] == "config"]
+    mount = next(m["mountPath"] for m in c["volumeMounts"] if m["name"] == "config")
+    files: dict[str, str] = {}
+    for source in config["projected"]["sources"]:
+        files.update(_one(default_objs, "ConfigMap", source["configMap"]["name"])["data"])
+    for flag in ("models", "tenants"):
+        path = Path(_flag(c["args"], flag))
+        assert str(path.parent) == mount and path.name in files, flag
+
+    # The files are in the frontend's formats: keys it accepts, digests only, models that are served.
+    from frontend.config import ModelSpec
+    from frontend.tenants import TenantLimits
+
+    models = yaml.safe_load(files["models.yaml"])["models"]
+    assert {k for m in models for k in m} <= {f.name for f in dataclasses.fields(ModelSpec)}
+    served = {n for m in models for n in (m["name"], *m.get("aliases", []))}
+    tenants = yaml.safe_load(files["tenants.yaml"])["tenants"]
+    allowed = {"name", "keys_sha256", "models"} | {f.name for f in dataclasses.fields(TenantLimits)}
+    for t in tenants:
+        assert set(t) <= allowed
+        assert all(re.fullmatch(r"[0-9a-f]{64}", d) for d in t["keys_sha256"])
+        assert set(t["models"]) <= served | {"*"}
+    # The annotation rolls the frontends when either file changes.
+    values = k8s.load_values()
+    _tenant(requests_per_minute=1)(values)
+    edited = _one(k8s.render_objects(values), "Deployment", "pdserve-frontend")
+    key = "pdserve.io/config-checksum"
+    assert edited["spec"]["template"]["metadata"]["annotations"][key] != pod["metadata"]["annotations"][key]
+
+
+def test_tenants_configmap_is_a_loadable_tenants_file(default_objs: list[dict[str, Any]], tmp_path: Path) -> None:
+    from frontend.tenants import TenantTable, hash_key
+
+    path = tmp_path / "tenants.yaml"
+    path.write_text(_one(default_objs, "ConfigMap", "pdserve-tenants")["data"]["tenants.yaml"])
+    table = TenantTable.from_file(path)
+    # values.yaml documents which example keys the digests belong to.
+    acme = table.authenticate("sk-pdserve-example-acme")
+    assert acme is not None and acme.name == "acme" and acme.limits.requests_per_minute == 600
+    assert table.authenticate("sk-not-a-key") is None
+    assert hash_key("sk-pdserve-example-beta") in _one(default_objs, "ConfigMap", "pdserve-tenants")["data"]["tenants.yaml"]
+
+
+def test_local_mode_without_tenants_and_hpa_replicas() -> None:
+    objs = _render("tenants.enabled=false", "frontend.hpa.enabled=true", "frontend.hpa.maxReplicas=5")
+    assert not [o for o in _by_kind(objs, "ConfigMap") if o["metadata"]["name"] == "pdserve-tenants"]
+    dep = _one(objs, "Deployment", "pdserve-frontend")
+    args = _container(dep)["args"]
+    assert not any(a.startswith("--tenants=") for a in args)
+    # The HPA owns the replica count, and limits are split over the most frontends it may run.
+    assert "replicas" not in dep["spec"]
+    assert _flag(args, "limit-share") == "5"
+    hpa = _one(objs, "HorizontalPodAutoscaler", "pdserve-frontend")
+    assert hpa["spec"]["scaleTargetRef"]["name"] == "pdserve-frontend" and hpa["spec"]["maxReplicas"] == 5
+
+
+def test_monitoring_objects() -> None:
+    assert not [o for o in _render() if o["apiVersion"].startswith("monitoring.coreos.com/")]
+    objs = _render(*ALL_FEATURES, "monitoring.serviceMonitor.labels.release=kps")
+    monitors = _by_kind(objs, "ServiceMonitor")
+    assert {m["metadata"]["name"] for m in monitors} == {f"pdserve-{c}" for c in ("frontend", "prefill", "decode", "etcd")}
+    services = _by_kind(objs, "Service")
+    for m in monitors:
+        assert m["apiVersion"] == "monitoring.coreos.com/v1" and m["metadata"]["labels"]["release"] == "kps"
+        (endpoint,) = m["spec"]["endpoints"]
+        assert endpoint["honorLabels"] is True and endpoint["path"] == "/metrics"
+        # Some Service that the monitor selects has the port it scrapes.
+        ports = [p["name"] for s in services if _selects(m["spec"]["selector"]["matchLabels"], s["metadata"]["labels"])
+                 for p in s["spec"]["ports"]]
+        assert endpoint["port"] in ports, m["metadata"]["name"]
+    (rule,) = _by_kind(objs, "PrometheusRule")
+    assert rule["spec"] == yaml.safe_load((PROM_DIR / "rules.yml").read_text())
+
+
+def test_network_policies_let_the_cluster_talk() -> None:
+    objs = _render("networkPolicy.enabled=true")
+    policies = {p["metadata"]["name"]: p for p in _by_kind(objs, "NetworkPolicy")}
+    assert set(policies) == {"pdserve-etcd", "pdserve-nodes", "pdserve-frontend"}
+    pods = {o["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"]: o["spec"]["template"]["metadata"]["labels"]
+            for o in objs if o["kind"] in WORKLOAD_KINDS}
+    nodes = policies["pdserve-nodes"]["spec"]
+    # Node pods accept every port from the release's pods (KV transfers use ports beyond --kv-port).
+    peers = nodes["ingress"][0]
+    assert "ports" not in peers and _selects(peers["from"][0]["podSelector"]["matchLabels"], pods["frontend"])
+    etcd_clients = policies["pdserve-etcd"]["spec"]["ingress"][0]
+    assert all(_selects(etcd_clients["from"][0]["podSelector"]["matchLabels"], pods[r])
+               for r in ("frontend", "prefill", "decode"))
+
+
+def _set(assignment: str) -> Callable[[dict[str, Any]], None]:
+    return lambda values: k8s.set_value(values, assignment)
+
+
+def _tenant(**fields: Any) -> Callable[[dict[str, Any]], None]:
+    return lambda values: values["tenants"]["items"][0].update(fields)
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    pytest.param(_set("etcd.replicas=2"), "must be odd", id="even-etcd"),
+    pytest.param(_set("frontend.pdb={minAvailable: 2}"), "blocks every voluntary eviction", id="pdb-min"),
+    pytest.param(_set("prefill.pdb={maxUnavailable: 0}"), "blocks every voluntary eviction", id="pdb-max"),
+    pytest.param(_tenant(keys_sha256=["sk-a-raw-key"]), "SHA-256", id="raw-key"),
+    pytest.param(_tenant(models=["no-such-model"]), "not served", id="tenant-model"),
+    pytest.param(lambda v: v["models"][0].update(fallback="llama-3.1-8b"), "not another served model", id="self-fallback"),
+    pytest.param(_set("decode.kvPort=50051"), "must differ", id="port-clash"),
+    pytest.param(lambda v: v["models"].append({"name": "llama_3.1-8b-instruct", "path": "x"}), "same object names",
+                 id="name-clash"),
+    pytest.param(_set("name=a-name-that-is-far-too-long"), "DNS label", id="long-name"),
+])
+def test_bad_values_are_refused(edit: Callable[[dict[str, Any]], None], message: str) -> None:
+    values = k8s.load_values()
+    edit(values)
+    with pytest.raises(k8s.ValuesError, match=message):
+        k8s.render(values)
+
+
+def test_render_cli_writes_the_manifests(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "pdserve.yaml"
+    assert k8s.main(["-f", str(EXAMPLE), "--set", "decode.replicas=7", "--set", "etcd.replicas=5", "-o", str(out)]) == 0
+    objs = [o for o in yaml.safe_load_all(out.read_text()) if o]
+    assert _one(objs, "StatefulSet", "pdserve-etcd")["spec"]["replicas"] == 5
+    # Both models in the file size their decode pools themselves, which wins over the --set default.
+    assert sorted(d["spec"]["replicas"] for d in _pools(objs, "decode")) == [2, 6]
+    assert k8s.main(["--set", "etcd.replicas=4"]) == 2
+    assert "etcd.replicas must be odd" in capsys.readouterr().err
+
+
+def test_values_merge_replaces_lists_and_merges_maps() -> None:
+    base = {"a": {"b": 1, "c": [1, 2]}, "d": 1}
+    merged = k8s.deep_merge(base, {"a": {"c": [3]}, "e": 2})
+    assert merged == {"a": {"b": 1, "c": [3]}, "d": 1, "e": 2}
+    assert base == {"a": {"b": 1, "c": [1, 2]}, "d": 1}
+    values: dict[str, Any] = {}
+    k8s.set_value(values, "x.y=4")
+    k8s.set_value(values, "x.z={a: true}")
+    assert values == {"x": {"y": 4, "z": {"a": True}}}
+
+
+# ---------------------------------------------------------------------------------------- prometheus
+
+
+def _install_promtool() -> str | None:
+    """promtool from PATH, else from Debian's `prometheus` package when running as root (quietly, once)."""
+    found = shutil.which("promtool")
+    if found or os.environ.get("PDSERVE_NO_APT") or not hasattr(os, "geteuid") or os.geteuid() != 0:
+        return found
+    if not shutil.which("apt-get"):
+        return None
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    install = ["apt-get", "install", "-y", "-qq", "--no-install-recommends", "-o", "DPkg::Lock::Timeout=300", "prometheus"]
+    for cmd in (install, ["apt-get", "update", "-qq"], install):
+        try:
+            done = subprocess.run(cmd, env=env, capture_output=True, timeout=900, check=False)
+        except subprocess.TimeoutExpired:
+            return None
+        if cmd is install and done.returncode == 0:
+            break
+    return shutil.which("promtool")
+
+
+@pytest.fixture(scope="module")
+def promtool() -> Iterator[str]:
+    path = _install_promtool()
+    if path is None:
+        pytest.skip("promtool unavailable: install Debian's `prometheus` package (needs root and apt-get)")
+    yield path
+
+
+def _promtool(promtool: str, *args: str, cwd: Path = PROM_DIR) -> str:
+    done = subprocess.run([promtool, *args], cwd=cwd, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, f"promtool {' '.join(args)}:\n{done.stdout}\n{done.stderr}"
+    return done.stdout
+
+
+def test_promtool_checks_rules_and_their_unit_tests(promtool: str) -> None:
+    out = _promtool(promtool, "check", "rules", "rules.yml")
+    assert re.search(r"SUCCESS: \d+ rules found", out)
+    _promtool(promtool, "test", "rules", "rules_test.yml")
+
+
+def test_promtool_checks_the_local_scrape_config(promtool: str, tmp_path: Path) -> None:
+    out = _promtool(promtool, "check", "config", "prometheus.yml")
+    assert "SUCCESS" in out
+    # The file_sd path resolves to <repo>/runs/default/prometheus_targets.json, where `pdserve up` writes.
+    config = yaml.safe_load((PROM_DIR / "prometheus.yml").read_text())
+    (job,) = config["scrape_configs"]
+    (sd,) = job["file_sd_configs"]
+    assert [(PROM_DIR / f).resolve() for f in sd["files"]] == [ROOT / "runs" / "default" / "prometheus_targets.json"]
+    assert job["honor_labels"] is True
+    # A targets file in the documented format passes promtool's file_sd check.
+    work = tmp_path / "deploy" / "prometheus"
+    work.mkdir(parents=True)
+    for name in ("prometheus.yml", "rules.yml"):
+        shutil.copy(PROM_DIR / name, work / name)
+    targets = tmp_path / "runs" / "default" / "prometheus_targets.json"
+    targets.parent.mkdir(parents=True)
+    targets.write_text(
+        '[{"targets": ["127.0.0.1:8000"], "labels": {"cluster": "default", "pool": "frontend", "node": "frontend-0"}},'
+        ' {"targets": ["127.0.0.1:41234"], "labels": {"cluster": "default", "pool": "decode", "node": "decode-0"}}]'
+    )
+    out = _promtool(promtool, "check", "config", "prometheus.yml", cwd=work)
+    assert "does not exist" not in out and "SUCCESS" in out
+
+
+def test_kubernetes_scrape_config_matches_the_manifests() -> None:
+    config = yaml.safe_load((PROM_DIR / "prometheus-k8s.yml").read_text())
+    (job,) = config["scrape_configs"]
+    (sd,) = job["kubernetes_sd_configs"]
+    assert sd["role"] == "pod" and sd["namespaces"]["names"] == [k8s.load_values()["namespace"]]
+    assert job["honor_labels"] is True
+    relabel = job["relabel_configs"]
+    # The keep rules match what every rendered pod carries, and the port rewrite picks the annotated port.
+    keeps = {r["source_labels"][0]: r["regex"] for r in relabel if r.get("action") == "keep"}
+    assert len(keeps) == 2
+    port = next(r for r in relabel if r.get("target_label") == "__address__")
+    workloads = [o for o in _render() if o["kind"] in WORKLOAD_KINDS]
+    assert len(workloads) == 4
+    for w in workloads:
+        meta = w["spec"]["template"]["metadata"]
+        pod_meta = {f"__meta_kubernetes_pod_label_{_sanitize(k)}": v for k, v in meta["labels"].items()}
+        pod_meta |= {f"__meta_kubernetes_pod_annotation_{_sanitize(k)}": v for k, v in meta["annotations"].items()}
+        for label, regex in keeps.items():
+            assert re.fullmatch(regex, pod_meta.get(label, "")), (w["metadata"]["name"], label)
+        annotated = meta["annotations"]["prometheus.io/port"]
+        joined = f"10.1.2.3:50051;{annotated}"  # __address__;annotation, as source_labels join them
+        rewritten = re.sub(f"^(?:{port['regex']})$", port["replacement"].replace("$", "\\"), joined)
+        assert rewritten == f"10.1.2.3:{annotated}"
+        pool = next(r for r in relabel if r.get("target_label") == "pool")["source_labels"][0]
+        assert pod_meta[pool] in {"frontend", "prefill", "decode", "etcd"}
+
+
+def test_promtool_checks_the_kubernetes_relabelling(promtool: str, tmp_path: Path) -> None:
+    # Debian's promtool is built without Kubernetes discovery, so the rest of the config (relabel
+    # regexes and actions) is checked on a static job instead.
+    config = yaml.safe_load((PROM_DIR / "prometheus-k8s.yml").read_text())
+    del config["scrape_configs"][0]["kubernetes_sd_configs"]
+    config["scrape_configs"][0]["static_configs"] = [{"targets": ["127.0.0.1:1"]}]
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
+    shutil.copy(PROM_DIR / "rules.yml", tmp_path / "rules.yml")
+    assert "SUCCESS" in _promtool(promtool, "check", "config", "prometheus.yml", cwd=tmp_path)
+
+
+def _sanitize(name: str) -> str:
+    """Kubernetes SD's label-name sanitizing: every character outside [a-zA-Z0-9_] becomes '_'."""
+    return re.sub(r"[^a-zA-Z0-9_]", "_", name)
+
+
+def test_rules_use_only_catalogued_metrics() -> None:
+    """Every metric the rules read is documented in deploy/prometheus/README.md's catalogue."""
+    catalogue = set(re.findall(r"^\| `(pdserve_[a-z0-9_]+)`", (PROM_DIR / "README.md").read_text(), re.M))
+    assert len(catalogue) >= 25
+    rules = yaml.safe_load((PROM_DIR / "rules.yml").read_text())
+    used: set[str] = set()
+    for group in rules["groups"]:
+        for rule in group["rules"]:
+            for name in re.findall(r"(?<![:\w])(pdserve_[a-z0-9_]+)", rule["expr"]):
+                used.add(re.sub(r"_(bucket|sum|count)$", "", name))
+    assert used, "no metrics found in the rules"
+    assert used <= catalogue, f"not in the README catalogue: {sorted(used - catalogue)}"
