@@ -6,10 +6,11 @@ import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
-from engine.block_manager import BlockManager
+from engine.block_manager import BlockManager, Reservation
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.loader import load_model
@@ -17,7 +18,7 @@ from engine.model_runner import ModelRunner, kv_block_bytes
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.sequence import Sequence, TokenLogprob
+from engine.sequence import Sequence, SequenceStatus, TokenLogprob
 from engine.tokenizer import Tokenizer
 from kernels import get_kernel_ops
 
@@ -66,6 +67,21 @@ class StepStats:
     num_preempted: int = 0
 
 
+class EngineLoad(NamedTuple):
+    """A snapshot of what an engine holds, for load reports."""
+
+    waiting: int  # queued in the scheduler (new, preempted, or transferred awaiting a slot)
+    running: int
+    kv_blocks_total: int
+    kv_blocks_used: int  # referenced by some sequence (held and reserved blocks included)
+    kv_blocks_free: int  # never used, or evictable prefix-cache blocks
+    kv_blocks_cached: int  # free blocks still holding reusable prefix K/V
+    held_requests: int  # finished prefill-only requests keeping blocks for a transfer
+    held_blocks: int
+    reserved_requests: int  # requests whose prompt K/V are expected from a transfer
+    reserved_blocks: int
+
+
 class LLMEngine:
     """Owns one model, one KV pool and one scheduler. Not thread-safe: drive it from one thread."""
 
@@ -96,6 +112,8 @@ class LLMEngine:
         self._seqs: dict[str, Sequence] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._logits: dict[str, list[torch.Tensor]] = {}
+        # Requests holding a reservation for transferred prompt K/V, not yet handed to the scheduler.
+        self._reserved: dict[str, Sequence] = {}
         self.num_blocks = num_blocks
         self.last_step = StepStats()
         log.info("engine ready: %s, %d KV blocks of %d tokens (%.1f MiB)", mc.arch, num_blocks,
@@ -103,9 +121,19 @@ class LLMEngine:
 
     # -- requests ---------------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Sequence:
-        """Queues a request. Raises ValueError for an empty prompt, a duplicate id, or one that can't fit."""
-        if request_id in self._seqs:
+    def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, *, hold_blocks: bool = False
+    ) -> Sequence:
+        """Queues a request. Raises ValueError for an empty prompt, a duplicate id, or one that can't fit.
+        With ``hold_blocks`` the request keeps its blocks after finishing until ``release``."""
+        seq = self._new_sequence(request_id, prompt, params)
+        seq.hold_blocks = hold_blocks
+        self.scheduler.add(seq)
+        self._register(seq)
+        return seq
+
+    def _new_sequence(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Sequence:
+        if request_id in self._seqs or request_id in self._reserved or self._held(request_id):
             raise ValueError(f"request id {request_id!r} is already running")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
@@ -118,21 +146,116 @@ class LLMEngine:
                 f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the context "
                 f"length of {self.max_model_len} tokens"
             )
-        seq = Sequence(request_id, ids, params, eos_token_ids=self.tokenizer.eos_token_ids)
-        self._seqs[request_id] = seq
-        self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
-        self.scheduler.add(seq)
-        return seq
+        return Sequence(request_id, ids, params, eos_token_ids=self.tokenizer.eos_token_ids)
+
+    def _register(self, seq: Sequence) -> None:
+        self._seqs[seq.seq_id] = seq
+        self._detok[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, seq.token_ids, seq.params.stop)
+
+    def _held(self, request_id: str) -> bool:
+        return any(s.seq_id == request_id for s in self.scheduler.held_seqs)
 
     def abort(self, request_id: str) -> bool:
-        """Drops a request wherever it is and frees its blocks at once. Returns whether it existed."""
+        """Drops a request wherever it is (queued, running, held, reserved) and frees its blocks at once.
+        Returns whether it existed. A reserved request must not have a transfer writing its blocks."""
         seq = self._seqs.pop(request_id, None)
         self._detok.pop(request_id, None)
         self._logits.pop(request_id, None)
-        if seq is None:
-            return False
-        self.scheduler.abort(request_id)
-        return True
+        reserved = self._reserved.pop(request_id, None)
+        if reserved is not None:
+            self.block_manager.free(reserved)
+            if not reserved.is_finished:
+                reserved.status, reserved.finish_reason = SequenceStatus.FINISHED, "abort"
+            return True
+        return self.scheduler.abort(request_id) is not None or seq is not None
+
+    def release(self, request_id: str) -> bool:
+        """Frees the blocks a finished request still holds: a ``hold_blocks`` request after its transfer,
+        or a reserved request that finished at its first token. Returns whether any were held."""
+        reserved = self._reserved.get(request_id)
+        if reserved is not None and reserved.is_finished:
+            del self._reserved[request_id]
+            self.block_manager.free(reserved)
+            return True
+        return self.scheduler.release(request_id) is not None
+
+    def held_block_table(self, request_id: str) -> list[int]:
+        """Block ids of a finished ``hold_blocks`` request, in token order. Raises KeyError if not held."""
+        for seq in self.scheduler.held_seqs:
+            if seq.seq_id == request_id:
+                return list(seq.block_table)
+        raise KeyError(request_id)
+
+    # -- transferred prompts (decode side of a disaggregated request) ----------------------------
+
+    def prefix_hit_tokens(self, prompt_ids: list[int]) -> int:
+        """Prompt tokens the prefix cache holds right now, in whole blocks and short of the last prompt
+        token (a reservation may share one block more when the prompt fills its last block). Changes
+        nothing."""
+        if len(prompt_ids) < 2:
+            return 0
+        probe = Sequence("prefix-probe", list(prompt_ids), SamplingParams(max_tokens=1))
+        return self.block_manager.num_prefix_hit_tokens(probe)
+
+    def reserve_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> Reservation | None:
+        """Reserves blocks for a request whose prompt K/V will arrive by transfer (prefix-cache hits are
+        shared instead). Returns None, registering nothing, when the pool cannot fit it now; raises
+        ValueError like ``add_request``. Follow with ``append_first_token`` and ``admit_transferred``,
+        or ``abort``."""
+        seq = self._new_sequence(request_id, prompt, params)
+        reservation = self.block_manager.reserve(seq, seq.num_tokens)
+        if reservation is None:
+            return None
+        self._reserved[request_id] = seq
+        self._register(seq)
+        return reservation
+
+    def append_first_token(self, request_id: str, token_id: int, logprob: TokenLogprob | None) -> RequestOutput:
+        """Appends the first token sampled by the prefill node to a reserved request and returns its
+        delta (detokenized here). If that token ends the request, the output is finished but the
+        reservation stays until ``release``, since a transfer may still be writing it."""
+        seq = self._reserved[request_id]
+        if seq.num_completion_tokens:
+            raise ValueError(f"request {request_id!r} already has its first token")
+        seq.token_ids.append(token_id)
+        if logprob is not None and seq.params.logprobs is not None:
+            seq.logprobs.append(logprob)
+        decision = self.scheduler.stop_decision(seq)
+        if decision is not None:
+            self._finish_reserved(seq, decision.finish_reason, decision.stop_reason)
+        return self._emit(seq, [token_id], seq.is_finished)
+
+    def admit_transferred(self, request_id: str) -> None:
+        """Marks a reserved request's prompt K/V as written and hands it to the scheduler, which decodes
+        it from the next step on. Raises KeyError if it is not reserved, ValueError if finished."""
+        seq = self._reserved[request_id]
+        if seq.is_finished or not seq.num_completion_tokens:
+            raise ValueError(f"request {request_id!r} is finished or has no first token")
+        del self._reserved[request_id]
+        self.block_manager.commit_filled(seq, seq.num_prompt_tokens)
+        self.scheduler.add_transferred(seq)
+
+    @staticmethod
+    def _finish_reserved(seq: Sequence, reason: str, stop_reason: str | int | None) -> None:
+        seq.status, seq.finish_reason, seq.stop_reason = SequenceStatus.FINISHED, reason, stop_reason
+
+    def load(self) -> EngineLoad:
+        """A snapshot of queues and pool occupancy. Changes nothing."""
+        bm = self.block_manager
+        held = self.scheduler.held_seqs
+        reserved = list(self._reserved.values())
+        return EngineLoad(
+            waiting=self.scheduler.num_waiting,
+            running=self.scheduler.num_running,
+            kv_blocks_total=self.num_blocks,
+            kv_blocks_used=bm.num_used_blocks,
+            kv_blocks_free=bm.num_free_blocks,
+            kv_blocks_cached=bm.num_evictable_blocks,
+            held_requests=len(held),
+            held_blocks=sum(len(s.block_table) for s in held),
+            reserved_requests=len(reserved),
+            reserved_blocks=sum(len(s.block_table) for s in reserved),
+        )
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -166,7 +289,10 @@ class LLMEngine:
         delta = detok.add(text_tokens) if text_tokens else None
         text = delta.text if delta is not None else ""
         if delta is not None and delta.stopped and not seq.is_finished:
-            self.scheduler.finish(seq, "stop", stop_reason=delta.stop_string)
+            if seq.seq_id in self._reserved:
+                self._finish_reserved(seq, "stop", delta.stop_string)
+            else:
+                self.scheduler.finish(seq, "stop", stop_reason=delta.stop_string)
             finished = True
         if finished and not (delta is not None and delta.stopped):
             text += detok.flush()

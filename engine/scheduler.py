@@ -122,6 +122,8 @@ class Scheduler:
         self._transferred: deque[Sequence] = deque()
         self._running: list[Sequence] = []  # hold blocks; admission order, so the last is the newest
         self._seqs: dict[str, Sequence] = {}  # every unfinished sequence, by id
+        # Finished ``hold_blocks`` sequences that still hold their blocks until ``release``.
+        self._held: dict[str, Sequence] = {}
         self._num_preemptions = 0
 
     # ----------------------------------------------------------------------------------- queues
@@ -150,8 +152,21 @@ class Scheduler:
         """Preemptions since this scheduler was built."""
         return self._num_preemptions
 
+    @property
+    def held_seqs(self) -> tuple[Sequence, ...]:
+        """Finished ``hold_blocks`` sequences still holding their blocks (see ``release``)."""
+        return tuple(self._held.values())
+
     def has_unfinished(self) -> bool:
         return bool(self._seqs)
+
+    def release(self, seq_id: str) -> Sequence | None:
+        """Frees the blocks of a finished ``hold_blocks`` sequence. Returns it, or None if none is held
+        under that id."""
+        seq = self._held.pop(seq_id, None)
+        if seq is not None:
+            self.block_manager.free(seq)
+        return seq
 
     def get(self, seq_id: str) -> Sequence | None:
         return self._seqs.get(seq_id)
@@ -182,7 +197,10 @@ class Scheduler:
 
     def abort(self, seq_id: str) -> Sequence | None:
         """Finishes an unfinished sequence in whatever state with finish_reason "abort", freeing its
-        blocks. Returns it, or None if no unfinished sequence has that id."""
+        blocks (a held sequence's too). Returns it, or None if no sequence with that id is here."""
+        held = self.release(seq_id)
+        if held is not None:
+            return held
         seq = self._seqs.get(seq_id)
         if seq is None:
             return None
@@ -192,13 +210,14 @@ class Scheduler:
     def finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
         """Marks ``seq`` finished with ``reason`` and ``stop_reason``, dropping it from the queues and
         freeing its blocks. On an already finished sequence only the two reason fields change (e.g. a
-        stop string matched by the last token of a sequence that also hit max_tokens)."""
+        stop string matched by the last token of a sequence that also hit max_tokens). A ``hold_blocks``
+        sequence finished other than by abort keeps its blocks until ``release``."""
         if reason not in FINISH_REASONS:
             raise ValueError(f"finish reason must be one of {sorted(FINISH_REASONS)}, got {reason!r}")
         if not seq.is_finished:
             if self._seqs.get(seq.seq_id) is not seq:
                 raise ValueError(f"sequence {seq.seq_id} is not scheduled here")
-            self._forget(seq)
+            self._forget(seq, keep_blocks=seq.hold_blocks and reason != "abort")
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
@@ -273,6 +292,8 @@ class Scheduler:
         for seq in self._running:
             assert seq.status == SequenceStatus.RUNNING and bm.holds(seq)
             assert seq.num_computed_tokens < seq.num_tokens
+        for seq_id, seq in self._held.items():
+            assert seq.seq_id == seq_id and seq.is_finished and bm.holds(seq) and seq_id not in self._seqs
         bm.check_integrity()
 
     # ----------------------------------------------------------------------------------- internals
@@ -280,7 +301,7 @@ class Scheduler:
     def _check_new(self, seq: Sequence) -> None:
         if seq.is_finished:
             raise ValueError(f"sequence {seq.seq_id} is already finished")
-        if seq.seq_id in self._seqs:
+        if seq.seq_id in self._seqs or seq.seq_id in self._held:
             raise ValueError(f"a sequence with id {seq.seq_id} is already scheduled")
 
     def _chunk_len(self, remaining: int, budget: int) -> int:
@@ -365,7 +386,7 @@ class Scheduler:
         seq.stop_reason = None
         step.rejected.append(seq)
 
-    def _forget(self, seq: Sequence) -> None:
+    def _forget(self, seq: Sequence, keep_blocks: bool = False) -> None:
         if seq.status == SequenceStatus.RUNNING:
             self._running.remove(seq)
         elif seq in self._transferred:
@@ -373,7 +394,15 @@ class Scheduler:
         else:
             self._waiting.remove(seq)
         del self._seqs[seq.seq_id]
-        self.block_manager.free(seq)
+        if keep_blocks and self.block_manager.holds(seq):
+            self._held[seq.seq_id] = seq
+        else:
+            self.block_manager.free(seq)
+
+    @staticmethod
+    def stop_decision(seq: Sequence) -> StopDecision | None:
+        """Whether the last token of ``seq`` ends it (EOS, a stop token id, max_tokens). Changes nothing."""
+        return Scheduler._stop_decision(seq)
 
     @staticmethod
     def _stop_decision(seq: Sequence) -> StopDecision | None:

@@ -40,6 +40,9 @@ class Sequence:
     arrival_time: float = field(default_factory=time.monotonic)
     num_preemptions: int = 0
     generator: Any = None  # per-request torch.Generator when seeded; owned by the sampler
+    # Prefill-only requests: finishing (other than by abort) keeps the blocks until they are released,
+    # so a KV transfer can read them after the request is done.
+    hold_blocks: bool = False
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -79,7 +79,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., prefill_node_id: _Optional[str] = ..., force_local_prefill: _Optional[bool] = ..., return_text: _Optional[bool] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text", "logprobs", "finished", "finish_reason", "stop_reason", "num_prompt_tokens", "num_cached_tokens", "num_completion_tokens", "timing", "prefill_node_id", "decode_node_id", "error")
+    __slots__ = ("request_id", "token_ids", "text", "logprobs", "finished", "finish_reason", "stop_reason", "num_prompt_tokens", "num_cached_tokens", "num_completion_tokens", "timing", "prefill_node_id", "decode_node_id", "error", "num_cached_tokens_decode", "num_cached_tokens_prefill")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -94,6 +94,8 @@ class GenerateResponse(_message.Message):
     PREFILL_NODE_ID_FIELD_NUMBER: _ClassVar[int]
     DECODE_NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_DECODE_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_PREFILL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
@@ -108,7 +110,9 @@ class GenerateResponse(_message.Message):
     prefill_node_id: str
     decode_node_id: str
     error: str
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., stop_reason: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., num_completion_tokens: _Optional[int] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., prefill_node_id: _Optional[str] = ..., decode_node_id: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
+    num_cached_tokens_decode: int
+    num_cached_tokens_prefill: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., stop_reason: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., num_completion_tokens: _Optional[int] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., prefill_node_id: _Optional[str] = ..., decode_node_id: _Optional[str] = ..., error: _Optional[str] = ..., num_cached_tokens_decode: _Optional[int] = ..., num_cached_tokens_prefill: _Optional[int] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -123,7 +127,7 @@ class AbortResponse(_message.Message):
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "decode_node_id", "num_skip_blocks", "dst_block_ids", "block_size", "kv_dtype", "layout_version")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "decode_node_id", "num_skip_blocks", "dst_block_ids", "block_size", "kv_dtype", "layout_version", "model_fingerprint")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -133,6 +137,7 @@ class PrefillRequest(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: SamplingParams
@@ -142,7 +147,8 @@ class PrefillRequest(_message.Message):
     block_size: int
     kv_dtype: str
     layout_version: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., decode_node_id: _Optional[str] = ..., num_skip_blocks: _Optional[int] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., layout_version: _Optional[int] = ...) -> None: ...
+    model_fingerprint: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., decode_node_id: _Optional[str] = ..., num_skip_blocks: _Optional[int] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., layout_version: _Optional[int] = ..., model_fingerprint: _Optional[str] = ...) -> None: ...
 
 class FirstToken(_message.Message):
     __slots__ = ("token_id", "logprob", "num_cached_tokens", "queue_s", "prefill_s")
@@ -159,30 +165,44 @@ class FirstToken(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ...) -> None: ...
 
 class TransferStart(_message.Message):
-    __slots__ = ("channel_epoch", "seq_no", "num_blocks", "num_bytes", "layerwise")
+    __slots__ = ("channel_epoch", "seq_no", "num_blocks", "num_bytes", "layerwise", "num_tokens", "layout_version", "dtype", "geometry", "layers_per_message", "prefill_kv_address")
     CHANNEL_EPOCH_FIELD_NUMBER: _ClassVar[int]
     SEQ_NO_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
     LAYERWISE_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    GEOMETRY_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_PER_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     channel_epoch: int
     seq_no: int
     num_blocks: int
     num_bytes: int
     layerwise: bool
-    def __init__(self, channel_epoch: _Optional[int] = ..., seq_no: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_bytes: _Optional[int] = ..., layerwise: _Optional[bool] = ...) -> None: ...
+    num_tokens: int
+    layout_version: int
+    dtype: str
+    geometry: _containers.RepeatedScalarFieldContainer[int]
+    layers_per_message: int
+    prefill_kv_address: str
+    def __init__(self, channel_epoch: _Optional[int] = ..., seq_no: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_bytes: _Optional[int] = ..., layerwise: _Optional[bool] = ..., num_tokens: _Optional[int] = ..., layout_version: _Optional[int] = ..., dtype: _Optional[str] = ..., geometry: _Optional[_Iterable[int]] = ..., layers_per_message: _Optional[int] = ..., prefill_kv_address: _Optional[str] = ...) -> None: ...
 
 class TransferDone(_message.Message):
-    __slots__ = ("ok", "error", "transfer_s", "num_bytes")
+    __slots__ = ("ok", "error", "transfer_s", "num_bytes", "skipped")
     OK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
     NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_FIELD_NUMBER: _ClassVar[int]
     ok: bool
     error: str
     transfer_s: float
     num_bytes: int
-    def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ..., transfer_s: _Optional[float] = ..., num_bytes: _Optional[int] = ...) -> None: ...
+    skipped: bool
+    def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ..., transfer_s: _Optional[float] = ..., num_bytes: _Optional[int] = ..., skipped: _Optional[bool] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token", "transfer_start", "transfer_done")
@@ -199,7 +219,7 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadResponse(_message.Message):
-    __slots__ = ("node_id", "role", "waiting", "running", "kv_blocks_total", "kv_blocks_used", "kv_blocks_free", "kv_blocks_cached", "kv_blocks_held_for_transfer", "tokens_per_s")
+    __slots__ = ("node_id", "role", "waiting", "running", "kv_blocks_total", "kv_blocks_used", "kv_blocks_free", "kv_blocks_cached", "kv_blocks_held_for_transfer", "tokens_per_s", "kv_blocks_reserved", "admission_queue", "in_flight")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -210,6 +230,9 @@ class LoadResponse(_message.Message):
     KV_BLOCKS_CACHED_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_HELD_FOR_TRANSFER_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_RESERVED_FIELD_NUMBER: _ClassVar[int]
+    ADMISSION_QUEUE_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     role: str
     waiting: int
@@ -220,4 +243,7 @@ class LoadResponse(_message.Message):
     kv_blocks_cached: int
     kv_blocks_held_for_transfer: int
     tokens_per_s: float
-    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., waiting: _Optional[int] = ..., running: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., kv_blocks_held_for_transfer: _Optional[int] = ..., tokens_per_s: _Optional[float] = ...) -> None: ...
+    kv_blocks_reserved: int
+    admission_queue: int
+    in_flight: int
+    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., waiting: _Optional[int] = ..., running: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., kv_blocks_held_for_transfer: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., kv_blocks_reserved: _Optional[int] = ..., admission_queue: _Optional[int] = ..., in_flight: _Optional[int] = ...) -> None: ...

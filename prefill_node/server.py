@@ -1,0 +1,254 @@
+"""The prefill node's gRPC service.
+
+A Prefill call queues a prefill-only request in the engine (sampling params of the caller, one token,
+blocks held after it finishes); the engine's scheduler batches every queued prefill under its token
+budget and uses the prefix cache. As soon as the first token is sampled it goes out as FirstToken; the
+send of the request's blocks (all of its prompt blocks except the ones the decode node already caches)
+is queued on the pair channel and announced with TransferStart; TransferDone follows once the send
+completes. Blocks are released when the send resolves, when the request is aborted before any send
+was queued, or when the decode node's registry lease disappears (which closes the pair channel, so a
+send blocked on a dead peer resolves at once instead of at the transfer timeout).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+
+import grpc
+
+from engine.async_engine import RequestStream
+from kernels import get_kernel_ops
+from kernels.interface import KV_LAYOUT_VERSION
+from kv_transfer import Channel, ChannelError, KVSender, SendHandle
+from prefill_node.config import PrefillNodeConfig
+from protos import pdserve_pb2 as pb
+from protos import pdserve_pb2_grpc as pb_grpc
+from protos.control import (
+    NodeContext,
+    NodeService,
+    logprob_to_proto,
+    params_from_proto,
+    run_node,
+    setup_logging,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class PrefillState:
+    """One Prefill call in flight on this node."""
+
+    request_id: str
+    decode_id: str
+    arrived: float
+    aborted: str | None = None  # why, once aborted (caller's Abort, decode node gone, shutdown)
+    handle: SendHandle | None = None  # set once the send is queued; blocks are held until it resolves
+    channel: Channel | None = None
+    # The blocks were given back although the send had not resolved (the decode node's lease lapsed):
+    # whatever the send still ships is reported as failed, so the decode node never uses it.
+    released: bool = False
+
+
+class PrefillService(NodeService, pb_grpc.PrefillNodeServicer):
+    def __init__(self, ctx: NodeContext) -> None:
+        super().__init__(ctx)
+        assert isinstance(ctx.config, PrefillNodeConfig)
+        self.config: PrefillNodeConfig = ctx.config
+        self._requests: dict[str, PrefillState] = {}
+        self._sender = KVSender(get_kernel_ops(ctx.config.engine.kernel_backend, ctx.config.engine.device))
+        engine = ctx.engine.engine
+        self._eos = engine.tokenizer.eos_token_ids
+        self._kv_dtype = str(engine.kv_cache.dtype).removeprefix("torch.")
+
+    def add_to_server(self, server: grpc.aio.Server) -> None:
+        pb_grpc.add_PrefillNodeServicer_to_server(self, server)
+
+    def load_extra(self) -> Mapping[str, float]:
+        load = self.ctx.engine.load()
+        return {
+            "kv_blocks_held_for_transfer": load.held_blocks,
+            "held_requests": load.held_requests,
+            "in_flight": sum(1 for st in self._requests.values() if not st.released),
+        }
+
+    # -- RPCs -----------------------------------------------------------------------------------------
+
+    async def GetLoad(self, request: pb.LoadRequest, context: grpc.aio.ServicerContext) -> pb.LoadResponse:
+        return self.load_response()
+
+    async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+        st = self._requests.get(request.request_id)
+        if st is None:
+            return pb.AbortResponse(found=False)
+        self._abort(st, "aborted by the decode node")
+        return pb.AbortResponse(found=True)
+
+    async def Prefill(
+        self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.PrefillResponse]:
+        rid = request.request_id
+        prompt = list(request.prompt_token_ids)
+        problem = self._check(request, prompt)
+        if problem is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        try:
+            params = params_from_proto(request.params)
+        except ValueError as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        if rid in self._requests:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {rid!r} is already being prefilled")
+        if len(self._requests) >= self.config.max_pending:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "prefill queue is full")
+        st = PrefillState(rid, request.decode_node_id, time.monotonic())
+        self._requests[rid] = st
+        try:
+            # The decode node applies stop strings and max_tokens; here only the first token is sampled.
+            first_params = dataclasses.replace(params, max_tokens=1, stop=[])
+            try:
+                stream = await self.ctx.engine.add_request(rid, prompt, first_params, hold_blocks=True)
+            except ValueError as err:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+            async for msg in self._serve(st, request, prompt, params, stream):
+                yield msg
+        finally:
+            # Also reached when the caller's stream is cancelled (its process died or it gave up):
+            # blocks are handed back once no send can still be reading them.
+            if st.handle is not None and not st.handle.done() and st.channel is not None:
+                st.channel.close(f"Prefill call for {rid} ended while its send was in flight")
+            self.ctx.spawn(self._finish(st), f"prefill-finish-{rid}")
+
+    async def _serve(
+        self, st: PrefillState, request: pb.PrefillRequest, prompt: list[int], params: object,
+        stream: RequestStream,
+    ) -> AsyncIterator[pb.PrefillResponse]:
+        batch = await stream.next_batch()
+        out = batch[-1]
+        if not out.new_token_ids or st.aborted:
+            yield pb.PrefillResponse(transfer_done=pb.TransferDone(ok=False, error=st.aborted or "aborted"))
+            return
+        token = out.new_token_ids[0]
+        now = time.monotonic()
+        first = pb.FirstToken(token_id=token, num_cached_tokens=out.num_cached_tokens, prefill_s=now - st.arrived)
+        if out.new_logprobs:
+            first.logprob.CopyFrom(logprob_to_proto(out.new_logprobs[0]))
+        yield pb.PrefillResponse(first_token=first)
+        sp = request.params
+        ends = (
+            (not sp.ignore_eos and token in self._eos) or token in sp.stop_token_ids or 0 < sp.max_tokens <= 1
+        )
+        if ends or not request.dst_block_ids:
+            # The decode node is done with this request (or already holds every block): nothing to ship.
+            yield pb.PrefillResponse(transfer_done=pb.TransferDone(ok=True, skipped=True))
+            return
+        seq = stream.seq
+        assert seq is not None and seq.is_finished, "a prefill-only request finishes with its first token"
+        start = request.num_skip_blocks
+        src = seq.block_table[start : start + len(request.dst_block_ids)]
+        if st.aborted:  # checked with no await before the send is queued, so an Abort can't slip between
+            yield pb.PrefillResponse(transfer_done=pb.TransferDone(ok=False, error=st.aborted))
+            return
+        try:
+            channel = self.ctx.channels.channel_to(st.decode_id)
+            handle = self._sender.send(
+                channel, self.ctx.engine.engine.kv_cache, src, request_id=st.request_id,
+                num_tokens=len(prompt), timeout_s=self.config.transfer_timeout_s,
+            )
+        except (ChannelError, ValueError) as err:
+            yield pb.PrefillResponse(transfer_done=pb.TransferDone(ok=False, error=f"send not queued: {err}"))
+            return
+        st.channel, st.handle = channel, handle
+        meta = handle.meta
+        yield pb.PrefillResponse(transfer_start=pb.TransferStart(
+            channel_epoch=meta.epoch, seq_no=meta.seq_no, num_blocks=meta.num_blocks,
+            num_bytes=self._num_bytes(meta.num_blocks), layerwise=False, num_tokens=meta.num_tokens,
+            layout_version=meta.layout_version, dtype=meta.dtype, geometry=list(meta.geometry),
+            layers_per_message=meta.layers_per_message, prefill_kv_address=self.ctx.channels.kv_address,
+        ))
+        result = await handle.wait()
+        if st.released:
+            yield pb.PrefillResponse(transfer_done=pb.TransferDone(ok=False, error=st.aborted or "released"))
+            return
+        yield pb.PrefillResponse(transfer_done=pb.TransferDone(
+            ok=result.ok, error=result.error or "", transfer_s=result.seconds, num_bytes=result.bytes,
+        ))
+
+    # -- helpers --------------------------------------------------------------------------------------
+
+    def _check(self, request: pb.PrefillRequest, prompt: list[int]) -> str | None:
+        cfg = self.config.engine
+        if not request.request_id:
+            return "request_id is required"
+        if not prompt:
+            return "the prompt is empty"
+        if request.block_size != cfg.block_size:
+            return f"block size {request.block_size} differs from this node's {cfg.block_size}"
+        if request.model_fingerprint and request.model_fingerprint != self.ctx.fingerprint:
+            return "model fingerprint differs from this node's"
+        if request.kv_dtype and request.kv_dtype != self._kv_dtype:
+            return f"kv dtype {request.kv_dtype} differs from this node's {self._kv_dtype}"
+        if request.layout_version and request.layout_version != KV_LAYOUT_VERSION:
+            return f"KV layout version {request.layout_version} is not {KV_LAYOUT_VERSION}"
+        num_blocks = -(-len(prompt) // cfg.block_size)
+        if request.num_skip_blocks < 0 or request.num_skip_blocks + len(request.dst_block_ids) != num_blocks:
+            return (
+                f"{request.num_skip_blocks} skipped + {len(request.dst_block_ids)} destination blocks do not "
+                f"cover the prompt's {num_blocks} blocks"
+            )
+        if not request.decode_node_id:
+            return "decode_node_id is required"
+        return None
+
+    def _num_bytes(self, num_blocks: int) -> int:
+        kv = self.ctx.engine.engine.kv_cache  # [L, 2, NB, BS, Hkv, D]
+        return num_blocks * kv[:, :, 0].numel() * kv.element_size()
+
+    def _abort(self, st: PrefillState, reason: str) -> None:
+        """Marks the request aborted. Before its send is queued the engine drops it (freeing its blocks);
+        a queued send is left to finish or fail, since the decode node drains or discards it."""
+        if st.aborted is None:
+            st.aborted = reason
+        if st.handle is None:
+            self.ctx.spawn(self.ctx.engine.abort(st.request_id), f"prefill-abort-{st.request_id}")
+
+    async def _finish(self, st: PrefillState) -> None:
+        if st.handle is not None:
+            await st.handle.wait()  # the send may still be reading the blocks
+        await self.ctx.engine.abort(st.request_id)  # frees held blocks, or drops a still-queued prefill
+        if self._requests.get(st.request_id) is st:
+            del self._requests[st.request_id]
+
+    def on_member_left(self, node_id: str) -> None:
+        for st in list(self._requests.values()):
+            if st.decode_id != node_id:
+                continue
+            log.warning("decode node %s left the registry: dropping %s", node_id, st.request_id)
+            self._abort(st, f"decode node {node_id} left the registry")
+            if st.handle is not None and not st.handle.done():
+                if st.channel is not None:
+                    st.channel.close(f"decode node {node_id} left the registry")
+                # A send blocked on a hung peer resolves only at its deadline (gloo cannot interrupt it),
+                # so the blocks are given back now; the send's outcome is reported as failed.
+                st.released = True
+                self.ctx.spawn(self.ctx.engine.abort(st.request_id), f"prefill-release-{st.request_id}")
+
+    async def close(self) -> None:
+        for st in list(self._requests.values()):
+            self._abort(st, "prefill node shutting down")
+            if st.handle is not None and not st.handle.done() and st.channel is not None:
+                st.channel.close("prefill node shutting down")
+        deadline = time.monotonic() + 5.0
+        while self._requests and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `python -m prefill_node` (and `pdserve prefill`)."""
+    config, log_level = PrefillNodeConfig.from_argv(argv)
+    setup_logging(log_level)
+    return asyncio.run(run_node(config, "prefill", PrefillService))

@@ -1,0 +1,46 @@
+"""The control-plane protocol: the checked-in generated modules match protos/pdserve.proto, and the
+message conversions the nodes use lose nothing."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from engine.sampling_params import SamplingParams
+from engine.sequence import TokenLogprob
+from protos import pdserve_pb2 as pb
+from protos.control import logprob_from_proto, logprob_to_proto, params_from_proto, params_to_proto
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+GENERATED = ("pdserve_pb2.py", "pdserve_pb2.pyi", "pdserve_pb2_grpc.py")
+
+
+def test_generated_modules_are_up_to_date(tmp_path: Path) -> None:
+    (tmp_path / "protos").mkdir()
+    shutil.copy(REPO_ROOT / "protos" / "pdserve.proto", tmp_path / "protos")
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(REPO_ROOT / "scripts" / "gen_protos.sh", tmp_path / "scripts")
+    subprocess.run(
+        ["bash", "scripts/gen_protos.sh"], cwd=tmp_path, check=True, env={"PYTHON": sys.executable, "PATH": "/usr/bin:/bin"}
+    )
+    for name in GENERATED:
+        fresh = (tmp_path / "protos" / name).read_text()
+        assert fresh == (REPO_ROOT / "protos" / name).read_text(), f"protos/{name} is stale: run scripts/gen_protos.sh"
+
+
+def test_sampling_params_and_logprobs_round_trip() -> None:
+    cases = [
+        SamplingParams(),
+        SamplingParams(temperature=0.7, top_p=0.9, top_k=40, seed=0, presence_penalty=-0.5, frequency_penalty=1.5,
+                       repetition_penalty=1.2, max_tokens=99, stop=["\n\n", "END"], stop_token_ids=[7, 9],
+                       ignore_eos=True, logprobs=0),
+        SamplingParams(seed=123456789012, logprobs=5),
+    ]
+    for sp in cases:
+        assert params_from_proto(params_to_proto(sp)) == sp
+    lp = TokenLogprob(17, -0.25, [(17, -0.25), (3, -1.5)])
+    back = logprob_from_proto(logprob_to_proto(lp))
+    assert (back.token_id, back.top) == (17, [(17, -0.25), (3, -1.5)]) and abs(back.logprob + 0.25) < 1e-6
+    assert pb.PrefillResponse(transfer_done=pb.TransferDone(ok=True, skipped=True)).WhichOneof("event") == "transfer_done"
