@@ -79,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--kv-memory-mib", type=int, default=512)
     g.set_defaults(fn=_cmd_generate)
 
+    for name, (_, help_text) in _SERVERS.items():
+        sub.add_parser(name, help=f"{help_text} (flags: pdserve {name} --help)", add_help=False)
+
     m = sub.add_parser("model", help="model utilities")
     msub = m.add_subparsers(dest="model_cmd", required=True)
     mt = msub.add_parser("make-tiny", help="write a deterministic tiny HF model directory")
@@ -89,7 +92,21 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# Server processes own their flags; `pdserve ROLE ...` hands the rest of the command line to them.
+_SERVERS = {
+    "prefill": ("prefill_node.server", "run a prefill node"),
+    "decode": ("decode_node.server", "run a decode node"),
+    "frontend": ("frontend.server", "run the OpenAI-compatible frontend"),
+}
+
+
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in _SERVERS:
+        import importlib
+
+        module = importlib.import_module(_SERVERS[argv[0]][0])
+        raise SystemExit(module.main(argv[1:]))
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
