@@ -221,7 +221,7 @@ def test_chunked_prefill_equals_unchunked(pairs: dict[str, Pair], arch: str) -> 
     first = run_step(model, kv, pool, [], [(seq, 21)])[0]  # ends mid-block, so chunk 2 shares a block
     second = run_step(model, kv, pool, [], [(seq, 19)])[0]
     chunked = torch.cat([first, second])
-    torch.testing.assert_close(chunked, whole, atol=1e-5, rtol=0)
+    torch.testing.assert_close(chunked, whole, atol=FP32_ATOL, rtol=0)  # chunking changes the summation order only
     torch.testing.assert_close(chunked, hf_logits(pair.hf, prompt), atol=FP32_ATOL, rtol=0)
 
 
