@@ -1,1 +1,16 @@
-"""frontend."""
+"""The OpenAI-compatible frontend and gateway of a pdserve cluster.
+
+Entry point: `python -m frontend --etcd HOST:PORT --models FILE [--tenants FILE] [--host H] [--port P]`
+(`frontend.server.main(argv)`). See frontend/README.md for the configuration files and operations.
+
+Modules, in request order:
+  app         FastAPI routes; the ASGI response that runs a generation and watches for disconnects
+  service     Frontend: admission, tokenization, routing, upstream calls, streaming, accounting
+  protocol    request validation with OpenAI-style errors          errors   the OpenAI error shape
+  tenants     tenants file and hashed API keys                     limits   token buckets and quotas
+  models      served models, tokenizers, logprob token strings     routing  decode/prefill node choice
+  upstream    gRPC channels and messages to decode nodes           render   response bodies, SSE events
+  metrics     Prometheus metrics                                   request_log  JSON lines per request
+  config      FrontendConfig (the process's one configuration) and the models file
+  testing/    OpenAPI conformance checks, recording SDK transports, process helpers (tests, benchmarks)
+"""

@@ -1,0 +1,230 @@
+"""The HTTP layer: FastAPI routes over `Frontend`, and the ASGI response that runs a generation.
+
+No `BaseHTTPMiddleware` anywhere: it would hide the client's disconnect from the streaming path. Instead
+`GenerationResponse` watches the ASGI receive channel itself while it works; an `http.disconnect`
+cancels the work at once, which cancels the Generate calls and so aborts the request on both nodes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from contextlib import aclosing, asynccontextmanager
+from dataclasses import dataclass
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+from starlette.types import Message, Receive, Scope, Send
+
+from frontend.errors import NOT_FOUND, SERVER, APIError
+from frontend.render import DONE, error_event
+from frontend.service import CHAT, COMPLETION, Frontend, Job, client_request_id
+
+log = logging.getLogger(__name__)
+
+_SSE_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),  # proxies must not buffer the stream
+]
+
+
+def json_response(obj: object, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(orjson.dumps(obj), status_code=status, media_type="application/json", headers=headers)
+
+
+def error_response(err: APIError) -> Response:
+    return Response(err.body(), status_code=err.status, media_type="application/json", headers=err.headers)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refusing more than `limit` bytes (413) without reading past the limit."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.isdigit():
+            raise APIError(400, "Invalid Content-Length header.", code="invalid_request")
+        if int(declared) > limit:
+            raise APIError(413, f"The request body is {declared} bytes; the limit is {limit} bytes.",
+                           code="request_too_large")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise APIError(413, f"The request body exceeds the limit of {limit} bytes.", code="request_too_large")
+    return bytes(body)
+
+
+@dataclass(eq=False)
+class _WatchState:
+    task: asyncio.Task[object] | None
+    done: bool = False  # the response is complete: a disconnect now is the normal end
+    disconnected: bool = False
+
+
+async def _watch_disconnect(receive: Receive, state: _WatchState) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            if not state.done and state.task is not None:
+                state.disconnected = True
+                state.task.cancel()
+            return
+
+
+class GenerationResponse(Response):
+    """Runs an admitted job and writes its response (SSE or JSON); always ends the job."""
+
+    def __init__(self, frontend: Frontend, job: Job) -> None:
+        self.frontend = frontend
+        self.job = job
+        self.background = None
+        self.status_code = 200
+
+    def _headers(self, extra: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+        job = self.job
+        return [*extra, (b"x-request-id", job.id.encode()), (b"x-pdserve-model", job.model.name.encode())]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        fe, job = self.frontend, self.job
+        state = _WatchState(asyncio.current_task())
+        watcher = asyncio.ensure_future(_watch_disconnect(receive, state))
+        started = False
+        try:
+            firsts = await fe.open(job)
+            if job.req.stream:
+                async with aclosing(fe.stream(job, firsts)) as events:
+                    async for chunk in events:
+                        if not started:
+                            started = True
+                            await send({"type": "http.response.start", "status": 200,
+                                        "headers": self._headers(_SSE_HEADERS)})
+                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                state.done = True
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                return
+            body = await fe.collect(job, firsts)
+            state.done = True
+            headers = self._headers([(b"content-type", b"application/json"),
+                                     (b"content-length", str(len(body)).encode())])
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            await send({"type": "http.response.body", "body": body, "more_body": False})
+        except APIError as err:  # raised only before the response started
+            job.error = err
+            state.done = True
+            await _send_error(send, err, self._headers([]))
+        except asyncio.CancelledError:
+            if not state.disconnected:
+                raise
+            job.disconnected = True
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()
+        except Exception:
+            log.exception("request %s failed", job.id)
+            err = APIError(500, "The server had an error while processing your request.", type=SERVER)
+            job.error = err
+            state.done = True
+            if started:
+                await send({"type": "http.response.body", "body": error_event(err.to_dict()) + DONE,
+                            "more_body": False})
+            else:
+                await _send_error(send, err, self._headers([]))
+        finally:
+            watcher.cancel()
+            fe.finish(job)
+
+
+async def _send_error(send: Send, err: APIError, headers: list[tuple[bytes, bytes]]) -> None:
+    body = err.body()
+    all_headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *headers,
+                   *((k.encode(), v.encode()) for k, v in err.headers.items())]
+    start: Message = {"type": "http.response.start", "status": err.status, "headers": all_headers}
+    await send(start)
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def create_app(frontend: Frontend) -> FastAPI:
+    """The FastAPI application serving `frontend`; its lifespan starts and closes the frontend."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await frontend.start()
+        try:
+            yield
+        finally:
+            await frontend.close()
+
+    app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+
+    async def generation(kind: str, request: Request) -> Response:
+        tenant_name = None
+        try:
+            tenant = frontend.authenticate(request.headers.get("authorization"))
+            tenant_name = tenant.name
+            body = await read_body(request, frontend.config.max_body_bytes)
+            job = frontend.prepare(kind, tenant, body, request.headers)
+        except APIError as err:
+            frontend.reject(kind, tenant_name, err, client_request_id(request.headers))
+            return error_response(err)
+        except ClientDisconnect:
+            return Response(status_code=499)
+        return GenerationResponse(frontend, job)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await generation(CHAT, request)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await generation(COMPLETION, request)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        try:
+            tenant = frontend.authenticate(request.headers.get("authorization"))
+        except APIError as err:
+            return error_response(err)
+        return json_response({"object": "list", "data": frontend.list_models(tenant)})
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str, request: Request) -> Response:
+        try:
+            tenant = frontend.authenticate(request.headers.get("authorization"))
+        except APIError as err:
+            return error_response(err)
+        for item in frontend.list_models(tenant):
+            if item["id"] == name:
+                return json_response(item)
+        return error_response(APIError(404, f"The model `{name}` does not exist or you do not have access to it.",
+                                       param="model", code="model_not_found"))
+
+    @app.get("/health")
+    async def health() -> Response:
+        return json_response({"status": "ok"})
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        report = frontend.readiness()
+        return json_response(report, status=200 if report["ready"] else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(frontend.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        kind = NOT_FOUND if exc.status_code == 404 else "invalid_request_error"
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        return error_response(APIError(exc.status_code, message, type=kind, code=None))
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> Response:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return error_response(APIError(500, "The server had an error while processing your request.", type=SERVER))
+
+    return app

@@ -1,0 +1,268 @@
+"""The frontend process's one validated configuration, and the models file it reads.
+
+Models file (YAML or TOML, chosen by the file suffix)::
+
+    models:
+      - name: tiny-llama            # the name clients send; also the pool name unless `pool` is given
+        path: /models/tiny-llama    # Hugging Face directory: tokenizer, chat template, config.json
+        pool: tiny-llama            # model name the nodes register under in etcd (default: name)
+        aliases: [gpt-4o-mini]      # more names for the same pool
+        fallback: tiny-qwen2        # served name used when this pool has no usable decode node
+        max_context: 2048           # default: the model's max_model_len
+        max_output_tokens: 1024     # cap on max_tokens (default: no cap beyond the context)
+        default_max_tokens: 256     # chat requests without max_tokens (default: the rest of the context)
+
+`--model NAME=PATH` on the command line adds an entry with only a name and a path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration file or flag that cannot be used; the message names the file and the field."""
+
+
+def load_config_file(path: str | Path) -> dict[str, Any]:
+    """Parses a YAML (.yaml/.yml) or TOML (.toml) file into a mapping. Raises ConfigError."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as err:
+        raise ConfigError(f"{p}: cannot read: {err}") from err
+    try:
+        if p.suffix == ".toml":
+            data: Any = tomllib.loads(text)
+        elif p.suffix in (".yaml", ".yml"):
+            data = yaml.safe_load(text)
+        else:
+            raise ConfigError(f"{p}: unknown format; use a .yaml, .yml or .toml file")
+    except (tomllib.TOMLDecodeError, yaml.YAMLError) as err:
+        raise ConfigError(f"{p}: cannot parse: {err}") from err
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: the top level must be a mapping")
+    return data
+
+
+def check_keys(where: str, obj: dict[str, Any], allowed: set[str]) -> None:
+    """Rejects unknown keys, so that a misspelt limit fails loudly instead of silently not applying."""
+    unknown = sorted(set(obj) - allowed)
+    if unknown:
+        raise ConfigError(f"{where}: unknown field(s) {unknown}; allowed: {sorted(allowed)}")
+
+
+def optional_positive_int(where: str, obj: dict[str, Any], key: str) -> int | None:
+    value = obj.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{where}: {key} must be a positive integer or null, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One served model: its names, where its tokenizer lives and which pool serves it."""
+
+    name: str
+    path: str
+    pool: str = ""  # registry model name; "" means the same as `name`
+    aliases: tuple[str, ...] = ()
+    fallback: str | None = None
+    max_context: int | None = None
+    max_output_tokens: int | None = None
+    default_max_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.name or "/" in self.pool:
+            raise ConfigError(f"model {self.name!r}: name must be non-empty and pool must contain no '/'")
+        if not self.pool:
+            object.__setattr__(self, "pool", self.name)
+        if not Path(self.path).is_dir():
+            raise ConfigError(f"model {self.name!r}: path {self.path!r} is not a directory")
+        if self.fallback == self.name:
+            raise ConfigError(f"model {self.name!r}: a model cannot be its own fallback")
+
+    @classmethod
+    def from_mapping(cls, where: str, obj: Any) -> ModelSpec:
+        if not isinstance(obj, dict):
+            raise ConfigError(f"{where}: each model must be a mapping")
+        check_keys(where, obj, {f.name for f in fields(cls)})
+        for key in ("name", "path"):
+            if not isinstance(obj.get(key), str) or not obj[key]:
+                raise ConfigError(f"{where}: {key} is required and must be a string")
+        aliases = obj.get("aliases") or []
+        if not isinstance(aliases, list) or not all(isinstance(a, str) and a for a in aliases):
+            raise ConfigError(f"{where}: aliases must be a list of names")
+        fallback = obj.get("fallback")
+        if fallback is not None and not isinstance(fallback, str):
+            raise ConfigError(f"{where}: fallback must be a model name")
+        pool = obj.get("pool") or ""
+        if not isinstance(pool, str):
+            raise ConfigError(f"{where}: pool must be a string")
+        return cls(
+            name=obj["name"],
+            path=os.path.expanduser(obj["path"]),
+            pool=pool,
+            aliases=tuple(aliases),
+            fallback=fallback,
+            max_context=optional_positive_int(where, obj, "max_context"),
+            max_output_tokens=optional_positive_int(where, obj, "max_output_tokens"),
+            default_max_tokens=optional_positive_int(where, obj, "default_max_tokens"),
+        )
+
+
+def load_models_file(path: str | Path) -> list[ModelSpec]:
+    data = load_config_file(path)
+    check_keys(str(path), data, {"models"})
+    entries = data.get("models")
+    if not isinstance(entries, list) or not entries:
+        raise ConfigError(f"{path}: 'models' must be a non-empty list")
+    return [ModelSpec.from_mapping(f"{path}: models[{i}]", e) for i, e in enumerate(entries)]
+
+
+def _default_frontend_id() -> str:
+    return f"frontend-{socket.gethostname()}-{os.getpid()}"
+
+
+@dataclass(frozen=True)
+class FrontendConfig:
+    """Everything one frontend process needs; validated once at construction."""
+
+    etcd_endpoints: tuple[str, ...]
+    models: tuple[ModelSpec, ...]
+    cluster: str = "default"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    tenants_file: str | None = None  # None: local mode, any key accepted
+    frontend_id: str = field(default_factory=_default_frontend_id)
+    # Per-tenant limits are enforced per process; with K frontends behind one balancer each enforces
+    # limit / limit_share, so the tenant's total stays at its configured limit.
+    limit_share: int = 1
+    max_body_bytes: int = 4 << 20
+    max_inflight: int = 2048  # requests in flight in this process before new ones get 503
+    request_log: str | None = "-"  # "-": stderr, a path: appended JSON lines, None: off
+    log_prompts: bool = False
+    session_header: str = "x-session-id"  # session affinity key header ("" disables the header)
+    user_affinity: bool = True  # use the request's `user` field as the session key when no header is set
+    affinity_blocks: int = 1  # leading prompt blocks hashed for prefill prefix affinity
+    load_factor: float = 1.25  # bounded-load factor of the consistent-hash rings (> 1)
+    decode_max_queue: int = 64  # a decode node with this many queued requests counts as overloaded
+    upstream_attempts: int = 2  # decode nodes tried before the first token, when one is unreachable
+    request_timeout_s: float = 600.0
+    registry_sync_timeout_s: float = 10.0
+    ttft_slo_s: float = 2.0
+    tpot_slo_s: float = 0.2
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        checks = [
+            (bool(self.etcd_endpoints), "at least one etcd endpoint is required (--etcd)"),
+            (bool(self.models), "at least one model is required (--models FILE or --model NAME=PATH)"),
+            (bool(self.cluster) and "/" not in self.cluster, f"bad cluster name {self.cluster!r}"),
+            (0 <= self.port <= 65535, f"port must be in [0, 65535], got {self.port}"),
+            (self.limit_share >= 1, f"limit_share must be >= 1, got {self.limit_share}"),
+            (self.max_body_bytes >= 1024, f"max_body_bytes must be >= 1024, got {self.max_body_bytes}"),
+            (self.max_inflight >= 1, f"max_inflight must be >= 1, got {self.max_inflight}"),
+            (self.affinity_blocks >= 1, f"affinity_blocks must be >= 1, got {self.affinity_blocks}"),
+            (self.load_factor > 1.0, f"load_factor must be > 1, got {self.load_factor}"),
+            (self.decode_max_queue >= 1, f"decode_max_queue must be >= 1, got {self.decode_max_queue}"),
+            (self.upstream_attempts >= 1, f"upstream_attempts must be >= 1, got {self.upstream_attempts}"),
+            (self.request_timeout_s > 0, "request_timeout_s must be > 0"),
+            (self.ttft_slo_s > 0 and self.tpot_slo_s > 0, "SLO thresholds must be > 0"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(f"FrontendConfig: {message}")
+        names: dict[str, str] = {}
+        for spec in self.models:
+            for served in (spec.name, *spec.aliases):
+                if served in names:
+                    raise ConfigError(f"FrontendConfig: model name {served!r} is used twice ({names[served]}, {spec.name})")
+                names[served] = spec.name
+        for spec in self.models:
+            if spec.fallback is not None and spec.fallback not in names:
+                raise ConfigError(f"FrontendConfig: model {spec.name!r}: fallback {spec.fallback!r} is not a served model")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m frontend", description="pdserve OpenAI-compatible frontend and gateway"
+    )
+    p.add_argument("--etcd", action="append", default=[], metavar="HOST:PORT",
+                   help="etcd endpoint (repeatable, or comma-separated)")
+    p.add_argument("--cluster", default="default", help="cluster name the nodes register under")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--models", metavar="FILE", help="models file (YAML or TOML)")
+    p.add_argument("--model", action="append", default=[], metavar="NAME=PATH",
+                   help="serve model NAME with the tokenizer in PATH (repeatable)")
+    p.add_argument("--tenants", metavar="FILE", help="tenants file (YAML or TOML); without it any key is accepted")
+    p.add_argument("--frontend-id", default=None)
+    p.add_argument("--limit-share", type=int, default=1,
+                   help="number of frontend processes sharing each tenant's limits")
+    p.add_argument("--max-body-bytes", type=int, default=4 << 20)
+    p.add_argument("--max-inflight", type=int, default=2048)
+    p.add_argument("--request-log", default="-", help="'-' for stderr, a file path, or 'off'")
+    p.add_argument("--log-prompts", action="store_true", help="include prompt text in the request log")
+    p.add_argument("--session-header", default="x-session-id")
+    p.add_argument("--no-user-affinity", action="store_true")
+    p.add_argument("--affinity-blocks", type=int, default=1)
+    p.add_argument("--load-factor", type=float, default=1.25)
+    p.add_argument("--decode-max-queue", type=int, default=64)
+    p.add_argument("--upstream-attempts", type=int, default=2)
+    p.add_argument("--request-timeout", type=float, default=600.0)
+    p.add_argument("--ttft-slo", type=float, default=2.0)
+    p.add_argument("--tpot-slo", type=float, default=0.2)
+    p.add_argument("--log-level", default="info")
+    p.add_argument("--hash-key", metavar="KEY", help="print the sha256 of an API key for a tenants file and exit")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> FrontendConfig:
+    """Builds the FrontendConfig from parsed flags (reads the models file). Raises ConfigError."""
+    models: list[ModelSpec] = load_models_file(args.models) if args.models else []
+    for item in args.model:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ConfigError(f"--model must be NAME=PATH, got {item!r}")
+        models.append(ModelSpec(name=name, path=os.path.expanduser(path)))
+    endpoints = tuple(e.strip() for item in args.etcd for e in item.split(",") if e.strip())
+    extra: dict[str, Any] = {}
+    if args.frontend_id:
+        extra["frontend_id"] = args.frontend_id
+    return FrontendConfig(
+        etcd_endpoints=endpoints,
+        models=tuple(models),
+        cluster=args.cluster,
+        host=args.host,
+        port=args.port,
+        tenants_file=args.tenants,
+        limit_share=args.limit_share,
+        max_body_bytes=args.max_body_bytes,
+        max_inflight=args.max_inflight,
+        request_log=None if args.request_log == "off" else args.request_log,
+        log_prompts=args.log_prompts,
+        session_header=args.session_header.lower(),
+        user_affinity=not args.no_user_affinity,
+        affinity_blocks=args.affinity_blocks,
+        load_factor=args.load_factor,
+        decode_max_queue=args.decode_max_queue,
+        upstream_attempts=args.upstream_attempts,
+        request_timeout_s=args.request_timeout,
+        ttft_slo_s=args.ttft_slo,
+        tpot_slo_s=args.tpot_slo,
+        log_level=args.log_level,
+        **extra,
+    )

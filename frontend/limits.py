@@ -1,0 +1,215 @@
+"""Per-tenant admission: token buckets for requests, input and output tokens, concurrency and a daily quota.
+
+A request is admitted atomically (every limit checked before any is charged, and nothing awaits in
+between, so concurrent requests on the event loop cannot interleave). Its output budget is its
+`max_tokens` (times the number of choices), taken up front; `Admission.release` refunds what it did not
+use. Limits are per process: with K frontends, run each with `limit_share=K` (see FrontendConfig), which
+gives every process 1/K of each limit; a balancer that pins a tenant's key to one frontend (hash on the
+Authorization header) can instead give that process the whole limit.
+
+Soft limits (a bucket that refills) answer 429 with `Retry-After`; hard ones (the daily quota, or a request
+larger than the bucket could ever hold) answer 429 with `x-should-retry: false` so SDKs do not retry.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from frontend.errors import QUOTA, RATE_LIMIT, APIError
+from frontend.tenants import Tenant, TenantLimits
+
+SECONDS_PER_DAY = 86400.0
+
+
+@dataclass(eq=False)
+class TokenBucket:
+    """Holds up to `capacity` tokens, refilled continuously at `rate` per second."""
+
+    capacity: float
+    rate: float
+    level: float
+    stamp: float
+
+    @classmethod
+    def per_minute(cls, limit: int, now: float) -> TokenBucket:
+        return cls(capacity=float(limit), rate=limit / 60.0, level=float(limit), stamp=now)
+
+    def refill(self, now: float) -> None:
+        """Adds what accrued since the last call."""
+        if now > self.stamp:
+            self.level = min(self.capacity, self.level + (now - self.stamp) * self.rate)
+            self.stamp = now
+
+    def wait_s(self, amount: float) -> float:
+        """Seconds until `amount` is available (after `refill`); inf when it exceeds the capacity."""
+        if amount > self.capacity:
+            return math.inf
+        return max(0.0, (amount - self.level) / self.rate)
+
+    def take(self, amount: float) -> None:
+        self.level -= amount
+
+    def give(self, amount: float) -> None:
+        """Returns unused tokens, never above capacity."""
+        self.level = min(self.capacity, self.level + amount)
+
+
+@dataclass(eq=False)
+class TenantState:
+    """The live counters of one tenant in this process."""
+
+    limits: TenantLimits
+    requests: TokenBucket | None
+    input_tokens: TokenBucket | None
+    output_tokens: TokenBucket | None
+    concurrent: int = 0
+    day: int = -1  # UTC day number the daily counter belongs to
+    day_used: int = 0  # tokens charged today (reserved output included until refunded)
+
+
+@dataclass(eq=False)
+class Admission:
+    """One admitted request's charges; `release` must be called exactly once when the request ends."""
+
+    tenant: Tenant
+    state: TenantState
+    input_tokens: int
+    output_reserved: int
+    day: int
+    released: bool = field(default=False)
+
+    def release(self, output_used: int) -> None:
+        """Frees the concurrency slot and refunds the unused part of the output reservation."""
+        if self.released:
+            return
+        self.released = True
+        self.state.concurrent -= 1
+        unused = max(0, self.output_reserved - output_used)
+        if self.state.output_tokens is not None:
+            self.state.output_tokens.give(unused)
+        if self.state.day == self.day:
+            self.state.day_used = max(0, self.state.day_used - unused)
+
+
+def _retry_after(seconds: float) -> str:
+    return str(max(1, math.ceil(seconds)))
+
+
+class TenantLimiter:
+    """Admits or rejects requests per tenant (changes the tenants' counters and buckets)."""
+
+    def __init__(self, share: int = 1, clock: Callable[[], float] = time.monotonic,
+                 wall_clock: Callable[[], float] = time.time) -> None:
+        self._share = share
+        self._clock = clock
+        self._wall = wall_clock
+        self._states: dict[str, TenantState] = {}
+
+    def _scaled(self, limit: int | None) -> int | None:
+        return None if limit is None else max(1, math.ceil(limit / self._share))
+
+    def state(self, tenant: Tenant) -> TenantState:
+        st = self._states.get(tenant.name)
+        if st is None:
+            lim, now = tenant.limits, self._clock()
+            rpm, itpm = self._scaled(lim.requests_per_minute), self._scaled(lim.input_tokens_per_minute)
+            otpm = self._scaled(lim.output_tokens_per_minute)
+            st = TenantState(
+                limits=lim,
+                requests=None if rpm is None else TokenBucket.per_minute(rpm, now),
+                input_tokens=None if itpm is None else TokenBucket.per_minute(itpm, now),
+                output_tokens=None if otpm is None else TokenBucket.per_minute(otpm, now),
+            )
+            self._states[tenant.name] = st
+        return st
+
+    def precheck(self, tenant: Tenant) -> None:
+        """Rejects early (before tokenizing) when the request or concurrency limit is already hit.
+        Charges nothing."""
+        st = self.state(tenant)
+        self._check_concurrency(tenant, st)
+        if st.requests is not None:
+            st.requests.refill(self._clock())
+            self._check_bucket(tenant, st.requests, 1, "requests", "requests per minute (RPM)")
+
+    def admit(self, tenant: Tenant, input_tokens: int, output_reserve: int) -> Admission:
+        """Charges one request, `input_tokens` and an output reservation, or raises a 429 APIError."""
+        st = self.state(tenant)
+        now = self._clock()
+        self._check_concurrency(tenant, st)
+        checks = [
+            (st.requests, 1, "requests", "requests per minute (RPM)"),
+            (st.input_tokens, input_tokens, "tokens", "input tokens per minute (ITPM)"),
+            (st.output_tokens, output_reserve, "tokens", "output tokens per minute (OTPM)"),
+        ]
+        for bucket, amount, kind, what in checks:
+            if bucket is not None:
+                bucket.refill(now)
+                self._check_bucket(tenant, bucket, amount, kind, what)
+        day = self._check_daily(tenant, st, input_tokens + output_reserve)
+        for bucket, amount, _, _ in checks:
+            if bucket is not None:
+                bucket.take(amount)
+        st.concurrent += 1
+        st.day_used += input_tokens + output_reserve
+        return Admission(tenant, st, input_tokens, output_reserve, day)
+
+    def _check_concurrency(self, tenant: Tenant, st: TenantState) -> None:
+        cap = self._scaled(st.limits.max_concurrent_requests)
+        if cap is not None and st.concurrent >= cap:
+            raise APIError(
+                429,
+                f"Too many concurrent requests for tenant {tenant.name!r}: limit {cap}. Retry when one finishes.",
+                type=RATE_LIMIT,
+                code="concurrency_limit_exceeded",
+                headers={"retry-after": "1", "x-should-retry": "true"},
+            )
+
+    def _check_bucket(self, tenant: Tenant, bucket: TokenBucket, amount: int, kind: str, what: str) -> None:
+        wait = bucket.wait_s(amount)
+        if wait == 0.0:
+            return
+        limit = int(bucket.capacity)
+        if math.isinf(wait):
+            raise APIError(
+                429,
+                f"Request too large for tenant {tenant.name!r} on {what}: limit {limit}, requested {amount}. "
+                "Reduce the prompt or max_tokens; retrying will not help.",
+                type=RATE_LIMIT,
+                code="request_too_large",
+                headers={"x-should-retry": "false"},
+            )
+        raise APIError(
+            429,
+            f"Rate limit reached for tenant {tenant.name!r} on {what}: limit {limit}, requested {amount}, "
+            f"available {max(0, int(bucket.level))}. Please try again in {wait:.2f}s.",
+            type=RATE_LIMIT,
+            code="rate_limit_exceeded",
+            headers={"retry-after": _retry_after(wait), "x-should-retry": "true",
+                     f"x-ratelimit-limit-{kind}": str(limit)},
+        )
+
+    def _check_daily(self, tenant: Tenant, st: TenantState, amount: int) -> int:
+        wall = self._wall()
+        day = int(wall // SECONDS_PER_DAY)
+        if st.day != day:
+            st.day, st.day_used = day, 0
+        quota = self._scaled(st.limits.daily_token_quota)
+        if quota is not None and st.day_used + amount > quota:
+            reset_in = (day + 1) * SECONDS_PER_DAY - wall
+            raise APIError(
+                429,
+                f"Tenant {tenant.name!r} exceeded its daily token quota ({quota} tokens; {st.day_used} used, "
+                f"{amount} requested). The quota resets at 00:00 UTC.",
+                type=QUOTA,
+                code="insufficient_quota",
+                headers={"retry-after": _retry_after(reset_in), "x-should-retry": "false"},
+            )
+        return day
+
+    def concurrent(self, tenant_name: str) -> int:
+        st = self._states.get(tenant_name)
+        return 0 if st is None else st.concurrent

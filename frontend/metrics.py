@@ -1,0 +1,77 @@
+"""Prometheus metrics of one frontend process, in a registry of its own (served on /metrics).
+
+Every series carries pool="frontend" and node=<frontend id>, so dashboards can put the frontend next to
+the prefill and decode pools. Latencies are observed once per request when it ends, which keeps the
+per-token path free of metric calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+POOL = "frontend"
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
+_TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
+
+
+class FrontendMetrics:
+    """The frontend's counters and histograms (changed by `observe_*` and the counters' own methods)."""
+
+    def __init__(self, node: str) -> None:
+        self.node = node
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        base = ["pool", "node", "model"]
+        self.requests = Counter("pdserve_requests_total", "Requests by endpoint, HTTP status and finish reason",
+                                [*base, "endpoint", "status", "finish_reason"], registry=r)
+        self.ttft = Histogram("pdserve_time_to_first_token_seconds", "Time from request arrival to first token",
+                              base, buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("pdserve_inter_token_latency_seconds", "Time between streamed token messages",
+                             base, buckets=_TOKEN_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("pdserve_time_per_output_token_seconds",
+                              "Per request: (last token - first token) / (tokens - 1)",
+                              base, buckets=_TOKEN_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("pdserve_e2e_request_latency_seconds", "Time from request arrival to its end",
+                             base, buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue = Histogram("pdserve_request_queue_seconds",
+                               "Time queued on the nodes (prefill queue + decode admission) as they report it",
+                               base, buckets=_LATENCY_BUCKETS, registry=r)
+        self.tokens = Counter("pdserve_tenant_tokens_total", "Prompt and completion tokens per tenant and model",
+                              [*base, "tenant", "kind"], registry=r)
+        self.rejections = Counter("pdserve_rate_limit_rejections_total", "Requests refused by tenant limits",
+                                  ["pool", "node", "tenant", "code"], registry=r)
+        self.slo = Counter("pdserve_slo_requests_total", "Requests meeting (met=true) or missing an SLO",
+                           [*base, "slo", "met"], registry=r)
+        self.inflight = Gauge("pdserve_inflight_requests", "Requests being served by this frontend",
+                              ["pool", "node"], registry=r)
+        self.routes = Counter("pdserve_route_decisions_total", "Node choices by role and rule",
+                              [*base, "role", "rule"], registry=r)
+        self.disconnects = Counter("pdserve_client_disconnects_total", "Requests aborted by a client disconnect",
+                                   base, registry=r)
+        self.inflight_now = self.inflight.labels(POOL, node)
+
+    def labels(self, model: str) -> tuple[str, str, str]:
+        return POOL, self.node, model
+
+    def observe_latencies(self, model: str, ttft: float | None, itls: Sequence[float], tpot: float | None,
+                          e2e: float, queue: float | None) -> None:
+        lbl = self.labels(model)
+        if ttft is not None:
+            self.ttft.labels(*lbl).observe(ttft)
+        if itls:
+            child = self.itl.labels(*lbl)
+            for v in itls:
+                child.observe(v)
+        if tpot is not None:
+            self.tpot.labels(*lbl).observe(tpot)
+        if queue is not None:
+            self.queue.labels(*lbl).observe(queue)
+        self.e2e.labels(*lbl).observe(e2e)
+
+    def observe_slo(self, model: str, name: str, met: bool) -> None:
+        self.slo.labels(*self.labels(model), name, "true" if met else "false").inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,171 @@
+"""The served models: names and aliases, their tokenizer and context limits, and token strings for logprobs.
+
+The tokenizer is used once per request, here in the frontend: chat rendering, prompt token counts and
+context checks. Nodes receive token ids and never re-tokenize. Only the tokenizer and config.json are
+read; no weights are loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from engine.model_config import ModelLoadError, parse_model_config, read_json
+from engine.tokenizer import ChatTemplateError, Tokenizer
+from frontend.config import ConfigError, ModelSpec
+from frontend.errors import APIError, bad_request
+
+log = logging.getLogger(__name__)
+
+
+def _byte_decoder() -> dict[str, int]:
+    # Inverse of the GPT-2 byte-to-unicode table that byte-level BPE vocabularies are written in.
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
+    codes = printable[:]
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            codes.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, codes, strict=True)}
+
+
+@dataclass(frozen=True)
+class TokenText:
+    """A token as logprobs report it: its text and its exact UTF-8 bytes."""
+
+    text: str
+    bytes: list[int]
+
+
+class TokenTexts:
+    """Maps token ids to `TokenText` for one tokenizer (cached; read-only otherwise)."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tok = tokenizer
+        decoder = json.loads(tokenizer.backend.to_str()).get("decoder") or {}
+        self._byte_level = decoder.get("type") == "ByteLevel" or any(
+            d.get("type") == "ByteLevel" for d in decoder.get("decoders", []) if isinstance(d, dict)
+        )
+        self._byte_map = _byte_decoder()
+        self._added = {i: t.content for i, t in tokenizer.backend.get_added_tokens_decoder().items()}
+        self.get = lru_cache(maxsize=65536)(self._compute)
+
+    def _compute(self, token_id: int) -> TokenText:
+        if token_id in self._added:
+            content = self._added[token_id]
+            return TokenText(content, list(content.encode("utf-8")))
+        piece = self._tok.id_to_token(token_id)
+        if piece is None:
+            return TokenText("", [])
+        if self._byte_level and all(c in self._byte_map for c in piece):
+            raw = bytes(self._byte_map[c] for c in piece)
+        elif len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            raw = bytes([int(piece[3:5], 16)])  # sentencepiece byte fallback
+        else:
+            raw = piece.replace("\u2581", " ").encode("utf-8")  # sentencepiece's word boundary marker
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            # Part of a multi-byte character: name the bytes, as OpenAI does; `bytes` stays exact.
+            text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+        return TokenText(text, list(raw))
+
+
+@dataclass(eq=False)
+class ServedModel:
+    """One served model with its tokenizer; shared by every request for it."""
+
+    spec: ModelSpec
+    tokenizer: Tokenizer
+    texts: TokenTexts
+    max_context: int
+    created: int
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def pool(self) -> str:
+        return self.spec.pool
+
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Token ids of the chat prompt. Raises a 400 APIError when the template rejects the messages."""
+        try:
+            return self.tokenizer.encode_chat(messages, add_generation_prompt=True)
+        except ChatTemplateError as err:
+            raise bad_request(f"The chat template of model {self.name!r} rejected the messages: {err}",
+                              param="messages", code="invalid_messages") from None
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def check_token_ids(self, ids: list[int], param: str) -> None:
+        vocab = self.tokenizer.vocab_size
+        for j, tok in enumerate(ids):
+            if tok >= vocab:
+                raise APIError(400, f"Invalid value for '{param}[{j}]': token id {tok} is outside the vocabulary "
+                               f"of model {self.name!r} (size {vocab}).", param=f"{param}[{j}]", code="invalid_value")
+
+
+def _max_model_len(path: Path) -> int | None:
+    config_path = path / "config.json"
+    if not config_path.is_file():
+        return None
+    gen_path = path / "generation_config.json"
+    generation = read_json(gen_path) if gen_path.exists() else None
+    return parse_model_config(read_json(config_path), generation, config_path).max_model_len
+
+
+class ModelCatalog:
+    """Served names and aliases -> ServedModel. Loaded once at startup; read-only afterwards."""
+
+    def __init__(self, specs: tuple[ModelSpec, ...]) -> None:
+        self._models: dict[str, ServedModel] = {}
+        self._names: dict[str, ServedModel] = {}
+        now = int(time.time())
+        for spec in specs:
+            path = Path(spec.path)
+            try:
+                tokenizer = Tokenizer(path)
+                model_len = _max_model_len(path)
+            except ModelLoadError as err:
+                raise ConfigError(f"model {spec.name!r}: {err}") from err
+            limits = [x for x in (model_len, spec.max_context) if x is not None]
+            if not limits:
+                raise ConfigError(f"model {spec.name!r}: no config.json in {path}; set max_context")
+            served = ServedModel(spec, tokenizer, TokenTexts(tokenizer), min(limits), now)
+            self._models[spec.name] = served
+            for name in (spec.name, *spec.aliases):
+                self._names[name] = served
+        log.info("serving models: %s", ", ".join(f"{m.name} (pool {m.pool}, context {m.max_context})"
+                                                  for m in self._models.values()))
+
+    def resolve(self, name: str) -> ServedModel:
+        """The model served under `name` (a name or an alias); 404 APIError when there is none."""
+        model = self._names.get(name)
+        if model is None:
+            raise APIError(404, f"The model `{name}` does not exist or you do not have access to it.",
+                           type="invalid_request_error", param="model", code="model_not_found")
+        return model
+
+    def get(self, name: str) -> ServedModel | None:
+        return self._names.get(name)
+
+    def names_of(self, model: ServedModel) -> tuple[str, ...]:
+        return (model.spec.name, *model.spec.aliases)
+
+    @property
+    def models(self) -> list[ServedModel]:
+        return list(self._models.values())
+
+    @property
+    def served_names(self) -> set[str]:
+        return set(self._names)

@@ -1,0 +1,293 @@
+"""Choosing the decode and prefill node of each request from the registry's members and load records.
+
+Decode node: the least loaded usable node, scoring running and queued sequences (the node's last load
+report plus this frontend's own outstanding requests, which the ~1 Hz reports lag behind) against its
+sequence capacity, and KV blocks in use; a node without enough free blocks for the request ranks last.
+With a session key the node is instead the session's owner on a consistent-hash ring of decode nodes,
+under bounded load, so a conversation keeps finding its KV prefix there.
+
+Prefill node: the owner of the prompt's first-block hash (the chained prefix hash every node of the pool
+computes, so the key is what the node's prefix cache is keyed on) on a consistent-hash ring of prefill
+nodes, walking on past nodes whose load exceeds `load_factor` times the average (consistent hashing with
+bounded loads): requests sharing a prefix land on one node and hit its cache while its load allows,
+unrelated prefixes spread over the ring. A prompt shorter than a block goes to the least loaded node.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import math
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from engine.block_manager import compute_block_hashes
+from registry.view import Member
+
+VNODES_PER_NODE = 64
+COOLDOWN_S = 2.0
+
+MembersFn = Callable[[str, str], list[Member]]  # (role, pool model name) -> members
+
+
+def ring_hash(data: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
+
+
+class HashRing:
+    """A consistent-hash ring over node ids with virtual nodes. Immutable."""
+
+    def __init__(self, node_ids: Sequence[str], vnodes: int = VNODES_PER_NODE) -> None:
+        points = sorted((ring_hash(f"{nid}#{v}".encode()), nid) for nid in node_ids for v in range(vnodes))
+        self._keys = [k for k, _ in points]
+        self._ids = [nid for _, nid in points]
+        self.size = len(set(node_ids))
+
+    def walk(self, key: int) -> Iterator[str]:
+        """Distinct node ids in ring order, starting at the owner of `key`."""
+        if not self._ids:
+            return
+        start = bisect.bisect_left(self._keys, key)
+        seen: set[str] = set()
+        n = len(self._ids)
+        for i in range(n):
+            nid = self._ids[(start + i) % n]
+            if nid not in seen:
+                seen.add(nid)
+                yield nid
+                if len(seen) == self.size:
+                    return
+
+
+class Pick(NamedTuple):
+    node_id: str
+    spilled: bool  # not the ring owner: the owner was at its load bound
+    reason: str
+
+
+def bounded_pick(ring: HashRing, key: int, loads: dict[str, float], factor: float) -> Pick:
+    """Consistent hashing with bounded loads: the first node from `key`'s owner on whose load, plus this
+    request, stays within factor x the average load (plus this request)."""
+    cap = math.ceil(factor * (sum(loads.values()) + 1) / max(1, len(loads)))
+    owner = ""
+    for nid in ring.walk(key):
+        owner = owner or nid
+        if loads.get(nid, 0.0) + 1 <= cap:
+            if nid == owner:
+                return Pick(nid, False, f"ring owner (load {loads.get(nid, 0.0):g}, cap {cap})")
+            return Pick(nid, True, f"spilled from owner {owner} (load {loads.get(owner, 0.0):g} >= cap {cap})")
+    return Pick(owner, False, f"ring owner, every node at cap {cap}")
+
+
+@dataclass(frozen=True)
+class RouteDecision:
+    """Where one upstream generation goes and why."""
+
+    pool: str
+    decode_id: str
+    decode_address: str
+    decode_reason: str
+    decode_rule: str  # "least_loaded" | "session_owner" | "session_spill" (a bounded metric label)
+    prefill_id: str  # "" lets the decode node prefill locally
+    prefill_reason: str
+    prefill_rule: str  # "prefix_owner" | "prefix_spill" | "least_loaded" | "local"
+    prefix_key: str  # hex of the ring key used for prefill affinity ("" when none)
+    fingerprint: str  # the pool's model fingerprint
+
+
+@dataclass(eq=False)
+class RouteLease:
+    """This frontend's outstanding-request count on the chosen nodes, held while the request runs."""
+
+    router: Router
+    decision: RouteDecision
+    prefill_pending: bool = True
+    released: bool = field(default=False)
+
+    def prefill_done(self) -> None:
+        """The first token arrived: the prefill node is done with this request."""
+        if self.prefill_pending:
+            self.prefill_pending = False
+            self.router.adjust(self.router.prefill_outstanding, self.decision.prefill_id, -1)
+
+    def release(self) -> None:
+        """The request ended (any way): its counts go away. Idempotent."""
+        if self.released:
+            return
+        self.released = True
+        self.prefill_done()
+        self.router.adjust(self.router.decode_outstanding, self.decision.decode_id, -1)
+
+
+class NoRoute(Exception):
+    """No decode node can take the request; `overloaded` tells overload apart from an empty pool."""
+
+    def __init__(self, message: str, overloaded: bool) -> None:
+        super().__init__(message)
+        self.overloaded = overloaded
+
+
+@dataclass(frozen=True)
+class PoolStatus:
+    decode: list[Member]
+    prefill: list[Member]
+    usable_decode: list[Member]  # decode nodes that are not overloaded
+
+    @property
+    def ready(self) -> bool:
+        return bool(self.decode) and bool(self.prefill)
+
+
+class Router:
+    """Picks nodes per request; keeps this frontend's outstanding counts per node (changed by leases)."""
+
+    def __init__(self, members: MembersFn, *, load_factor: float, affinity_blocks: int, decode_max_queue: int) -> None:
+        self._members = members
+        self.load_factor = load_factor
+        self.affinity_blocks = affinity_blocks
+        self.decode_max_queue = decode_max_queue
+        self.decode_outstanding: dict[str, int] = {}
+        self.prefill_outstanding: dict[str, int] = {}
+        self._rings: dict[tuple[str, ...], HashRing] = {}
+        self._rotation = 0
+        self._cooldown: dict[str, float] = {}  # node id -> monotonic time until which it is avoided
+
+    @staticmethod
+    def adjust(counts: dict[str, int], node_id: str, delta: int) -> None:
+        if not node_id:
+            return
+        value = counts.get(node_id, 0) + delta
+        if value > 0:
+            counts[node_id] = value
+        else:
+            counts.pop(node_id, None)
+
+    def _ring(self, node_ids: Sequence[str]) -> HashRing:
+        key = tuple(sorted(node_ids))
+        ring = self._rings.get(key)
+        if ring is None:
+            if len(self._rings) > 64:  # membership churn: drop rings of old memberships
+                self._rings.clear()
+            ring = self._rings[key] = HashRing(key)
+        return ring
+
+    def overloaded(self, member: Member) -> bool:
+        load = member.load
+        return load is not None and load.queue_len >= self.decode_max_queue
+
+    def status(self, pool: str) -> PoolStatus:
+        decode = self._members("decode", pool)
+        prefill = self._members("prefill", pool)
+        return PoolStatus(decode, prefill, [m for m in decode if not self.overloaded(m)])
+
+    def _decode_load(self, m: Member) -> float:
+        load = m.load
+        ours = self.decode_outstanding.get(m.node_id, 0)
+        return float(ours + (0 if load is None else load.running + load.queue_len))
+
+    def _decode_score(self, m: Member, need_blocks: int) -> tuple[float, str]:
+        load = m.load
+        cap = max(1, m.record.capacity.max_num_seqs)
+        total = max(1, m.record.capacity.num_kv_blocks)
+        queue = 0 if load is None else load.queue_len
+        free = total if load is None else load.kv_blocks_free
+        est = self._decode_load(m)
+        score = est / cap + queue / cap + (1.0 - min(1.0, free / total))
+        if need_blocks > free:
+            score += 2.0  # the request would wait for blocks here
+        detail = (f"run+queue+ours={est:g} queue={queue} kv_free={free}/{total} "
+                  f"need={need_blocks} score={score:.3f}")
+        return score, detail
+
+    def _prefill_load(self, m: Member) -> float:
+        load = m.load
+        ours = self.prefill_outstanding.get(m.node_id, 0)
+        return float(ours + (0 if load is None else load.queue_len + load.running))
+
+    def route(
+        self,
+        pool: str,
+        prompt_ids: Sequence[int],
+        max_tokens: int,
+        session_key: str | None = None,
+        exclude: frozenset[str] = frozenset(),
+    ) -> RouteDecision:
+        """Chooses the nodes for one generation. Raises NoRoute when no decode node is usable."""
+        status = self.status(pool)
+        candidates = [m for m in status.usable_decode if m.node_id not in exclude]
+        now = time.monotonic()
+        healthy = [m for m in candidates if self._cooldown.get(m.node_id, 0.0) <= now]
+        candidates = healthy or candidates  # a node that just refused is the last resort for a while
+        if not candidates:
+            if status.decode and not [m for m in status.decode if m.node_id not in exclude]:
+                raise NoRoute(f"no reachable decode node for model pool {pool!r}", overloaded=False)
+            if status.decode:
+                raise NoRoute(f"every decode node of model pool {pool!r} is overloaded", overloaded=True)
+            raise NoRoute(f"no decode node serves model pool {pool!r}", overloaded=False)
+        block_size = candidates[0].record.block_size
+        need = math.ceil((len(prompt_ids) + max_tokens) / block_size)
+        if session_key and len(candidates) > 1:
+            loads = {m.node_id: self._decode_load(m) for m in candidates}
+            ring = self._ring(list(loads))
+            pick = bounded_pick(ring, ring_hash(session_key.encode()), loads, self.load_factor)
+            decode = next(m for m in candidates if m.node_id == pick.node_id)
+            decode_reason = f"session affinity: {pick.reason}"
+            decode_rule = "session_spill" if pick.spilled else "session_owner"
+        else:
+            scored = [(self._decode_score(m, need), m) for m in candidates]
+            best = min(score for (score, _), _ in scored)
+            # Equal scores (an idle pool, say) rotate, so idle nodes share the work instead of the
+            # first one by name taking every request until its next load report.
+            ties = [(detail, m) for (score, detail), m in scored if score <= best + 1e-9]
+            detail, decode = ties[self._rotation % len(ties)]
+            self._rotation += 1
+            decode_reason = f"least loaded of {len(candidates)}: {detail}"
+            decode_rule = "least_loaded"
+
+        prefill_id, prefill_reason, prefix_key = "", "no prefill node in the pool: the decode node prefills", ""
+        prefill_rule = "local"
+        prefill = [m for m in status.prefill if m.node_id not in exclude]
+        if prefill:
+            rec = prefill[0].record
+            loads = {m.node_id: self._prefill_load(m) for m in prefill}
+            blocks = min(self.affinity_blocks, len(prompt_ids) // rec.block_size)
+            if blocks == 0:
+                prefill_id = min(loads, key=lambda nid: (loads[nid], nid))
+                prefill_reason = f"least loaded (prompt shorter than one block; load {loads[prefill_id]:g})"
+                prefill_rule = "least_loaded"
+            else:
+                hashes = compute_block_hashes(prompt_ids[: blocks * rec.block_size], rec.block_size,
+                                              rec.prefix_hash_seed)
+                key = int.from_bytes(hashes[-1][:8], "big")
+                prefix_key = hashes[-1][:8].hex()
+                pick = bounded_pick(self._ring(list(loads)), key, loads, self.load_factor)
+                prefill_id = pick.node_id
+                prefill_reason = f"prefix affinity on {blocks} block(s): {pick.reason}"
+                prefill_rule = "prefix_spill" if pick.spilled else "prefix_owner"
+        return RouteDecision(
+            pool=pool,
+            decode_id=decode.node_id,
+            decode_address=decode.record.grpc_address,
+            decode_reason=decode_reason,
+            decode_rule=decode_rule,
+            prefill_id=prefill_id,
+            prefill_reason=prefill_reason,
+            prefill_rule=prefill_rule,
+            prefix_key=prefix_key,
+            fingerprint=decode.record.model_fingerprint,
+        )
+
+    def mark_unavailable(self, node_id: str, seconds: float = COOLDOWN_S) -> None:
+        """A node refused or could not be reached: route around it for `seconds` while others can serve."""
+        self._cooldown[node_id] = time.monotonic() + seconds
+        if len(self._cooldown) > 256:
+            now = time.monotonic()
+            self._cooldown = {k: v for k, v in self._cooldown.items() if v > now}
+
+    def lease(self, decision: RouteDecision) -> RouteLease:
+        """Counts the request as outstanding on its nodes until the lease is released."""
+        self.adjust(self.decode_outstanding, decision.decode_id, +1)
+        self.adjust(self.prefill_outstanding, decision.prefill_id, +1)
+        return RouteLease(self, decision, prefill_pending=bool(decision.prefill_id))

@@ -1,0 +1,120 @@
+"""Validates response bodies and stream chunks against the official OpenAI OpenAPI specification.
+
+The spec (`../shared/openai-openapi/openapi.yaml` from the repository root) is OpenAPI 3.1 but still
+carries 3.0 idioms; they are translated to JSON Schema 2020-12 once: `nullable: true` becomes
+"or null", and boolean `exclusiveMinimum`/`exclusiveMaximum` become numeric bounds. `$ref`s resolve
+against the whole document. The parsed spec is cached as JSON next to the other pdserve caches, keyed
+by the file's size and mtime, because parsing 3 MB of YAML takes seconds.
+
+One documented deviation: the spec makes `finish_reason` of a legacy completion choice a required
+non-null string and uses that same object for stream chunks, while every OpenAI-compatible server
+(OpenAI's own included) sends `finish_reason: null` on all chunks but a choice's last. Stream chunks of
+/v1/completions are therefore checked against `CreateCompletionResponse` with only that one property
+made nullable (`COMPLETION_CHUNK`); everything else is the spec's.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import hashlib
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import yaml
+from jsonschema import Draft202012Validator
+from jsonschema.exceptions import ValidationError
+from referencing import Registry, Resource
+from referencing.jsonschema import DRAFT202012
+
+SPEC_URI = "urn:openai:openapi"
+COMPLETION_CHUNK = "CreateCompletionResponse (stream chunk)"
+
+
+def find_spec() -> Path:
+    """The shared spec: $PDSERVE_OPENAPI_SPEC, else ../shared/openai-openapi/openapi.yaml from the repo root."""
+    explicit = os.environ.get("PDSERVE_OPENAPI_SPEC")
+    if explicit:
+        return Path(explicit)
+    here = Path(__file__).resolve()
+    try:
+        top = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=here.parent, capture_output=True,
+                             text=True, check=True).stdout.strip()
+        root = Path(top)
+    except (OSError, subprocess.CalledProcessError):
+        root = here.parents[2]
+    return root.parent / "shared" / "openai-openapi" / "openapi.yaml"
+
+
+def _translate(node: Any) -> Any:
+    """OpenAPI 3.0 idioms -> JSON Schema 2020-12 (recursively, on a copy)."""
+    if isinstance(node, list):
+        return [_translate(v) for v in node]
+    if isinstance(node, datetime.date):  # YAML reads unquoted dates as dates; JSON has strings
+        return node.isoformat()
+    if not isinstance(node, dict):
+        return node
+    out = {k: _translate(v) for k, v in node.items()}
+    for bound, limit in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
+        if isinstance(out.get(bound), bool):
+            if out.pop(bound) and limit in out:
+                out[bound] = out.pop(limit)
+    if out.pop("nullable", False) is True:
+        return {"anyOf": [out, {"type": "null"}]}
+    return out
+
+
+def _load(path: Path) -> dict[str, Any]:
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    cache_dir = Path(os.environ.get("PDSERVE_CACHE_DIR") or Path.home() / ".cache" / "pdserve")
+    cache = cache_dir / f"openapi-{key}.json"
+    if cache.is_file():
+        return json.loads(cache.read_bytes())
+    with path.open("rb") as f:
+        spec = yaml.load(f, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    spec = _translate(spec)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = cache.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(spec))  # stdlib json: the spec holds integers beyond 64 bits
+    tmp.replace(cache)
+    return spec
+
+
+class OpenAPISchemas:
+    """Validators for `#/components/schemas/<name>` of the spec (read-only after construction)."""
+
+    def __init__(self, path: Path | None = None) -> None:
+        self.path = path or find_spec()
+        spec = _load(self.path)
+        schemas = spec["components"]["schemas"]
+        chunk = copy.deepcopy(schemas["CreateCompletionResponse"])
+        reason = chunk["properties"]["choices"]["items"]["properties"]["finish_reason"]
+        chunk["properties"]["choices"]["items"]["properties"]["finish_reason"] = {"anyOf": [reason, {"type": "null"}]}
+        schemas[COMPLETION_CHUNK] = chunk
+        self._registry: Registry = Registry().with_resource(SPEC_URI, Resource(spec, specification=DRAFT202012))
+        self._validators: dict[str, Draft202012Validator] = {}
+        self.names = set(schemas)
+
+    def validator(self, name: str) -> Draft202012Validator:
+        v = self._validators.get(name)
+        if v is None:
+            if name not in self.names:
+                raise KeyError(f"no schema {name!r} in {self.path}")
+            ref = f"{SPEC_URI}#/components/schemas/{name}"
+            v = self._validators[name] = Draft202012Validator({"$ref": ref}, registry=self._registry)
+        return v
+
+    def errors(self, name: str, instance: Any) -> list[str]:
+        """Every violation of schema `name` by `instance`, as readable strings (empty when valid)."""
+        return [f"{'/'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}"
+                for e in self.validator(name).iter_errors(instance)]
+
+    def validate(self, name: str, instance: Any) -> None:
+        """Raises ValidationError naming every violation when `instance` does not match schema `name`."""
+        problems = self.errors(name, instance)
+        if problems:
+            raise ValidationError(f"{name}: " + "; ".join(problems[:10]))

@@ -1,0 +1,572 @@
+"""The frontend as a real process against real etcd and scripted decode nodes (real gRPC servers that
+stream pre-made tokens): the HTTP API through the official openai SDK, OpenAPI conformance of every
+response and chunk, errors, tenants and limits, routing, cancellation, metrics and the request log."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import httpx
+import openai
+import orjson
+import pytest
+import tokenizers
+
+from frontend.tenants import hash_key
+from frontend.testing.bad_inputs import bad_inputs, check_bad_inputs
+from frontend.testing.openapi import OpenAPISchemas
+from frontend.testing.procs import FrontendProc, Proc, start_frontend, start_scripted_node
+from frontend.testing.recording import AsyncRecordingTransport, RecordingTransport, conformance_problems
+from protos import pdserve_pb2 as pb
+from protos import pdserve_pb2_grpc as pbg
+from registry import EtcdServer
+from registry.etcd_server import free_port
+
+pytestmark = pytest.mark.timeout(180)
+
+REPLY = "The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs."
+FAIL_SEED = 4242
+KEYS = {t: f"sk-{t}-{'x' * 24}" for t in ("alpha", "beta", "gamma", "delta", "epsilon", "zeta")}
+
+
+@dataclass(eq=False)
+class Env:
+    """Everything the tests share: etcd, scripted nodes, the frontend and its request log."""
+
+    frontend: FrontendProc
+    nodes: dict[str, Proc]
+    etcd: EtcdServer
+    request_log: Path
+    model_dir: Path
+    reply_ids: list[int]
+    tokenizer: tokenizers.Tokenizer
+    schemas: OpenAPISchemas
+
+    def reply_text(self, n: int, offset: int = 0) -> str:
+        ids = self.reply_ids
+        return self.tokenizer.decode([ids[(offset + i) % len(ids)] for i in range(n)])
+
+    def log_records(self) -> list[dict[str, Any]]:
+        return [orjson.loads(line) for line in self.request_log.read_bytes().splitlines() if line.strip()]
+
+    def record_for(self, request_id: str) -> dict[str, Any]:
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            for rec in self.log_records():
+                if rec.get("request_id") == request_id:
+                    return rec
+            time.sleep(0.02)
+        raise AssertionError(f"request {request_id} is not in the request log")
+
+
+def write_configs(tmp: Path, model_dir: Path) -> tuple[Path, Path]:
+    tenants = tmp / "tenants.yaml"
+    limits: dict[str, dict[str, Any]] = {
+        "alpha": {},
+        "beta": {"input_tokens_per_minute": 400},
+        "gamma": {"models": ["slow-llama"]},
+        "delta": {"output_tokens_per_minute": 100},
+        "epsilon": {"daily_token_quota": 60},
+        "zeta": {"max_concurrent_requests": 1, "max_output_tokens": 20, "max_context_tokens": 200},
+    }
+    entries = [{"name": name, "keys_sha256": [hash_key(KEYS[name])], **extra} for name, extra in limits.items()]
+    tenants.write_bytes(orjson.dumps({"tenants": entries}))  # JSON is YAML
+    models = tmp / "models.yaml"
+    entries = [
+        {"name": "tiny-llama", "path": str(model_dir), "aliases": ["gpt-test"]},
+        {"name": "slow-llama", "path": str(model_dir)},
+        {"name": "flaky-llama", "path": str(model_dir), "pool": "flaky"},
+        {"name": "lonely", "path": str(model_dir), "pool": "lonely-pool", "fallback": "tiny-llama"},
+        {"name": "orphan", "path": str(model_dir), "pool": "orphan-pool"},
+    ]
+    models.write_bytes(orjson.dumps({"models": entries}))
+    return tenants, models
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: Path) -> Iterator[Env]:
+    tmp = tmp_path_factory.mktemp("frontend-http")
+    tenants, models = write_configs(tmp, tiny_llama_dir)
+    tok = tokenizers.Tokenizer.from_file(str(tiny_llama_dir / "tokenizer.json"))
+    nodes: dict[str, Proc] = {}
+    with EtcdServer(tmp / "etcd") as etcd:
+        common = ["--tokenizer", str(tiny_llama_dir), "--reply", REPLY]
+        try:
+            nodes["main"] = start_scripted_node("scripted-main", tmp, etcd.endpoints, *common, "--model", "tiny-llama",
+                                                "--node-id", "d", "--num-nodes", "2", "--prefill-ids", "p0,p1",
+                                                "--fail-seed", str(FAIL_SEED))
+            nodes["slow"] = start_scripted_node("scripted-slow", tmp, etcd.endpoints, *common, "--model", "slow-llama",
+                                                "--node-id", "slow", "--token-interval-ms", "40", "--reply-tokens",
+                                                "100000", "--first-token-ms", "5")
+            nodes["reject"] = start_scripted_node("scripted-reject", tmp, etcd.endpoints, *common, "--model", "flaky",
+                                                  "--node-id", "a-reject", "--reject")
+            nodes["good"] = start_scripted_node("scripted-good", tmp, etcd.endpoints, *common, "--model", "flaky",
+                                                "--node-id", "b-good")
+            request_log = tmp / "requests.jsonl"
+            fe = start_frontend("frontend", tmp, etcd.endpoints, free_port(), "--tenants", str(tenants),
+                                "--models", str(models), "--request-log", str(request_log), "--max-body-bytes",
+                                "65536", "--log-level", "warning")
+            try:
+                yield Env(fe, nodes, etcd, request_log, tiny_llama_dir,
+                          tok.encode(REPLY, add_special_tokens=False).ids, tok, OpenAPISchemas())
+            finally:
+                assert_clean_exit(fe)
+        finally:
+            for proc in nodes.values():
+                proc.stop()
+
+
+def assert_clean_exit(fe: FrontendProc) -> None:
+    # uvicorn re-raises the SIGTERM it handled once it has shut down gracefully.
+    assert fe.stop() in (0, -15), fe.proc.tail()
+    log = fe.proc.log_text()
+    assert "Traceback" not in log, fe.proc.tail(80)
+
+
+def sdk(env: Env, tenant: str = "alpha") -> tuple[openai.OpenAI, RecordingTransport]:
+    transport = RecordingTransport()
+    client = openai.OpenAI(base_url=f"{env.frontend.base_url}/v1", api_key=KEYS[tenant], max_retries=0,
+                           http_client=httpx.Client(transport=transport, timeout=30))
+    return client, transport
+
+
+def assert_conformant(env: Env, *transports: RecordingTransport | AsyncRecordingTransport) -> int:
+    records = [r for t in transports for r in t.records]
+    checked, problems = conformance_problems(env.schemas, records)
+    assert problems == [], "\n".join(problems[:20])
+    assert checked >= len(records) > 0
+    return checked
+
+
+def user(text: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": text}]
+
+
+# --- the API through the openai SDK ---------------------------------------------------------------
+
+
+def test_sdk_sync_chat_completions_streaming_and_not(env: Env) -> None:
+    client, transport = sdk(env)
+    resp = client.chat.completions.create(model="tiny-llama", messages=user("Hello"), max_tokens=6)
+    choice = resp.choices[0]
+    assert choice.message.content == env.reply_text(6) and choice.message.role == "assistant"
+    assert choice.finish_reason == "length" and resp.object == "chat.completion" and resp.model == "tiny-llama"
+    assert resp.id.startswith("chatcmpl-") and resp.system_fingerprint == "fp_scripted00"
+    assert resp.usage is not None and resp.usage.completion_tokens == 6 and resp.usage.prompt_tokens > 5
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + 6
+
+    # The reply runs out before max_tokens: a natural "stop". The alias serves the same model.
+    full = client.chat.completions.create(model="gpt-test", messages=user("Hello"), max_completion_tokens=500)
+    assert full.choices[0].finish_reason == "stop" and full.choices[0].message.content == env.reply_text(
+        len(env.reply_ids))
+
+    stream = client.chat.completions.create(model="tiny-llama", messages=user("Hello"), max_tokens=5, n=2,
+                                            stream=True, stream_options={"include_usage": True}, seed=1,
+                                            temperature=0.7)
+    chunks = list(stream)
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 10
+    assert all(c.usage is None for c in chunks[:-1])
+    texts: dict[int, str] = {0: "", 1: ""}
+    first_seen: dict[int, Any] = {}
+    finishes: dict[int, str] = {}
+    for c in chunks[:-1]:
+        (ch,) = c.choices
+        first_seen.setdefault(ch.index, ch.delta)
+        texts[ch.index] += ch.delta.content or ""
+        if ch.finish_reason:
+            finishes[ch.index] = ch.finish_reason
+    assert all(delta.role == "assistant" for delta in first_seen.values())  # the first chunk carries the role
+    assert finishes == {0: "length", 1: "length"}
+    # Seeded sampling: choice i gets seed + i, so the two choices differ (the scripted node rotates by seed).
+    assert texts[0] == env.reply_text(5, offset=1) and texts[1] == env.reply_text(5, offset=2)
+    assert len({c.id for c in chunks}) == 1
+
+    plain = list(client.chat.completions.create(model="tiny-llama", messages=user("Hi"), max_tokens=3, stream=True))
+    assert all(c.usage is None for c in plain) and plain[-1].choices[0].finish_reason == "length"
+    assert "".join(c.choices[0].delta.content or "" for c in plain) == env.reply_text(3)
+    assert_conformant(env, transport)
+
+
+def test_sdk_stop_strings_and_logprobs(env: Env) -> None:
+    client, transport = sdk(env)
+    resp = client.chat.completions.create(model="tiny-llama", messages=user("x"), stop=["fox", "zzz"], max_tokens=50)
+    text = env.reply_text(len(env.reply_ids))
+    assert resp.choices[0].message.content == text[: text.index("fox")] and resp.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model="tiny-llama", messages=user("x"), stop="lazy", max_tokens=50, stream=True) if c.choices)
+    assert streamed == text[: text.index("lazy")]
+
+    resp = client.chat.completions.create(model="tiny-llama", messages=user("x"), max_tokens=4, logprobs=True,
+                                          top_logprobs=2)
+    content = resp.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert len(content) == 4 and all(len(e.top_logprobs) == 2 for e in content)
+    assert "".join(e.token for e in content) == resp.choices[0].message.content
+    assert bytes(b for e in content for b in (e.bytes or [])).decode() == resp.choices[0].message.content
+    assert content[0].logprob == -0.05 and content[0].top_logprobs[0].token == content[0].token
+
+    comp = client.completions.create(model="tiny-llama", prompt="Once", max_tokens=4, logprobs=3)
+    lp = comp.choices[0].logprobs
+    assert lp is not None and lp.tokens is not None and "".join(lp.tokens) == comp.choices[0].text
+    assert lp.text_offset == [0, *[sum(len(t) for t in lp.tokens[:i]) for i in range(1, 4)]]
+    assert lp.top_logprobs is not None and all(len(d) == 3 for d in lp.top_logprobs)
+    streamed_lp = [c.choices[0].logprobs for c in client.completions.create(
+        model="tiny-llama", prompt="Once", max_tokens=4, logprobs=1, stream=True) if c.choices[0].logprobs]
+    assert [t for lp in streamed_lp for t in lp.tokens] == lp.tokens  # type: ignore[union-attr]
+    assert_conformant(env, transport)
+
+
+def test_sdk_async_completions_prompt_forms_and_echo(env: Env) -> None:
+    async def scenario() -> AsyncRecordingTransport:
+        transport = AsyncRecordingTransport()
+        client = openai.AsyncOpenAI(base_url=f"{env.frontend.base_url}/v1", api_key=KEYS["alpha"], max_retries=0,
+                                    http_client=httpx.AsyncClient(transport=transport, timeout=30))
+        ids = env.tokenizer.encode("Count to three", add_special_tokens=False).ids
+        forms: list[Any] = ["Count to three", ["one", "two"], ids, [ids, ids[:2]]]
+        for prompt in forms:
+            resp = await client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=3, n=2)
+            n_prompts = 2 if isinstance(prompt, list) and not isinstance(prompt[0], int) else 1
+            assert [c.index for c in resp.choices] == list(range(2 * n_prompts))
+            assert all(c.text == env.reply_text(3) for c in resp.choices) and resp.object == "text_completion"
+            assert resp.usage is not None and resp.usage.completion_tokens == 6 * n_prompts
+        resp = await client.completions.create(model="tiny-llama", prompt=ids, max_tokens=3)
+        assert resp.usage is not None and resp.usage.prompt_tokens == len(ids)
+
+        echoed = await client.completions.create(model="tiny-llama", prompt="Echo me", max_tokens=2, echo=True)
+        assert echoed.choices[0].text == "Echo me" + env.reply_text(2)
+        stream = await client.completions.create(model="tiny-llama", prompt="Echo me", max_tokens=2, echo=True,
+                                                 stream=True, stream_options={"include_usage": True})
+        parts = [c async for c in stream]
+        assert "".join(c.choices[0].text for c in parts if c.choices) == "Echo me" + env.reply_text(2)
+        assert parts[-1].usage is not None and parts[-1].usage.completion_tokens == 2
+
+        chat = await client.chat.completions.create(model="tiny-llama", messages=user("hi"), max_tokens=4, stream=True)
+        assert "".join([c.choices[0].delta.content or "" async for c in chat]) == env.reply_text(4)
+        await client.close()
+        return transport
+
+    transport = asyncio.run(scenario())
+    assert_conformant(env, transport)
+
+
+def test_sdk_raises_the_right_exception_classes(env: Env) -> None:
+    client, transport = sdk(env)
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model="tiny-llama", messages=user("x"), max_tokens=-1)
+    assert bad.value.status_code == 400 and bad.value.param == "max_tokens" and bad.value.code == "invalid_value"
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="tiny-llama", messages=user("x"), stream=True, n=0)
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.chat.completions.create(model="no-such-model", messages=user("x"))
+    assert missing.value.code == "model_not_found"
+
+    wrong_key = openai.OpenAI(base_url=f"{env.frontend.base_url}/v1", api_key="sk-wrong", max_retries=0,
+                              http_client=httpx.Client(transport=transport))
+    with pytest.raises(openai.AuthenticationError) as auth:
+        wrong_key.chat.completions.create(model="tiny-llama", messages=user("x"))
+    assert auth.value.status_code == 401 and auth.value.code == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        wrong_key.models.list()
+
+    gamma, gamma_transport = sdk(env, "gamma")
+    with pytest.raises(openai.PermissionDeniedError) as denied:
+        gamma.chat.completions.create(model="tiny-llama", messages=user("x"))
+    assert denied.value.status_code == 403 and denied.value.code == "model_not_allowed"
+    assert [m.id for m in gamma.models.list()] == ["slow-llama"]
+
+    eps, eps_transport = sdk(env, "epsilon")
+    with pytest.raises(openai.RateLimitError) as limited:
+        eps.chat.completions.create(model="tiny-llama", messages=user("x"), max_tokens=100)
+    assert limited.value.status_code == 429 and limited.value.code == "insufficient_quota"
+    assert limited.value.response.headers["x-should-retry"] == "false"
+
+    with pytest.raises(openai.InternalServerError) as unavailable:
+        client.chat.completions.create(model="orphan", messages=user("x"))
+    assert unavailable.value.status_code == 503 and unavailable.value.code == "no_route"
+
+    # An error after the stream started arrives as an error event; the SDK raises it.
+    stream = client.chat.completions.create(model="tiny-llama", messages=user("x"), max_tokens=10, stream=True,
+                                            seed=FAIL_SEED, temperature=0.5)
+    got = []
+    with pytest.raises(openai.APIError, match="scripted failure"):
+        for chunk in stream:
+            got.append(chunk)
+    assert got and got[0].choices[0].delta.role == "assistant"
+    # The same with two choices, the second one failing (choice k runs with seed + k).
+    with pytest.raises(openai.APIError, match="scripted failure"):
+        list(client.chat.completions.create(model="tiny-llama", messages=user("x"), max_tokens=10, stream=True, n=2,
+                                            seed=FAIL_SEED - 1, temperature=0.5))
+    # Not streamed: the failure becomes the status of the response.
+    with pytest.raises(openai.InternalServerError) as failed:
+        client.completions.create(model="tiny-llama", prompt="x", max_tokens=10, seed=FAIL_SEED, temperature=0.5)
+    assert failed.value.status_code == 502 and failed.value.code == "upstream_error"
+    assert_conformant(env, transport, gamma_transport, eps_transport)
+
+
+# --- bad input ------------------------------------------------------------------------------------
+
+
+def raw_post(url: str, body: bytes, headers: dict[str, str] | None = None) -> httpx.Response:
+    return httpx.post(url, content=body, headers={"authorization": f"Bearer {KEYS['alpha']}",
+                                                  "content-type": "application/json", **(headers or {})}, timeout=30)
+
+
+def test_bad_input_gets_clean_4xx_never_500(env: Env) -> None:
+    chat_url = f"{env.frontend.base_url}/v1/chat/completions"
+    ok = {"model": "tiny-llama", "messages": user("hi")}
+    cases = bad_inputs("tiny-llama", max_body_bytes=65536, context_tokens=4096)
+    assert check_bad_inputs(env.frontend.base_url, KEYS["alpha"], cases, env.schemas) == []
+    # The oversized body is refused from its declared length, and also without one (chunked upload).
+    chunked = httpx.post(chat_url, content=iter([b'{"model": "tiny-llama", "pad": "' + b"x" * 70_000 + b'"}']),
+                         headers={"authorization": f"Bearer {KEYS['alpha']}"}, timeout=30)
+    assert chunked.status_code == 413 and chunked.json()["error"]["code"] == "request_too_large"
+    # Other routes and methods answer in the same error shape.
+    assert httpx.get(f"{env.frontend.base_url}/v1/nothing").json()["error"]["type"] == "not_found_error"
+    assert httpx.get(chat_url).status_code == 405
+    # Unknown fields are ignored rather than rejected.
+    resp = raw_post(chat_url, orjson.dumps({**ok, "max_tokens": 2, "brand_new_sdk_field": {"a": [1]}, "store": False}))
+    assert resp.status_code == 200, resp.text
+    rejected = [r for r in env.log_records() if r.get("request_id") is None]
+    assert {r["status"] for r in rejected} >= {400, 404, 413}
+    assert {r["tenant"] for r in rejected if r["status"] == 413} == {"alpha"}
+
+
+# --- tenants and limits ---------------------------------------------------------------------------
+
+
+def test_input_tpm_limit_429_while_another_tenant_is_served(env: Env) -> None:
+    beta, beta_transport = sdk(env, "beta")
+    alpha, alpha_transport = sdk(env, "alpha")
+    big = user("lorem ipsum dolor sit amet " * 10)  # ~150 tokens; beta may send 400 per minute
+    beta.chat.completions.create(model="tiny-llama", messages=big, max_tokens=2)
+    beta.chat.completions.create(model="tiny-llama", messages=big, max_tokens=2)
+
+    def beta_call() -> openai.RateLimitError:
+        with pytest.raises(openai.RateLimitError) as info:
+            beta.chat.completions.create(model="tiny-llama", messages=big, max_tokens=2)
+        return info.value
+
+    def alpha_calls() -> list[str]:
+        return [alpha.chat.completions.create(model="tiny-llama", messages=big, max_tokens=3).choices[0].message.content
+                or "" for _ in range(5)]
+
+    with ThreadPoolExecutor(2) as pool:
+        limited_f, served_f = pool.submit(beta_call), pool.submit(alpha_calls)
+        limited, served = limited_f.result(), served_f.result()
+    assert served == [env.reply_text(3)] * 5
+    assert limited.code == "rate_limit_exceeded" and "input tokens per minute" in limited.message
+    retry_after = int(limited.response.headers["retry-after"])
+    assert 1 <= retry_after <= 60 and limited.response.headers["x-should-retry"] == "true"
+    # A request larger than the whole bucket can never pass: a hard 429 that SDKs must not retry.
+    with pytest.raises(openai.RateLimitError) as hard:
+        beta.chat.completions.create(model="tiny-llama", messages=user("lorem ipsum " * 300), max_tokens=2)
+    assert hard.value.code == "request_too_large" and hard.value.response.headers["x-should-retry"] == "false"
+    assert_conformant(env, beta_transport, alpha_transport)
+
+
+def test_output_budget_reserved_up_front_and_refunded(env: Env) -> None:
+    delta, transport = sdk(env, "delta")  # 100 output tokens per minute
+    for _ in range(3):
+        # 80 reserved each time, 3 used: without the refund the second call would be refused.
+        resp = delta.chat.completions.create(model="tiny-llama", messages=user("x"), max_tokens=80, stop="quick")
+        assert resp.usage is not None and resp.usage.completion_tokens <= 3
+    err = create_error(env, "delta", "tiny-llama", 101)
+    assert isinstance(err, openai.RateLimitError) and err.code == "request_too_large"
+
+    zeta, zeta_transport = sdk(env, "zeta")  # max_output_tokens 20, max_context_tokens 200, one at a time
+    with pytest.raises(openai.BadRequestError) as too_many:
+        zeta.chat.completions.create(model="tiny-llama", messages=user("x"), max_tokens=21)
+    assert too_many.value.param == "max_tokens"
+    with pytest.raises(openai.BadRequestError) as ctx:
+        zeta.chat.completions.create(model="tiny-llama", messages=user("word " * 250), max_tokens=5)
+    assert ctx.value.code == "context_length_exceeded"
+    assert zeta.chat.completions.create(model="tiny-llama", messages=user("x")).usage.completion_tokens <= 20  # type: ignore[union-attr]
+
+    # Concurrency: a second request while the first still streams is refused with Retry-After.
+    zeta_slow = openai.OpenAI(base_url=f"{env.frontend.base_url}/v1", api_key=KEYS["zeta"], max_retries=0)
+    stream = zeta_slow.chat.completions.create(model="slow-llama", messages=user("x"), max_tokens=20, stream=True)
+    with pytest.raises(openai.RateLimitError) as busy:
+        zeta.chat.completions.create(model="tiny-llama", messages=user("x"), max_tokens=3)
+    assert busy.value.code == "concurrency_limit_exceeded" and busy.value.response.headers["retry-after"] == "1"
+    list(stream)
+    zeta.chat.completions.create(model="tiny-llama", messages=user("x"), max_tokens=3)
+    assert_conformant(env, transport, zeta_transport)
+
+
+def create_error(env: Env, tenant: str, model: str, max_tokens: int) -> Exception | None:
+    client, _ = sdk(env, tenant)
+    try:
+        client.chat.completions.create(model=model, messages=user("x"), max_tokens=max_tokens)
+    except openai.APIStatusError as err:
+        return err
+    return None
+
+
+# --- cancellation, routing, fallback ----------------------------------------------------------------
+
+
+def node_stub(proc: Proc, node_id: str) -> tuple[grpc.Channel, pbg.DecodeNodeStub]:
+    """A gRPC stub for a scripted node, found from the address it printed."""
+    lines = proc.log_text().splitlines()
+    address = next(line.split()[-1] for line in lines if line.startswith(f"scripted decode node {node_id} "))
+    channel = grpc.insecure_channel(address)
+    return channel, pbg.DecodeNodeStub(channel)
+
+
+def test_client_disconnect_aborts_upstream_within_100ms(env: Env) -> None:
+    client, _ = sdk(env)
+    channel, stub = node_stub(env.nodes["slow"], "slow")
+
+    def running() -> int:
+        return stub.GetLoad(pb.LoadRequest(), timeout=5).running
+
+    def kv_used() -> int:
+        return stub.GetLoad(pb.LoadRequest(), timeout=5).kv_blocks_used
+
+    with channel:
+        for streaming in (True, False):
+            if streaming:
+                stream = client.chat.completions.create(model="slow-llama", messages=user("x"), max_tokens=1000,
+                                                        stream=True)
+                it = iter(stream)
+                next(it), next(it), next(it)
+                assert running() == 1 and kv_used() > 0
+                t0 = time.perf_counter()
+                stream.close()
+            else:
+                # A non-streamed request whose client gives up (socket closed) is aborted as well.
+                sock = socket.create_connection((env.frontend.host, env.frontend.port))
+                body = orjson.dumps({"model": "slow-llama", "messages": user("x"), "max_tokens": 1000})
+                sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                             b"authorization: Bearer " + KEYS["alpha"].encode() + b"\r\ncontent-length: "
+                             + str(len(body)).encode() + b"\r\n\r\n" + body)
+                deadline = time.monotonic() + 5
+                while running() == 0 and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                time.sleep(0.1)
+                assert running() == 1
+                t0 = time.perf_counter()
+                sock.close()
+            while running() != 0:
+                assert time.perf_counter() - t0 < 2.0, "the upstream request was not cancelled"
+                time.sleep(0.001)
+            elapsed = time.perf_counter() - t0
+            print(f"{'streamed' if streaming else 'non-streamed'}: upstream aborted {elapsed * 1e3:.1f} ms after the disconnect")
+            assert elapsed < 0.1, f"upstream still running {elapsed * 1e3:.1f} ms after the disconnect"
+            assert kv_used() == 0  # its blocks are free again
+    disconnects = [r for r in env.log_records() if r.get("status") == 499 and r.get("model") == "slow-llama"]
+    assert len(disconnects) == 2 and all(r["routes"][0]["decode_node"] == "slow" for r in disconnects)
+
+
+def test_prefix_affinity_session_affinity_and_spread(env: Env) -> None:
+    client, _ = sdk(env)
+    ids = env.tokenizer.encode("alpha beta gamma delta epsilon zeta eta theta iota kappa " * 80,
+                               add_special_tokens=False).ids[:512]
+    system = env.tokenizer.decode(ids)
+    shared = []
+    for i in range(20):
+        raw = client.chat.completions.with_raw_response.create(
+            model="tiny-llama", max_tokens=2,
+            messages=[{"role": "system", "content": system}, {"role": "user", "content": f"question {i}"}])
+        shared.append(env.record_for(raw.headers["x-request-id"]))
+    prefill_nodes = {r["routes"][0]["prefill_node"] for r in shared}
+    assert len(prefill_nodes) == 1, prefill_nodes
+    assert all("prefix affinity" in r["routes"][0]["prefill_reason"] for r in shared)
+    assert all(r["routes"][0]["served_by"]["prefill"] in prefill_nodes for r in shared)
+    assert all(r["prompt_tokens"] > 500 for r in shared)
+
+    unrelated = []
+    for i in range(20):
+        raw = client.chat.completions.with_raw_response.create(
+            model="tiny-llama", max_tokens=2, messages=user(f"{i} unrelated topic number {i * 7919} " * 3))
+        unrelated.append(env.record_for(raw.headers["x-request-id"]))
+    assert {r["routes"][0]["prefill_node"] for r in unrelated} == {"p0", "p1"}
+    assert {r["routes"][0]["decode_node"] for r in shared + unrelated} == {"d-0", "d-1"}
+
+    # A session key (header) pins the decode node across different prompts.
+    pinned = set()
+    for i in range(6):
+        raw = client.chat.completions.with_raw_response.create(
+            model="tiny-llama", max_tokens=2, messages=user(f"turn {i}"), extra_headers={"x-session-id": "conv-42"})
+        rec = env.record_for(raw.headers["x-request-id"])
+        assert "session affinity" in rec["routes"][0]["decode_reason"]
+        pinned.add(rec["routes"][0]["decode_node"])
+    assert len(pinned) == 1
+
+
+def test_unreachable_node_is_retried_and_fallback_model_serves(env: Env) -> None:
+    client, transport = sdk(env)
+    tried = []
+    for _ in range(2):  # idle nodes take turns, so one of two requests goes to the refusing node first
+        raw = client.chat.completions.with_raw_response.create(model="flaky-llama", messages=user("x"), max_tokens=3)
+        assert raw.parse().choices[0].message.content == env.reply_text(3)
+        rec = env.record_for(raw.headers["x-request-id"])
+        assert rec["routes"][0]["decode_node"] == "b-good"
+        tried.append(rec["routes"][0]["tried"])
+    assert ["a-reject", "b-good"] in tried
+
+    raw = client.chat.completions.with_raw_response.create(model="lonely", messages=user("x"), max_tokens=3)
+    resp = raw.parse()
+    assert resp.model == "tiny-llama" and raw.headers["x-pdserve-model"] == "tiny-llama"
+    rec = env.record_for(raw.headers["x-request-id"])
+    assert rec["requested_model"] == "lonely" and "fallback" in rec["fallback"]
+    assert_conformant(env, transport)
+
+
+# --- operations -----------------------------------------------------------------------------------
+
+
+def test_models_health_ready_metrics_and_request_log(env: Env) -> None:
+    client, transport = sdk(env)
+    ids = [m.id for m in client.models.list()]
+    assert {"tiny-llama", "gpt-test", "slow-llama", "lonely"} <= set(ids)
+    assert client.models.retrieve("gpt-test").id == "gpt-test"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("nope")
+    assert_conformant(env, transport)
+    base = env.frontend.base_url
+    assert httpx.get(f"{base}/health").json() == {"status": "ok"}
+    ready = httpx.get(f"{base}/ready")
+    assert ready.status_code == 200 and ready.json()["models"]["tiny-llama"] == {
+        "pool": "tiny-llama", "prefill": 2, "decode": 2, "ready": True}
+    assert ready.json()["models"]["slow-llama"]["ready"] is False  # a decode node but no prefill node
+
+    client.chat.completions.create(model="tiny-llama", messages=user("metrics"), max_tokens=3)
+    metrics = httpx.get(f"{base}/metrics").text
+    for needle in ['pdserve_tenant_tokens_total{kind="prompt",model="tiny-llama",node=',
+                   'pdserve_time_to_first_token_seconds_bucket{le="0.005",model="tiny-llama"',
+                   'pdserve_requests_total{endpoint="chat.completions",finish_reason="length",model="tiny-llama"',
+                   "pdserve_rate_limit_rejections_total{", "pdserve_slo_requests_total{", 'pool="frontend"',
+                   "pdserve_inter_token_latency_seconds_count", "pdserve_route_decisions_total{"]:
+        assert needle in metrics, needle
+    rec = env.log_records()[-1]
+    assert rec["tenant"] == "alpha" and rec["model"] == "tiny-llama" and rec["finish_reasons"] == ["length"]
+    assert rec["completion_tokens"] == 3 and rec["ttft_ms"] > 0 and rec["e2e_ms"] >= rec["ttft_ms"]
+    assert rec["routes"][0]["decode_node"] in ("d-0", "d-1") and rec["routes"][0]["timing_ms"]["prefill"] >= 0
+    assert "prompt" not in rec and "metrics" not in env.request_log.read_text()  # no prompt text by default
+
+
+def test_local_mode_accepts_any_key_and_says_so(env: Env, tmp_path: Path) -> None:
+    log_path = tmp_path / "local.jsonl"
+    fe = start_frontend("frontend-local", tmp_path, env.etcd.endpoints, free_port(), "--model",
+                        f"tiny-llama={env.model_dir}", "--request-log", str(log_path), "--log-prompts")
+    try:
+        for key in ("anything", "sk-whatever"):
+            client = openai.OpenAI(base_url=f"{fe.base_url}/v1", api_key=key, max_retries=0)
+            assert client.chat.completions.create(model="tiny-llama", messages=user("x"),
+                                                  max_tokens=2).choices[0].message.content == env.reply_text(2)
+        no_key = httpx.post(f"{fe.base_url}/v1/completions", json={"model": "tiny-llama", "prompt": "x", "max_tokens": 1})
+        assert no_key.status_code == 200
+    finally:
+        assert_clean_exit(fe)
+    assert "NO TENANTS FILE" in fe.proc.log_text()
+    records = [orjson.loads(line) for line in log_path.read_bytes().splitlines()]
+    assert [r["tenant"] for r in records] == ["local"] * 3
+    assert records[0]["prompt"] == user("x") and records[2]["prompt"] == ["x"]  # --log-prompts

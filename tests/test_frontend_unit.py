@@ -1,0 +1,447 @@
+"""Frontend parts on their own: request validation, tenant files, token buckets, routing, rendering."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from engine.block_manager import compute_block_hashes
+from frontend.config import ConfigError, FrontendConfig, ModelSpec, load_models_file
+from frontend.errors import APIError
+from frontend.limits import TenantLimiter, TokenBucket
+from frontend.models import ModelCatalog, TokenTexts
+from frontend.protocol import parse_chat_request, parse_completion_request, parse_json_body
+from frontend.render import DONE, StreamEncoder, chat_logprobs, completion_logprobs, full_response, usage_dict
+from frontend.routing import HashRing, NoRoute, Router, bounded_pick, ring_hash
+from frontend.tenants import Tenant, TenantLimits, TenantTable, hash_key
+from frontend.testing.openapi import COMPLETION_CHUNK, OpenAPISchemas
+from protos import pdserve_pb2 as pb
+from registry import Member, NodeCapacity, NodeLoad, NodeRecord
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(scope="module")
+def schemas() -> OpenAPISchemas:
+    return OpenAPISchemas()
+
+
+@pytest.fixture(scope="module")
+def catalog(tiny_llama_dir: Path) -> ModelCatalog:
+    return ModelCatalog((ModelSpec(name="tiny-llama", path=str(tiny_llama_dir), aliases=("gpt-x",)),))
+
+
+def chat(**fields: Any) -> dict[str, Any]:
+    return {"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}
+
+
+def api_error(fn: Callable[[], object]) -> APIError:
+    with pytest.raises(APIError) as info:
+        fn()
+    return info.value
+
+
+# --- request validation ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "code"),
+    [
+        (chat(temperature="hot"), "temperature", "invalid_type"),
+        (chat(temperature=2.5), "temperature", "invalid_value"),
+        (chat(top_p=1.5), "top_p", "invalid_value"),
+        (chat(max_tokens=-1), "max_tokens", "invalid_value"),
+        (chat(max_tokens=0), "max_tokens", "invalid_value"),
+        (chat(max_tokens=True), "max_tokens", "invalid_type"),
+        (chat(max_tokens="5"), "max_tokens", "invalid_type"),
+        (chat(max_completion_tokens=-5), "max_completion_tokens", "invalid_value"),
+        (chat(n=0), "n", "invalid_value"),
+        (chat(n=1000), "n", "invalid_value"),
+        (chat(stop=["a", "b", "c", "d", "e"]), "stop", "invalid_value"),
+        (chat(stop=[1]), "stop[0]", "invalid_type"),
+        (chat(stop=[""]), "stop[0]", "invalid_value"),
+        (chat(seed=1 << 70), "seed", "invalid_value"),
+        (chat(presence_penalty=3), "presence_penalty", "invalid_value"),
+        (chat(top_logprobs=3), "top_logprobs", "invalid_value"),
+        (chat(logprobs=True, top_logprobs=21), "top_logprobs", "invalid_value"),
+        (chat(stream_options={"include_usage": True}), "stream_options", "invalid_value"),
+        (chat(stream=True, stream_options=[1]), "stream_options", "invalid_type"),
+        (chat(stream="yes"), "stream", "invalid_type"),
+        (chat(user=5), "user", "invalid_type"),
+        (chat(top_k=-2), "top_k", "invalid_value"),
+        (chat(tools=[{"type": "function"}]), "tools", "unsupported_parameter"),
+        (chat(logit_bias={"5": 1}), "logit_bias", "unsupported_parameter"),
+        (chat(response_format={"type": "json_object"}), "response_format", "unsupported_parameter"),
+        (chat(model=5), "model", "invalid_type"),
+        ({"messages": [{"role": "user", "content": "x"}]}, "model", "missing_required_parameter"),
+        ({"model": "m"}, "messages", "missing_required_parameter"),
+        ({"model": "m", "messages": []}, "messages", "invalid_value"),
+        ({"model": "m", "messages": "hi"}, "messages", "invalid_type"),
+        ({"model": "m", "messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role", "invalid_value"),
+        ({"model": "m", "messages": [{"content": "x"}]}, "messages[0].role", "missing_required_parameter"),
+        ({"model": "m", "messages": [{"role": "user"}]}, "messages[0].content", "missing_required_parameter"),
+        ({"model": "m", "messages": [{"role": "user", "content": 5}]}, "messages[0].content", "invalid_type"),
+        ({"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+         "messages[0].content[0].type", "unsupported_content"),
+        ({"model": "m", "messages": ["hi"]}, "messages[0]", "invalid_type"),
+    ],
+)
+def test_chat_validation_errors(body: dict[str, Any], param: str, code: str) -> None:
+    err = api_error(lambda: parse_chat_request(body))
+    assert err.status == 400
+    assert (err.param, err.code) == (param, code), err.message
+    assert err.to_dict()["error"]["type"] == "invalid_request_error" and err.message
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "code"),
+    [
+        ({"model": "m"}, "prompt", "missing_required_parameter"),
+        ({"model": "m", "prompt": []}, "prompt", "invalid_value"),
+        ({"model": "m", "prompt": 5}, "prompt", "invalid_type"),
+        ({"model": "m", "prompt": [1, "a"]}, "prompt[1]", "invalid_type"),
+        ({"model": "m", "prompt": [1, -2]}, "prompt[1]", "invalid_value"),
+        ({"model": "m", "prompt": ["a", 3]}, "prompt[1]", "invalid_type"),
+        ({"model": "m", "prompt": [[1], []]}, "prompt[1]", "invalid_value"),
+        ({"model": "m", "prompt": "x", "logprobs": 30}, "logprobs", "invalid_value"),
+        ({"model": "m", "prompt": "x", "echo": True, "logprobs": 1}, "echo", "unsupported_parameter"),
+        ({"model": "m", "prompt": "x", "best_of": 3}, "best_of", "unsupported_parameter"),
+        ({"model": "m", "prompt": "x", "suffix": "y"}, "suffix", "unsupported_parameter"),
+        ({"model": "m", "prompt": ["x"] * 65, "n": 2}, "n", "invalid_value"),
+    ],
+)
+def test_completion_validation_errors(body: dict[str, Any], param: str, code: str) -> None:
+    err = api_error(lambda: parse_completion_request(body))
+    assert (err.status, err.param, err.code) == (400, param, code), err.message
+
+
+def test_valid_requests_parse_and_unknown_fields_are_ignored() -> None:
+    req = parse_chat_request(chat(max_tokens=7, max_completion_tokens=9, stop="END", top_p=0, seed=3, top_k=0,
+                                  logprobs=True, top_logprobs=2, stream=True, stream_options={"include_usage": True},
+                                  user="u1", ignore_eos=True, some_future_field={"x": 1}, store=True,
+                                  messages=[{"role": "developer", "content": [{"type": "text", "text": "a"},
+                                                                             {"type": "text", "text": "b"}]},
+                                            {"role": "assistant", "content": None},
+                                            {"role": "user", "content": "q", "name": "bob"}]))
+    s = req.sampling
+    assert s.max_tokens == 9 and req.max_tokens_param == "max_completion_tokens"  # the newer field wins
+    assert s.stop == ("END",) and s.seed == 3 and s.top_k == -1 and s.logprobs == 2 and s.ignore_eos
+    assert (s.temperature, s.top_p) == (0.0, 1.0)  # top_p 0 is greedy
+    assert req.stream and req.include_usage and req.user == "u1"
+    assert req.messages == [{"role": "system", "content": "ab"}, {"role": "assistant", "content": ""},
+                            {"role": "user", "content": "q", "name": "bob"}]
+    assert parse_chat_request(chat()).sampling.logprobs is None
+
+    for prompt, expect in [("a", ["a"]), (["a", "b"], ["a", "b"]), ([1, 2], [[1, 2]]), ([[1], [2, 3]], [[1], [2, 3]])]:
+        req = parse_completion_request({"model": "m", "prompt": prompt, "logprobs": 0, "n": 2, "best_of": 2})
+        assert req.prompts == expect and req.sampling.logprobs == 0 and req.n == 2
+        assert req.sampling.max_tokens == 16  # the legacy endpoint's default
+
+
+@pytest.mark.parametrize(
+    ("raw", "code"),
+    [(b"", "invalid_json"), (b"{", "invalid_json"), (b"[1]", "invalid_json"), (b'{"a": 1,}', "invalid_json"),
+     (b'{"model": "\xff\xfe"}', "invalid_encoding"), (b'{"model": "\\ud800"}', "invalid_encoding")],
+)
+def test_body_decoding_errors(raw: bytes, code: str) -> None:
+    err = api_error(lambda: parse_json_body(raw))
+    assert (err.status, err.code, err.param) == (400, code, None), err.message
+
+
+# --- tenants and limits ---------------------------------------------------------------------------
+
+
+def test_tenant_files_yaml_and_toml(tmp_path: Path) -> None:
+    key_digest = hash_key("sk-acme")
+    yaml_file = tmp_path / "t.yaml"
+    yaml_file.write_text(f"tenants:\n  - name: acme\n    keys_sha256: ['{key_digest}']\n    models: [m1]\n"
+                         f"    requests_per_minute: 10\n    max_output_tokens: 50\n")
+    table = TenantTable.from_file(yaml_file)
+    acme = table.authenticate("sk-acme")
+    assert acme is not None and acme.name == "acme" and not table.open_access
+    assert acme.limits.requests_per_minute == 10 and acme.limits.max_output_tokens == 50
+    assert acme.limits.input_tokens_per_minute is None
+    assert acme.may_use("m1") and not acme.may_use("m2") and acme.may_use("m2", "m1")
+    assert table.authenticate("sk-other") is None and table.authenticate(None) is None
+    assert table.check_models({"m2"}) == ["m1"]
+
+    toml_file = tmp_path / "t.toml"
+    toml_file.write_text(f'[[tenants]]\nname = "a"\nkeys_sha256 = ["{key_digest}"]\ninput_tokens_per_minute = 5\n')
+    assert TenantTable.from_file(toml_file).authenticate("sk-acme").limits.input_tokens_per_minute == 5  # type: ignore[union-attr]
+
+    local = TenantTable.local()
+    assert local.open_access and local.authenticate(None) is not None and local.authenticate("anything") is not None
+
+    bad_cases = [
+        ("tenants: []\n", "non-empty"),
+        ("tenants:\n  - name: a\n    keys_sha256: ['sk-plaintext']\n", "SHA-256"),
+        (f"tenants:\n  - name: a\n    keys_sha256: ['{key_digest}']\n    rpm: 5\n", "unknown field"),
+        (f"tenants:\n  - name: a\n    keys_sha256: ['{key_digest}']\n    requests_per_minute: -1\n", "positive"),
+        (f"tenants:\n  - name: a\n    keys_sha256: ['{key_digest}']\n  - name: b\n    keys_sha256: ['{key_digest}']\n",
+         "also belongs"),
+        ("tenants: [\n", "cannot parse"),
+    ]
+    for text, message in bad_cases:
+        yaml_file.write_text(text)
+        with pytest.raises(ConfigError, match=message):
+            TenantTable.from_file(yaml_file)
+
+
+class FakeClock:
+    """A settable clock: the limiter takes its clocks as parameters."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def tenant(**limits: int) -> Tenant:
+    return Tenant("t", frozenset({"*"}), TenantLimits(**limits))
+
+
+def test_token_bucket_refill_and_wait() -> None:
+    b = TokenBucket.per_minute(60, now=0.0)
+    b.take(60)
+    b.refill(0.5)
+    assert b.level == pytest.approx(0.5)
+    assert b.wait_s(2) == pytest.approx(1.5)
+    assert math.isinf(b.wait_s(61))
+    b.give(1000)
+    assert b.level == 60
+
+
+def test_limiter_input_tokens_retry_after_and_isolation() -> None:
+    clock = FakeClock()
+    lim = TenantLimiter(clock=clock)
+    small, other = tenant(input_tokens_per_minute=600), Tenant("other", frozenset({"*"}), TenantLimits())
+    lim.admit(small, 500, 0).release(0)
+    err = api_error(lambda: lim.admit(small, 200, 0))
+    assert err.status == 429 and err.code == "rate_limit_exceeded"
+    assert err.headers["retry-after"] == "10"  # 100 missing tokens at 10 tokens/s
+    assert err.headers["x-should-retry"] == "true"
+    lim.admit(other, 10_000, 0).release(0)  # another tenant is unaffected
+    clock.now += 10.0
+    lim.admit(small, 200, 0).release(0)
+    hard = api_error(lambda: lim.admit(small, 601, 0))
+    assert hard.code == "request_too_large" and hard.headers["x-should-retry"] == "false"
+    assert "retry-after" not in hard.headers
+
+
+def test_limiter_output_reservation_is_refunded() -> None:
+    clock = FakeClock()
+    lim = TenantLimiter(clock=clock)
+    t = tenant(output_tokens_per_minute=100)
+    first = lim.admit(t, 1, 80)
+    assert api_error(lambda: lim.admit(t, 1, 80)).status == 429  # 20 left while 80 are reserved
+    first.release(10)  # used 10: 70 come back
+    lim.admit(t, 1, 80).release(80)
+    first.release(0)  # a second release is a no-op
+    assert lim.state(t).output_tokens is not None and lim.state(t).output_tokens.level == pytest.approx(10)
+
+
+def test_limiter_requests_concurrency_daily_and_share() -> None:
+    clock, wall = FakeClock(), FakeClock()
+    lim = TenantLimiter(clock=clock, wall_clock=wall)
+    rpm = tenant(requests_per_minute=2)
+    lim.admit(rpm, 1, 1).release(1)
+    lim.admit(rpm, 1, 1).release(1)
+    assert api_error(lambda: lim.precheck(rpm)).headers["retry-after"] == "30"
+
+    conc = Tenant("c", frozenset({"*"}), TenantLimits(max_concurrent_requests=1))
+    held = lim.admit(conc, 1, 1)
+    err = api_error(lambda: lim.admit(conc, 1, 1))
+    assert err.code == "concurrency_limit_exceeded" and err.headers["retry-after"] == "1"
+    held.release(1)
+    lim.admit(conc, 1, 1).release(1)
+
+    daily = Tenant("d", frozenset({"*"}), TenantLimits(daily_token_quota=100))
+    lim.admit(daily, 50, 40).release(10)  # 60 charged
+    quota = api_error(lambda: lim.admit(daily, 30, 20))
+    assert quota.code == "insufficient_quota" and quota.type == "insufficient_quota"
+    assert quota.headers["x-should-retry"] == "false" and int(quota.headers["retry-after"]) > 0
+    wall.now += 86400
+    lim.admit(daily, 30, 20).release(20)  # a new day
+
+    shared = TenantLimiter(share=4, clock=clock)
+    assert api_error(lambda: shared.admit(tenant(input_tokens_per_minute=400), 101, 0)).code == "request_too_large"
+
+
+# --- routing --------------------------------------------------------------------------------------
+
+
+def member(node_id: str, role: str = "decode", *, queue: int = 0, running: int = 0, free: int = 1000,
+           pool: str = "m", block_size: int = 16) -> Member:
+    rec = NodeRecord(role=role, node_id=node_id, cluster="c", grpc_address=f"{node_id}:1", kv_address="x:1",  # type: ignore[arg-type]
+                     model=pool, model_fingerprint="abc123", dtype="float32", block_size=block_size,
+                     prefix_hash_seed=7, capacity=NodeCapacity(num_kv_blocks=1000, max_num_seqs=16,
+                                                               max_num_batched_tokens=512))
+    return Member(rec, NodeLoad(queue_len=queue, running=running, kv_blocks_free=free,
+                                kv_blocks_used=1000 - free), 0.0)
+
+
+def make_router(members: list[Member], **kw: Any) -> Router:
+    def lookup(role: str, pool: str) -> list[Member]:
+        return [m for m in members if m.role == role and m.record.model == pool]
+
+    opts = {"load_factor": 1.25, "affinity_blocks": 1, "decode_max_queue": 8, **kw}
+    return Router(lookup, **opts)
+
+
+def test_hash_ring_is_stable_and_bounded_load_spills() -> None:
+    ring = HashRing(["a", "b", "c"])
+    order = list(ring.walk(ring_hash(b"key")))
+    assert sorted(order) == ["a", "b", "c"] and order == list(HashRing(["c", "a", "b"]).walk(ring_hash(b"key")))
+    # Removing a node only moves the keys it owned.
+    keys = [ring_hash(str(i).encode()) for i in range(300)]
+    small = HashRing(["a", "b"])
+    moved = sum(1 for k in keys if next(ring.walk(k)) != "c" and next(small.walk(k)) != next(ring.walk(k)))
+    assert moved == 0
+    owner = order[0]
+    pick = bounded_pick(ring, ring_hash(b"key"), {"a": 0, "b": 0, "c": 0}, 1.25)
+    assert pick.node_id == owner and not pick.spilled
+    pick = bounded_pick(ring, ring_hash(b"key"), {"a": 0, "b": 0, "c": 0, owner: 5}, 1.25)
+    assert pick.node_id == order[1] and pick.spilled and "spilled" in pick.reason
+
+
+def test_router_prefix_affinity_spread_and_spill() -> None:
+    members = [member("d0"), member("d1"), *(member(f"p{i}", "prefill") for i in range(3))]
+    router = make_router(members)
+    system = list(range(100, 200))
+    chosen = {router.route("m", [*system, i, i + 1], 16).prefill_id for i in range(20)}
+    assert len(chosen) == 1  # same first block, idle cluster: one prefill node
+    decision = router.route("m", system, 16)
+    assert decision.prefill_reason.startswith("prefix affinity") and "ring owner" in decision.prefill_reason
+    assert decision.prefill_rule == "prefix_owner" and decision.decode_rule == "least_loaded"
+    expect_key = compute_block_hashes(system[:16], 16, 7)[0][:8].hex()
+    assert decision.prefix_key == expect_key  # keyed on the nodes' own chained block hash
+    spread = {router.route("m", [i * 7 + j for j in range(40)], 16).prefill_id for i in range(40)}
+    assert len(spread) == 3  # unrelated prefixes use every node
+    # Requests in flight count as load: the owner's share is bounded, the rest spill along the ring.
+    leases = [router.lease(router.route("m", system, 16)) for _ in range(9)]
+    owners = [lease.decision.prefill_id for lease in leases]
+    assert len(set(owners)) > 1 and max(owners.count(o) for o in owners) <= math.ceil(1.25 * 9 / 3) + 1
+    assert {lease.decision.prefill_rule for lease in leases} == {"prefix_owner", "prefix_spill"}
+    for lease in leases:
+        lease.release()
+    assert router.prefill_outstanding == {} and router.decode_outstanding == {}
+    short = router.route("m", [1, 2, 3], 16)
+    assert "shorter than one block" in short.prefill_reason
+
+
+def test_router_decode_choice_overload_and_session() -> None:
+    members = [member("d0", running=10, free=100), member("d1", running=2, free=900), member("p0", "prefill")]
+    router = make_router(members)
+    decision = router.route("m", list(range(40)), 16)
+    assert decision.decode_id == "d1" and decision.decode_address == "d1:1" and "least loaded" in decision.decode_reason
+    leases = [router.lease(router.route("m", list(range(40)), 16)) for _ in range(30)]
+    assert {lease.decision.decode_id for lease in leases} == {"d0", "d1"}  # own outstanding counts as load
+    for lease in leases:
+        lease.release()
+    # Not enough free KV blocks ranks a node last.
+    tight = make_router([member("d0", free=2), member("d1", running=8, free=900)])
+    assert tight.route("m", list(range(100)), 100).decode_id == "d1"
+    # Overloaded pool and empty pool are told apart.
+    busy = make_router([member("d0", queue=8)])
+    with pytest.raises(NoRoute) as info:
+        busy.route("m", [1], 1)
+    assert info.value.overloaded
+    with pytest.raises(NoRoute) as info:
+        busy.route("other", [1], 1)
+    assert not info.value.overloaded
+    assert make_router(members).route("m", [1, 2], 4, exclude=frozenset({"d1"})).decode_id == "d0"
+    # A session key pins a conversation to one decode node.
+    router = make_router([member("d0"), member("d1"), member("d2")])
+    pinned = {router.route("m", list(range(i, i + 30)), 8, session_key="conv-1").decode_id for i in range(10)}
+    assert len(pinned) == 1 and "session affinity" in router.route("m", [1], 1, session_key="conv-1").decode_reason
+    no_prefill = router.route("m", [1], 1)
+    assert no_prefill.prefill_id == "" and "decode node prefills" in no_prefill.prefill_reason
+
+
+# --- models and rendering -------------------------------------------------------------------------
+
+
+def test_catalog_and_token_texts(catalog: ModelCatalog, tiny_llama_dir: Path) -> None:
+    model = catalog.resolve("gpt-x")
+    assert model.name == "tiny-llama" and model.max_context == 4096 and catalog.resolve("tiny-llama") is model
+    err = api_error(lambda: catalog.resolve("nope"))
+    assert (err.status, err.code, err.param) == (404, "model_not_found", "model")
+    ids = model.encode_chat([{"role": "user", "content": "Hi"}])
+    assert ids[0] == model.tokenizer.bos_token_id and model.tokenizer.decode(ids, skip_special_tokens=False).endswith(
+        "<|im_start|>assistant\n")
+    texts: TokenTexts = model.texts
+    assert texts.get(model.tokenizer.bos_token_id).text == "<|begin_of_text|>"
+    # Each token's bytes concatenate to the exact UTF-8 of the text, even across a split character.
+    text = "naïve café — 日本"
+    pieces = [texts.get(t) for t in model.tokenizer.encode(text, add_special_tokens=False)]
+    assert bytes(b for p in pieces for b in p.bytes).decode("utf-8").strip() == text
+    assert any(p.text.startswith("bytes:\\x") for p in pieces)  # partial characters are named by their bytes
+    with pytest.raises(APIError):
+        model.check_token_ids([1, 10**6], "prompt")
+    spec = ModelSpec(name="x", path=str(tiny_llama_dir), max_context=64)
+    assert ModelCatalog((spec,)).resolve("x").max_context == 64
+
+
+def test_config_validation(tmp_path: Path, tiny_llama_dir: Path) -> None:
+    models = tmp_path / "models.yaml"
+    models.write_text(f"models:\n  - name: a\n    path: {tiny_llama_dir}\n    aliases: [b]\n    fallback: c\n"
+                      f"  - name: c\n    path: {tiny_llama_dir}\n    pool: pool-c\n")
+    specs = load_models_file(models)
+    assert specs[1].pool == "pool-c" and specs[0].pool == "a"
+    FrontendConfig(etcd_endpoints=("h:1",), models=tuple(specs))
+    with pytest.raises(ConfigError, match="used twice"):
+        FrontendConfig(etcd_endpoints=("h:1",), models=(specs[0], specs[0]))
+    with pytest.raises(ConfigError, match="fallback"):
+        FrontendConfig(etcd_endpoints=("h:1",), models=(specs[0],))
+    with pytest.raises(ConfigError, match="etcd"):
+        FrontendConfig(etcd_endpoints=(), models=tuple(specs))
+    with pytest.raises(ConfigError, match="not a directory"):
+        ModelSpec(name="z", path=str(tmp_path / "missing"))
+    models.write_text("models:\n  - name: a\n    path: /x\n    colour: red\n")
+    with pytest.raises(ConfigError, match="unknown field"):
+        load_models_file(models)
+
+
+def test_rendered_chunks_and_bodies_match_the_spec(schemas: OpenAPISchemas, catalog: ModelCatalog) -> None:
+    texts = catalog.resolve("tiny-llama").texts
+    entries = [pb.TokenLogprob(token_id=300, logprob=-0.25, top_token_ids=[300, 301], top_logprobs=[-0.25, -2.0]),
+               pb.TokenLogprob(token_id=301, logprob=float("-inf"), top_token_ids=[5], top_logprobs=[-1.0])]
+    usage = usage_dict(10, 2, 4)
+    for kind, chunk_schema, body_schema in [("chat", "CreateChatCompletionStreamResponse", "CreateChatCompletionResponse"),
+                                            ("completion", COMPLETION_CHUNK, "CreateCompletionResponse")]:
+        for include_usage in (False, True):
+            enc = StreamEncoder(kind, "id-1", 123, "tiny-llama", "fp_abc", include_usage)  # type: ignore[arg-type]
+            if kind == "chat":
+                lp: dict[str, Any] = {"content": chat_logprobs(entries, texts, 1), "refusal": None}
+            else:
+                lp = completion_logprobs(entries, texts, 1, 0).logprobs
+            events = [enc.text(0, 'a "quoted"\n text', lp), enc.text(1, "é"), enc.finish(0, "stop")]
+            if kind == "chat":
+                events.insert(0, enc.role(0))
+            if include_usage:
+                events.append(enc.usage(usage))
+            for event in events:
+                assert event.startswith(b"data: ") and event.endswith(b"\n\n")
+                obj = orjson.loads(event[6:])
+                assert schemas.errors(chunk_schema, obj) == []
+                assert ("usage" in obj) == (include_usage and (kind == "chat" or event is events[-1]))
+            assert orjson.loads(events[-1][6:]).get("usage") == (usage if include_usage else None)
+        choices: list[dict[str, Any]]
+        if kind == "chat":
+            choices = [{"index": 0, "message": {"role": "assistant", "content": "x", "refusal": None},
+                        "logprobs": {"content": chat_logprobs(entries, texts, 2), "refusal": None},
+                        "finish_reason": "length"}]
+        else:
+            choices = [{"index": 0, "text": "x", "logprobs": completion_logprobs(entries, texts, 2, 0).logprobs,
+                        "finish_reason": "stop"}]
+        body = orjson.loads(full_response(kind == "chat", "id-1", 1, "tiny-llama", "fp_abc", choices, usage))
+        assert schemas.errors(body_schema, body) == []
+    assert chat_logprobs(entries, texts, 1)[1]["logprob"] == -9999.0  # -inf has no JSON form
+    assert DONE == b"data: [DONE]\n\n"
+    assert schemas.errors("ErrorResponse", APIError(400, "m", param="p", code="c").to_dict()) == []
