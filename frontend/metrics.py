@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 POOL = "frontend"
-_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 _TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
 
 
@@ -24,32 +24,39 @@ class FrontendMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         base = ["pool", "node", "model"]
-        self.requests = Counter("pdserve_requests_total", "Requests by endpoint, HTTP status and finish reason",
+        self.requests = Counter("pdserve_frontend_requests_total", "Requests by endpoint, HTTP status and finish reason",
                                 [*base, "endpoint", "status", "finish_reason"], registry=r)
-        self.ttft = Histogram("pdserve_time_to_first_token_seconds", "Time from request arrival to first token",
+        self.ttft = Histogram("pdserve_frontend_ttft_seconds", "Time from request arrival to first token",
                               base, buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("pdserve_inter_token_latency_seconds", "Time between streamed token messages",
+        self.itl = Histogram("pdserve_frontend_itl_seconds", "Time between streamed token messages",
                              base, buckets=_TOKEN_LATENCY_BUCKETS, registry=r)
-        self.tpot = Histogram("pdserve_time_per_output_token_seconds",
+        self.tpot = Histogram("pdserve_frontend_tpot_seconds",
                               "Per request: (last token - first token) / (tokens - 1)",
                               base, buckets=_TOKEN_LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("pdserve_e2e_request_latency_seconds", "Time from request arrival to its end",
+        self.e2e = Histogram("pdserve_frontend_e2e_seconds", "Time from request arrival to its end",
                              base, buckets=_LATENCY_BUCKETS, registry=r)
-        self.queue = Histogram("pdserve_request_queue_seconds",
+        self.queue = Histogram("pdserve_frontend_queue_seconds",
                                "Time queued on the nodes (prefill queue + decode admission) as they report it",
                                base, buckets=_LATENCY_BUCKETS, registry=r)
-        self.tokens = Counter("pdserve_tenant_tokens_total", "Prompt and completion tokens per tenant and model",
+        self.tokens = Counter("pdserve_frontend_tokens_total", "Prompt and completion tokens per tenant and model",
                               [*base, "tenant", "kind"], registry=r)
-        self.rejections = Counter("pdserve_rate_limit_rejections_total", "Requests refused by tenant limits",
-                                  ["pool", "node", "tenant", "code"], registry=r)
-        self.slo = Counter("pdserve_slo_requests_total", "Requests meeting (met=true) or missing an SLO",
+        self.rejections = Counter("pdserve_frontend_rate_limited_total", "Requests refused by tenant limits",
+                                  ["pool", "node", "tenant", "limit"], registry=r)
+        self.slo = Counter("pdserve_frontend_slo_requests_total", "Requests meeting (met=true) or missing an SLO",
                            [*base, "slo", "met"], registry=r)
-        self.inflight = Gauge("pdserve_inflight_requests", "Requests being served by this frontend",
+        self.inflight = Gauge("pdserve_frontend_requests_in_flight", "Requests being served by this frontend",
                               ["pool", "node"], registry=r)
-        self.routes = Counter("pdserve_route_decisions_total", "Node choices by role and rule",
+        self.routes = Counter("pdserve_frontend_route_decisions_total", "Node choices by role and rule",
                               [*base, "role", "rule"], registry=r)
-        self.disconnects = Counter("pdserve_client_disconnects_total", "Requests aborted by a client disconnect",
+        self.disconnects = Counter("pdserve_frontend_client_disconnects_total", "Requests aborted by a client disconnect",
                                    base, registry=r)
+        self.goodput_tokens = Counter("pdserve_frontend_goodput_tokens_total",
+                                      "Completion tokens of requests that met both the TTFT and TPOT targets",
+                                      base, registry=r)
+        self.ttft_breakdown = Histogram("pdserve_ttft_breakdown_seconds",
+                                        "TTFT by stage: frontend, prefill_queue, prefill, transfer, "
+                                        "decode_admission, first_decode_step", [*base, "stage"],
+                                        buckets=_LATENCY_BUCKETS, registry=r)
         self.inflight_now = self.inflight.labels(POOL, node)
 
     def labels(self, model: str) -> tuple[str, str, str]:
@@ -69,6 +76,11 @@ class FrontendMetrics:
         if queue is not None:
             self.queue.labels(*lbl).observe(queue)
         self.e2e.labels(*lbl).observe(e2e)
+
+    def observe_ttft_breakdown(self, model: str, stages: dict[str, float]) -> None:
+        lbl = self.labels(model)
+        for stage, seconds in stages.items():
+            self.ttft_breakdown.labels(*lbl, stage).observe(seconds)
 
     def observe_slo(self, model: str, name: str, met: bool) -> None:
         self.slo.labels(*self.labels(model), name, "true" if met else "false").inc()

@@ -99,6 +99,7 @@ class Choice:
     cached_tokens: int = 0
     cached_prefill: int = 0  # of cached_tokens: the prefill node's prefix-cache hit (remote prefill)
     cached_decode: int = 0  # the decode node's own hit
+    dispatched_at: float | None = None  # perf_counter when the Generate call went out (TTFT breakdown)
     first_at: float | None = None
     last_at: float | None = None
     itls: list[float] = field(default_factory=list)
@@ -428,6 +429,7 @@ class Frontend:
             c.tried.append(d.decode_id)
             request = pb.GenerateRequest(request_id=c.request_id, model=job.model.pool, prompt_token_ids=c.prompt_ids,
                                          params=c.params, prefill_node_id=d.prefill_id, return_text=True)
+            c.dispatched_at = time.perf_counter()
             c.call = self.upstream.stub(d.decode_address).Generate(request, timeout=self.config.request_timeout_s)
             try:
                 msg = await c.call.read()
@@ -648,11 +650,20 @@ class Frontend:
         timings = [c.timing for c in job.choices if c.timing is not None]
         queue = max((t.prefill_queue_s + t.decode_admission_s for t in timings), default=None)
         m.observe_latencies(name, ttft, itls, tpot, e2e, queue)
-        if status == 200 and job.error is None:
-            if ttft is not None:
-                m.observe_slo(name, "ttft", ttft <= self.config.ttft_slo_s)
-            if tpot is not None:
-                m.observe_slo(name, "tpot", tpot <= self.config.tpot_slo_s)
+        breakdown = _ttft_breakdown(job)
+        if breakdown:
+            m.observe_ttft_breakdown(name, breakdown)
+        if not job.disconnected:
+            # Admitted and finished: a 5xx misses every target; otherwise judge the measured latencies.
+            ok = status < 500 and job.error is None
+            ttft_ok = ok and ttft is not None and ttft <= self.config.ttft_slo_s
+            tpot_ok = ok and (tpot is None or tpot <= self.config.tpot_slo_s)
+            m.observe_slo(name, "ttft", ttft_ok)
+            if tpot is not None or not ok:
+                m.observe_slo(name, "tpot", tpot_ok)
+            m.observe_slo(name, "both", ttft_ok and tpot_ok)
+            if ttft_ok and tpot_ok:
+                m.goodput_tokens.labels(*lbl).inc(completion)
         itls_sorted = sorted(itls)
         record: dict[str, Any] = {
             "ts": time.time(),
@@ -672,6 +683,7 @@ class Frontend:
             "completion_tokens": completion,
             "cached_tokens": [c.cached_tokens for c in job.choices],
             "ttft_ms": None if ttft is None else round(ttft * 1e3, 3),
+            "ttft_breakdown_ms": {k: round(v * 1e3, 3) for k, v in breakdown.items()} or None,
             "e2e_ms": round(e2e * 1e3, 3),
             "tpot_ms": None if tpot is None else round(tpot * 1e3, 3),
             "itl_p50_ms": round(itls_sorted[len(itls_sorted) // 2] * 1e3, 3) if itls_sorted else None,
@@ -682,6 +694,21 @@ class Frontend:
         if job.prompt_log is not None:
             record["prompt"] = job.prompt_log
         self.request_log.write(record)
+
+
+def _ttft_breakdown(job: Job) -> dict[str, float]:
+    """Stages of the first choice to produce a token: the frontend's own part (arrival to dispatch) and
+    the node-reported parts. Empty when no token came."""
+    firsts = [c for c in job.choices if c.first_at is not None]
+    if not firsts:
+        return {}
+    c = min(firsts, key=lambda ch: ch.first_at or 0.0)
+    out = {"frontend": max(0.0, (c.dispatched_at or job.arrived) - job.arrived)}
+    if c.timing is not None:
+        t = c.timing
+        out |= {"prefill_queue": t.prefill_queue_s, "prefill": t.prefill_s, "transfer": t.transfer_s,
+                "decode_admission": t.decode_admission_s, "first_decode_step": t.first_decode_step_s}
+    return out
 
 
 def _route_record(c: Choice) -> dict[str, Any]:

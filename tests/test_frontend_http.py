@@ -540,15 +540,18 @@ def test_models_health_ready_metrics_and_request_log(env: Env) -> None:
 
     client.chat.completions.create(model="tiny-llama", messages=user("metrics"), max_tokens=3)
     metrics = httpx.get(f"{base}/metrics").text
-    for needle in ['pdserve_tenant_tokens_total{kind="prompt",model="tiny-llama",node=',
-                   'pdserve_time_to_first_token_seconds_bucket{le="0.005",model="tiny-llama"',
-                   'pdserve_requests_total{endpoint="chat.completions",finish_reason="length",model="tiny-llama"',
-                   "pdserve_rate_limit_rejections_total{", "pdserve_slo_requests_total{", 'pool="frontend"',
-                   "pdserve_inter_token_latency_seconds_count", "pdserve_route_decisions_total{"]:
+    for needle in ['pdserve_frontend_tokens_total{kind="prompt",model="tiny-llama",node=',
+                   'pdserve_frontend_ttft_seconds_bucket{le="0.005",model="tiny-llama"',
+                   'pdserve_frontend_requests_total{endpoint="chat.completions",finish_reason="length",model="tiny-llama"',
+                   "pdserve_frontend_rate_limited_total{", 'pdserve_frontend_slo_requests_total{met="true",model="tiny-llama"',
+                   'slo="both"', "pdserve_frontend_goodput_tokens_total{", 'pdserve_ttft_breakdown_seconds_count{',
+                   'stage="prefill"', 'stage="frontend"', 'pool="frontend"',
+                   "pdserve_frontend_itl_seconds_count", "pdserve_frontend_route_decisions_total{"]:
         assert needle in metrics, needle
     rec = env.log_records()[-1]
     assert rec["tenant"] == "alpha" and rec["model"] == "tiny-llama" and rec["finish_reasons"] == ["length"]
     assert rec["completion_tokens"] == 3 and rec["ttft_ms"] > 0 and rec["e2e_ms"] >= rec["ttft_ms"]
+    assert set(rec["ttft_breakdown_ms"]) >= {"frontend", "prefill_queue", "prefill", "transfer", "first_decode_step"}
     assert rec["routes"][0]["decode_node"] in ("d-0", "d-1") and rec["routes"][0]["timing_ms"]["prefill"] >= 0
     assert "prompt" not in rec and "metrics" not in env.request_log.read_text()  # no prompt text by default
 
