@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 
-import pytest
-import torch
+# Triton decides at kernel-definition time whether a kernel runs in its CPU interpreter, so the choice
+# has to be made once for the whole session, before any test module imports kernels.triton_*.
+# A GPU run (PDSERVE_TEST_DEVICE=cuda) compiles the kernels for real instead.
+if os.environ.get("PDSERVE_TEST_DEVICE", "cpu") == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from engine.tiny import default_model_dir
 
