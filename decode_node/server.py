@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from decode_node.config import DecodeNodeConfig
+from decode_node.metrics import DecodeMetrics
 from engine.async_engine import RequestStream, abort_output
 from engine.block_manager import Reservation
 from engine.llm_engine import RequestOutput
@@ -84,6 +85,9 @@ class RemoteRequest:
     admitted_at: float = 0.0
     timing: pb.Timing = field(default_factory=pb.Timing)
     prefill_cached_tokens: int = 0
+    # The prefill node reported its part done (TransferDone ok): its leaving the registry no longer
+    # concerns this request (a drained prefill node revokes its lease right after its last send).
+    prefill_done: bool = False
 
 
 @dataclass(eq=False)
@@ -97,6 +101,8 @@ class DecodeService(NodeService, pb_grpc.DecodeNodeServicer):
         super().__init__(ctx)
         assert isinstance(ctx.config, DecodeNodeConfig)
         self.config: DecodeNodeConfig = ctx.config
+        assert isinstance(ctx.metrics, DecodeMetrics)
+        self.metrics: DecodeMetrics = ctx.metrics
         self._remote: dict[str, RemoteRequest] = {}
         self._local: set[str] = set()
         self._queue: deque[_Waiter] = deque()
@@ -141,6 +147,7 @@ class DecodeService(NodeService, pb_grpc.DecodeNodeServicer):
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         arrived = time.monotonic()
+        await self.refuse_if_draining(context)
         rid = request.request_id or f"req-{uuid.uuid4().hex}"
         prompt = list(request.prompt_token_ids)
         try:
@@ -209,6 +216,7 @@ class DecodeService(NodeService, pb_grpc.DecodeNodeServicer):
             elif st.stage == "decoding" and self._remote.get(rid) is st:
                 del self._remote[rid]  # finished in the engine, which already freed its blocks
             self.ctx.engine.close_stream(rid)
+            self.metrics.forget(rid)
 
     # -- routing and admission -----------------------------------------------------------------------
 
@@ -218,6 +226,7 @@ class DecodeService(NodeService, pb_grpc.DecodeNodeServicer):
             m for m in self.ctx.view.members(role="prefill", model=self.config.model_name)
             if m.record.model_fingerprint == self.ctx.fingerprint
             and m.record.block_size == self.config.engine.block_size
+            and not (m.load is not None and m.load.extra.get("draining"))
         ]
         if not pool:
             return None
@@ -332,6 +341,7 @@ class DecodeService(NodeService, pb_grpc.DecodeNodeServicer):
                     done = msg.transfer_done
                     skipped = done.ok and done.skipped
                     if done.ok:
+                        st.prefill_done = True
                         st.timing.transfer_s = done.transfer_s
                     else:
                         st.error = st.error or f"prefill node {st.prefill.node_id}: {done.error}"
@@ -364,6 +374,7 @@ class DecodeService(NodeService, pb_grpc.DecodeNodeServicer):
         if usable and landed:
             st.stage = "decoding"  # set before admit is queued, so a later cancel aborts in the engine
             try:
+                self.metrics.admitted(rid)
                 await self.ctx.engine.admit(rid)
                 return
             except (KeyError, ValueError) as err:
@@ -440,7 +451,7 @@ class DecodeService(NodeService, pb_grpc.DecodeNodeServicer):
 
     def on_member_left(self, node_id: str) -> None:
         for st in list(self._remote.values()):
-            if st.prefill.node_id != node_id or st.stage != "prefill":
+            if st.prefill.node_id != node_id or st.stage != "prefill" or st.prefill_done:
                 continue
             log.warning("prefill node %s left the registry: failing %s", node_id, st.request_id)
             st.error = st.error or f"prefill node {node_id} left the registry"
@@ -483,12 +494,27 @@ class DecodeService(NodeService, pb_grpc.DecodeNodeServicer):
             timing = pb.Timing()
             if st is not None:
                 timing.CopyFrom(st.timing)
+                first_step = self.metrics.first_step_seconds(rid)
+                if first_step is not None:
+                    timing.first_decode_step_s = first_step
             else:
                 timing.prefill_s = time.monotonic() - arrived
             msg.timing.CopyFrom(timing)
         return msg
 
-    # -- shutdown -------------------------------------------------------------------------------------
+    # -- drain and shutdown ---------------------------------------------------------------------------
+
+    def queued_outside_engine(self) -> int:
+        return len(self._queue)
+
+    async def quiesce(self, deadline: float) -> None:
+        # Frontends route by registry membership and retry UNAVAILABLE elsewhere, so new work stops now;
+        # the lease stays until no request waits on a prefill node, which drops its sends to a node
+        # that leaves the registry.
+        self.accepting = False
+        loop = asyncio.get_running_loop()
+        while loop.time() < deadline and any(st.stage in ("admission", "prefill") for st in self._remote.values()):
+            await asyncio.sleep(0.02)
 
     async def close(self) -> None:
         for st in list(self._remote.values()):
@@ -508,4 +534,4 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of `python -m decode_node` (and `pdserve decode`)."""
     config, log_level = DecodeNodeConfig.from_argv(argv)
     setup_logging(log_level)
-    return asyncio.run(run_node(config, "decode", DecodeService))
+    return asyncio.run(run_node(config, "decode", DecodeService, DecodeMetrics))

@@ -59,6 +59,41 @@ def _cmd_make_tiny(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_up(args: argparse.Namespace) -> int:
+    from deploy.launcher import Launcher, build_config
+    from engine.tiny import default_model_dir
+
+    return Launcher(build_config(args, default_model_dir)).run()
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from deploy.status import build_config, run
+
+    return run(build_config(args))
+
+
+def _cmd_drain(args: argparse.Namespace) -> int:
+    import grpc
+
+    from protos import pdserve_pb2 as pb
+    from protos.control import DRAIN_METHOD
+
+    started = time.monotonic()
+    with grpc.insecure_channel(args.grpc) as channel:
+        drain = channel.unary_unary(
+            DRAIN_METHOD, request_serializer=pb.LoadRequest.SerializeToString,
+            response_deserializer=pb.LoadResponse.FromString,
+        )
+        try:
+            load = drain(pb.LoadRequest(), timeout=args.timeout)
+        except grpc.RpcError as err:
+            print(f"pdserve drain: {args.grpc}: {err.code().name}: {err.details()}", file=sys.stderr)
+            return 1
+    elapsed = time.monotonic() - started
+    print(f"{load.role} node {load.node_id}: {load.in_flight} request(s) in flight after {elapsed:.1f}s")
+    return 0 if load.in_flight == 0 else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving")
     p.add_argument("--log-level", default="WARNING")
@@ -79,8 +114,40 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--kv-memory-mib", type=int, default=512)
     g.set_defaults(fn=_cmd_generate)
 
+    u = sub.add_parser("up", help="run the whole cluster on this machine (etcd, nodes, frontend)")
+    u.add_argument("--model", default=None, help="HF model directory (default: the embedded tiny model)")
+    u.add_argument("--model-name", default=None, help="served and pool model name (default: the directory name)")
+    u.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill nodes (default 1)")
+    u.add_argument("--decode", type=int, default=1, metavar="M", help="decode nodes (default 1)")
+    u.add_argument("--host", default="127.0.0.1", help="frontend address (default 127.0.0.1)")
+    u.add_argument("--port", type=int, default=8000, help="frontend port (default 8000)")
+    u.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    u.add_argument("--kv-memory", type=int, default=512, metavar="MIB", help="KV cache budget per node (MiB)")
+    u.add_argument("--num-threads", type=int, default=1, help="torch threads per node (default 1)")
+    u.add_argument("--cluster", default="default", help="registry cluster name (default 'default')")
+    u.add_argument("--runs-dir", default=None, help="where logs and state go (default: runs/ in the repository)")
+    u.add_argument("--lease-ttl", type=int, default=3, help="registry lease TTL of the nodes (s)")
+    u.add_argument("--drain-timeout", type=float, default=20.0, help="per node, at Ctrl-C (s)")
+    u.add_argument("--no-restart", action="store_true", help="report dead processes without restarting them")
+    u.add_argument("--node-arg", action="append", metavar="ARG", help="extra flag for every node, e.g. --node-arg=--max-num-seqs=64 (repeatable)")
+    u.add_argument("--frontend-arg", action="append", metavar="ARG", help="extra flag for the frontend, e.g. --frontend-arg=--ttft-slo=1 (repeatable)")
+    u.set_defaults(fn=_cmd_up)
+
+    st = sub.add_parser("status", help="the registry view of a cluster: nodes, addresses, load, KV use")
+    st.add_argument("--json", action="store_true", help="machine-readable output")
+    st.add_argument("--cluster", default="default")
+    st.add_argument("--etcd", action="append", metavar="HOST:PORT",
+                    help="etcd endpoints (default: those of the local `pdserve up` cluster)")
+    st.add_argument("--runs-dir", default=None)
+    st.set_defaults(fn=_cmd_status)
+
     for name, (_, help_text) in _SERVERS.items():
         sub.add_parser(name, help=f"{help_text} (flags: pdserve {name} --help)", add_help=False)
+
+    d = sub.add_parser("drain", help="drain a node: leave the registry, finish its requests (preStop hook)")
+    d.add_argument("--grpc", required=True, metavar="HOST:PORT", help="the node's gRPC address")
+    d.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the node to be idle")
+    d.set_defaults(fn=_cmd_drain)
 
     m = sub.add_parser("model", help="model utilities")
     msub = m.add_subparsers(dest="model_cmd", required=True)

@@ -26,6 +26,7 @@ from kernels import get_kernel_ops
 from kernels.interface import KV_LAYOUT_VERSION
 from kv_transfer import Channel, ChannelError, KVSender, SendHandle
 from prefill_node.config import PrefillNodeConfig
+from prefill_node.metrics import PrefillMetrics
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
 from protos.control import (
@@ -60,6 +61,8 @@ class PrefillService(NodeService, pb_grpc.PrefillNodeServicer):
         super().__init__(ctx)
         assert isinstance(ctx.config, PrefillNodeConfig)
         self.config: PrefillNodeConfig = ctx.config
+        assert isinstance(ctx.metrics, PrefillMetrics)
+        self.metrics: PrefillMetrics = ctx.metrics
         self._requests: dict[str, PrefillState] = {}
         self._sender = KVSender(get_kernel_ops(ctx.config.engine.kernel_backend, ctx.config.engine.device))
         engine = ctx.engine.engine
@@ -94,6 +97,7 @@ class PrefillService(NodeService, pb_grpc.PrefillNodeServicer):
     ) -> AsyncIterator[pb.PrefillResponse]:
         rid = request.request_id
         prompt = list(request.prompt_token_ids)
+        await self.refuse_if_draining(context)
         problem = self._check(request, prompt)
         if problem is not None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
@@ -133,8 +137,12 @@ class PrefillService(NodeService, pb_grpc.PrefillNodeServicer):
             yield pb.PrefillResponse(transfer_done=pb.TransferDone(ok=False, error=st.aborted or "aborted"))
             return
         token = out.new_token_ids[0]
-        now = time.monotonic()
-        first = pb.FirstToken(token_id=token, num_cached_tokens=out.num_cached_tokens, prefill_s=now - st.arrived)
+        first = pb.FirstToken(token_id=token, num_cached_tokens=out.num_cached_tokens)
+        timing = self.metrics.first_token(st.request_id, st.arrived)
+        if timing is not None:
+            first.queue_s, first.prefill_s = timing.queue_s, timing.prefill_s
+        else:  # the engine thread's record is missing (it cannot be, short of a bug): all of it is prefill
+            first.prefill_s = time.monotonic() - st.arrived
         if out.new_logprobs:
             first.logprob.CopyFrom(logprob_to_proto(out.new_logprobs[0]))
         yield pb.PrefillResponse(first_token=first)
@@ -160,6 +168,7 @@ class PrefillService(NodeService, pb_grpc.PrefillNodeServicer):
                 num_tokens=len(prompt), timeout_s=self.config.transfer_timeout_s,
             )
         except (ChannelError, ValueError) as err:
+            self.metrics.transfer_done(None, f"send not queued: {err}")
             yield pb.PrefillResponse(transfer_done=pb.TransferDone(ok=False, error=f"send not queued: {err}"))
             return
         st.channel, st.handle = channel, handle
@@ -171,6 +180,7 @@ class PrefillService(NodeService, pb_grpc.PrefillNodeServicer):
             layers_per_message=meta.layers_per_message, prefill_kv_address=self.ctx.channels.kv_address,
         ))
         result = await handle.wait()
+        self.metrics.transfer_done(result, (st.aborted or "released") if st.released else None)
         if st.released:
             yield pb.PrefillResponse(transfer_done=pb.TransferDone(ok=False, error=st.aborted or "released"))
             return
@@ -220,6 +230,7 @@ class PrefillService(NodeService, pb_grpc.PrefillNodeServicer):
         if st.handle is not None:
             await st.handle.wait()  # the send may still be reading the blocks
         await self.ctx.engine.abort(st.request_id)  # frees held blocks, or drops a still-queued prefill
+        self.metrics.forget(st.request_id)
         if self._requests.get(st.request_id) is st:
             del self._requests[st.request_id]
 
@@ -237,6 +248,23 @@ class PrefillService(NodeService, pb_grpc.PrefillNodeServicer):
                 st.released = True
                 self.ctx.spawn(self.ctx.engine.abort(st.request_id), f"prefill-release-{st.request_id}")
 
+    async def quiesce(self, deadline: float) -> None:
+        loop = asyncio.get_running_loop()
+        if self.ctx.view.members(role="decode"):
+            # Decode nodes stop choosing a prefill node whose load record says it drains; until that
+            # record went out (one load interval) new Prefill calls are still taken, not failed.
+            grace = self.config.load_interval_s + 0.5
+            await asyncio.sleep(max(0.0, min(grace, deadline - loop.time())))
+        self.accepting = False
+        had_work = bool(self._requests)
+        # Every send must resolve before the lease goes: decode nodes fail a prefill whose node left.
+        while self._requests and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        if had_work:
+            # The last TransferDone messages are on the wire; let the decode nodes read them before
+            # the lease revocation reaches their registry views.
+            await asyncio.sleep(min(0.25, max(0.0, deadline - loop.time())))
+
     async def close(self) -> None:
         for st in list(self._requests.values()):
             self._abort(st, "prefill node shutting down")
@@ -251,4 +279,4 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of `python -m prefill_node` (and `pdserve prefill`)."""
     config, log_level = PrefillNodeConfig.from_argv(argv)
     setup_logging(log_level)
-    return asyncio.run(run_node(config, "prefill", PrefillService))
+    return asyncio.run(run_node(config, "prefill", PrefillService, PrefillMetrics))

@@ -1,11 +1,22 @@
 """What both node servers share on the control plane: message conversion, the common part of their
 configuration and command line, and the serving lifecycle (engine thread, KV channel manager, gRPC
-server, registry view and registration, clean shutdown on SIGTERM/SIGINT).
+server, registry view and registration, /metrics, gRPC health, drain, clean shutdown).
 
 A node prints exactly one line to stdout once it serves and is registered:
-``PDSERVE_READY {"node_id": ..., "role": ..., "grpc_address": ..., "kv_address": ..., "pid": ...}``;
-launchers and the test harness read it to learn the ports the node picked. Logs go to stderr.
-A node refused by its pool (e.g. a model fingerprint that disagrees) exits with EXIT_REFUSED.
+``PDSERVE_READY {"node_id": ..., "role": ..., "grpc_address": ..., "kv_address": ...,
+"metrics_address": ..., "pid": ...}``; launchers and the test harness read it to learn the ports the node
+picked. Logs go to stderr. A node refused by its pool (e.g. a model fingerprint that disagrees) exits
+with EXIT_REFUSED.
+
+Health (grpc.health.v1 on the gRPC port): the overall status ``""`` is SERVING while the server runs; the
+node's own service (``pdserve.v1.PrefillNode`` / ``pdserve.v1.DecodeNode``) is SERVING only while the
+node is registered and takes new work.
+
+Drain (SIGTERM, SIGINT, or the ``pdserve.v1.NodeControl/Drain`` call of ``pdserve drain``): the node turns
+NOT_SERVING, stops taking new work (UNAVAILABLE), waits until no request depends on a peer seeing it in
+the registry, revokes its lease, and lets the requests it still runs finish, all within
+``--drain-timeout``. After a signal the node then exits; after a Drain call it idles until signalled. A
+second signal skips what is left of the drain.
 """
 
 from __future__ import annotations
@@ -18,19 +29,23 @@ import os
 import signal
 import sys
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from prometheus_client import disable_created_metrics
 
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
-from engine.llm_engine import EngineLoad, LLMEngine
+from engine.llm_engine import EngineLoad
 from engine.sampling_params import SamplingParams
 from engine.sequence import TokenLogprob
 from kv_transfer import ChannelConfig, ChannelManager
 from protos import pdserve_pb2 as pb
+from protos.node_metrics import EngineGauges, MetricLabels, MetricsServer, NodeMetrics, ObservedEngine
 from registry import (
     NodeCapacity,
     NodeLoad,
@@ -53,6 +68,11 @@ GRPC_OPTIONS = (
     ("grpc.max_receive_message_length", 64 << 20),
     ("grpc.so_reuseport", 0),
 )
+
+# `pdserve drain` calls this method: request LoadRequest, response LoadResponse (the node's load once the
+# drain ended or the call's deadline came).
+DRAIN_SERVICE = "pdserve.v1.NodeControl"
+DRAIN_METHOD = f"/{DRAIN_SERVICE}/Drain"
 
 
 # ---------------------------------------------------------------------------------------- messages
@@ -123,17 +143,22 @@ class NodeConfig:
     load_interval_s: float = 1.0
     join_timeout_s: float = 30.0  # how long to wait for etcd at start-up
     transfer_timeout_s: float = 30.0  # last-resort bound on one KV transfer (queue + wire)
+    metrics_host: str = "127.0.0.1"  # where /metrics is served
+    metrics_port: int = 0  # 0 picks a free port (reported in the ready line)
+    drain_timeout_s: float = 30.0  # how long a drain waits for the work in flight before giving up
 
     def __post_init__(self) -> None:
         checks = [
             (bool(self.node_id) and "/" not in self.node_id, f"bad node_id {self.node_id!r}"),
             (bool(self.cluster) and "/" not in self.cluster, f"bad cluster {self.cluster!r}"),
             (bool(self.etcd_endpoints), "at least one etcd endpoint is required"),
-            (0 <= self.grpc_port < 65536 and 0 <= self.kv_port < 65536, "ports must be in [0, 65535]"),
+            (all(0 <= p < 65536 for p in (self.grpc_port, self.kv_port, self.metrics_port)),
+             "ports must be in [0, 65535]"),
             (self.lease_ttl_s >= 1, "lease_ttl_s must be >= 1"),
             (self.load_interval_s > 0, "load_interval_s must be > 0"),
             (self.join_timeout_s > 0, "join_timeout_s must be > 0"),
             (self.transfer_timeout_s > 0, "transfer_timeout_s must be > 0"),
+            (self.drain_timeout_s >= 0, "drain_timeout_s must be >= 0"),
         ]
         for ok, msg in checks:
             if not ok:
@@ -176,6 +201,10 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load-interval", type=float, default=1.0)
     parser.add_argument("--join-timeout", type=float, default=30.0)
     parser.add_argument("--transfer-timeout", type=float, default=30.0)
+    parser.add_argument("--metrics-host", default="127.0.0.1", help="address /metrics is served on")
+    parser.add_argument("--metrics-port", type=int, default=0, help="/metrics port (0: a free one)")
+    parser.add_argument("--drain-timeout", type=float, default=30.0,
+                        help="seconds a drain (SIGTERM, pdserve drain) waits for requests in flight")
     parser.add_argument("--log-level", default="INFO")
 
 
@@ -196,6 +225,7 @@ def node_kwargs(args: argparse.Namespace) -> dict[str, object]:
         advertise_host=args.advertise_host, kv_host=args.kv_host, kv_port=args.kv_port,
         kv_interface=args.kv_interface, lease_ttl_s=args.lease_ttl, load_interval_s=args.load_interval,
         join_timeout_s=args.join_timeout, transfer_timeout_s=args.transfer_timeout,
+        metrics_host=args.metrics_host, metrics_port=args.metrics_port, drain_timeout_s=args.drain_timeout,
     )
 
 
@@ -208,6 +238,10 @@ def setup_logging(level: str) -> None:
 
 # ---------------------------------------------------------------------------------------- runtime
 
+# The gRPC service each role serves, whose health status says whether the node takes new work.
+ROLE_SERVICES = {"prefill": "PrefillNode", "decode": "DecodeNode"}
+_POLL_S = 0.05
+
 
 @dataclass(eq=False)
 class NodeContext:
@@ -219,6 +253,7 @@ class NodeContext:
     channels: ChannelManager
     view: RegistryView
     fingerprint: str
+    metrics: NodeMetrics
     record: NodeRecord | None = None  # set once the gRPC port is bound
     background: set[asyncio.Task[None]] = field(default_factory=set)
 
@@ -242,6 +277,8 @@ class NodeService(ABC):
 
     def __init__(self, ctx: NodeContext) -> None:
         self.ctx = ctx
+        self.accepting = True  # False once a drain stops new work: new calls get UNAVAILABLE
+        self.draining = False  # published in the load record, so peers stop choosing this node
 
     @abstractmethod
     def add_to_server(self, server: grpc.aio.Server) -> None:
@@ -256,16 +293,37 @@ class NodeService(ABC):
         """A peer's registry lease disappeared (while etcd is reachable): drop what is held for it."""
 
     @abstractmethod
+    async def quiesce(self, deadline: float) -> None:
+        """First part of a drain: stops taking new work (sets `accepting` False) and returns once no
+        request of this node needs a peer to still see it registered, or at `deadline` (loop time).
+        Peers drop the work they share with a node whose lease goes, so the lease waits for this."""
+
+    @abstractmethod
     async def close(self) -> None:
         """Ends every request (freeing its blocks) before the engine stops."""
 
+    def in_flight(self) -> int:
+        """Requests this node is serving, at any stage (the drain waits for 0)."""
+        return int(self.load_extra().get("in_flight", 0))
+
+    def queued_outside_engine(self) -> int:
+        """Requests waiting to enter the engine (e.g. for KV blocks); must be safe from any thread."""
+        return 0
+
+    async def refuse_if_draining(self, context: grpc.aio.ServicerContext) -> None:
+        """Aborts the call with UNAVAILABLE (callers try another node) once new work is refused."""
+        if not self.accepting:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"node {self.ctx.config.node_id} is draining")
+
     def node_load(self) -> NodeLoad:
         load = self.ctx.engine.load()
+        extra = dict(self.load_extra())
+        if self.draining:
+            extra["draining"] = 1.0
         return NodeLoad(
-            queue_len=load.waiting + int(self.load_extra().get("admission_queue", 0)),
+            queue_len=load.waiting + int(extra.get("admission_queue", 0)),
             running=load.running, kv_blocks_used=load.kv_blocks_used, kv_blocks_free=load.kv_blocks_free,
-            kv_blocks_cached=load.kv_blocks_cached, tokens_per_s=self.ctx.engine.tokens_per_s(),
-            extra=dict(self.load_extra()),
+            kv_blocks_cached=load.kv_blocks_cached, tokens_per_s=self.ctx.engine.tokens_per_s(), extra=extra,
         )
 
     def load_response(self) -> pb.LoadResponse:
@@ -282,9 +340,100 @@ class NodeService(ABC):
         )
 
 
-async def run_node(config: NodeConfig, role: str, make_service: type[NodeService]) -> int:
-    """Runs one node until SIGTERM/SIGINT; returns the process exit code."""
-    engine = await asyncio.to_thread(LLMEngine, config.engine)
+class Drainer:
+    """Runs a node's drain at most once (signals and Drain calls share it) and owns the deregistration."""
+
+    def __init__(self, service: NodeService, health: health_aio.HealthServicer, service_name: str,
+                 timeout_s: float) -> None:
+        self._service = service
+        self._health = health
+        self._service_name = service_name
+        self._timeout_s = timeout_s
+        self.registration: NodeRegistration | None = None  # set once the node joined
+        self._drain: asyncio.Task[bool] | None = None
+        self._deregister: asyncio.Task[None] | None = None
+
+    def start(self) -> asyncio.Task[bool]:
+        """Starts the drain (if not started); the task's result says whether the node ended idle."""
+        if self._drain is None:
+            self._drain = asyncio.create_task(self._run(), name="drain")
+        return self._drain
+
+    def deregister(self) -> asyncio.Task[None]:
+        """Revokes the lease (once); a task of its own, so cancelling a drain never cuts it short."""
+        if self._deregister is None:
+            registration = self.registration
+            self._deregister = asyncio.create_task(
+                registration.close() if registration is not None else asyncio.sleep(0), name="deregister")
+        return self._deregister
+
+    async def _run(self) -> bool:
+        service, node_id = self._service, self._service.ctx.config.node_id
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._timeout_s
+        log.info("node %s: draining (timeout %gs)", node_id, self._timeout_s)
+        service.draining = True
+        await self._health.set(self._service_name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await service.quiesce(deadline)
+        service.accepting = False
+        await asyncio.shield(self.deregister())
+        while service.in_flight() and loop.time() < deadline:
+            await asyncio.sleep(_POLL_S)
+        left = service.in_flight()
+        if left:
+            log.warning("node %s: drain timed out with %d request(s) in flight", node_id, left)
+        else:
+            log.info("node %s: drained", node_id)
+        return left == 0
+
+
+def _drain_handler(drainer: Drainer, service: NodeService) -> grpc.GenericRpcHandler:
+    async def drain(request: pb.LoadRequest, context: grpc.aio.ServicerContext) -> pb.LoadResponse:
+        if drainer.registration is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "the node has not joined the registry")
+        task = drainer.start()
+        remaining = context.time_remaining()
+        try:
+            await asyncio.wait_for(asyncio.shield(task), remaining)
+        except TimeoutError:
+            pass  # the caller's deadline came first; the drain goes on
+        return service.load_response()
+
+    return grpc.method_handlers_generic_handler(DRAIN_SERVICE, {
+        "Drain": grpc.unary_unary_rpc_method_handler(
+            drain, request_deserializer=pb.LoadRequest.FromString,
+            response_serializer=pb.LoadResponse.SerializeToString,
+        ),
+    })
+
+
+async def run_node(
+    config: NodeConfig, role: str, make_service: type[NodeService],
+    make_metrics: Callable[[MetricLabels], NodeMetrics],
+) -> int:
+    """Runs one node until SIGTERM/SIGINT (drained, then stopped); returns the process exit code."""
+    # Process-wide switch of prometheus_client: `*_created` series only double the series count, and no
+    # dashboard or rule reads them.
+    disable_created_metrics()
+    metrics = make_metrics(MetricLabels(role, config.node_id, config.model_name))
+    try:
+        # Up before the model loads, so a scrape during start-up finds the process.
+        metrics_server = metrics.serve(config.metrics_host, config.metrics_port)
+    except OSError as err:
+        print(f"pdserve {role} node {config.node_id}: cannot serve /metrics on "
+              f"{config.metrics_host}:{config.metrics_port}: {err}", file=sys.stderr)
+        return 1
+    try:
+        return await _serve(config, role, make_service, metrics, metrics_server)
+    finally:
+        metrics_server.close()
+
+
+async def _serve(
+    config: NodeConfig, role: str, make_service: type[NodeService], metrics: NodeMetrics,
+    metrics_server: MetricsServer,
+) -> int:
+    engine = await asyncio.to_thread(ObservedEngine, config.engine, metrics)
     fingerprint = engine.model_config.fingerprint()
     aengine = AsyncEngine(engine, name=config.node_id)
     aengine.start()
@@ -294,11 +443,17 @@ async def run_node(config: NodeConfig, role: str, make_service: type[NodeService
         connect_timeout_s=config.transfer_timeout_s,
     ))
     view = RegistryView(config.etcd_endpoints, config.cluster)
-    ctx = NodeContext(config, role, aengine, channels, view, fingerprint)
+    ctx = NodeContext(config, role, aengine, channels, view, fingerprint, metrics)
     service = make_service(ctx)
+    metrics.bind(lambda: EngineGauges(aengine.load(), service.queued_outside_engine()))
     server = grpc.aio.server(options=GRPC_OPTIONS)
     service.add_to_server(server)
-    registration: NodeRegistration | None = None
+    health = health_aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    service_name = pb.DESCRIPTOR.services_by_name[ROLE_SERVICES[role]].full_name
+    await health.set(service_name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    drainer = Drainer(service, health, service_name, config.drain_timeout_s)
+    server.add_generic_rpc_handlers((_drain_handler(drainer, service),))
     try:
         port = server.add_insecure_port(f"{config.grpc_host}:{config.grpc_port}")
         if port == 0:
@@ -325,39 +480,48 @@ async def run_node(config: NodeConfig, role: str, make_service: type[NodeService
             load_interval_s=config.load_interval_s, join_timeout_s=config.join_timeout_s,
         )
         await registration.start()
+        drainer.registration = registration
     except RegistrationRefused as err:
         log.error("registration refused: %s", err)
         print(f"pdserve {role} node {config.node_id}: refused by the registry: {err}", file=sys.stderr)
-        registration = None
-        await _shutdown(service, server, aengine, channels, view, None)
+        await _shutdown(service, server, aengine, channels, view, drainer, health)
         return EXIT_REFUSED
     except RegistryUnavailable as err:
         log.error("registry unavailable: %s", err)
-        registration = None
-        await _shutdown(service, server, aengine, channels, view, None)
+        await _shutdown(service, server, aengine, channels, view, drainer, health)
         return EXIT_UNAVAILABLE
+    await health.set(service_name, health_pb2.HealthCheckResponse.SERVING)
     ready = {
         "node_id": config.node_id, "role": role, "grpc_address": ctx.record.grpc_address,
-        "kv_address": ctx.record.kv_address, "pid": os.getpid(), "fingerprint": fingerprint,
+        "kv_address": ctx.record.kv_address, "metrics_address": metrics_server.address, "pid": os.getpid(),
+        "fingerprint": fingerprint,
     }
     print(READY_PREFIX + json.dumps(ready), flush=True)
-    stop = asyncio.Event()
+    signals: asyncio.Queue[int] = asyncio.Queue()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+        loop.add_signal_handler(sig, signals.put_nowait, sig)
+    first = await signals.get()
+    log.info("node %s: %s received", config.node_id, signal.Signals(first).name)
+    drain = drainer.start()
+    second = asyncio.ensure_future(signals.get())
+    await asyncio.wait({drain, second}, return_when=asyncio.FIRST_COMPLETED)
+    if not drain.done():
+        log.warning("node %s: second signal, stopping without waiting for the drain", config.node_id)
+        drain.cancel()
+    second.cancel()
     log.info("node %s stopping", config.node_id)
-    await _shutdown(service, server, aengine, channels, view, registration)
+    await _shutdown(service, server, aengine, channels, view, drainer, health)
     return 0
 
 
 async def _shutdown(
     service: NodeService, server: grpc.aio.Server, aengine: AsyncEngine, channels: ChannelManager,
-    view: RegistryView, registration: NodeRegistration | None,
+    view: RegistryView, drainer: Drainer, health: health_aio.HealthServicer,
 ) -> None:
+    await health.enter_graceful_shutdown()
     # Leave the registry first so routers stop sending work, then end the work in flight.
-    if registration is not None:
-        await registration.close()
+    await drainer.deregister()
     await server.stop(grace=1.0)
     await service.close()
     await aengine.close()

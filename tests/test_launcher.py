@@ -1,0 +1,134 @@
+"""`pdserve up` as a real subprocess from the repository (etcd, one prefill and one decode node, the
+frontend), the way the README runs it:
+
+1. the examples it prints work: its `curl` command and its `openai` SDK snippet, run as printed;
+2. `pdserve status` finds the cluster and shows each node's role, id, addresses, pid, load and KV use;
+3. killing both node processes gets them reported and restarted, and serving continues;
+4. Ctrl-C stops every process in order (frontend, decode, prefill, etcd), leaving no process and no
+   registry key behind (checked by bringing etcd back up on the cluster's data).
+
+The tests share one cluster and run in file order; the last one stops it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+
+import openai
+import pytest
+
+from deploy.launcher import registry_keys
+from registry import EtcdServer
+from tests.up_cluster import REPO_ROOT, UpCluster
+
+pytestmark = [
+    pytest.mark.timeout(420),
+    pytest.mark.skipif(importlib.util.find_spec("frontend.server") is None,
+                       reason="pdserve up serves through the frontend (frontend.server), which is missing"),
+]
+
+
+@pytest.fixture(scope="module")
+def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpCluster]:
+    cluster = UpCluster.start(tmp_path_factory.mktemp("up"), ["--lease-ttl", "2", "--kv-memory", "64"])
+    try:
+        yield cluster
+    finally:
+        cluster.close()
+
+
+def ask(up: UpCluster, content: str = "Hello!") -> openai.types.chat.ChatCompletion:
+    client = openai.OpenAI(base_url=f"{up.base_url}/v1", api_key="local", max_retries=0, timeout=60)
+    model = up.state()["model"]
+    return client.chat.completions.create(model=model, max_tokens=8, messages=[{"role": "user", "content": content}])
+
+
+def banner_block(banner: str, label: str) -> str:
+    """The lines of one banner entry: from the line starting with `label` to the next blank line."""
+    lines = banner.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.strip().startswith(label))
+    end = next(i for i in range(start, len(lines)) if not lines[i].strip())
+    return "\n".join(lines[start:end])
+
+
+def test_printed_examples_work(up: UpCluster) -> None:
+    banner = up.stdout()
+    assert f"{up.base_url}/v1" in banner
+    assert f"{up.cluster_dir}/logs/*.log" in banner
+    assert f"{up.base_url}/metrics" in banner and "prefill-0" in banner and "decode-0" in banner
+    assert list((up.cluster_dir / "logs").glob("*.log")), "the logs are where the banner says"
+
+    curl = banner_block(banner, "curl").strip().removeprefix("curl").strip()
+    result = subprocess.run(["bash", "-c", f"curl -sS --fail {curl}"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    reply = json.loads(result.stdout)
+    assert reply["object"] == "chat.completion" and reply["usage"]["completion_tokens"] > 0
+
+    sdk = textwrap.dedent("\n".join(banner_block(banner, "openai SDK").splitlines()[1:]))
+    result = subprocess.run([sys.executable, "-c", sdk], capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip(), "the SDK example prints the model's reply"
+
+    completion = ask(up)
+    assert completion.choices[0].finish_reason in ("length", "stop") and completion.usage is not None
+
+
+def test_status_shows_the_registry(up: UpCluster) -> None:
+    status = up.status_json()
+    assert status["cluster"] == up.cluster and status["url"] == up.base_url
+    nodes = {n["node_id"]: n for n in status["nodes"]}
+    assert {nid: n["role"] for nid, n in nodes.items()} == {"prefill-0": "prefill", "decode-0": "decode"}
+    processes = {p["name"]: p for p in up.state()["processes"]}
+    for nid, node in nodes.items():
+        assert node["pid"] == processes[nid]["pid"] and node["pid"] in up.processes()
+        assert node["grpc_address"] == processes[nid]["grpc"] and node["metrics_address"] == processes[nid]["metrics"]
+        assert node["kv_address"].startswith("127.0.0.1:") and node["kv_blocks_total"] > 0
+        assert node["running"] is not None and 0.0 <= node["kv_usage"] <= 1.0
+    table = up.status()
+    assert table.returncode == 0 and "prefill-0" in table.stdout and "decode-0" in table.stdout
+
+
+def test_killed_nodes_restart_and_serving_continues(up: UpCluster) -> None:
+    before = {n["node_id"]: n for n in up.status_json()["nodes"]}
+    targets_before = {t["labels"]["node"]: t["targets"] for t in up.targets()}
+    for node in before.values():
+        os.kill(node["pid"], signal.SIGKILL)
+    for name in before:
+        up.wait_for(f"{name} (pid {before[name]['pid']}) exited with code -9", 30)
+        up.wait_for(f"{name} is back", 180)
+
+    deadline = time.monotonic() + 30
+    while True:  # the registry shows the new processes once their records replaced the dead ones'
+        after = {n["node_id"]: n for n in up.status_json()["nodes"]}
+        if set(after) == set(before) and all(after[n]["pid"] != before[n]["pid"] for n in after):
+            break
+        assert time.monotonic() < deadline, f"registry still shows {after}"
+        time.sleep(0.5)
+    assert all(after[n]["pid"] in up.processes() for n in after)
+    assert ask(up, "Still there?").usage.completion_tokens > 0
+    # Restarted nodes keep their /metrics port, so Prometheus keeps scraping the same targets.
+    assert {t["labels"]["node"]: t["targets"] for t in up.targets()} == targets_before
+
+
+def test_ctrl_c_stops_everything_in_order(up: UpCluster) -> None:
+    started = up.processes()
+    assert len(started) >= 6, started  # launcher, etcd wrapper, etcd, prefill, decode, frontend
+    assert up.interrupt() == 0, up.stderr()[-3000:]
+    log = up.stderr()
+    order = [log.index(f"stopped {name}") for name in ("frontend-0", "decode-0", "prefill-0", "etcd")]
+    assert order == sorted(order), log[-2000:]
+    assert "registry: no key left" in log and "every process exited" in log
+    assert up.processes() == {}, "no process of the cluster is left"
+    assert up.targets() == [] and not (up.cluster_dir / "cluster.json").exists()
+
+    # Independently of the launcher's own check: etcd, back on the cluster's data, holds no key of it.
+    with EtcdServer(up.cluster_dir / "etcd", log_level="warn") as etcd:
+        assert registry_keys(etcd.endpoints, up.cluster) == []
