@@ -76,16 +76,12 @@ def _cmd_drain(args: argparse.Namespace) -> int:
     import grpc
 
     from protos import pdserve_pb2 as pb
-    from protos.control import DRAIN_METHOD
+    from protos import pdserve_pb2_grpc as pb_grpc
 
     started = time.monotonic()
     with grpc.insecure_channel(args.grpc) as channel:
-        drain = channel.unary_unary(
-            DRAIN_METHOD, request_serializer=pb.LoadRequest.SerializeToString,
-            response_deserializer=pb.LoadResponse.FromString,
-        )
         try:
-            load = drain(pb.LoadRequest(), timeout=args.timeout)
+            load = pb_grpc.NodeControlStub(channel).Drain(pb.DrainRequest(), timeout=args.timeout)
         except grpc.RpcError as err:
             print(f"pdserve drain: {args.grpc}: {err.code().name}: {err.details()}", file=sys.stderr)
             return 1

@@ -33,8 +33,10 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         headers: Mapping[str, str] | None = None,
+        limit: str | None = None,  # which tenant limit refused it (rpm/input_tpm/...), for metering only
     ) -> None:
         super().__init__(message)
+        self.limit = limit
         self.status = status
         self.message = message
         self.type = type

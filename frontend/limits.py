@@ -133,7 +133,7 @@ class TenantLimiter:
         self._check_concurrency(tenant, st)
         if st.requests is not None:
             st.requests.refill(self._clock())
-            self._check_bucket(tenant, st.requests, 1, "requests", "requests per minute (RPM)")
+            self._check_bucket(tenant, st.requests, 1, "requests", "requests per minute (RPM)", "rpm")
 
     def admit(self, tenant: Tenant, input_tokens: int, output_reserve: int) -> Admission:
         """Charges one request, `input_tokens` and an output reservation, or raises a 429 APIError."""
@@ -141,16 +141,16 @@ class TenantLimiter:
         now = self._clock()
         self._check_concurrency(tenant, st)
         checks = [
-            (st.requests, 1, "requests", "requests per minute (RPM)"),
-            (st.input_tokens, input_tokens, "tokens", "input tokens per minute (ITPM)"),
-            (st.output_tokens, output_reserve, "tokens", "output tokens per minute (OTPM)"),
+            (st.requests, 1, "requests", "requests per minute (RPM)", "rpm"),
+            (st.input_tokens, input_tokens, "tokens", "input tokens per minute (ITPM)", "input_tpm"),
+            (st.output_tokens, output_reserve, "tokens", "output tokens per minute (OTPM)", "output_tpm"),
         ]
-        for bucket, amount, kind, what in checks:
+        for bucket, amount, kind, what, name in checks:
             if bucket is not None:
                 bucket.refill(now)
-                self._check_bucket(tenant, bucket, amount, kind, what)
+                self._check_bucket(tenant, bucket, amount, kind, what, name)
         day = self._check_daily(tenant, st, input_tokens + output_reserve)
-        for bucket, amount, _, _ in checks:
+        for bucket, amount, *_ in checks:
             if bucket is not None:
                 bucket.take(amount)
         st.concurrent += 1
@@ -165,10 +165,13 @@ class TenantLimiter:
                 f"Too many concurrent requests for tenant {tenant.name!r}: limit {cap}. Retry when one finishes.",
                 type=RATE_LIMIT,
                 code="concurrency_limit_exceeded",
+                limit="concurrency",
                 headers={"retry-after": "1", "x-should-retry": "true"},
             )
 
-    def _check_bucket(self, tenant: Tenant, bucket: TokenBucket, amount: int, kind: str, what: str) -> None:
+    def _check_bucket(
+        self, tenant: Tenant, bucket: TokenBucket, amount: int, kind: str, what: str, name: str
+    ) -> None:
         wait = bucket.wait_s(amount)
         if wait == 0.0:
             return
@@ -180,6 +183,7 @@ class TenantLimiter:
                 "Reduce the prompt or max_tokens; retrying will not help.",
                 type=RATE_LIMIT,
                 code="request_too_large",
+                limit=name,
                 headers={"x-should-retry": "false"},
             )
         raise APIError(
@@ -188,6 +192,7 @@ class TenantLimiter:
             f"available {max(0, int(bucket.level))}. Please try again in {wait:.2f}s.",
             type=RATE_LIMIT,
             code="rate_limit_exceeded",
+            limit=name,
             headers={"retry-after": _retry_after(wait), "x-should-retry": "true",
                      f"x-ratelimit-limit-{kind}": str(limit)},
         )
@@ -206,6 +211,7 @@ class TenantLimiter:
                 f"{amount} requested). The quota resets at 00:00 UTC.",
                 type=QUOTA,
                 code="insufficient_quota",
+                limit="quota",
                 headers={"retry-after": _retry_after(reset_in), "x-should-retry": "false"},
             )
         return day

@@ -177,9 +177,14 @@ class Router:
         load = member.load
         return load is not None and load.queue_len >= self.decode_max_queue
 
+    @staticmethod
+    def draining(member: Member) -> bool:
+        """A draining node finishes what it has and refuses new work, so it is not routed to."""
+        return member.load is not None and bool(member.load.extra.get("draining"))
+
     def status(self, pool: str) -> PoolStatus:
-        decode = self._members("decode", pool)
-        prefill = self._members("prefill", pool)
+        decode = [m for m in self._members("decode", pool) if not self.draining(m)]
+        prefill = [m for m in self._members("prefill", pool) if not self.draining(m)]
         return PoolStatus(decode, prefill, [m for m in decode if not self.overloaded(m)])
 
     def _decode_load(self, m: Member) -> float:

@@ -344,7 +344,7 @@ class Frontend:
         return job
 
     def _count_rejection(self, tenant: Tenant, err: APIError) -> None:
-        self.metrics.rejections.labels("frontend", self.config.frontend_id, tenant.name, err.code or "").inc()
+        self.metrics.rejections.labels("frontend", self.config.frontend_id, tenant.name, err.limit or err.code or "").inc()
 
     def _pick_model(self, tenant: Tenant, model: ServedModel) -> ModelChoice:
         """The requested model, or its fallback when the requested pool has no usable decode node."""

@@ -45,6 +45,7 @@ from engine.sampling_params import SamplingParams
 from engine.sequence import TokenLogprob
 from kv_transfer import ChannelConfig, ChannelManager
 from protos import pdserve_pb2 as pb
+from protos import pdserve_pb2_grpc as pb_grpc
 from protos.node_metrics import EngineGauges, MetricLabels, MetricsServer, NodeMetrics, ObservedEngine
 from registry import (
     NodeCapacity,
@@ -71,8 +72,6 @@ GRPC_OPTIONS = (
 
 # `pdserve drain` calls this method: request LoadRequest, response LoadResponse (the node's load once the
 # drain ended or the call's deadline came).
-DRAIN_SERVICE = "pdserve.v1.NodeControl"
-DRAIN_METHOD = f"/{DRAIN_SERVICE}/Drain"
 
 
 # ---------------------------------------------------------------------------------------- messages
@@ -387,24 +386,21 @@ class Drainer:
         return left == 0
 
 
-def _drain_handler(drainer: Drainer, service: NodeService) -> grpc.GenericRpcHandler:
-    async def drain(request: pb.LoadRequest, context: grpc.aio.ServicerContext) -> pb.LoadResponse:
-        if drainer.registration is None:
+class NodeControlServicer(pb_grpc.NodeControlServicer):
+    """The NodeControl service of every node: Drain starts the node's one drain (or joins it)."""
+
+    def __init__(self, drainer: Drainer, service: NodeService) -> None:
+        self.drainer, self.service = drainer, service
+
+    async def Drain(self, request: pb.DrainRequest, context: grpc.aio.ServicerContext) -> pb.LoadResponse:  # noqa: N802
+        if self.drainer.registration is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "the node has not joined the registry")
-        task = drainer.start()
-        remaining = context.time_remaining()
+        task = self.drainer.start()
         try:
-            await asyncio.wait_for(asyncio.shield(task), remaining)
+            await asyncio.wait_for(asyncio.shield(task), context.time_remaining())
         except TimeoutError:
             pass  # the caller's deadline came first; the drain goes on
-        return service.load_response()
-
-    return grpc.method_handlers_generic_handler(DRAIN_SERVICE, {
-        "Drain": grpc.unary_unary_rpc_method_handler(
-            drain, request_deserializer=pb.LoadRequest.FromString,
-            response_serializer=pb.LoadResponse.SerializeToString,
-        ),
-    })
+        return self.service.load_response()
 
 
 async def run_node(
@@ -453,7 +449,7 @@ async def _serve(
     service_name = pb.DESCRIPTOR.services_by_name[ROLE_SERVICES[role]].full_name
     await health.set(service_name, health_pb2.HealthCheckResponse.NOT_SERVING)
     drainer = Drainer(service, health, service_name, config.drain_timeout_s)
-    server.add_generic_rpc_handlers((_drain_handler(drainer, service),))
+    pb_grpc.add_NodeControlServicer_to_server(NodeControlServicer(drainer, service), server)
     try:
         port = server.add_insecure_port(f"{config.grpc_host}:{config.grpc_port}")
         if port == 0:

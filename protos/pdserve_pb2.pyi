@@ -247,3 +247,7 @@ class LoadResponse(_message.Message):
     admission_queue: int
     in_flight: int
     def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., waiting: _Optional[int] = ..., running: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., kv_blocks_held_for_transfer: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., kv_blocks_reserved: _Optional[int] = ..., admission_queue: _Optional[int] = ..., in_flight: _Optional[int] = ...) -> None: ...
+
+class DrainRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -339,3 +339,84 @@ class PrefillNode:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class NodeControlStub:
+    """Graceful drain (what `pdserve drain` and a pod's preStop hook call): stop taking new work, wait until no
+    request depends on a peer, leave the registry, finish running requests. Returns the load when the drain
+    ended or the caller's deadline came first (in_flight > 0 then).
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Drain = channel.unary_unary(
+                '/pdserve.v1.NodeControl/Drain',
+                request_serializer=pdserve__pb2.DrainRequest.SerializeToString,
+                response_deserializer=pdserve__pb2.LoadResponse.FromString,
+                _registered_method=True)
+
+
+class NodeControlServicer:
+    """Graceful drain (what `pdserve drain` and a pod's preStop hook call): stop taking new work, wait until no
+    request depends on a peer, leave the registry, finish running requests. Returns the load when the drain
+    ended or the caller's deadline came first (in_flight > 0 then).
+    """
+
+    def Drain(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_NodeControlServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=pdserve__pb2.DrainRequest.FromString,
+                    response_serializer=pdserve__pb2.LoadResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'pdserve.v1.NodeControl', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('pdserve.v1.NodeControl', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class NodeControl:
+    """Graceful drain (what `pdserve drain` and a pod's preStop hook call): stop taking new work, wait until no
+    request depends on a peer, leave the registry, finish running requests. Returns the load when the drain
+    ended or the caller's deadline came first (in_flight > 0 then).
+    """
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.NodeControl/Drain',
+            pdserve__pb2.DrainRequest.SerializeToString,
+            pdserve__pb2.LoadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
