@@ -3,11 +3,15 @@
 For each geometry and prompt length it measures, on the same pair channel:
   path      KVSender.send -> KVReceiver.recv: pack, send, receive into staging, unpack
             (whole-request mode, and layer by layer with every layer already computed)
-  raw       plain send/recv of the same number of bytes, one message per transfer
+  raw       plain send/recv of the same bytes in the same messages as that mode (the whole-request
+            message plan, or one message per layer), on the same channel
   memcpy    one local copy of the same bytes, in one process
 and prints GiB/s plus the ratio path/raw. A transfer's time runs from the sender's submission to the
 receiver's completion (a system-wide monotonic clock on both sides), over `--iters` back-to-back
 transfers, so the control-plane hop that carries the metadata is paid once per batch, as by raw.
+Each figure is the median over `--repeats` batches, raw and path interleaved, after a warm-up.
+The production path is the "whole" row: prefill_node/server.py sends whole-request transfers
+(layerwise=False) with KVSender's default 1 MiB messages, the bench's default `--message-mib`.
 
 Both processes call gc.freeze() after startup, as a serving process should: otherwise a full
 collection over torch's heap (~100 ms on a small machine) lands inside some timed batch.
@@ -33,7 +37,15 @@ from typing import Any
 import torch
 
 from kernels import get_kernel_ops
-from kv_transfer import ChannelConfig, ChannelManager, KVReceiver, KVSender, SendHandle, TransferMeta
+from kv_transfer import (
+    ChannelConfig,
+    ChannelManager,
+    KVReceiver,
+    KVSender,
+    SendHandle,
+    TransferMeta,
+    message_ranges,
+)
 
 RAW_TAG = 1 << 30  # far above any transfer's seq_no on the bench's fresh channel
 GiB = float(1 << 30)
@@ -70,9 +82,10 @@ class Case:
 class Row:
     case: Case
     mode: str
-    path_gib_s: float
-    raw_gib_s: float
+    path_gib_s: float  # median over the repeats
+    raw_gib_s: float  # median over the repeats, same message sizes as the mode
     memcpy_gib_s: float
+    ratios: tuple[float, ...]  # path/raw of each interleaved repeat
 
 
 TINY = Geometry("tiny 4Lx2Hx64", layers=4, kv_heads=2, head_dim=64)
@@ -116,15 +129,17 @@ def _decode_main(conn: Connection) -> None:
             bad = [r.error for r in results if not r.ok]
             conn.send((end, bad))
         elif cmd == "raw":
-            nbytes, count, addr, prefill_id, epoch = arg
+            sizes, count, addr, prefill_id, epoch = arg
             ch = mgr.channel_from(prefill_id, addr, epoch)
             group = ch.wait_connected(60.0)
-            bufs = [torch.empty(nbytes, dtype=torch.uint8) for _ in range(2)]
+            # Double-buffered like the receiver: message i+1 is posted before message i is waited.
+            bufs = [torch.empty(max(sizes), dtype=torch.uint8) for _ in range(2)]
+            plan = sizes * count
             deadline = time.monotonic() + 120.0
-            ops_ = [group.irecv(bufs[0], ch.peer, RAW_TAG)]
-            for i in range(count):
-                if i + 1 < count:
-                    ops_.append(group.irecv(bufs[(i + 1) % 2], ch.peer, RAW_TAG))
+            ops_ = [group.irecv(bufs[0][: plan[0]], ch.peer, RAW_TAG)]
+            for i in range(len(plan)):
+                if i + 1 < len(plan):
+                    ops_.append(group.irecv(bufs[(i + 1) % 2][: plan[i + 1]], ch.peer, RAW_TAG))
                 ops_.pop(0).wait(deadline)
             conn.send((time.perf_counter(), []))
     mgr.close()
@@ -177,14 +192,23 @@ class Bench:
         assert not bad and all(h.result(60).ok for h in handles), bad
         return end - t0
 
-    def raw(self, nbytes: int, iters: int) -> float:
+    def message_sizes(self, case: Case, layerwise: bool) -> list[int]:
+        """Bytes of each message of one transfer of `case`, as the sender plans them."""
+        layers = case.geometry.layers
+        layer_bytes = case.nbytes // layers
+        k = self.sender.layers_per_message(layers, layer_bytes, layerwise)
+        return [(l1 - l0) * layer_bytes for l0, l1 in message_ranges(layers, k, case.blocks)]
+
+    def raw(self, sizes: list[int], iters: int) -> float:
+        """Seconds for `iters` transfers of plain messages of `sizes` bytes each, first post to the
+        receiver's last completion."""
         ch = self.mgr.channel_to("bench-d")
-        self.conn.send(("raw", (nbytes, iters, self.mgr.kv_address, ch.key.prefill_id, ch.key.epoch)))
+        self.conn.send(("raw", (sizes, iters, self.mgr.kv_address, ch.key.prefill_id, ch.key.epoch)))
         group = ch.wait_connected(60.0)
-        buf = torch.empty(nbytes, dtype=torch.uint8)
+        buf = torch.empty(max(sizes), dtype=torch.uint8)
         deadline = time.monotonic() + 120.0
         t0 = time.perf_counter()
-        pending = [group.isend(buf, ch.peer, RAW_TAG) for _ in range(iters)]
+        pending = [group.isend(buf[:size], ch.peer, RAW_TAG) for _ in range(iters) for size in sizes]
         for op in pending:
             op.wait(deadline)
         end, _ = self.conn.recv()
@@ -228,19 +252,25 @@ def measure(bench: Bench, case: Case, iters: int, repeats: int) -> list[Row]:
     kv, src, dst = bench.setup(case)
     # Scale the batch so small prompts still move enough bytes to time (at least ~64 MiB per batch).
     n = max(iters, min(200, (64 << 20) // case.nbytes))
-    bench.path(kv, src, dst, 2, layerwise=False)  # warm up channel, staging and both pools
-    bench.raw(case.nbytes, 2)
-    # Interleaved and best-of-`repeats`, so a burst of load from other processes hits all three alike.
-    best = {"raw": float("inf"), "whole": float("inf"), "layer-by-layer": float("inf")}
+    modes = {"whole": False, "layer-by-layer": True}
+    sizes = {mode: bench.message_sizes(case, layerwise) for mode, layerwise in modes.items()}
+    for mode, layerwise in modes.items():  # warm up channel, staging, both pools and both plans
+        bench.path(kv, src, dst, 2, layerwise=layerwise)
+        bench.raw(sizes[mode], 2)
+    # Interleaved, raw right before path in each repeat, so a burst of load from other processes
+    # hits both alike; medians, since the machine is shared and single batches vary a lot.
+    raw: dict[str, list[float]] = {mode: [] for mode in modes}
+    path: dict[str, list[float]] = {mode: [] for mode in modes}
     for _ in range(repeats):
-        best["raw"] = min(best["raw"], bench.raw(case.nbytes, n))
-        best["whole"] = min(best["whole"], bench.path(kv, src, dst, n, layerwise=False))
-        best["layer-by-layer"] = min(best["layer-by-layer"], bench.path(kv, src, dst, n, layerwise=True))
+        for mode, layerwise in modes.items():
+            raw[mode].append(bench.raw(sizes[mode], n))
+            path[mode].append(bench.path(kv, src, dst, n, layerwise=layerwise))
     mem = memcpy_seconds(case.nbytes, 5)
-    raw_gib_s = n * case.nbytes / best["raw"] / GiB
+    total = n * case.nbytes
     return [
-        Row(case, mode, n * case.nbytes / best[mode] / GiB, raw_gib_s, case.nbytes / mem / GiB)
-        for mode in ("whole", "layer-by-layer")
+        Row(case, mode, total / statistics.median(path[mode]) / GiB, total / statistics.median(raw[mode]) / GiB,
+            case.nbytes / mem / GiB, tuple(r / p for r, p in zip(raw[mode], path[mode], strict=True)))
+        for mode in modes
     ]
 
 
@@ -252,12 +282,14 @@ def sweep(case: Case, iters: int, repeats: int) -> None:
         try:
             kv, src, dst = bench.setup(case)
             n = max(iters, min(200, (64 << 20) // case.nbytes))
+            sizes = bench.message_sizes(case, layerwise=False)
             bench.path(kv, src, dst, 2, layerwise=False)
-            bench.raw(case.nbytes, 2)
-            raw = path = float("inf")
+            bench.raw(sizes, 2)
+            raws, paths = [], []
             for _ in range(repeats):
-                raw = min(raw, bench.raw(case.nbytes, n))
-                path = min(path, bench.path(kv, src, dst, n, layerwise=False))
+                raws.append(bench.raw(sizes, n))
+                paths.append(bench.path(kv, src, dst, n, layerwise=False))
+            raw, path = statistics.median(raws), statistics.median(paths)
             label = f"{mib} MiB" if mib else "one message"
             print(f"  {label:>12}: path {n * case.nbytes / path / GiB:5.2f} GiB/s, raw {n * case.nbytes / raw / GiB:5.2f} "
                   f"GiB/s, path/raw {100 * raw / path:4.0f}%")
@@ -268,7 +300,7 @@ def sweep(case: Case, iters: int, repeats: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--iters", type=int, default=8, help="transfers per timed batch (more for small prompts)")
-    ap.add_argument("--repeats", type=int, default=3, help="batches per measurement; the best is kept")
+    ap.add_argument("--repeats", type=int, default=7, help="batches per measurement; the median is kept")
     ap.add_argument("--message-mib", type=float, default=1.0,
                     help="whole-request message size; 0 sends a request as one message")
     ap.add_argument("--quick", action="store_true", help="skip the big geometry")
@@ -292,21 +324,24 @@ def main() -> None:
             rows.extend(measure(bench, case, args.iters, args.repeats))
         print(f"\nKV transfer, 2 processes over loopback gloo, torch {torch.__version__}, "
               f"{torch.get_num_threads()} torch threads, message size {args.message_mib} MiB")
+        print("medians of interleaved batches; raw uses the mode's own message sizes; 'whole' is what "
+              "prefill_node/server.py sends")
         print(f"{'geometry':<16} {'tokens':>6} {'MiB':>8} {'mode':<15} {'path GiB/s':>10} {'raw GiB/s':>10} "
-              f"{'memcpy GiB/s':>12} {'path/raw':>8}")
+              f"{'memcpy GiB/s':>12} {'path/raw':>8} {'per-batch path/raw min..max':>28}")
         for r in rows:
+            spread = f"{100 * min(r.ratios):.0f}%..{100 * max(r.ratios):.0f}%"
             print(f"{r.case.geometry.name:<16} {r.case.tokens:>6} {r.case.nbytes / (1 << 20):>8.2f} {r.mode:<15} "
                   f"{r.path_gib_s:>10.2f} {r.raw_gib_s:>10.2f} {r.memcpy_gib_s:>12.2f} "
-                  f"{100 * r.path_gib_s / r.raw_gib_s:>7.0f}%")
+                  f"{100 * r.path_gib_s / r.raw_gib_s:>7.0f}% {spread:>28}")
 
         print("\nExposed transfer time after a simulated prefill (per-layer compute = per-layer wire time)")
         print(f"{'geometry':<16} {'tokens':>6} {'layer ms':>8} {'whole ms':>9} {'layer-by-layer ms':>18}")
         for case in cases[2:]:
             kv, src, dst = bench.setup(case)
-            raw_row = next(r for r in rows if r.case == case)
+            raw_row = next(r for r in rows if r.case == case and r.mode == "layer-by-layer")
             layer_s = case.nbytes / (raw_row.raw_gib_s * GiB) / case.geometry.layers
-            whole = min(bench.exposed(kv, src, dst, layer_s, False) for _ in range(args.repeats))
-            lbl = min(bench.exposed(kv, src, dst, layer_s, True) for _ in range(args.repeats))
+            whole = statistics.median(bench.exposed(kv, src, dst, layer_s, False) for _ in range(args.repeats))
+            lbl = statistics.median(bench.exposed(kv, src, dst, layer_s, True) for _ in range(args.repeats))
             print(f"{case.geometry.name:<16} {case.tokens:>6} {1e3 * layer_s:>8.2f} {1e3 * whole:>9.2f} {1e3 * lbl:>18.2f}")
     finally:
         bench.close()

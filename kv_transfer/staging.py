@@ -38,6 +38,9 @@ class StagingBuffers:
         self._host_mirror = host_mirror and device.type == "cuda"
         self._compute: list[torch.Tensor | None] = [None] * self.NUM_SLOTS  # flat uint8
         self._wire: list[torch.Tensor | None] = [None] * self.NUM_SLOTS
+        # The last view handed out per slot: back-to-back transfers of one shape (the common case)
+        # then cost a tuple compare instead of four tensor ops per message.
+        self._views: list[tuple[tuple[int, ...], torch.dtype, StagingSlot] | None] = [None] * self.NUM_SLOTS
 
     @property
     def nbytes(self) -> int:
@@ -49,16 +52,21 @@ class StagingBuffers:
     def slot(self, index: int, shape: tuple[int, ...], dtype: torch.dtype) -> StagingSlot:
         """A view of slot `index` shaped `shape`. Reallocates the slot (dropping its old contents)
         only when it is too small; the caller must have finished every op on that slot."""
+        cached = self._views[index]
+        if cached is not None and cached[0] == shape and cached[1] == dtype:
+            return cached[2]
         numel = 1
         for s in shape:
             numel *= s
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        nbytes = numel * dtype.itemsize
         compute = self._ensure(self._compute, index, nbytes, self._device, pin=False)
         wire = self._ensure(self._wire, index, nbytes, torch.device("cpu"), pin=True) if self._host_mirror else compute
-        return StagingSlot(
+        slot = StagingSlot(
             compute=compute[:nbytes].view(dtype).view(shape),
             wire=wire[:nbytes].view(dtype).view(shape),
         )
+        self._views[index] = (shape, dtype, slot)
+        return slot
 
     @staticmethod
     def _ensure(
@@ -75,3 +83,4 @@ class StagingBuffers:
         """Drops all staging memory."""
         self._compute = [None] * self.NUM_SLOTS
         self._wire = [None] * self.NUM_SLOTS
+        self._views = [None] * self.NUM_SLOTS

@@ -29,9 +29,11 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 
+import numpy as np
 import torch
 
 from kernels.interface import KV_LAYOUT_VERSION, KernelOps
+from kv_transfer import hostcopy
 from kv_transfer.backend import PendingOp, TransferTimeout
 from kv_transfer.channel import Channel, ChannelJob, WorkerContext
 from kv_transfer.staging import StagingBuffers, StagingSlot
@@ -194,7 +196,9 @@ class _SendJob(ChannelJob):
         self._tag = meta.seq_no % _TAG_SPACE
         self._ranges = message_ranges(kv_cache.shape[0], meta.layers_per_message, ids.numel())
         self._slot_base = 0
-        self._prepacked: StagingSlot | None = None
+        # The first message, packed and posted by the previous job while its own last one was in flight.
+        self._present: tuple[StagingSlot, PendingOp] | None = None
+        self._host_copy = hostcopy.supported(kv_cache)
 
     def on_abandon(self) -> None:
         self._gate.abandon()
@@ -215,10 +219,12 @@ class _SendJob(ChannelJob):
             slot.wire.copy_(slot.compute, non_blocking=True)
             _sync(ctx)  # gloo reads the pinned mirror from the host
 
-    def prepack(self, ctx: WorkerContext, slot_base: int) -> None:
-        """Packs this job's first message while the previous job's last one is on the wire, if its
-        layers are ready. Called by the previous job, on the worker thread, with `slot_base` free."""
-        if not self._ranges or self._prepacked is not None:
+    def presend(self, ctx: WorkerContext, slot_base: int) -> None:
+        """Packs and posts this job's first message while the previous job's last one is still on
+        the wire, if its layers are ready, so the transport has the next message queued when the
+        previous one completes (as a raw stream of sends would). Called by the previous job, on the
+        worker thread, after all of that job's messages were posted and with `slot_base` free."""
+        if not self._ranges or self._present is not None:
             return
         l0, l1 = self._ranges[0]
         events = self._gate.ready(l0, l1)
@@ -227,33 +233,37 @@ class _SendJob(ChannelJob):
         self._slot_base = slot_base
         slot = self._slot(ctx, 0)
         self._fill(ctx, slot, 0, events)
-        self._prepacked = slot
+        self._present = (slot, ctx.group.isend(slot.wire, ctx.peer, self._tag))
 
     def execute(self, ctx: WorkerContext) -> int:
         in_flight: deque[PendingOp] = deque()
         total = 0
         for i, (l0, l1) in enumerate(self._ranges):
-            if i == 0 and self._prepacked is not None:
-                slot, self._prepacked = self._prepacked, None
+            if i == 0 and self._present is not None:
+                slot, op = self._present
+                self._present = None
             else:
                 events = self._gate.wait(l0, l1, self.deadline)
                 if len(in_flight) == StagingBuffers.NUM_SLOTS:
                     in_flight.popleft().wait(self.deadline)  # frees the slot this message reuses
                 slot = self._slot(ctx, i)
                 self._fill(ctx, slot, i, events)
-            in_flight.append(ctx.group.isend(slot.wire, ctx.peer, self._tag))
+                op = ctx.group.isend(slot.wire, ctx.peer, self._tag)
+            in_flight.append(op)
             total += slot.wire.numel() * slot.wire.element_size()
         nxt = ctx.peek(self.seq_no + 1)
         if isinstance(nxt, _SendJob):
             if len(in_flight) == StagingBuffers.NUM_SLOTS:
                 in_flight.popleft().wait(self.deadline)  # frees the slot the next job packs into
-            nxt.prepack(ctx, (self._slot_base + len(self._ranges)) % StagingBuffers.NUM_SLOTS)
+            nxt.presend(ctx, (self._slot_base + len(self._ranges)) % StagingBuffers.NUM_SLOTS)
         for op in in_flight:
             op.wait(self.deadline)
         return total
 
     def _pack(self, slot: StagingSlot, l0: int, l1: int) -> None:
-        if l1 - l0 == 1:
+        if self._host_copy:  # [l1-l0, 2, n, BS, Hkv, D], on this thread only (see hostcopy)
+            hostcopy.gather(self._kv[l0:l1], self._ids, slot.compute)
+        elif l1 - l0 == 1:
             self._ops.pack_blocks(self._kv, self._ids, layer=l0, out=slot.compute[0])
         else:
             self._ops.pack_blocks(self._kv[l0:l1], self._ids, out=slot.compute)
@@ -280,6 +290,9 @@ class _RecvJob(ChannelJob):
         self._ranges = message_ranges(meta.geometry[0], meta.layers_per_message, meta.num_blocks)
         self._slot_base = 0
         self._preposted: tuple[StagingSlot, PendingOp, int, int] | None = None
+        self._host_ids: np.ndarray | None = None  # [n] int64, set when the pool takes hostcopy.scatter
+        if kv_cache is not None and ids is not None and hostcopy.supported(kv_cache):
+            self._host_ids = ids.numpy()
 
     def prepost(self, ctx: WorkerContext, slot_base: int) -> None:
         """Posts this job's first receive while the previous job finishes, so the sender never waits
@@ -328,7 +341,9 @@ class _RecvJob(ChannelJob):
 
     def _unpack(self, slot: StagingSlot, l0: int, l1: int) -> None:
         assert self._kv is not None and self._ids is not None
-        if l1 - l0 == 1:
+        if self._host_ids is not None:  # on this thread only (see hostcopy)
+            hostcopy.scatter(slot.compute, self._kv[l0:l1], self._host_ids)
+        elif l1 - l0 == 1:
             self._ops.unpack_blocks(slot.compute[0], self._kv, self._ids, layer=l0)
         else:
             self._ops.unpack_blocks(slot.compute, self._kv[l0:l1], self._ids)

@@ -452,3 +452,27 @@ def test_idle_channels_close_and_lru_bound_holds(cluster: Cluster) -> None:
                 break
             time.sleep(0.2)
         assert c.peer.call("open") == {node: [] for node in DECODE_IDS}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_hostcopy_matches_the_kernel_wire_format(dtype: torch.dtype) -> None:
+    """The transfer's serial CPU copies produce exactly the kernel ops' wire format v1, both ways."""
+    from kernels import get_kernel_ops
+    from kv_transfer import hostcopy
+
+    ops = get_kernel_ops("torch", "cpu")
+    gen = torch.Generator().manual_seed(3)
+    pool = torch.randn(3, 2, 20, 4, 2, 8, generator=gen).to(dtype)  # [L, 2, NB, BS, Hkv, D]
+    ids = torch.randperm(20, generator=gen)[:7]
+    assert hostcopy.supported(pool)
+    out = torch.empty(3, 2, 7, 4, 2, 8, dtype=dtype)
+    hostcopy.gather(pool, ids, out)
+    assert torch.equal(out.view(torch.uint8), ops.pack_blocks(pool, ids).view(torch.uint8))
+    one = torch.empty(1, 2, 7, 4, 2, 8, dtype=dtype)
+    hostcopy.gather(pool[1:2], ids, one)
+    assert torch.equal(one[0], ops.pack_blocks(pool, ids, layer=1))
+    dst_ids = torch.randperm(30, generator=gen)[:7]
+    ours, theirs = torch.zeros(3, 2, 30, 4, 2, 8, dtype=dtype), torch.zeros(3, 2, 30, 4, 2, 8, dtype=dtype)
+    hostcopy.scatter(out, ours, dst_ids.numpy())
+    ops.unpack_blocks(out, theirs, dst_ids)
+    assert torch.equal(ours.view(torch.uint8), theirs.view(torch.uint8))
