@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from kernels import KernelOps
+from kernels.torch_ops import AttentionPlan, TorchOps
 
 
 @dataclass
@@ -21,6 +22,36 @@ class AttentionMetadata:
     prefill_block_tables: torch.Tensor | None  # [Bp, MB] int32
     prefill_cu_seqlens_q: torch.Tensor | None  # [Bp + 1] int32, chunk offsets relative to the prefill part
     prefill_context_lens: torch.Tensor | None  # [Bp] int32, KV length including the chunk
+    # Layer-independent attention plans of the torch kernels ("decode" / "prefill"), made by the first
+    # layer and reused by the others: the tensors above must not change while a step runs.
+    plans: dict[str, AttentionPlan] = field(default_factory=dict, repr=False, compare=False)
+
+
+def _decode(
+    ops: KernelOps, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [Bd, Hq, D]
+    assert meta.decode_block_tables is not None and meta.decode_context_lens is not None
+    if not isinstance(ops, TorchOps):
+        return ops.decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
+    plan = meta.plans.get("decode")
+    if plan is None:
+        plan = meta.plans["decode"] = ops.plan(q, k_cache, meta.decode_block_tables, meta.decode_context_lens)
+    return ops.attend_planned(q, k_cache, v_cache, plan, scale)
+
+
+def _prefill(
+    ops: KernelOps, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [Tp, Hq, D]
+    tables, cu, ctx = meta.prefill_block_tables, meta.prefill_cu_seqlens_q, meta.prefill_context_lens
+    assert tables is not None and cu is not None and ctx is not None
+    if not isinstance(ops, TorchOps):
+        return ops.prefill_attention(q, k_cache, v_cache, tables, cu, ctx, scale)
+    plan = meta.plans.get("prefill")
+    if plan is None:
+        plan = meta.plans["prefill"] = ops.plan(q, k_cache, tables, ctx, cu)
+    return ops.attend_planned(q, k_cache, v_cache, plan, scale)
 
 
 def paged_attention(
@@ -37,14 +68,10 @@ def paged_attention(
     ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     nd = meta.num_decode_tokens
     if nd == q.shape[0]:
-        return ops.decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
+        return _decode(ops, q, k_cache, v_cache, meta, scale)
     if nd == 0:
-        return ops.prefill_attention(
-            q, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_cu_seqlens_q, meta.prefill_context_lens, scale
-        )
+        return _prefill(ops, q, k_cache, v_cache, meta, scale)
     out = torch.empty_like(q)
-    out[:nd] = ops.decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
-    out[nd:] = ops.prefill_attention(
-        q[nd:], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_cu_seqlens_q, meta.prefill_context_lens, scale
-    )
+    out[:nd] = _decode(ops, q[:nd], k_cache, v_cache, meta, scale)
+    out[nd:] = _prefill(ops, q[nd:], k_cache, v_cache, meta, scale)
     return out

@@ -70,7 +70,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """x [T, H, D] rotated by cos/sin [T, 1, D] (already in x's dtype); returns a new tensor."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    return (x * cos).add_(rotated.mul_(sin))  # x*cos + rotated*sin, summing into the fresh products
 
 
 class RMSNorm(nn.Module):
@@ -81,8 +81,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim] -> same shape and dtype
         xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        xf = xf * xf.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_()  # fresh tensor: x is not changed
+        normed = xf.to(x.dtype)  # xf itself for float32 input, else a copy: either way not x
+        return normed.mul_(self.weight) if self.weight.dtype == normed.dtype else self.weight * normed
 
 
 class Attention(nn.Module):
@@ -110,14 +111,15 @@ class Attention(nn.Module):
         v_cache: torch.Tensor,  # [NB, BS, Hkv, D]
     ) -> torch.Tensor:  # [T, hidden]
         t = x.shape[0]
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)  # [T, Q + 2KV]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
-        k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = v.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        hq, hkv = self.num_heads, self.num_kv_heads
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias).view(t, hq + 2 * hkv, self.head_dim)  # [T, Hq+2Hkv, D]
+        v = qkv[:, hq + hkv :]  # [T, Hkv, D]
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q = apply_rope(self.q_norm(qkv[:, :hq]), cos, sin)  # [T, Hq, D]
+            k = apply_rope(self.k_norm(qkv[:, hq : hq + hkv]), cos, sin)  # [T, Hkv, D]
+        else:  # q and k heads side by side: one rotation for both
+            qk = apply_rope(qkv[:, : hq + hkv], cos, sin)  # [T, Hq+Hkv, D]
+            q, k = qk[:, :hq], qk[:, hq:]
         out = paged_attention(self.ops, q, k, v, k_cache, v_cache, meta, self.scale)  # [T, Hq, D]
         return F.linear(out.reshape(t, self.q_size), self.o_weight, self.o_bias)
 
@@ -133,8 +135,9 @@ class MLP(nn.Module):
         self.down_bias = _param(cfg.hidden_size, dtype=dt) if cfg.mlp_bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
-        gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).split(self.intermediate_size, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_weight, self.down_bias)
+        gate_up = F.linear(x, self.gate_up_weight, self.gate_up_bias)  # [T, 2I]
+        inter = self.intermediate_size
+        return F.linear(F.silu(gate_up[..., :inter]).mul_(gate_up[..., inter:]), self.down_weight, self.down_bias)
 
 
 class DecoderLayer(nn.Module):
@@ -153,8 +156,10 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata,
         layer_cache: torch.Tensor,  # [2, NB, BS, Hkv, D]
     ) -> torch.Tensor:  # [T, hidden]
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, meta, layer_cache[0], layer_cache[1])
-        return h + self.mlp(self.post_attention_layernorm(h))
+        # residual adds land in the fresh sublayer outputs (x + y == y + x exactly): no new tensors, and
+        # the caller's h is left alone
+        h = self.self_attn(self.input_layernorm(h), cos, sin, meta, layer_cache[0], layer_cache[1]).add_(h)
+        return self.mlp(self.post_attention_layernorm(h)).add_(h)
 
 
 class CausalLM(nn.Module):

@@ -94,8 +94,9 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, meta, self.kv_cache)  # [T, hidden]
         if not rows:
             return StepResult({}, {}, int(input_ids.shape[0]))
-        idx = torch.tensor(rows, device=hidden.device)
-        logits = self.model.compute_logits(hidden.index_select(0, idx))  # [N, V] float32
+        if len(rows) < hidden.shape[0]:  # rows ascend, so all of them means every row in order
+            hidden = hidden.index_select(0, torch.tensor(rows, device=hidden.device))  # [N, hidden]
+        logits = self.model.compute_logits(hidden)  # [N, V] float32
         res = self.sampler(logits, seqs)
         sampled = {s.seq_id: t for s, t in zip(seqs, res.token_ids, strict=True)}
         lps = {s.seq_id: lp for s, lp in zip(seqs, res.logprobs, strict=True) if lp is not None}
