@@ -199,11 +199,17 @@ def main() -> None:
             print(f"{name:<32}{v}")
     if best:
         print(f"pdserve vs best transformers mode: {ours / best:.2f}x (target >= 2x)")
+    rate64, table = steady_decode(model_dir, prompts)
+    # The host is shared: a roofline taken in a busy moment flatters every ratio. Take it again and keep
+    # the best, so the fractions are conservative.
+    peak2 = matmul_flops()
+    if peak2 > peak:
+        print(f"fp32 matmul roofline re-measured: {peak2 / 1e9:.1f} GFLOP/s (used from here on)")
+        peak = peak2
     if dec_time > 0:
         dec_rate = dec_tokens / dec_time
         print(f"decode-only steps (shrinking batch): {dec_rate:.1f} tok/s = {dec_rate * flop_per_token / 1e9:.1f} GFLOP/s = "
               f"{100 * dec_rate * flop_per_token / peak:.1f}% of roofline (target >= 35%)")
-    rate64, table = steady_decode(model_dir, prompts)
     print(f"steady decode, {len(prompts)} concurrent sequences: {rate64:.1f} tok/s = "
           f"{rate64 * flop_per_token / 1e9:.1f} GFLOP/s = {100 * rate64 * flop_per_token / peak:.1f}% of roofline "
           f"(target >= 35%)")
