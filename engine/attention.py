@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels import KernelOps
-from kernels.torch_ops import AttentionPlan, TorchOps
 
 
 @dataclass
@@ -22,21 +21,30 @@ class AttentionMetadata:
     prefill_block_tables: torch.Tensor | None  # [Bp, MB] int32
     prefill_cu_seqlens_q: torch.Tensor | None  # [Bp + 1] int32, chunk offsets relative to the prefill part
     prefill_context_lens: torch.Tensor | None  # [Bp] int32, KV length including the chunk
-    # Layer-independent attention plans of the torch kernels ("decode" / "prefill"), made by the first
-    # layer and reused by the others: the tensors above must not change while a step runs.
-    plans: dict[str, AttentionPlan] = field(default_factory=dict, repr=False, compare=False)
+    # Layer-independent attention plans ("decode" / "prefill", see KernelOps.plan; None when the backend
+    # makes none), made by the first layer and reused by the others: the tensors above must not change
+    # while a step runs.
+    plans: dict[str, object | None] = field(default_factory=dict, repr=False, compare=False)
+
+
+def _planned(
+    ops: KernelOps, kind: str, q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata,
+    tables: torch.Tensor, ctx: torch.Tensor, cu: torch.Tensor | None,
+) -> object | None:
+    if kind not in meta.plans:
+        meta.plans[kind] = ops.plan(q, k_cache, tables, ctx, cu)
+    return meta.plans[kind]
 
 
 def _decode(
     ops: KernelOps, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:  # [Bd, Hq, D]
-    assert meta.decode_block_tables is not None and meta.decode_context_lens is not None
-    if not isinstance(ops, TorchOps):
-        return ops.decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
-    plan = meta.plans.get("decode")
+    tables, ctx = meta.decode_block_tables, meta.decode_context_lens
+    assert tables is not None and ctx is not None
+    plan = _planned(ops, "decode", q, k_cache, meta, tables, ctx, None)
     if plan is None:
-        plan = meta.plans["decode"] = ops.plan(q, k_cache, meta.decode_block_tables, meta.decode_context_lens)
+        return ops.decode_attention(q, k_cache, v_cache, tables, ctx, scale)
     return ops.attend_planned(q, k_cache, v_cache, plan, scale)
 
 
@@ -46,11 +54,9 @@ def _prefill(
 ) -> torch.Tensor:  # [Tp, Hq, D]
     tables, cu, ctx = meta.prefill_block_tables, meta.prefill_cu_seqlens_q, meta.prefill_context_lens
     assert tables is not None and cu is not None and ctx is not None
-    if not isinstance(ops, TorchOps):
-        return ops.prefill_attention(q, k_cache, v_cache, tables, cu, ctx, scale)
-    plan = meta.plans.get("prefill")
+    plan = _planned(ops, "prefill", q, k_cache, meta, tables, ctx, cu)
     if plan is None:
-        plan = meta.plans["prefill"] = ops.plan(q, k_cache, tables, ctx, cu)
+        return ops.prefill_attention(q, k_cache, v_cache, tables, cu, ctx, scale)
     return ops.attend_planned(q, k_cache, v_cache, plan, scale)
 
 

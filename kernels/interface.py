@@ -86,3 +86,28 @@ class KernelOps(ABC):
         layer: int | None = None,
     ) -> None:
         """Scatters a wire-format buffer into the given blocks of kv_cache. Changes only those blocks."""
+
+    def plan(
+        self,
+        q: torch.Tensor,  # [T, Hq, D]; only its shape is read
+        k_cache: torch.Tensor,  # [NB, BS, Hkv, D]; only its geometry is read
+        block_tables: torch.Tensor,  # [B, MB] int32
+        context_lens: torch.Tensor,  # [B] int32
+        cu_seqlens_q: torch.Tensor | None = None,  # [B + 1]; None: a decode batch (query row b = sequence b)
+    ) -> object | None:
+        """Work that every layer of a step would repeat (sorting, chunking, gather indices), done once.
+        The caller hands the result to `attend_planned` for each layer while the inputs stay unchanged.
+        None (the default) means this implementation has nothing to share: call decode_attention /
+        prefill_attention instead. Changes nothing."""
+        return None
+
+    def attend_planned(
+        self,
+        q: torch.Tensor,  # [T, Hq, D]
+        k_cache: torch.Tensor,  # [NB, BS, Hkv, D]
+        v_cache: torch.Tensor,  # [NB, BS, Hkv, D]
+        plan: object,  # a non-None result of this implementation's `plan`
+        scale: float,
+    ) -> torch.Tensor:  # [T, Hq, D]
+        """The attention `plan` was made for, over this layer's cache. Changes nothing."""
+        raise NotImplementedError(f"kernel backend {self.name!r} makes no attention plans")

@@ -394,20 +394,21 @@ class TorchOps(KernelOps):
         b, hq, d = q.shape
         hkv = hq // g
         q_sorted = q.index_select(0, plan.order).float().view(b, hkv, g, d)  # [B, Hkv, G, D]
-        outs = []
-        for c in plan.chunks:
+
+        def attend(c: _ChunkPlan, zero_padding: bool) -> torch.Tensor:  # [bk, Hkv, G, D]
             k, v = _gather(k_cache, v_cache, kv_pair, c, workspace)  # [bk, Hkv, S, D] each
+            if zero_padding:
+                _zero_padding(k, v, c)
             qc = q_sorted[c.start : c.stop]  # [bk, Hkv, G, D]
-            outs.append(F.scaled_dot_product_attention(qc, k, v, attn_mask=c.mask, scale=scale))
+            return F.scaled_dot_product_attention(qc, k, v, attn_mask=c.mask, scale=scale)
+
+        outs = [attend(c, False) for c in plan.chunks]
         o = torch.cat(outs) if len(outs) > 1 else outs[0]  # [B, Hkv, G, D] in sorted order
         if not math.isfinite(float(o.sum())):  # one reduction per layer; a false alarm costs the slow path
             for c in plan.chunks:
                 oc = o[c.start : c.stop]
                 if not math.isfinite(float(oc.sum())):
-                    k, v = _gather(k_cache, v_cache, kv_pair, c, workspace)
-                    _zero_padding(k, v, c)
-                    qc = q_sorted[c.start : c.stop]
-                    oc.copy_(F.scaled_dot_product_attention(qc, k, v, attn_mask=c.mask, scale=scale))
+                    oc.copy_(attend(c, True))
         out = torch.empty_like(q)
         # SDPA hands back [bk, Hkv, G, D] as a transposed view; one copy puts every row in place
         out.index_copy_(0, plan.order, o.reshape(b, hq, d).to(out.dtype))
