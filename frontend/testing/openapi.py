@@ -1,8 +1,8 @@
 """Validates response bodies and stream chunks against the official OpenAI OpenAPI specification.
 
-The spec (`../shared/openai-openapi/openapi.yaml` from the repository root) is OpenAPI 3.1 but still
-carries 3.0 idioms; they are translated to JSON Schema 2020-12 once: `nullable: true` becomes
-"or null", and boolean `exclusiveMinimum`/`exclusiveMaximum` become numeric bounds. `$ref`s resolve
+The spec (vendored beside this module in `openai-openapi/`, MIT, see the README there) is OpenAPI
+3.1 but still carries 3.0 idioms; they are translated to JSON Schema 2020-12 once: `nullable: true`
+becomes "or null", and boolean `exclusiveMinimum`/`exclusiveMaximum` become numeric bounds. `$ref`s resolve
 against the whole document. The parsed spec is cached as JSON next to the other pdserve caches, keyed
 by the file's size and mtime, because parsing 3 MB of YAML takes seconds.
 
@@ -20,7 +20,6 @@ import datetime
 import hashlib
 import json
 import os
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -35,18 +34,12 @@ COMPLETION_CHUNK = "CreateCompletionResponse (stream chunk)"
 
 
 def find_spec() -> Path:
-    """The shared spec: $PDSERVE_OPENAPI_SPEC, else ../shared/openai-openapi/openapi.yaml from the repo root."""
+    """The spec to validate against: $PDSERVE_OPENAPI_SPEC, else the copy vendored beside this module.
+    The only place that knows where the spec lives, so moving this package moves nothing else."""
     explicit = os.environ.get("PDSERVE_OPENAPI_SPEC")
     if explicit:
         return Path(explicit)
-    here = Path(__file__).resolve()
-    try:
-        top = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=here.parent, capture_output=True,
-                             text=True, check=True).stdout.strip()
-        root = Path(top)
-    except (OSError, subprocess.CalledProcessError):
-        root = here.parents[2]
-    return root.parent / "shared" / "openai-openapi" / "openapi.yaml"
+    return Path(__file__).resolve().with_name("openai-openapi") / "openapi.yaml"
 
 
 def _translate(node: Any) -> Any:
