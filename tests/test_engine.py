@@ -116,7 +116,7 @@ def test_validation(engine):
 
 
 def test_cli_generate_prints_only_text():
-    cmd = [sys.executable, "-m", "deploy", "generate", "--prompt", "Hello there", "--max-tokens", "8"]
+    cmd = [sys.executable, "-m", "deploy", "generate", "--model", "tiny", "--prompt", "Hello there", "--max-tokens", "8"]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True)
     assert "[pdserve]" in p.stderr and "completion_tokens=8" in p.stderr
     assert "[pdserve]" not in p.stdout and p.stdout.strip()

@@ -38,7 +38,7 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpCluster]:
-    cluster = UpCluster.start(tmp_path_factory.mktemp("up"), ["--lease-ttl", "2", "--kv-memory", "64"])
+    cluster = UpCluster.start(tmp_path_factory.mktemp("up"), ["--model", "tiny", "--lease-ttl", "2", "--kv-memory", "64"])
     try:
         yield cluster
     finally:

@@ -173,7 +173,7 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveEnv]:
     prometheus_binary()
     workdir = tmp_path_factory.mktemp("live")
     up = UpCluster.start(workdir, [
-        "--model-name", MODEL, "--kv-memory", "64", "--lease-ttl", "2",
+        "--model", "tiny", "--model-name", MODEL, "--kv-memory", "64", "--lease-ttl", "2",
         f"--frontend-arg=--tenants={tenants_file(workdir / 'tenants.yaml')}",
     ])
     prometheus: PrometheusServer | None = None
