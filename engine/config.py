@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from kernels import BACKENDS
+
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -13,7 +15,7 @@ class EngineConfig:
     model: str  # path to a Hugging Face model directory
     dtype: str = "auto"  # "auto" = the model config's dtype
     device: str = "cpu"  # "cpu" or "cuda[:N]"
-    kernel_backend: str = "auto"  # "auto" | "torch" | "triton" (see kernels.get_kernel_ops)
+    kernel_backend: str = "auto"  # "auto" | "cpu" | "torch" | "triton" (see kernels.get_kernel_ops)
     block_size: int = 16  # tokens per KV block; must match across a cluster
     kv_cache_memory_bytes: int = 1 << 30  # KV pool budget when num_kv_blocks is not given
     num_kv_blocks: int | None = None  # exact pool size; overrides the memory budget
@@ -30,7 +32,7 @@ class EngineConfig:
             (bool(self.model), "model path is required"),
             (self.dtype in _DTYPES, f"dtype must be one of {_DTYPES}, got {self.dtype!r}"),
             (self.device == "cpu" or self.device.startswith("cuda"), f"device must be cpu or cuda[:N], got {self.device!r}"),
-            (self.kernel_backend in ("auto", "torch", "triton"), f"bad kernel_backend {self.kernel_backend!r}"),
+            (self.kernel_backend in BACKENDS, f"bad kernel_backend {self.kernel_backend!r}"),
             (self.block_size in (8, 16, 32, 64, 128), f"block_size must be one of 8/16/32/64/128, got {self.block_size}"),
             (self.kv_cache_memory_bytes > 0, "kv_cache_memory_bytes must be > 0"),
             (self.num_kv_blocks is None or self.num_kv_blocks >= 2, "num_kv_blocks must be >= 2"),

@@ -24,7 +24,6 @@ from kernels import get_kernel_ops
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -89,9 +88,8 @@ class LLMEngine:
         self.cfg = cfg
         if cfg.num_threads is not None:
             torch.set_num_threads(cfg.num_threads)
-        dtype = None if cfg.dtype == "auto" else _DTYPES[cfg.dtype]
         self.ops = get_kernel_ops(cfg.kernel_backend, cfg.device)
-        loaded = load_model(cfg.model, dtype=dtype, device=cfg.device, ops=self.ops)
+        loaded = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device, ops=self.ops)
         self.model_config = mc = loaded.config
         self.model = loaded.model
         self.tokenizer = Tokenizer(cfg.model)

@@ -4,6 +4,7 @@ into the engine's own `CausalLM`."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,6 +13,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from engine.dtype import resolve_dtype
 from engine.model import CausalLM
 from engine.model_config import (
     SAFETENSORS_INDEX,
@@ -22,6 +24,8 @@ from engine.model_config import (
     weight_files,
 )
 from kernels import KernelOps, get_kernel_ops
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -80,11 +84,15 @@ def load_model(
     ops: KernelOps | None = None,
 ) -> LoadedModel:
     """Builds the model of a Hugging Face directory with its weights, in `dtype` (default: the config's
-    dtype) on `device`. `ops` defaults to the kernels `get_kernel_ops("auto", device)` picks.
+    dtype; "auto": see `engine.dtype.resolve_dtype`, logged) on `device`. `ops` defaults to the kernels `get_kernel_ops("auto", device)` picks.
     Raises ModelLoadError naming the file and field/tensor for a directory that cannot be served."""
     root = Path(path)
     config = load_model_config(root)
-    if dtype is not None:
+    if dtype == "auto":
+        choice = resolve_dtype("auto", config.dtype, str(device))
+        log.info("dtype %s", choice.reason)
+        config = dataclasses.replace(config, dtype=choice.dtype)
+    elif dtype is not None:
         config = dataclasses.replace(config, dtype=parse_dtype(dtype))
     ops = ops if ops is not None else get_kernel_ops("auto", str(device))
     with torch.device(device):

@@ -1,6 +1,8 @@
-"""Paged-attention and KV-movement kernels: Triton on CUDA, a vectorized torch path on CPU."""
+"""Paged-attention and KV-movement kernels: Triton on CUDA; on CPU a C++ decode kernel over a vectorized torch path."""
 
 from __future__ import annotations
+
+import logging
 
 import torch
 
@@ -8,19 +10,38 @@ from kernels.interface import KV_LAYOUT_VERSION, KernelOps
 
 __all__ = ["BACKENDS", "KV_LAYOUT_VERSION", "KernelOps", "get_kernel_ops"]
 
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "cpu", "torch", "triton")
 
 
 def get_kernel_ops(backend: str = "auto", device: str | torch.device = "cpu") -> KernelOps:
-    """Returns the ops for `backend`: "auto" picks Triton on CUDA devices and torch elsewhere.
-    Asking for an unavailable path raises a clear error instead of silently falling back: "triton"
+    """Returns the ops for `backend`: "auto" picks Triton on CUDA devices, and on CPU the C++ decode
+    kernel ("cpu"), or the torch path with a logged warning when the extension can't be built here.
+    Asking for an unavailable path by name raises a clear error instead of silently falling back: "cpu"
+    needs a C++ compiler and ninja; "triton"
     needs an importable Triton and either a usable CUDA device or TRITON_INTERPRET=1 (CPU interpreter,
     for tests). "torch" runs anywhere."""
     if backend not in BACKENDS:
         raise ValueError(f"kernel backend must be one of {BACKENDS}, got {backend!r}")
     dev = torch.device(device)
     if backend == "auto":
-        backend = "triton" if dev.type == "cuda" else "torch"
+        backend = "triton" if dev.type == "cuda" else "cpu"
+        if backend == "cpu":
+            from kernels.cpu_ops import CpuOps, ExtensionUnavailable
+
+            try:
+                return CpuOps.create()
+            except ExtensionUnavailable as e:
+                logging.getLogger(__name__).warning("%s; using the torch path", e)
+                backend = "torch"
+    if backend == "cpu":
+        from kernels.cpu_ops import CpuOps, ExtensionUnavailable
+
+        if dev.type != "cpu":
+            raise RuntimeError(f"kernel backend 'cpu' runs on CPU pools only, got {dev!s}")
+        try:
+            return CpuOps.create()
+        except ExtensionUnavailable as e:
+            raise RuntimeError(f"kernel backend 'cpu' is unavailable: {e}") from e
     if backend == "torch":
         from kernels.torch_ops import TorchOps
 

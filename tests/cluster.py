@@ -118,7 +118,8 @@ class LocalCluster:
         return [
             self.python, "-m", f"{role}_node", "--node-id", node_id, "--cluster", self.cluster,
             "--etcd", etcd or ",".join(self.etcd_endpoints), "--model", self.model_dir,
-            "--lease-ttl", str(self.lease_ttl_s), *self.node_args, *extra,
+            # float32 unless a test asks otherwise: the references are fp32 engines and transformers
+            "--lease-ttl", str(self.lease_ttl_s), "--dtype", "float32", *self.node_args, *extra,
         ]
 
     def spawn_node(

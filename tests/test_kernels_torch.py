@@ -141,8 +141,8 @@ def test_pack_unpack_round_trip(layer: int | None, dtype: torch.dtype) -> None:
 
 
 def test_dispatch() -> None:
-    assert get_kernel_ops().name == "torch"
-    assert get_kernel_ops("auto", "cpu").name == "torch"
+    # auto on CPU is the C++ decode kernel where it builds (tests/test_kernels_cpu.py), else this path
+    assert get_kernel_ops("auto", "cpu").name in ("cpu", "torch")
     assert get_kernel_ops("torch", torch.device("cpu")).name == "torch"
     with pytest.raises(ValueError, match="must be one of"):
         get_kernel_ops("cuda-magic")

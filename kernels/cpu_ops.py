@@ -1,0 +1,177 @@
+"""The CPU fast path: paged decode attention in a small C++/OpenMP extension that reads K/V blocks in place.
+
+`TorchOps` gathers each chunk of sequences' K/V into a contiguous float32 copy before the fused attention
+kernel reads it; at decode, where every step reads the whole context once, that copy (and the float32
+conversion of a half-precision pool) costs more than the attention itself. `CpuOps` keeps TorchOps for
+prefill (dominated by its matmuls) and the KV movement, and attends decode batches with
+`csrc/cpu_attention.cpp`: one work item per (sequence, KV head, context split) walks the block table,
+converts each K/V row to float32 once for the G query heads of its KV head, and keeps an online softmax
+in float32. AVX-512 builds hold head dims 64 and 128 in registers; other head dims and machines take a
+compiler-vectorized loop.
+
+The extension is compiled on first use with `torch.utils.cpp_extension` (g++ and ninja, about 30 s) for
+this machine's instruction set, and cached under `$TORCH_EXTENSIONS_DIR` (else
+`~/.cache/pdserve/torch_extensions`) keyed by source, flags and CPU; later loads take well under a second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from kernels.checks import check_cache_pair, check_dim, check_gqa, check_rank
+from kernels.torch_ops import TorchOps
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_attention.cpp"
+CFLAGS = ("-O3", "-march=native", "-fopenmp")
+# Work items per thread below which a decode batch's contexts are split (and merged by log-sum-exp),
+# so a few long sequences still keep every core busy.
+MIN_ITEMS_PER_THREAD = 4
+
+
+class ExtensionUnavailable(RuntimeError):
+    """The C++ extension could not be built or loaded here (no compiler, no ninja, a build error)."""
+
+
+def _cpu_signature() -> str:
+    """What -march=native depends on: the CPU's model and flags (a shared cache must not serve a build
+    for another CPU)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "unknown"
+    keep = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags"))][:2]
+    return "\n".join(keep)
+
+
+def extension_dir() -> Path:
+    base = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "pdserve" / "torch_extensions"
+    return Path(base)
+
+
+_lock = threading.Lock()
+_loaded: ModuleType | None = None
+_error: ExtensionUnavailable | None = None
+
+
+def load_extension() -> ModuleType:
+    """Builds (first use on this machine) or loads the extension; raises ExtensionUnavailable with the
+    compiler's complaint when it can't. The outcome is remembered for the process."""
+    global _loaded, _error
+    with _lock:
+        if _loaded is not None:
+            return _loaded
+        if _error is not None:
+            raise _error
+        key = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode() + _cpu_signature().encode())
+        name = f"pdserve_cpu_attention_{key.hexdigest()[:12]}"
+        build = extension_dir() / name
+        try:
+            from torch.utils.cpp_extension import load
+
+            build.mkdir(parents=True, exist_ok=True)
+            _loaded = load(name=name, sources=[str(SOURCE)], extra_cflags=list(CFLAGS),
+                           extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=False)
+        except Exception as e:  # noqa: BLE001 - any build failure means "not here"; keep the reason
+            _error = ExtensionUnavailable(f"the CPU attention extension could not be built in {build}: "
+                                          f"{type(e).__name__}: {str(e)[-600:]}")
+            raise _error from e
+        return _loaded
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """A decode batch as the extension reads it: int32 tables and lengths, and how many splits per
+    sequence."""
+
+    geometry: tuple[int, int, int, int, torch.dtype, torch.device]  # (NB, BS, Hkv, D, dtype, device)
+    block_tables: torch.Tensor  # [B, MB] int32, contiguous
+    context_lens: torch.Tensor  # [B] int32, contiguous
+    splits: int
+
+
+class CpuOps(TorchOps):
+    """TorchOps with decode attention in the C++ extension. Construct through `create`, which builds
+    or loads the extension first."""
+
+    name = "cpu"
+
+    def __init__(self, ext: ModuleType, **torch_ops_args: object) -> None:
+        super().__init__(**torch_ops_args)  # type: ignore[arg-type]
+        self._ext = ext
+
+    @classmethod
+    def create(cls) -> CpuOps:
+        return cls(load_extension())
+
+    def decode_attention(
+        self,
+        q: torch.Tensor,  # [B, Hq, D]
+        k_cache: torch.Tensor,  # [NB, BS, Hkv, D]
+        v_cache: torch.Tensor,  # [NB, BS, Hkv, D]
+        block_tables: torch.Tensor,  # [B, MB]
+        context_lens: torch.Tensor,  # [B]
+        scale: float,
+    ) -> torch.Tensor:  # [B, Hq, D]
+        check_rank("q", q, 3, "[B, Hq, D]")
+        check_rank("block_tables", block_tables, 2, "[B, MB]")
+        check_dim("block_tables", block_tables, 0, q.shape[0], "batch of q")
+        check_cache_pair(k_cache, v_cache)
+        return self.attend_planned(q, k_cache, v_cache, self.plan(q, k_cache, block_tables, context_lens), scale)
+
+    def plan(
+        self,
+        q: torch.Tensor,  # [T, Hq, D]; only its shape is read
+        k_cache: torch.Tensor,  # [NB, BS, Hkv, D]; only its geometry is read
+        block_tables: torch.Tensor,  # [B, MB]
+        context_lens: torch.Tensor,  # [B]
+        cu_seqlens_q: torch.Tensor | None = None,
+    ) -> object:
+        """Decode batches get a DecodePlan (int32 views and the split count), prefill batches TorchOps'
+        AttentionPlan. Changes nothing."""
+        if cu_seqlens_q is not None or k_cache.device.type != "cpu":
+            return super().plan(q, k_cache, block_tables, context_lens, cu_seqlens_q)
+        check_rank("k_cache", k_cache, 4, "[NB, BS, Hkv, D]")
+        nb, bs, hkv, d = k_cache.shape
+        b = block_tables.shape[0]
+        items = max(1, b * hkv)
+        want = MIN_ITEMS_PER_THREAD * torch.get_num_threads()
+        splits = max(1, min(-(-want // items), block_tables.shape[1])) if items < want else 1
+        return DecodePlan((nb, bs, hkv, d, k_cache.dtype, k_cache.device),
+                          block_tables.to(torch.int32).contiguous(), context_lens.to(torch.int32).contiguous(),
+                          splits)
+
+    def attend_planned(
+        self,
+        q: torch.Tensor,  # [T, Hq, D]
+        k_cache: torch.Tensor,  # [NB, BS, Hkv, D]
+        v_cache: torch.Tensor,  # [NB, BS, Hkv, D]
+        plan: object,
+        scale: float,
+    ) -> torch.Tensor:  # [T, Hq, D] in q.dtype
+        """Decode plans run in the extension, others in TorchOps. Changes nothing outside the result."""
+        if not isinstance(plan, DecodePlan):
+            return super().attend_planned(q, k_cache, v_cache, plan, scale)  # type: ignore[arg-type]
+        check_cache_pair(k_cache, v_cache)
+        check_rank("q", q, 3, "[B, Hq, D]")
+        nb, bs, hkv, d = k_cache.shape
+        check_gqa(q.shape[1], hkv)
+        check_dim("q", q, 2, d, "head dim of the cache")
+        check_dim("q", q, 0, plan.block_tables.shape[0], "sequences of the plan")
+        if plan.geometry != (nb, bs, hkv, d, k_cache.dtype, k_cache.device):
+            raise ValueError(f"the plan was made for a cache of (NB, BS, Hkv, D, dtype, device) {plan.geometry}, "
+                             f"got {(nb, bs, hkv, d, k_cache.dtype, k_cache.device)}")
+        if q.shape[0] == 0:
+            return torch.empty_like(q)
+        out = self._ext.paged_decode(q.float().contiguous(), k_cache, v_cache, plan.block_tables,
+                                     plan.context_lens, float(scale), plan.splits)  # [B, Hq, D] float32
+        return out if q.dtype == torch.float32 else out.to(q.dtype)

@@ -1,0 +1,86 @@
+"""The C++ CPU decode kernel (`kernels.cpu_ops`) against the float32 references: shuffled block tables,
+ragged lengths (1, block boundaries, long), every head dim path (64 and 128 in AVX-512 registers, others
+in the portable loop), GQA groups, pool dtypes, and context splits merged by log-sum-exp."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from kernels import get_kernel_ops
+from kernels import reference as ref
+from kernels.cpu_ops import CpuOps, DecodePlan, ExtensionUnavailable, load_extension
+from kernels.testing import make_paged_problem, tolerance
+
+try:
+    load_extension()
+except ExtensionUnavailable as e:  # pragma: no cover - a machine without a C++ toolchain
+    pytest.skip(f"CPU extension unavailable: {e}", allow_module_level=True)
+
+OPS = CpuOps.create()
+SHAPES = list(itertools.product((8, 16, 32), (64, 128, 80, 32), ((1, 2), (3, 3), (4, 1), (8, 2))))
+
+
+def _lens(bs: int) -> list[int]:
+    return [1, 2 * bs, 3 * bs - 5, bs + 3, 11 * bs + 1, 7, bs]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("bs", "d", "gh"), SHAPES[::2])
+def test_decode_matches_reference(dtype: torch.dtype, bs: int, d: int, gh: tuple[int, int]) -> None:
+    g, hkv = gh
+    # Unused slots are NaN: the kernel must never read past a context.
+    p = make_paged_problem(_lens(bs), hkv * g, hkv, d, bs, dtype, seed=bs * d + g, poison_unused=True)
+    expected = ref.decode_attention(p.q, p.k_cache, p.v_cache, p.block_tables, p.context_lens, p.scale)
+    out = OPS.decode_attention(p.q, p.k_cache, p.v_cache, p.block_tables, p.context_lens, p.scale)
+    assert out.dtype == dtype and out.shape == p.q.shape
+    torch.testing.assert_close(out.float(), expected, **tolerance(dtype))
+
+
+@pytest.mark.parametrize("splits", [1, 2, 5, 64])
+@pytest.mark.parametrize("d", [64, 80])
+def test_context_splits_merge_exactly(splits: int, d: int) -> None:
+    """Any split count (more splits than blocks included) gives the reference result."""
+    p = make_paged_problem([1, 40, 129, 300], 6, 2, d, 16, torch.float32, seed=splits + d)
+    expected = ref.decode_attention(p.q, p.k_cache, p.v_cache, p.block_tables, p.context_lens, p.scale)
+    out = OPS._ext.paged_decode(p.q.contiguous(), p.k_cache, p.v_cache, p.block_tables, p.context_lens,
+                                p.scale, splits)
+    torch.testing.assert_close(out, expected, **tolerance(torch.float32))
+
+
+def test_plan_splits_few_long_sequences_only() -> None:
+    p = make_paged_problem([2000], 9, 3, 64, 16, torch.bfloat16, seed=1)
+    plan = OPS.plan(p.q, p.k_cache, p.block_tables, p.context_lens)
+    assert isinstance(plan, DecodePlan) and plan.splits > 1
+    out = OPS.attend_planned(p.q, p.k_cache, p.v_cache, plan, p.scale)
+    expected = ref.decode_attention(p.q, p.k_cache, p.v_cache, p.block_tables, p.context_lens, p.scale)
+    torch.testing.assert_close(out.float(), expected, **tolerance(torch.bfloat16))
+    many = make_paged_problem([20] * 64, 9, 3, 64, 16, torch.bfloat16, seed=2)
+    assert OPS.plan(many.q, many.k_cache, many.block_tables, many.context_lens).splits == 1
+
+
+def test_prefill_goes_through_the_torch_path() -> None:
+    p = make_paged_problem([9, 30, 4], 4, 2, 32, 8, torch.float32, q_lens=[3, 30, 4], seed=13)
+    expected = ref.prefill_attention(p.q, p.k_cache, p.v_cache, p.block_tables, p.cu_seqlens_q, p.context_lens,
+                                     p.scale)
+    out = OPS.prefill_attention(p.q, p.k_cache, p.v_cache, p.block_tables, p.cu_seqlens_q, p.context_lens, p.scale)
+    torch.testing.assert_close(out, expected, **tolerance(torch.float32))
+
+
+def test_empty_batch_and_bad_inputs() -> None:
+    p = make_paged_problem([5], 4, 2, 64, 16, torch.float32, seed=3)
+    empty = OPS.decode_attention(p.q[:0], p.k_cache, p.v_cache, p.block_tables[:0], p.context_lens[:0], p.scale)
+    assert empty.shape == (0, 4, 64)
+    with pytest.raises(ValueError):
+        OPS.decode_attention(p.q[:, :3], p.k_cache, p.v_cache, p.block_tables, p.context_lens, p.scale)
+    plan = OPS.plan(p.q, p.k_cache, p.block_tables, p.context_lens)
+    with pytest.raises(ValueError, match="plan was made"):
+        OPS.attend_planned(p.q, p.k_cache.to(torch.bfloat16), p.v_cache.to(torch.bfloat16), plan, p.scale)
+
+
+def test_auto_backend_on_cpu_is_the_extension() -> None:
+    assert get_kernel_ops().name == "cpu"
+    assert get_kernel_ops("cpu", "cpu").name == "cpu"
+    assert get_kernel_ops("torch").name == "torch"
