@@ -24,11 +24,12 @@ def _seed_torch() -> None:
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir() -> Callable[[str], Path]:
-    """`tiny_model_dir(arch)` -> directory of the cached tiny model ("llama" | "qwen2" | "qwen3", seed 0)."""
+def tiny_model_dir() -> Callable[..., Path]:
+    """`tiny_model_dir(arch, seed=0)` -> directory of the cached tiny model ("llama" | "qwen2" | "qwen3"),
+    created on first use; the files are the same on every machine (tests/test_tiny_pins.py)."""
 
-    def get(arch: str) -> Path:
-        return default_model_dir(arch)
+    def get(arch: str, seed: int = 0) -> Path:
+        return default_model_dir(arch, seed)
 
     return get
 
