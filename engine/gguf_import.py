@@ -2,23 +2,27 @@
 
 `import_gguf(FILE.gguf, DIR)` writes what the engine (and transformers) load: config.json rebuilt from
 the GGUF metadata, model.safetensors (sharded past MAX_SHARD_BYTES) with every tensor dequantized by
-the `gguf` package to plain float32 or bfloat16, tokenizer.json through transformers' GGUF tokenizer
-conversion (so the ids equal `AutoTokenizer.from_pretrained(..., gguf_file=...)`), tokenizer_config.json
-and chat_template.jinja with the file's chat template, and generation_config.json with its EOS ids.
+the `gguf` package (`gguf.quants.dequantize`) to plain float32 or bfloat16, tokenizer.json through
+transformers' GGUF tokenizer conversion (so the ids equal `AutoTokenizer.from_pretrained(...,
+gguf_file=...)`), tokenizer_config.json and chat_template.jinja with the file's chat template, and
+generation_config.json with its EOS ids.
 
 Architectures: llama, qwen2, qwen3. llama.cpp's converter interleaves the rows of each head of the llama
 Q and K projections for its RoPE layout, and stores llama3 RoPE scaling as a `rope_freqs.weight` tensor of
-per-frequency divisors; both are undone here. The file's structure is checked first (magic, version,
-tensor table, types, that every tensor lies inside the file), so a bad file fails with a GGUFImportError
-naming the file and the field or tensor, before anything is written. The directory appears atomically:
-everything goes to a temporary directory beside it that is renamed into place at the end.
+per-frequency divisors; both are undone here.
+
+`scan_gguf` reads the file itself rather than through `gguf.GGUFReader`, which builds numpy views of
+every vocabulary string (seconds for a 50k vocabulary) and stops at the first bad byte without saying
+which tensor or field it was reading. The scan checks the magic, the version, every length against the
+file size, the tensor types and that every tensor lies inside the file, so a bad file fails with a
+GGUFImportError naming the file and the field or tensor, before anything is written. The directory
+appears atomically: it is built beside DIR and renamed into place at the end.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import mmap
 import os
 import re
 import shutil
@@ -137,7 +141,7 @@ class _Silent:
         pass
 
 
-# -- the file's structure ------------------------------------------------------------------------------
+# -- the file ------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -152,19 +156,38 @@ class GGUFTensorEntry:
 
 
 @dataclass(frozen=True)
-class GGUFLayout:
-    """What `scan_gguf` found: the version, the data alignment and the tensor table in file order."""
+class GGUFFile:
+    """A GGUF file as `scan_gguf` read it: metadata, tensor table (file order), and the mapped bytes.
+
+    `metadata` holds scalars, strings and numeric arrays (as lists); string arrays (the vocabulary, the
+    merges) are not decoded, only counted in `array_lengths`, which has every array field."""
 
     path: Path
     version: int
     alignment: int
+    metadata: dict[str, Any]
+    array_lengths: dict[str, int]
     tensors: dict[str, GGUFTensorEntry]
+    data: np.ndarray  # the whole file, memory-mapped uint8
+
+    def values(self, name: str) -> np.ndarray:
+        """Tensor `name` dequantized by the gguf package: a fresh float32 array in torch order."""
+        entry = self.tensors[name]
+        qtype = gguf.GGMLQuantizationType[entry.type_name]
+        block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+        # gguf.quants.dequantize takes the raw bytes, one row of blocks per row (floats are read by view).
+        raw = self.data[entry.offset : entry.offset + entry.nbytes].reshape(-1, entry.shape[-1] // block * block_bytes)
+        try:
+            values = gguf.quants.dequantize(raw, qtype)
+            return np.array(values, dtype=np.float32).reshape(entry.shape)
+        except Exception as e:  # gguf raises plain errors for malformed blocks
+            raise GGUFImportError(f"{self.path}: tensor '{name}' ({entry.type_name}) cannot be dequantized ({e})") from e
 
 
 class _Cursor:
     """Reads little-endian values from the mapped file; running past its end is a truncated file."""
 
-    def __init__(self, buf: Any, path: Path) -> None:
+    def __init__(self, buf: np.ndarray, path: Path) -> None:
         self.buf, self.path, self.size, self.pos = buf, path, len(buf), 0
 
     def take(self, n: int, what: str) -> int:
@@ -183,25 +206,31 @@ class _Cursor:
     def string(self, what: str) -> str:
         (n,) = self.unpack("<Q", what)
         start = self.take(n, what)
-        return bytes(self.buf[start : start + n]).decode("utf-8", errors="replace")
+        return self.buf[start : start + n].tobytes().decode("utf-8", errors="replace")
 
-    def skip_value(self, value_type: int, what: str) -> Any:
-        """Steps over one metadata value; returns it when scalar or string, else its element count."""
+    def value(self, value_type: int, key: str, lengths: dict[str, int]) -> Any:
+        """Reads one metadata value. String arrays are stepped over (None), their length kept in `lengths`."""
+        what = f"metadata field '{key}'"
         if value_type in _SCALARS:
             return self.unpack(_SCALARS[value_type], what)[0]
         if value_type == _STRING:
             return self.string(what)
         if value_type != _ARRAY:
-            raise GGUFImportError(f"{self.path}: metadata field {what} has unknown value type {value_type}")
+            raise GGUFImportError(f"{self.path}: {what} has unknown value type {value_type}")
         element_type, count = self.unpack("<IQ", what)
+        lengths[key] = count
         if element_type in _SCALARS:
-            self.take(count * struct.calcsize(_SCALARS[element_type]), what)
-        elif element_type in (_STRING, _ARRAY):
+            fmt = _SCALARS[element_type]
+            start = self.take(count * struct.calcsize(fmt), what)
+            return list(struct.unpack_from(f"<{count}{fmt[1]}", self.buf, start))
+        if element_type == _STRING:
             for _ in range(count):  # variable-size elements: walk them
-                self.skip_value(element_type, what)
-        else:
-            raise GGUFImportError(f"{self.path}: metadata field {what} is an array of unknown type {element_type}")
-        return count
+                (n,) = self.unpack("<Q", what)
+                self.take(n, what)
+            return None
+        if element_type == _ARRAY:
+            return [self.value(_ARRAY, key, {}) for _ in range(count)]
+        raise GGUFImportError(f"{self.path}: {what} is an array of unknown type {element_type}")
 
 
 def _type_name(type_id: int, tensor: str, path: Path) -> str:
@@ -220,28 +249,23 @@ def _type_name(type_id: int, tensor: str, path: Path) -> str:
     return name
 
 
-def scan_gguf(path: str | Path) -> GGUFLayout:
-    """Walks the header, metadata and tensor table of a GGUF file without reading tensor data. Raises
-    GGUFImportError for a wrong magic, an unsupported version, a truncated file, an unknown or
+def scan_gguf(path: str | Path) -> GGUFFile:
+    """Reads the header, metadata and tensor table of a GGUF file (tensor data stays mapped, unread).
+    Raises GGUFImportError for a wrong magic, an unsupported version, a truncated file, an unknown or
     unsupported tensor type, or a tensor table that does not fit the file."""
     path = Path(path)
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            if size == 0:
-                raise GGUFImportError(f"{path}: file is empty (truncated), not a GGUF file")
-            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        if path.stat().st_size == 0:
+            raise GGUFImportError(f"{path}: file is empty (truncated), not a GGUF file")
+        buf = np.memmap(path, dtype=np.uint8, mode="r")
     except OSError as e:
         raise GGUFImportError(f"{path}: cannot read the file ({e.strerror or e})") from e
-    try:
-        return _scan(_Cursor(buf, path))
-    finally:
-        buf.close()
+    return _scan(_Cursor(buf, path))
 
 
-def _scan(cur: _Cursor) -> GGUFLayout:
+def _scan(cur: _Cursor) -> GGUFFile:
     path = cur.path
-    magic = bytes(cur.buf[:4])
+    magic = cur.buf[:4].tobytes()
     if magic != GGUF_MAGIC:
         if GGUF_MAGIC.startswith(magic):
             raise GGUFImportError(f"{path}: file is truncated: {cur.size} bytes, shorter than the GGUF header")
@@ -253,15 +277,15 @@ def _scan(cur: _Cursor) -> GGUFLayout:
         kind = "a big-endian GGUF file" if swapped in GGUF_VERSIONS else f"GGUF version {version}"
         raise GGUFImportError(f"{path}: {kind} is not supported (versions {GGUF_VERSIONS}, little-endian)")
     n_tensors, n_fields = cur.unpack("<QQ", "the tensor and metadata counts")
-    alignment = DEFAULT_ALIGNMENT
+    metadata: dict[str, Any] = {}
+    lengths: dict[str, int] = {}
     for i in range(n_fields):
         key = cur.string(f"metadata key #{i}")
         (value_type,) = cur.unpack("<I", f"metadata field '{key}'")
-        value = cur.skip_value(value_type, f"'{key}'")
-        if key == "general.alignment":
-            if not isinstance(value, int) or value <= 0 or value & (value - 1):
-                raise GGUFImportError(f"{path}: metadata field 'general.alignment' must be a power of two, got {value!r}")
-            alignment = value
+        metadata[key] = cur.value(value_type, key, lengths)
+    alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+    if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+        raise GGUFImportError(f"{path}: metadata field 'general.alignment' must be a power of two, got {alignment!r}")
     raw = []
     for i in range(n_tensors):
         name = cur.string(f"the name of tensor #{i}")
@@ -290,7 +314,7 @@ def _scan(cur: _Cursor) -> GGUFLayout:
                 f"ends past the end of the file ({cur.size} bytes)"
             )
         tensors[name] = GGUFTensorEntry(name, type_name, tuple(reversed(dims)), offset, nbytes)
-    return GGUFLayout(path, version, alignment, tensors)
+    return GGUFFile(path, version, alignment, metadata, lengths, tensors, cur.buf)
 
 
 # -- metadata -> config.json ---------------------------------------------------------------------------
@@ -299,19 +323,15 @@ def _scan(cur: _Cursor) -> GGUFLayout:
 class _Metadata:
     """Typed access to the GGUF metadata; a missing or mistyped field is a GGUFImportError naming it."""
 
-    def __init__(self, reader: gguf.GGUFReader, path: Path) -> None:
-        self.reader, self.path = reader, path
-
-    def has(self, key: str) -> bool:
-        return key in self.reader.fields
+    def __init__(self, file: GGUFFile) -> None:
+        self.file, self.path = file, file.path
 
     def get(self, key: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:
-        field = self.reader.fields.get(key)
-        if field is None:
+        if key not in self.file.metadata:
             if default is ...:
                 raise GGUFImportError(f"{self.path}: missing metadata field '{key}'")
             return default
-        value = field.contents()
+        value = self.file.metadata[key]
         if kind is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
@@ -319,9 +339,8 @@ class _Metadata:
         return value
 
     def count(self, key: str) -> int | None:
-        """Element count of an array field (e.g. the vocabulary), without decoding its elements."""
-        field = self.reader.fields.get(key)
-        return None if field is None else len(field.data)
+        """Element count of an array field (e.g. the vocabulary)."""
+        return self.file.array_lengths.get(key)
 
 
 def _tidy_float(value: float) -> float:
@@ -430,10 +449,10 @@ def _expected_shapes(config: dict[str, Any], arch: str) -> dict[str, tuple[int, 
     return shapes
 
 
-def _plan(layout: GGUFLayout, meta: _Metadata, data: dict[str, Any], dtype: str) -> _Plan:
+def _plan(gguf_file: GGUFFile, meta: _Metadata, dtype: str) -> _Plan:
     """Builds config.json/generation_config.json from the metadata and maps every tensor; raises
     GGUFImportError naming the field or tensor that does not fit."""
-    path, tensors = layout.path, layout.tensors
+    path, tensors = gguf_file.path, gguf_file.tensors
     arch = meta.get("general.architecture", str)
     if arch not in ARCHITECTURES:
         raise GGUFImportError(
@@ -477,7 +496,7 @@ def _plan(layout: GGUFLayout, meta: _Metadata, data: dict[str, Any], dtype: str)
     if ROPE_FREQS in tensors:
         if rope_scaling is not None:
             raise GGUFImportError(f"{path}: tensor '{ROPE_FREQS}' and field '{arch}.rope.scaling.type' both scale RoPE")
-        factors = _dequantize(data[ROPE_FREQS], tensors[ROPE_FREQS], path)
+        factors = gguf_file.values(ROPE_FREQS)
         rope_scaling = llama3_rope_scaling(factors.reshape(-1), theta, head_dim, str(path))
 
     vocab = need("token_embd.weight").shape[0]
@@ -562,15 +581,6 @@ def _plan(layout: GGUFLayout, meta: _Metadata, data: dict[str, Any], dtype: str)
 # -- tensors -------------------------------------------------------------------------------------------
 
 
-def _dequantize(tensor: Any, entry: GGUFTensorEntry, path: Path) -> np.ndarray:
-    """The values of `tensor` (a gguf ReaderTensor) as a fresh float32 array in torch order."""
-    try:
-        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-        return np.array(values, dtype=np.float32).reshape(entry.shape)
-    except Exception as e:  # gguf raises plain errors for malformed blocks
-        raise GGUFImportError(f"{path}: tensor '{entry.name}' ({entry.type_name}) cannot be dequantized ({e})") from e
-
-
 def unpermute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     """Undoes llama.cpp's `permute` of a Q or K projection (weight or bias): within each head it stores
     the rotary pairs interleaved (row 2j is HF row j, row 2j+1 is HF row j + D/2)."""
@@ -578,11 +588,11 @@ def unpermute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return weight.reshape(num_heads, rows // num_heads // 2, 2, *rest).transpose(1, 2).reshape(weight.shape)
 
 
-def _shards(plan: _Plan, layout: GGUFLayout, itemsize: int) -> list[list[str]]:
+def _shards(plan: _Plan, gguf_file: GGUFFile, itemsize: int) -> list[list[str]]:
     shards: list[list[str]] = [[]]
     size = 0
     for hf, name in plan.tensors.items():
-        nbytes = math.prod(layout.tensors[name].shape) * itemsize
+        nbytes = math.prod(gguf_file.tensors[name].shape) * itemsize
         if shards[-1] and size + nbytes > MAX_SHARD_BYTES:
             shards.append([])
             size = 0
@@ -591,9 +601,9 @@ def _shards(plan: _Plan, layout: GGUFLayout, itemsize: int) -> list[list[str]]:
     return shards
 
 
-def _write_weights(plan: _Plan, layout: GGUFLayout, data: dict[str, Any], out: Path, dtype: torch.dtype,
+def _write_weights(plan: _Plan, gguf_file: GGUFFile, out: Path, dtype: torch.dtype,
                    progress: ImportProgress) -> None:
-    shards = _shards(plan, layout, torch.finfo(dtype).bits // 8)
+    shards = _shards(plan, gguf_file, torch.finfo(dtype).bits // 8)
     names = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
     total, done = len(plan.tensors), 0
@@ -603,7 +613,7 @@ def _write_weights(plan: _Plan, layout: GGUFLayout, data: dict[str, Any], out: P
         tensors: dict[str, torch.Tensor] = {}
         for hf in shard:
             name = plan.tensors[hf]
-            t = torch.from_numpy(_dequantize(data[name], layout.tensors[name], layout.path))
+            t = torch.from_numpy(gguf_file.values(name))
             if name in plan.permute_heads:
                 t = unpermute_rows(t, plan.permute_heads[name])
             tensors[hf] = t.to(dtype).contiguous()
@@ -691,15 +701,9 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "float3
         raise FileExistsError(f"{out}: already exists and is not an empty directory")
     started = time.perf_counter()
     report.stage(f"reading {src.name}")
-    layout = scan_gguf(src)
-    try:
-        reader = gguf.GGUFReader(src)
-    except Exception as e:  # the scan passed, so this is a file gguf-py itself rejects
-        raise GGUFImportError(f"{src}: the gguf package cannot read the file ({e})") from e
-    meta = _Metadata(reader, src)
-    data = {t.name: t for t in reader.tensors}  # ReaderTensor views into the mapped file
-    plan = _plan(layout, meta, data, dtype)
-    types = sorted({layout.tensors[n].type_name for n in plan.tensors.values()})
+    gguf_file = scan_gguf(src)
+    plan = _plan(gguf_file, _Metadata(gguf_file), dtype)
+    types = sorted({gguf_file.tensors[n].type_name for n in plan.tensors.values()})
     report.stage(f"{plan.config['architectures'][0]}: {plan.config['num_hidden_layers']} layers, "
                  f"{len(plan.tensors)} tensors ({', '.join(types)}) -> {dtype}")
 
@@ -707,9 +711,9 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "float3
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         report.stage("dequantizing the weights")
-        _write_weights(plan, layout, data, tmp, OUTPUT_DTYPES[dtype], report)
+        _write_weights(plan, gguf_file, tmp, OUTPUT_DTYPES[dtype], report)
         report.stage("converting the tokenizer")
-        _write_tokenizer(src, meta, plan.config, tmp)
+        _write_tokenizer(src, _Metadata(gguf_file), plan.config, tmp)
         _write_json(tmp / "config.json", plan.config)
         _write_json(tmp / "generation_config.json", plan.generation)
         for file in tmp.iterdir():
