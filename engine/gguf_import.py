@@ -348,13 +348,11 @@ def _tidy_float(value: float) -> float:
     return float(str(np.float32(value)))
 
 
-def _tidy_ratio(value: float) -> float | int:
-    # Recovered RoPE constants come out a few ulps off; snap them to the round values configs hold.
-    for digits in (0, 3):
-        rounded = round(value, digits)
-        if abs(rounded - value) <= 1e-5 * max(1.0, abs(value)):
-            return int(rounded) if digits == 0 else rounded
-    return value
+def _snap(value: float, digits: int) -> float:
+    # Recovered RoPE constants come out slightly off (float32 divisors, a least-squares line); snap them to
+    # the round values configs hold.
+    rounded = round(float(value), digits)
+    return rounded if abs(rounded - value) <= 1e-4 * max(1.0, abs(value)) else float(value)
 
 
 def llama3_rope_scaling(factors: np.ndarray, theta: float, head_dim: int, source: str) -> dict[str, Any] | None:
@@ -382,9 +380,11 @@ def llama3_rope_scaling(factors: np.ndarray, theta: float, head_dim: int, source
     if slope <= 0 or intercept >= 0:
         raise GGUFImportError(f"{source}: tensor '{ROPE_FREQS}' is not monotonic llama3 RoPE scaling")
     low = 1.0
-    high = _tidy_ratio(low - low / intercept)
-    old_len = _tidy_ratio(-slope * low / intercept)
-    scaling = {"rope_type": "llama3", "factor": _tidy_ratio(factor), "low_freq_factor": low,
+    high = _snap(low - low / intercept, 3)
+    old_len: float | int = _snap(-slope * low / intercept, 0)
+    if old_len == int(old_len):
+        old_len = int(old_len)  # a token count, an integer in every config
+    scaling = {"rope_type": "llama3", "factor": _snap(factor, 3), "low_freq_factor": low,
                "high_freq_factor": high, "original_max_position_embeddings": old_len}
     if not np.allclose(llama3_factors(scaling, theta, head_dim), f, rtol=1e-4, atol=0):
         raise GGUFImportError(f"{source}: tensor '{ROPE_FREQS}' does not match any llama3 RoPE scaling")

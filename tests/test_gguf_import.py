@@ -457,6 +457,7 @@ def test_llama3_rope_recovery_round_trips() -> None:
         config = {"rope_scaling": scaling, "rope_theta": 500000.0, "head_dim": 128}
         got = llama3_rope_scaling(llamacpp_rope_freqs(config), 500000.0, 128, "x.gguf")
         assert got == {"rope_type": "llama3", **scaling}
+        assert [type(got[k]) for k in scaling] == [float, float, float, int]
     assert llama3_rope_scaling(np.ones(64, dtype=np.float32), 500000.0, 128, "x.gguf") is None
     with pytest.raises(GGUFImportError, match="rope_freqs.weight"):
         llama3_rope_scaling(np.linspace(1, 3, 64).astype(np.float32) ** 3, 500000.0, 128, "x.gguf")
