@@ -79,11 +79,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = _param(dim, dtype=dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim] -> same shape and dtype
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim] -> same shape, in the weight's dtype
         xf = x.float()
         xf = xf * xf.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_()  # fresh tensor: x is not changed
-        normed = xf.to(x.dtype)  # xf itself for float32 input, else a copy: either way not x
-        return normed.mul_(self.weight) if self.weight.dtype == normed.dtype else self.weight * normed
+        # rounded to the weight dtype before the scale, as transformers does; never x itself
+        return xf.to(self.weight.dtype).mul_(self.weight)
 
 
 class Attention(nn.Module):
@@ -150,16 +150,16 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        h: torch.Tensor,  # [T, hidden]
+        h: torch.Tensor,  # [T, hidden] float32, changed in place
         cos: torch.Tensor,  # [T, 1, D]
         sin: torch.Tensor,  # [T, 1, D]
         meta: AttentionMetadata,
         layer_cache: torch.Tensor,  # [2, NB, BS, Hkv, D]
-    ) -> torch.Tensor:  # [T, hidden]
-        # residual adds land in the fresh sublayer outputs (x + y == y + x exactly): no new tensors, and
-        # the caller's h is left alone
-        h = self.self_attn(self.input_layernorm(h), cos, sin, meta, layer_cache[0], layer_cache[1]).add_(h)
-        return self.mlp(self.post_attention_layernorm(h)).add_(h)
+    ) -> torch.Tensor:  # [T, hidden] float32: h
+        # h is the float32 residual stream whatever the weights' dtype (a half-precision residual loses
+        # about a bit per layer); the sublayer outputs are added into it in place
+        h.add_(self.self_attn(self.input_layernorm(h), cos, sin, meta, layer_cache[0], layer_cache[1]))
+        return h.add_(self.mlp(self.post_attention_layernorm(h)))
 
 
 class CausalLM(nn.Module):
@@ -209,7 +209,7 @@ class CausalLM(nn.Module):
         """Runs the T packed tokens of one step. Changes only the kv_cache slots in meta.slot_mapping
         (and may grow the RoPE table when a position is past it)."""
         cos, sin = self._rope(positions)
-        h = F.embedding(input_ids, self.embed_weight)  # [T, hidden]
+        h = F.embedding(input_ids, self.embed_weight).float()  # [T, hidden] float32 residual stream (fresh)
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, meta, kv_cache[i])
         return self.norm(h)

@@ -86,7 +86,10 @@ class Env:
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline:
             for line in self.request_log.read_bytes().splitlines():
-                rec = orjson.loads(line)
+                try:
+                    rec = orjson.loads(line)
+                except orjson.JSONDecodeError:  # the last line may be half written: read it again later
+                    continue
                 if rec.get("request_id") == request_id:
                     return rec
             time.sleep(0.02)
