@@ -10,8 +10,8 @@ in float32. AVX-512 builds hold head dims 64 and 128 in registers; other head di
 compiler-vectorized loop.
 
 The extension is compiled on first use with `torch.utils.cpp_extension` (g++ and ninja, about 30 s) for
-this machine's instruction set, and cached under `$TORCH_EXTENSIONS_DIR` (else
-`~/.cache/pdserve/torch_extensions`) keyed by source, flags and CPU; later loads take well under a second.
+this machine's instruction set, and cached (`extension_dir`) keyed by source, flags and CPU; later loads
+take well under a second.
 """
 
 from __future__ import annotations
@@ -54,8 +54,10 @@ def _cpu_signature() -> str:
 
 
 def extension_dir() -> Path:
-    base = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "pdserve" / "torch_extensions"
-    return Path(base)
+    """$TORCH_EXTENSIONS_DIR, else torch_extensions/ under $PDSERVE_CACHE_DIR or ~/.cache/pdserve."""
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return Path(os.environ["TORCH_EXTENSIONS_DIR"])
+    return Path(os.environ.get("PDSERVE_CACHE_DIR") or Path.home() / ".cache" / "pdserve") / "torch_extensions"
 
 
 _lock = threading.Lock()
