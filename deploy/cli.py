@@ -112,6 +112,57 @@ def _cmd_drain(args: argparse.Namespace) -> int:
     return 0 if load.in_flight == 0 else 1
 
 
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from loadgen.cli import main as bench_main
+
+    return bench_main(args)
+
+
+def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
+    """The `pdserve bench` options; loadgen itself is imported only when the command runs."""
+    p = sub.add_parser("bench", help="load-test any OpenAI-compatible endpoint: TTFT, TPOT, ITL, throughput, "
+                                     "goodput under SLOs, rate sweeps",
+                       description="Streams requests to URL and times them at the client. Prints a summary "
+                                   "table on stdout (a progress bar on stderr).")
+    p.add_argument("url", help="the server, e.g. http://127.0.0.1:8000 (/v1 is added when no path is given)")
+    load = p.add_argument_group("load (one of --rate, --concurrency, --trace; default: all at once)")
+    load.add_argument("--rate", type=float, default=None, help="Poisson arrivals at R req/s (inf: all at once); "
+                                                               "with --concurrency, capped at C in flight")
+    load.add_argument("--concurrency", type=int, default=None, help="C clients in a closed loop")
+    load.add_argument("--trace", default=None, metavar="FILE.jsonl",
+                      help="replay: one JSON object a line: arrival_s, prompt (text) or prompt_tokens, output_tokens")
+    load.add_argument("--max-requests", type=int, default=None, help="requests to send (default 100 without "
+                                                                     "--duration)")
+    load.add_argument("--duration", type=float, default=None, help="seconds to send requests for (then wait for "
+                                                                   "the rest; default 30 per sweep rate)")
+    load.add_argument("--sweep", default=None, metavar="R1,R2,...|auto",
+                      help="run each rate for --duration, stop at the first missing the SLO attainment target")
+    w = p.add_argument_group("requests")
+    w.add_argument("--prompt-tokens", default="256", help="N, uniform:LO:HI or normal:MEAN:STD (default 256)")
+    w.add_argument("--output-tokens", default="128", help="max_tokens: N, uniform:LO:HI or normal:MEAN:STD "
+                                                          "(default 128)")
+    w.add_argument("--shared-prefix-groups", type=int, default=0, metavar="N",
+                   help="N system prompts; request i uses number i mod N")
+    w.add_argument("--shared-prefix-tokens", type=int, default=0, metavar="T", help="tokens of each system prompt")
+    w.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="a model directory (or tokenizer.json) for exact prompt lengths (default: ~1 token a word)")
+    w.add_argument("--api", default="chat", choices=["chat", "completions"])
+    w.add_argument("--model", default=None, help="default: the first model /v1/models lists")
+    w.add_argument("--api-key", default=None)
+    w.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (vLLM's extra body field)")
+    w.add_argument("--temperature", type=float, default=None)
+    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--timeout", type=float, default=600.0, help="per request (s)")
+    o = p.add_argument_group("goodput and output")
+    o.add_argument("--slo", default=None, metavar="ttft_p90=1s,tpot_p90=50ms",
+                   help="per-request thresholds (ttft, tpot, itl, e2e); _pNN: the percentile the summary judges")
+    o.add_argument("--slo-attainment", type=float, default=0.9, help="target fraction of good requests (0.9)")
+    o.add_argument("--json", default=None, metavar="FILE", help="write config, per-request records, summary")
+    o.add_argument("--plot", default=None, metavar="DIR", help="write latency CDFs (and the sweep) as PNGs")
+    o.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.set_defaults(fn=_cmd_bench)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving")
     p.add_argument("--log-level", default="WARNING")
@@ -160,6 +211,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="etcd endpoints (default: those of the local `pdserve up` cluster)")
     st.add_argument("--runs-dir", default=None)
     st.set_defaults(fn=_cmd_status)
+
+    _add_bench_parser(sub)
 
     for name, (_, help_text) in _SERVERS.items():
         sub.add_parser(name, help=f"{help_text} (flags: pdserve {name} --help)", add_help=False)
