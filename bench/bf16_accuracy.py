@@ -111,17 +111,19 @@ def main() -> None:
           f"{100 * hf_agree / total:.2f}%")
 
     engine = LLMEngine(EngineConfig(model=str(model_dir), dtype="bfloat16", num_kv_blocks=256))
-    same = 0
+    same = {"bf16": 0, "fp32": 0}
     for i, prompt in enumerate(prompts):
         x = torch.tensor([prompt])
-        with torch.no_grad():
-            hf_out = hf16.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=args.steps, do_sample=False)
-        want = tok.decode(hf_out[0, len(prompt):].tolist(), skip_special_tokens=True)
         got = engine.generate([prompt], SamplingParams(max_tokens=args.steps))[0].text
-        same += got == want
-        if got != want:
-            print(f"  prompt {i}: pdserve bf16 {got!r}\n            transformers bf16 {want!r}")
-    print(f"greedy text equal to transformers bf16: {same}/{len(prompts)} prompts")
+        for name, hf in (("bf16", hf16), ("fp32", hf32)):
+            with torch.no_grad():
+                hf_out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=args.steps, do_sample=False)
+            want = tok.decode(hf_out[0, len(prompt):].tolist(), skip_special_tokens=True)
+            same[name] += got == want
+            if got != want:
+                print(f"  prompt {i}: pdserve bf16 {got!r}\n     transformers {name} {want!r}")
+    print(f"greedy text of pdserve bf16 equal to transformers bf16 on {same['bf16']}/{len(prompts)} prompts, "
+          f"to transformers fp32 on {same['fp32']}/{len(prompts)}")
 
 
 if __name__ == "__main__":

@@ -24,6 +24,8 @@ from kernels import KernelOps
 WeightGetter = Callable[[str, tuple[int, ...]], torch.Tensor]
 
 DEFAULT_ROPE_TABLE_LEN = 32768
+# Logits recomputed in float32 per row when the LM head runs in half precision (see compute_logits).
+REFINE_TOP = 16
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -84,6 +86,11 @@ class RMSNorm(nn.Module):
         xf = xf * xf.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_()  # fresh tensor: x is not changed
         # rounded to the weight dtype before the scale, as transformers does; never x itself
         return xf.to(self.weight.dtype).mul_(self.weight)
+
+    def forward_float32(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim] -> same shape, float32
+        """The same norm kept in float32 throughout (equal to `forward` for float32 weights)."""
+        xf = x.float()
+        return (xf * xf.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_()).mul_(self.weight.float())
 
 
 class Attention(nn.Module):
@@ -164,7 +171,8 @@ class DecoderLayer(nn.Module):
 
 class CausalLM(nn.Module):
     """Parameters are created uninitialized in `cfg.dtype` on the current default device; fill them with
-    `load_hf_weights`. `forward` writes this step's K/V into `kv_cache` and returns final-normed hidden states.
+    `load_hf_weights`. `forward` writes this step's K/V into `kv_cache` and returns final-normed hidden states
+    (float32 whatever the weights' dtype).
     Both run under no_grad rather than inference_mode, so callers may edit the returned logits in place."""
 
     def __init__(self, cfg: ModelConfig, ops: KernelOps, rope_table_len: int | None = None) -> None:
@@ -212,12 +220,24 @@ class CausalLM(nn.Module):
         h = F.embedding(input_ids, self.embed_weight).float()  # [T, hidden] float32 residual stream (fresh)
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, meta, kv_cache[i])
-        return self.norm(h)
+        return self.norm.forward_float32(h)
 
     @torch.no_grad()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V] float32
-        """Vocabulary logits for the selected rows of `forward`'s output. Changes nothing."""
-        return F.linear(hidden, self.lm_head_weight).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] float32 -> [N, V] float32
+        """Vocabulary logits for the selected rows of `forward`'s output. Changes nothing.
+
+        Half-precision weights: the LM head GEMM runs in the weights' dtype, whose rounded outputs are
+        0.125 apart near a logit of 25, coarser than the gap between the two best tokens at many steps.
+        The REFINE_TOP best rows are recomputed in float32 from the float32 hidden state (a few
+        dot products per row), so greedy picks and top logprobs see float32 logits; the rest keep the
+        rounded values, which is enough for sampling."""
+        w = self.lm_head_weight
+        logits = F.linear(hidden.to(w.dtype), w).float()  # [N, V]
+        if w.dtype == torch.float32 or logits.numel() == 0:
+            return logits
+        top = logits.topk(min(REFINE_TOP, logits.shape[1]), dim=1).indices  # [N, K]
+        exact = torch.bmm(w[top].float(), hidden.float()[:, :, None])[:, :, 0]  # [N, K, H] x [N, H, 1]
+        return logits.scatter_(1, top, exact)
 
     @torch.no_grad()
     def load_hf_weights(self, get: WeightGetter) -> None:
