@@ -44,9 +44,9 @@ from engine.llm_engine import EngineLoad
 from engine.sampling_params import SamplingParams
 from engine.sequence import TokenLogprob
 from kv_transfer import ChannelConfig, ChannelManager
+from node.metrics import EngineGauges, MetricLabels, MetricsServer, NodeMetrics, ObservedEngine
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
-from protos.node_metrics import EngineGauges, MetricLabels, MetricsServer, NodeMetrics, ObservedEngine
 from registry import (
     NodeCapacity,
     NodeLoad,

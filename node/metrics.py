@@ -12,7 +12,7 @@ Where the numbers come from:
   engine itself, which belongs to its thread;
 - request metrics (queue, prefill and transfer times) are observed by the node's servicer.
 
-The role-specific metrics live in `prefill_node.metrics` and `decode_node.metrics`.
+The role-specific metrics live in `node.prefill.metrics` and `node.decode.metrics`.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 import orjson
 
-from frontend.testing.openapi import OpenAPISchemas
+from testing.openapi import OpenAPISchemas
 
 
 @dataclass(frozen=True)

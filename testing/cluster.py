@@ -6,7 +6,7 @@ free loopback ports, a gRPC client, and teardown that kills every process it sta
         result = cluster.generate("d0", prompt_ids, SamplingParams(max_tokens=8))
         cluster.wait_clean()          # every node: no request in flight, zero used KV blocks
 
-Nodes print one ready line (see `protos.control.READY_PREFIX`) once they serve and are registered; the
+Nodes print one ready line (see `node.control.READY_PREFIX`) once they serve and are registered; the
 harness reads it to learn each node's ports. Node logs go to `<workdir>/<node_id>.log`.
 """
 
@@ -28,9 +28,9 @@ from types import TracebackType
 import grpc
 
 from engine.sampling_params import SamplingParams
+from node.control import READY_PREFIX, params_to_proto
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
-from protos.control import READY_PREFIX, params_to_proto
 from registry import EtcdServer, Member, RegistryView
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -116,7 +116,7 @@ class LocalCluster:
 
     def node_command(self, role: str, node_id: str, extra: Sequence[str] = (), etcd: str | None = None) -> list[str]:
         return [
-            self.python, "-m", f"{role}_node", "--node-id", node_id, "--cluster", self.cluster,
+            self.python, "-m", f"node.{role}", "--node-id", node_id, "--cluster", self.cluster,
             "--etcd", etcd or ",".join(self.etcd_endpoints), "--model", self.model_dir,
             "--lease-ttl", str(self.lease_ttl_s), *self.node_args, *extra,
         ]

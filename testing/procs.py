@@ -13,8 +13,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-SCRIPTED_NODE = REPO_ROOT / "bench" / "scripted_decode_node.py"
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SCRIPTED_NODE = "testing.scripted_decode_node"  # run as `python -m` from the repository root
 
 
 class ProcessStartError(RuntimeError):
@@ -92,8 +92,8 @@ def wait_for_http(proc: Proc, url: str, timeout: float, status: int = 200) -> No
 
 
 def start_scripted_node(name: str, log_dir: Path, etcd: list[str], *args: str, timeout: float = 30.0) -> Proc:
-    """Starts bench/scripted_decode_node.py with `args`, registered in `etcd`; waits for "ready"."""
-    argv = [sys.executable, str(SCRIPTED_NODE), *(f"--etcd={e}" for e in etcd), *args]
+    """Starts `python -m testing.scripted_decode_node` with `args`, registered in `etcd`; waits for "ready"."""
+    argv = [sys.executable, "-m", SCRIPTED_NODE, *(f"--etcd={e}" for e in etcd), *args]
     proc = spawn(name, argv, log_dir)
     try:
         wait_for_line(proc, "ready", timeout)

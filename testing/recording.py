@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import orjson
 
-from frontend.testing.openapi import COMPLETION_CHUNK, OpenAPISchemas
+from testing.openapi import COMPLETION_CHUNK, OpenAPISchemas
 
 
 @dataclass(eq=False)

@@ -21,7 +21,7 @@ frontend's prefill routing and readiness can be exercised. `--http-port` serves 
 an OpenAI-compatible HTTP API (`/v1/chat/completions`, `/v1/models`), as the upstream of baseline
 proxies such as litellm.
 
-    python bench/scripted_decode_node.py --etcd 127.0.0.1:2379 --model tiny-llama --grpc-port 50100
+    python -m testing.scripted_decode_node --etcd 127.0.0.1:2379 --model tiny-llama --grpc-port 50100
 """
 
 from __future__ import annotations

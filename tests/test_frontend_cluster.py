@@ -34,18 +34,18 @@ from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 from frontend.models import TokenTexts
 from frontend.tenants import hash_key
-from frontend.testing.bad_inputs import bad_inputs, check_bad_inputs
-from frontend.testing.openapi import OpenAPISchemas
-from frontend.testing.procs import FrontendProc, start_frontend
-from frontend.testing.recording import AsyncRecordingTransport, RecordingTransport, conformance_problems
 from protos import pdserve_pb2 as pb
 from registry import Member
 from registry.etcd_server import free_port
+from testing.bad_inputs import bad_inputs, check_bad_inputs
+from testing.openapi import OpenAPISchemas
+from testing.procs import FrontendProc, start_frontend
+from testing.recording import AsyncRecordingTransport, RecordingTransport, conformance_problems
 
 if not (Path(__file__).parent / "cluster.py").is_file():
-    pytest.skip("needs the local cluster harness tests/cluster.py", allow_module_level=True)
+    pytest.skip("needs the local cluster harness testing/cluster.py", allow_module_level=True)
 
-from tests.cluster import LocalCluster  # noqa: E402
+from testing.cluster import LocalCluster  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -21,14 +21,14 @@ import pytest
 import tokenizers
 
 from frontend.tenants import hash_key
-from frontend.testing.bad_inputs import bad_inputs, check_bad_inputs
-from frontend.testing.openapi import OpenAPISchemas
-from frontend.testing.procs import FrontendProc, Proc, start_frontend, start_scripted_node
-from frontend.testing.recording import AsyncRecordingTransport, RecordingTransport, conformance_problems
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pbg
 from registry import EtcdServer
 from registry.etcd_server import free_port
+from testing.bad_inputs import bad_inputs, check_bad_inputs
+from testing.openapi import OpenAPISchemas
+from testing.procs import FrontendProc, Proc, start_frontend, start_scripted_node
+from testing.recording import AsyncRecordingTransport, RecordingTransport, conformance_problems
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -21,10 +21,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from deploy.launcher import registry_keys
 from engine.sampling_params import SamplingParams
 from engine.tiny import default_model_dir
+from node.control import params_to_proto
+from node.metrics import LATENCY_BUCKETS
 from protos import pdserve_pb2 as pb
-from protos.control import params_to_proto
-from protos.node_metrics import LATENCY_BUCKETS
-from tests.cluster import REPO_ROOT, LocalCluster
+from testing.cluster import REPO_ROOT, LocalCluster
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -20,9 +20,9 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.tiny import default_model_dir
+from node.control import params_to_proto
 from protos import pdserve_pb2 as pb
-from protos.control import params_to_proto
-from tests.cluster import GenerateResult, LocalCluster
+from testing.cluster import GenerateResult, LocalCluster
 
 pytestmark = pytest.mark.timeout(400)
 

@@ -16,9 +16,9 @@ import pytest
 
 from engine.sampling_params import SamplingParams
 from engine.tiny import default_model_dir
+from node.control import EXIT_REFUSED, params_to_proto
 from protos import pdserve_pb2 as pb
-from protos.control import EXIT_REFUSED, params_to_proto
-from tests.cluster import LocalCluster
+from testing.cluster import LocalCluster
 
 pytestmark = pytest.mark.timeout(400)
 

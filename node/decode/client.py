@@ -1,4 +1,4 @@
-"""A minimal command-line client: `python -m decode_node.client --target HOST:PORT ...`.
+"""A minimal command-line client: `python -m node.decode.client --target HOST:PORT ...`.
 
 Prints one JSON object: a Generate result (token ids, text, finish reason, who prefilled, time to first
 token) or, with --load, a node's GetLoad answer. Meant for smoke checks and for tests that must talk
@@ -16,13 +16,13 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 
 from engine.sampling_params import SamplingParams
+from node.control import params_to_proto
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
-from protos.control import params_to_proto
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m decode_node.client")
+    parser = argparse.ArgumentParser(prog="python -m node.decode.client")
     parser.add_argument("--target", required=True, help="host:port of a decode node (or any node with --load)")
     parser.add_argument("--load", choices=("decode", "prefill"), help="print GetLoad of a node of this role")
     parser.add_argument("--prompt-ids", default="", help="comma-separated prompt token ids")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from protos.control import NodeConfig, add_node_args, node_kwargs
+from node.control import NodeConfig, add_node_args, node_kwargs
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,7 @@ class DecodeNodeConfig(NodeConfig):
     @classmethod
     def from_argv(cls, argv: list[str] | None) -> tuple[DecodeNodeConfig, str]:
         """Parses the command line; returns the config and the log level."""
-        parser = argparse.ArgumentParser(prog="python -m decode_node", description="Run a pdserve decode node.")
+        parser = argparse.ArgumentParser(prog="python -m node.decode", description="Run a pdserve decode node.")
         add_node_args(parser)
         parser.add_argument("--local-prefill-threshold", type=int, default=64)
         parser.add_argument("--admission-queue-limit", type=int, default=256)

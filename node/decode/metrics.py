@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
-from protos.node_metrics import LATENCY_BUCKETS, SIZE_BUCKETS, MetricLabels, NodeMetrics, StepRecord
+from node.metrics import LATENCY_BUCKETS, SIZE_BUCKETS, MetricLabels, NodeMetrics, StepRecord
 
 
 class DecodeMetrics(NodeMetrics):

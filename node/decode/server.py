@@ -32,8 +32,6 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from decode_node.config import DecodeNodeConfig
-from decode_node.metrics import DecodeMetrics
 from engine.async_engine import RequestStream, abort_output
 from engine.block_manager import Reservation
 from engine.llm_engine import RequestOutput
@@ -41,9 +39,7 @@ from engine.sampling_params import SamplingParams
 from kernels import get_kernel_ops
 from kernels.interface import KV_LAYOUT_VERSION
 from kv_transfer import Channel, ChannelError, KVReceiver, TransferHandle, TransferMeta
-from protos import pdserve_pb2 as pb
-from protos import pdserve_pb2_grpc as pb_grpc
-from protos.control import (
+from node.control import (
     GRPC_OPTIONS,
     NodeContext,
     NodeService,
@@ -54,6 +50,10 @@ from protos.control import (
     run_node,
     setup_logging,
 )
+from node.decode.config import DecodeNodeConfig
+from node.decode.metrics import DecodeMetrics
+from protos import pdserve_pb2 as pb
+from protos import pdserve_pb2_grpc as pb_grpc
 from registry import Member
 
 log = logging.getLogger(__name__)
@@ -531,7 +531,7 @@ class DecodeService(NodeService, pb_grpc.DecodeNodeServicer):
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of `python -m decode_node` (and `pdserve decode`)."""
+    """Entry point of `python -m node.decode` (and `pdserve decode`)."""
     config, log_level = DecodeNodeConfig.from_argv(argv)
     setup_logging(log_level)
     return asyncio.run(run_node(config, "decode", DecodeService, DecodeMetrics))

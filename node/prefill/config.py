@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from protos.control import NodeConfig, add_node_args, node_kwargs
+from node.control import NodeConfig, add_node_args, node_kwargs
 
 
 @dataclass(frozen=True)
@@ -20,7 +20,7 @@ class PrefillNodeConfig(NodeConfig):
     @classmethod
     def from_argv(cls, argv: list[str] | None) -> tuple[PrefillNodeConfig, str]:
         """Parses the command line; returns the config and the log level."""
-        parser = argparse.ArgumentParser(prog="python -m prefill_node", description="Run a pdserve prefill node.")
+        parser = argparse.ArgumentParser(prog="python -m node.prefill", description="Run a pdserve prefill node.")
         add_node_args(parser)
         parser.add_argument("--max-pending", type=int, default=1024)
         args = parser.parse_args(argv)

@@ -6,7 +6,7 @@ import threading
 from dataclasses import dataclass
 
 from kv_transfer import TransferResult
-from protos.node_metrics import LATENCY_BUCKETS, SIZE_BUCKETS, MetricLabels, NodeMetrics, StepRecord
+from node.metrics import LATENCY_BUCKETS, SIZE_BUCKETS, MetricLabels, NodeMetrics, StepRecord
 
 FAILURE_REASONS: tuple[str, ...] = ("timeout", "peer_gone", "refused", "error")
 

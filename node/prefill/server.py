@@ -25,11 +25,7 @@ from engine.async_engine import RequestStream
 from kernels import get_kernel_ops
 from kernels.interface import KV_LAYOUT_VERSION
 from kv_transfer import Channel, ChannelError, KVSender, SendHandle
-from prefill_node.config import PrefillNodeConfig
-from prefill_node.metrics import PrefillMetrics
-from protos import pdserve_pb2 as pb
-from protos import pdserve_pb2_grpc as pb_grpc
-from protos.control import (
+from node.control import (
     NodeContext,
     NodeService,
     logprob_to_proto,
@@ -37,6 +33,10 @@ from protos.control import (
     run_node,
     setup_logging,
 )
+from node.prefill.config import PrefillNodeConfig
+from node.prefill.metrics import PrefillMetrics
+from protos import pdserve_pb2 as pb
+from protos import pdserve_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
@@ -276,7 +276,7 @@ class PrefillService(NodeService, pb_grpc.PrefillNodeServicer):
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of `python -m prefill_node` (and `pdserve prefill`)."""
+    """Entry point of `python -m node.prefill` (and `pdserve prefill`)."""
     config, log_level = PrefillNodeConfig.from_argv(argv)
     setup_logging(log_level)
     return asyncio.run(run_node(config, "prefill", PrefillService, PrefillMetrics))
