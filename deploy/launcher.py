@@ -47,7 +47,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from node.control import READY_PREFIX
+from node.ready import READY_PREFIX
 from registry import cluster_prefix, parse_endpoint
 from registry.etcd_server import free_port
 

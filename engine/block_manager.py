@@ -18,40 +18,13 @@ the queue.
 
 from __future__ import annotations
 
-import hashlib
-import struct
 from collections import OrderedDict
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
 from weakref import WeakKeyDictionary
 
+from engine.prefix_hash import BlockHash, compute_block_hashes
 from engine.sequence import Sequence
-
-BlockHash = bytes
-
-
-def hash_block_tokens(seed: int, parent: BlockHash | None, token_ids: SequenceOf[int]) -> BlockHash:
-    """Chained hash of one full block: stable across processes and machines (unlike ``hash()``)."""
-    h = hashlib.blake2b(digest_size=16)
-    h.update(seed.to_bytes(16, "little", signed=True))
-    # The flag byte keeps "no parent" distinct from any 16-byte parent digest.
-    h.update(b"\x00" if parent is None else b"\x01" + parent)
-    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
-    return h.digest()
-
-
-def compute_block_hashes(
-    token_ids: SequenceOf[int], block_size: int, seed: int, known: SequenceOf[BlockHash] = ()
-) -> list[BlockHash]:
-    """Chained hashes of every full block of ``token_ids`` (a trailing partial block has none).
-
-    ``known`` may hold the hashes of a leading run of those blocks, already computed; they are reused."""
-    hashes = list(known)
-    parent = hashes[-1] if hashes else None
-    for i in range(len(hashes), len(token_ids) // block_size):
-        parent = hash_block_tokens(seed, parent, token_ids[i * block_size : (i + 1) * block_size])
-        hashes.append(parent)
-    return hashes
 
 
 @dataclass
@@ -159,6 +132,11 @@ class BlockManager:
     @property
     def num_evictable_blocks(self) -> int:
         return sum(1 for b in self._free if self._blocks[b].block_hash is not None)
+
+    @property
+    def num_holders(self) -> int:
+        """Sequences holding blocks (each must be known to its scheduler: see ``Scheduler.check_integrity``)."""
+        return len(self._holders)
 
     def stats(self) -> PrefixCacheStats:
         """A snapshot of the prefix-cache counters."""

@@ -17,8 +17,8 @@ from engine.model_config import (
     SAFETENSORS_INDEX,
     ModelConfig,
     ModelLoadError,
+    dtype_name,
     load_model_config,
-    parse_dtype,
     weight_files,
 )
 from kernels import KernelOps, get_kernel_ops
@@ -85,7 +85,7 @@ def load_model(
     root = Path(path)
     config = load_model_config(root)
     if dtype is not None:
-        config = dataclasses.replace(config, dtype=parse_dtype(dtype))
+        config = dataclasses.replace(config, dtype_name=dtype_name(dtype))
     ops = ops if ops is not None else get_kernel_ops("auto", str(device))
     with torch.device(device):
         model = CausalLM(config, ops)

@@ -3,6 +3,9 @@
 Reads ``config.json`` (both the older ``rope_theta`` + ``rope_scaling`` style and the transformers-5
 ``rope_parameters`` style), ``generation_config.json`` for the EOS ids, and the safetensors tensors for
 the weights digest that ``ModelConfig.fingerprint()`` folds in. Nothing here builds a model.
+
+Importing this module and parsing a config do not import torch (the frontend reads configs for their
+context length); only ``ModelConfig.dtype``, ``parse_dtype`` and the weights digest do, when called.
 """
 
 from __future__ import annotations
@@ -12,10 +15,12 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from safetensors import safe_open
+
+if TYPE_CHECKING:
+    import torch
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -24,15 +29,16 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
 )
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "fp16": torch.float16,
+# Accepted spellings -> the canonical name (also the torch attribute name) of the weights' dtype.
+DTYPE_NAMES: dict[str, str] = {
+    "float32": "float32",
+    "float": "float32",
+    "fp32": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "half": "float16",
+    "fp16": "float16",
 }
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_SINGLE = "model.safetensors"
@@ -69,7 +75,7 @@ class ModelConfig:
     o_proj_bias: bool
     mlp_bias: bool
     qk_norm: bool  # per-head RMSNorm on q and k before RoPE
-    dtype: torch.dtype
+    dtype_name: str  # canonical dtype name ("float32" | "bfloat16" | "float16"); see `dtype`
     eos_token_ids: tuple[int, ...]  # sorted; generation_config.json's when it has them, else config.json's
     bos_token_id: int | None
     weights_digest: str = ""  # hex digest of the tensors (see `weights_digest`); "" when not computed
@@ -94,8 +100,8 @@ class ModelConfig:
             raise ValueError(f"field 'rope_theta' must be > 0, got {self.rope_theta}")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ValueError(f"field 'sliding_window' must be positive or null, got {self.sliding_window}")
-        if self.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype}")
+        if self.dtype_name not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype_name!r}")
         if self.arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"architecture {self.arch!r} is not one of {SUPPORTED_ARCHITECTURES}")
         if any(not 0 <= t < self.vocab_size for t in self.eos_token_ids):
@@ -104,6 +110,11 @@ class ModelConfig:
     def __hash__(self) -> int:
         # `rope_scaling` is a dict, so the generated field hash would fail; the fingerprint is stable.
         return hash(self.fingerprint())
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The torch dtype the weights are held in (imports torch)."""
+        return parse_dtype(self.dtype_name)
 
     @property
     def q_size(self) -> int:
@@ -129,19 +140,25 @@ class ModelConfig:
         """Stable hex digest over every field, including the weights digest and the held dtype. Two nodes
         may exchange KV blocks only when their fingerprints agree."""
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        fields["dtype"] = str(self.dtype).removeprefix("torch.")
+        fields["dtype"] = fields.pop("dtype_name")
         blob = json.dumps(fields, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()
 
 
+def dtype_name(value: object) -> str:
+    """The canonical name of "bfloat16"/"bf16"/torch.bfloat16 (and the float32/float16 spellings).
+    Raises ValueError for anything else. Needs no torch."""
+    key = str(value).removeprefix("torch.").lower()
+    if key not in DTYPE_NAMES:
+        raise ValueError(f"unsupported dtype {value!r}; use one of float32, bfloat16, float16")
+    return DTYPE_NAMES[key]
+
+
 def parse_dtype(value: str | torch.dtype) -> torch.dtype:
     """Maps "bfloat16"/"bf16"/torch.bfloat16 (and the float32/float16 spellings) to a torch dtype."""
-    if isinstance(value, torch.dtype):
-        return value
-    key = str(value).removeprefix("torch.").lower()
-    if key not in DTYPES:
-        raise ValueError(f"unsupported dtype {value!r}; use one of float32, bfloat16, float16")
-    return DTYPES[key]
+    import torch
+
+    return getattr(torch, dtype_name(value))
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -260,9 +277,9 @@ def parse_model_config(
     else:
         eos = _token_ids(raw.get("eos_token_id"), "eos_token_id", source)
     bos = gen.get("bos_token_id", raw.get("bos_token_id"))
-    dtype_name = raw.get("dtype") or raw.get("torch_dtype") or "float32"
+    raw_dtype = raw.get("dtype") or raw.get("torch_dtype") or "float32"
     try:
-        dtype = parse_dtype(dtype_name)
+        dtype = dtype_name(raw_dtype)
     except ValueError as e:
         raise ModelLoadError(f"{source}: field 'dtype': {e}") from e
     try:
@@ -286,7 +303,7 @@ def parse_model_config(
             o_proj_bias=o_proj_bias,
             mlp_bias=bool(raw.get("mlp_bias", False)),
             qk_norm=arch == "Qwen3ForCausalLM",
-            dtype=dtype,
+            dtype_name=dtype,
             eos_token_ids=tuple(sorted(eos)),
             bos_token_id=bos if isinstance(bos, int) and not isinstance(bos, bool) else None,
             weights_digest=weights_digest,
@@ -354,6 +371,8 @@ def _tensor_digest(f: Any, name: str, full: bool) -> str:
     else:
         step = rows / SAMPLED_ROWS_PER_TENSOR
         chunks = [sl[int(i * step) : int(i * step) + 1] for i in range(SAMPLED_ROWS_PER_TENSOR)]
+    import torch  # safe_open(framework="pt") hands out torch tensors
+
     for t in chunks:
         h.update(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from engine.block_manager import compute_block_hashes
+from engine.prefix_hash import compute_block_hashes
 from registry.view import Member
 
 VNODES_PER_NODE = 64

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import signal
@@ -45,6 +44,7 @@ from engine.sampling_params import SamplingParams
 from engine.sequence import TokenLogprob
 from kv_transfer import ChannelConfig, ChannelManager
 from node.metrics import EngineGauges, MetricLabels, MetricsServer, NodeMetrics, ObservedEngine
+from node.ready import EXIT_REFUSED, EXIT_UNAVAILABLE, ready_line
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
 from registry import (
@@ -60,9 +60,6 @@ from registry import (
 
 log = logging.getLogger(__name__)
 
-READY_PREFIX = "PDSERVE_READY "
-EXIT_REFUSED = 3  # the registry refused this node (conflicting pool invariant or node id)
-EXIT_UNAVAILABLE = 4  # etcd could not be reached to join
 
 GRPC_OPTIONS = (
     ("grpc.max_send_message_length", 64 << 20),
@@ -492,7 +489,7 @@ async def _serve(
         "kv_address": ctx.record.kv_address, "metrics_address": metrics_server.address, "pid": os.getpid(),
         "fingerprint": fingerprint,
     }
-    print(READY_PREFIX + json.dumps(ready), flush=True)
+    print(ready_line(ready), flush=True)
     signals: asyncio.Queue[int] = asyncio.Queue()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -6,14 +6,13 @@ free loopback ports, a gRPC client, and teardown that kills every process it sta
         result = cluster.generate("d0", prompt_ids, SamplingParams(max_tokens=8))
         cluster.wait_clean()          # every node: no request in flight, zero used KV blocks
 
-Nodes print one ready line (see `node.control.READY_PREFIX`) once they serve and are registered; the
+Nodes print one ready line (see `node.ready`) once they serve and are registered; the
 harness reads it to learn each node's ports. Node logs go to `<workdir>/<node_id>.log`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import subprocess
@@ -28,7 +27,8 @@ from types import TracebackType
 import grpc
 
 from engine.sampling_params import SamplingParams
-from node.control import READY_PREFIX, params_to_proto
+from node.control import params_to_proto
+from node.ready import parse_ready_line
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
 from registry import EtcdServer, Member, RegistryView
@@ -144,9 +144,9 @@ class LocalCluster:
     def _read_stdout(node: NodeProcess) -> None:
         assert node.proc.stdout is not None
         for raw in node.proc.stdout:
-            line = raw.decode(errors="replace").strip()
-            if line.startswith(READY_PREFIX):
-                node.info = json.loads(line[len(READY_PREFIX) :])
+            info = parse_ready_line(raw.decode(errors="replace"))
+            if info is not None:
+                node.info = info
                 node.ready.set()
 
     def wait_ready(self, nodes: Iterable[NodeProcess], timeout_s: float = 120.0) -> None:

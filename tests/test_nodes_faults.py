@@ -16,7 +16,8 @@ import pytest
 
 from engine.sampling_params import SamplingParams
 from engine.tiny import default_model_dir
-from node.control import EXIT_REFUSED, params_to_proto
+from node.control import params_to_proto
+from node.ready import EXIT_REFUSED
 from protos import pdserve_pb2 as pb
 from testing.cluster import LocalCluster
 
