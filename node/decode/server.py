@@ -375,7 +375,7 @@ class DecodeService(NodeService, pb_grpc.DecodeNodeServicer):
             st.stage = "decoding"  # set before admit is queued, so a later cancel aborts in the engine
             try:
                 self.metrics.admitted(rid)
-                await self.ctx.engine.admit(rid)
+                await self.ctx.engine.land(rid)
                 return
             except (KeyError, ValueError) as err:
                 st.error = f"admission after transfer failed: {err}"
@@ -388,7 +388,7 @@ class DecodeService(NodeService, pb_grpc.DecodeNodeServicer):
         if st.cancelled or st.stream.finished:
             return
         logprob = logprob_from_proto(first.logprob) if first.HasField("logprob") else None
-        await self.ctx.engine.first_token(st.request_id, first.token_id, logprob)
+        await self.ctx.engine.append_first_token(st.request_id, first.token_id, logprob)
 
     def _on_transfer_start(self, st: RemoteRequest, ts: pb.TransferStart) -> None:
         assert st.reservation is not None

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import grpc
 
 from engine.async_engine import RequestStream
+from engine.sampling_params import SamplingParams
+from engine.scheduler import stop_decision
 from kernels import get_kernel_ops
 from kernels.interface import KV_LAYOUT_VERSION
 from kv_transfer import Channel, ChannelError, KVSender, SendHandle
@@ -128,7 +130,7 @@ class PrefillService(NodeService, pb_grpc.PrefillNodeServicer):
             self.ctx.spawn(self._finish(st), f"prefill-finish-{rid}")
 
     async def _serve(
-        self, st: PrefillState, request: pb.PrefillRequest, prompt: list[int], params: object,
+        self, st: PrefillState, request: pb.PrefillRequest, prompt: list[int], params: SamplingParams,
         stream: RequestStream,
     ) -> AsyncIterator[pb.PrefillResponse]:
         batch = await stream.next_batch()
@@ -146,11 +148,7 @@ class PrefillService(NodeService, pb_grpc.PrefillNodeServicer):
         if out.new_logprobs:
             first.logprob.CopyFrom(logprob_to_proto(out.new_logprobs[0]))
         yield pb.PrefillResponse(first_token=first)
-        sp = request.params
-        ends = (
-            (not sp.ignore_eos and token in self._eos) or token in sp.stop_token_ids or 0 < sp.max_tokens <= 1
-        )
-        if ends or not request.dst_block_ids:
+        if stop_decision(params, self._eos, token, 1) is not None or not request.dst_block_ids:
             # The decode node is done with this request (or already holds every block): nothing to ship.
             yield pb.PrefillResponse(transfer_done=pb.TransferDone(ok=True, skipped=True))
             return
