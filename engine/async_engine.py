@@ -201,6 +201,11 @@ class AsyncEngine:
         """`LLMEngine.land` on the engine thread: the request decodes from the next step."""
         await self.call(lambda e: e.land(request_id))
 
+    @property
+    def open_streams(self) -> frozenset[str]:
+        """Request ids whose outputs are delivered to a stream (event-loop thread)."""
+        return frozenset(self._streams)
+
     def load(self) -> EngineLoad:
         """The engine's load as of its latest step or command (no engine call; any thread)."""
         return self._load

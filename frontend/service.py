@@ -427,7 +427,7 @@ class Frontend:
         while True:
             d = c.decision
             c.tried.append(d.decode_id)
-            request = pb.GenerateRequest(request_id=c.request_id, model=job.model.pool, prompt_token_ids=c.prompt_ids,
+            request = pb.GenerateRequest(request_id=c.request_id, prompt_token_ids=c.prompt_ids,
                                          params=c.params, prefill_node_id=d.prefill_id, return_text=True)
             c.dispatched_at = time.perf_counter()
             c.call = self.upstream.stub(d.decode_address).Generate(request, timeout=self.config.request_timeout_s)

@@ -30,8 +30,9 @@ from prometheus_client.registry import Collector
 
 from engine.block_manager import PrefixCacheStats
 from engine.config import EngineConfig
-from engine.llm_engine import EngineLoad, LLMEngine, RequestOutput, StepStats
+from engine.llm_engine import LLMEngine, RequestOutput, StepStats
 from engine.sequence import Sequence as EngineSequence
+from registry import NodeLoad
 
 # One bucket list for every latency histogram: from 1 ms, with bounds at the usual SLO thresholds.
 LATENCY_BUCKETS: tuple[float, ...] = (
@@ -94,18 +95,10 @@ class ObservedEngine(LLMEngine):
         return outputs
 
 
-@dataclass(frozen=True)
-class EngineGauges:
-    """What the scrape-time collector reads: the engine's load snapshot and the node's extra queue."""
-
-    load: EngineLoad
-    extra_waiting: int  # decode: requests waiting for admission (not yet in the engine)
-
-
 class _EngineCollector(Collector):
     """Yields the gauges and prefix-cache counters from the latest snapshots at each scrape."""
 
-    def __init__(self, labels: MetricLabels, snapshot: Callable[[], EngineGauges | None],
+    def __init__(self, labels: MetricLabels, snapshot: Callable[[], NodeLoad | None],
                  cache: Callable[[], PrefixCacheStats]) -> None:
         self._labels = labels
         self._snapshot = snapshot
@@ -122,13 +115,12 @@ class _EngineCollector(Collector):
         hits.add_metric(values, cache.hit_tokens)
         yield queries
         yield hits
-        snap = self._snapshot()
-        if snap is None:
+        load = self._snapshot()
+        if load is None:
             return  # still loading: no engine yet
-        load = snap.load
         # `used` counts held and reserved blocks too; the states must partition the pool, so those
         # are moved to `held` (clamped: a held prefix shared with a running sequence counts once).
-        held = min(load.held_blocks + load.reserved_blocks, load.kv_blocks_used)
+        held = min(load.kv_blocks_held + load.kv_blocks_reserved, load.kv_blocks_used)
         cached = min(load.kv_blocks_cached, load.kv_blocks_free)
         blocks = GaugeMetricFamily("pdserve_kv_blocks", "KV blocks by state (the states partition the pool)",
                                    labels=[*names, "state"])
@@ -144,7 +136,7 @@ class _EngineCollector(Collector):
         yield running
         waiting = GaugeMetricFamily("pdserve_requests_waiting",
                                     "Sequences queued (decode: including those waiting for admission)", labels=names)
-        waiting.add_metric(values, load.waiting + snap.extra_waiting)
+        waiting.add_metric(values, load.queue_len)
         yield waiting
 
 
@@ -177,7 +169,7 @@ class NodeMetrics:
         self.registry = CollectorRegistry()
         self._lock = threading.Lock()  # guards what the engine thread and the event loop both touch
         self._cache = PrefixCacheStats()
-        self._gauges: Callable[[], EngineGauges] | None = None
+        self._gauges: Callable[[], NodeLoad] | None = None
         self._preemptions = self.counter("pdserve_preemptions", "Sequences preempted for KV space")
         self.registry.register(_EngineCollector(labels, self._gauge_snapshot, self._cache_snapshot))
 
@@ -193,7 +185,7 @@ class NodeMetrics:
 
     # -- engine side --------------------------------------------------------------------------------
 
-    def bind(self, gauges: Callable[[], EngineGauges]) -> None:
+    def bind(self, gauges: Callable[[], NodeLoad]) -> None:
         """Sets where scrapes read the load gauges from (once the engine exists)."""
         self._gauges = gauges
 
@@ -204,7 +196,7 @@ class NodeMetrics:
         with self._lock:
             self._cache = step.cache
 
-    def _gauge_snapshot(self) -> EngineGauges | None:
+    def _gauge_snapshot(self) -> NodeLoad | None:
         return self._gauges() if self._gauges is not None else None
 
     def _cache_snapshot(self) -> PrefixCacheStats:

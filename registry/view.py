@@ -47,6 +47,11 @@ class Member:
     def role(self) -> str:
         return self.record.role
 
+    @property
+    def draining(self) -> bool:
+        """The node finishes what it has and takes no new work, so nobody routes new work to it."""
+        return self.load is not None and self.load.draining
+
 
 @dataclass(frozen=True)
 class ViewChange:

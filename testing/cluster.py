@@ -5,6 +5,7 @@ free loopback ports, a gRPC client, and teardown that kills every process it sta
         cluster.start(num_prefill=2, num_decode=2)
         result = cluster.generate("d0", prompt_ids, SamplingParams(max_tokens=8))
         cluster.wait_clean()          # every node: no request in flight, zero used KV blocks
+        cluster.check_integrity()     # every node: blocks, requests, streams and reservations agree
 
 Nodes print one ready line (see `node.ready`) once they serve and are registered; the
 harness reads it to learn each node's ports. Node logs go to `<workdir>/<node_id>.log`.
@@ -27,7 +28,7 @@ from types import TracebackType
 import grpc
 
 from engine.sampling_params import SamplingParams
-from node.control import params_to_proto
+from node.convert import params_to_proto
 from node.ready import parse_ready_line
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
@@ -100,6 +101,7 @@ class LocalCluster:
         self.etcd: EtcdServer | None = None
         self.nodes: dict[str, NodeProcess] = {}
         self._channels: dict[str, grpc.Channel] = {}
+        self._stopped: set[str] = set()  # nodes sent SIGSTOP (and no SIGCONT since)
 
     # -- processes ------------------------------------------------------------------------------------
 
@@ -174,6 +176,10 @@ class LocalCluster:
         node = self.nodes[node_id]
         if node.alive:
             node.proc.send_signal(sig)
+        if sig == signal.SIGSTOP:
+            self._stopped.add(node_id)
+        elif sig == signal.SIGCONT:
+            self._stopped.discard(node_id)
         if sig in (signal.SIGKILL, signal.SIGTERM):
             node.proc.wait(timeout=30)
         channel = self._channels.pop(node_id, None)
@@ -256,16 +262,30 @@ class LocalCluster:
 
     def wait_clean(self, node_ids: Iterable[str] | None = None, timeout_s: float = 30.0) -> dict[str, pb.LoadResponse]:
         """Waits until every (live) node has no request in flight and zero used KV blocks (evictable
-        prefix-cache blocks are free); returns the loads. Raises AssertionError with the last loads."""
+        prefix-cache blocks are free), then checks their integrity; returns the loads. Raises
+        AssertionError with the last loads."""
         ids = [n for n in (node_ids or self.nodes) if self.nodes[n].alive]
         deadline = time.monotonic() + timeout_s
         while True:
             loads = {n: self.get_load(n) for n in ids}
             if all(_clean(load) for load in loads.values()):
+                self.check_integrity(ids)
                 return loads
             if time.monotonic() > deadline:
                 raise AssertionError(f"nodes not clean after {timeout_s}s: {loads}")
             time.sleep(0.05)
+
+    def check_integrity(self, node_ids: Iterable[str] | None = None, timeout_s: float = 10.0) -> None:
+        """Runs NodeControl/CheckIntegrity on every live, running node: its KV blocks, engine requests,
+        output streams, reservations, metric records and request objects agree (`NodeService.check_integrity`).
+        Raises AssertionError naming each node that disagrees and why."""
+        ids = [n for n in (node_ids or self.nodes) if self.nodes[n].alive and n not in self._stopped]
+        problems = {}
+        for n in ids:
+            report = pb_grpc.NodeControlStub(self.channel(n)).CheckIntegrity(pb.IntegrityRequest(), timeout=timeout_s)
+            if not report.ok:
+                problems[n] = report.problem
+        assert not problems, f"node integrity: {problems}"
 
     def registry_members(self, timeout_s: float = 10.0) -> dict[str, Member]:
         """The cluster's registry membership as a fresh view sees it."""

@@ -135,11 +135,9 @@ class ScriptedDecodeNode(pbg.DecodeNodeServicer):
 
     def load(self) -> NodeLoad:
         used = self.blocks_used()
-        c = self.counters
         return NodeLoad(queue_len=0, running=len(self.active), kv_blocks_used=used,
-                        kv_blocks_free=max(0, self.cfg.num_kv_blocks - used),
-                        extra={"generate_calls": float(c.generate_calls), "finished": float(c.finished),
-                               "aborted": float(c.aborted), "last_abort_at": c.last_abort_at})
+                        kv_blocks_free=max(0, self.cfg.num_kv_blocks - used), kv_blocks_total=self.cfg.num_kv_blocks,
+                        in_flight=len(self.active))
 
     def _logprob(self, token_id: int, position: int, k: int) -> pb.TokenLogprob:
         ids = self.script.token_ids

@@ -38,14 +38,10 @@ from protos import pdserve_pb2 as pb
 from registry import Member
 from registry.etcd_server import free_port
 from testing.bad_inputs import bad_inputs, check_bad_inputs
+from testing.cluster import LocalCluster
 from testing.openapi import OpenAPISchemas
 from testing.procs import FrontendProc, start_frontend
 from testing.recording import AsyncRecordingTransport, RecordingTransport, conformance_problems
-
-if not (Path(__file__).parent / "cluster.py").is_file():
-    pytest.skip("needs the local cluster harness testing/cluster.py", allow_module_level=True)
-
-from testing.cluster import LocalCluster  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -119,6 +115,13 @@ def env(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: Path) -> Itera
         finally:
             assert fe.stop() in (0, -15), fe.proc.tail()  # uvicorn re-raises the SIGTERM it handled
             assert "Traceback" not in fe.proc.log_text(), fe.proc.tail(80)
+
+
+@pytest.fixture(autouse=True)
+def _check_integrity_after_each_test(env: Env) -> Iterator[None]:
+    """Every node's blocks, requests, streams and reservations agree after every test."""
+    yield
+    env.cluster.check_integrity()
 
 
 def user(text: str) -> list[dict[str, str]]:
@@ -244,7 +247,7 @@ def _idle_records(members: dict[str, Member]) -> bool:
     loads = [m.load for m in members.values()]
     return len(loads) == 4 and all(
         load is not None and load.kv_blocks_used == 0 and load.running == 0 and load.queue_len == 0
-        and load.extra.get("in_flight", 1) == 0 for load in loads)
+        and load.in_flight == 0 for load in loads)
 
 
 def test_disconnect_mid_stream_frees_blocks_on_both_nodes(env: Env) -> None:

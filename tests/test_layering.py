@@ -16,7 +16,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 FORBIDDEN: dict[str, set[str]] = {
     "kernels": {"engine", "kv_transfer", "registry", "node", "frontend", "deploy", "protos", "testing"},
     "engine": {"kv_transfer", "registry", "node", "frontend", "deploy", "protos", "testing"},
-    "kv_transfer": {"engine", "registry", "node", "frontend", "deploy", "protos", "testing"},
+    "kv_transfer": {"engine", "node", "frontend", "deploy", "protos", "testing"},
     "registry": {"engine", "kernels", "kv_transfer", "node", "frontend", "deploy", "protos", "testing", "torch"},
     "protos": {"engine", "kernels", "kv_transfer", "registry", "node", "frontend", "deploy", "testing", "torch"},
     "node": {"frontend", "deploy", "testing", "fastapi", "starlette", "uvicorn", "httpx"},

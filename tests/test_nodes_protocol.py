@@ -10,7 +10,7 @@ from pathlib import Path
 
 from engine.sampling_params import SamplingParams
 from engine.sequence import TokenLogprob
-from node.control import logprob_from_proto, logprob_to_proto, params_from_proto, params_to_proto
+from node.convert import logprob_from_proto, logprob_to_proto, params_from_proto, params_to_proto
 from protos import pdserve_pb2 as pb
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

@@ -16,7 +16,7 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 
 from engine.sampling_params import SamplingParams
-from node.control import params_to_proto
+from node.convert import params_to_proto
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from node.control import NodeConfig, add_node_args, node_kwargs
+from node.config import NodeConfig, add_node_args, node_kwargs
 
 
 @dataclass(frozen=True)
