@@ -31,14 +31,9 @@ SUPPORTED_ARCHITECTURES = (
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 # Accepted spellings -> the canonical name (also the torch attribute name) of the weights' dtype.
 DTYPE_NAMES: dict[str, str] = {
-    "float32": "float32",
-    "float": "float32",
-    "fp32": "float32",
-    "bfloat16": "bfloat16",
-    "bf16": "bfloat16",
-    "float16": "float16",
-    "half": "float16",
-    "fp16": "float16",
+    "float32": "float32", "float": "float32", "fp32": "float32",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float16": "float16", "half": "float16", "fp16": "float16",
 }
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_SINGLE = "model.safetensors"
@@ -227,35 +222,22 @@ def _rope(raw: dict[str, Any], source: Path) -> tuple[float, dict[str, Any] | No
     return float(theta), {"rope_type": rope_type, **{name: merged[name] for name in needed}}
 
 
-def parse_model_config(
-    raw: dict[str, Any], generation: dict[str, Any] | None, source: Path, weights_digest: str = ""
-) -> ModelConfig:
-    """Builds a validated ModelConfig from parsed config.json (and generation_config.json) contents.
-    `source` only names the file in error messages."""
+def _architecture(raw: dict[str, Any], source: Path) -> str:
     archs = _field(raw, "architectures", list, source)
     if not archs or archs[0] not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(
             f"{source}: field 'architectures' is {archs!r}; unsupported architecture "
             f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
         )
-    arch = archs[0]
     act = raw.get("hidden_act", "silu")
     if act != "silu":
         raise ModelLoadError(f"{source}: field 'hidden_act' is {act!r}; only 'silu' is supported")
-    hidden = _field(raw, "hidden_size", int, source)
-    heads = _field(raw, "num_attention_heads", int, source)
-    if heads <= 0:
-        raise ModelLoadError(f"{source}: field 'num_attention_heads' must be positive, got {heads}")
-    # Qwen3's own default head_dim is 128; the others derive it from the hidden size.
-    default_head_dim = 128 if arch == "Qwen3ForCausalLM" else hidden // heads
-    theta, scaling = _rope(raw, source)
+    return str(archs[0])
 
-    attention_bias = bool(raw.get("attention_bias", False))
-    o_proj_bias = attention_bias
-    if arch == "Qwen2ForCausalLM":
-        attention_bias, o_proj_bias = True, False
+
+def _sliding_window(raw: dict[str, Any], arch: str, num_layers: int, source: Path) -> int | None:
+    """The attention window in tokens, or None when there is none (or it never binds)."""
     sliding_window: int | None = None
-    num_layers = _field(raw, "num_hidden_layers", int, source)
     if arch == "MistralForCausalLM":
         # Mistral applies a 4096-token window when the field is absent; an explicit null disables it.
         sliding_window = _field(raw, "sliding_window", int, source, None) if "sliding_window" in raw else 4096
@@ -269,17 +251,40 @@ def parse_model_config(
             sliding_window = _field(raw, "sliding_window", int, source, 4096)
     if sliding_window is not None and sliding_window >= _field(raw, "max_position_embeddings", int, source, 2048):
         sliding_window = None  # the window never binds
+    return sliding_window
 
+
+def _special_ids(raw: dict[str, Any], generation: dict[str, Any] | None, source: Path) -> tuple[set[int], Any]:
+    """(EOS ids, BOS id as given): generation_config.json decides the stop ids when it names them, as in
+    transformers' generate."""
     gen = generation or {}
-    # generation_config.json decides the stop ids when it names them, as in transformers' generate.
     if gen.get("eos_token_id") is not None:
         eos = _token_ids(gen["eos_token_id"], "eos_token_id", source.with_name("generation_config.json"))
     else:
         eos = _token_ids(raw.get("eos_token_id"), "eos_token_id", source)
-    bos = gen.get("bos_token_id", raw.get("bos_token_id"))
-    raw_dtype = raw.get("dtype") or raw.get("torch_dtype") or "float32"
+    return eos, gen.get("bos_token_id", raw.get("bos_token_id"))
+
+
+def parse_model_config(
+    raw: dict[str, Any], generation: dict[str, Any] | None, source: Path, weights_digest: str = ""
+) -> ModelConfig:
+    """Builds a validated ModelConfig from parsed config.json (and generation_config.json) contents.
+    `source` only names the file in error messages."""
+    arch = _architecture(raw, source)
+    hidden = _field(raw, "hidden_size", int, source)
+    heads = _field(raw, "num_attention_heads", int, source)
+    if heads <= 0:
+        raise ModelLoadError(f"{source}: field 'num_attention_heads' must be positive, got {heads}")
+    # Qwen3's own default head_dim is 128; the others derive it from the hidden size.
+    default_head_dim = 128 if arch == "Qwen3ForCausalLM" else hidden // heads
+    theta, scaling = _rope(raw, source)
+    # Qwen2 has q/k/v biases but none on o_proj, whatever config.json says.
+    attention_bias = arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False))
+    o_proj_bias = arch != "Qwen2ForCausalLM" and attention_bias
+    num_layers = _field(raw, "num_hidden_layers", int, source)
+    eos, bos = _special_ids(raw, generation, source)
     try:
-        dtype = dtype_name(raw_dtype)
+        dtype = dtype_name(raw.get("dtype") or raw.get("torch_dtype") or "float32")
     except ValueError as e:
         raise ModelLoadError(f"{source}: field 'dtype': {e}") from e
     try:
@@ -297,7 +302,7 @@ def parse_model_config(
             rope_theta=theta,
             rope_scaling=scaling,
             max_position_embeddings=_field(raw, "max_position_embeddings", int, source, 2048),
-            sliding_window=sliding_window,
+            sliding_window=_sliding_window(raw, arch, num_layers, source),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=attention_bias,
             o_proj_bias=o_proj_bias,

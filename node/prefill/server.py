@@ -25,7 +25,7 @@ import grpc
 from engine.async_engine import RequestStream
 from engine.llm_engine import EngineRequests, RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.scheduler import stop_decision
+from engine.schedule import stop_decision
 from kernels import get_kernel_ops
 from kernels.interface import KV_LAYOUT_VERSION
 from kv_transfer import Channel, ChannelError, KVSender, SendHandle
