@@ -19,7 +19,7 @@ from typing import Literal
 
 import aetcd
 
-from registry.client import (
+from registry.connect import (
     TRANSIENT_ERRORS,
     BackoffPolicy,
     EtcdConnector,
