@@ -174,12 +174,6 @@ class AsyncEngine:
         self._notify_finished()
         return found
 
-    async def release(self, request_id: str) -> bool:
-        """Frees the blocks a finished request still holds (see `LLMEngine.release`)."""
-        freed = await self.call(lambda e: e.release(request_id))
-        self._notify_finished()
-        return freed
-
     async def reserve(self, request_id: str, prompt: list[int], params: SamplingParams) -> Reservation | None:
         """`LLMEngine.reserve` on the engine thread."""
         return await self.call(lambda e: e.reserve(request_id, prompt, params))
