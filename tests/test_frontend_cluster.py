@@ -81,7 +81,8 @@ class Env:
     def record_for(self, request_id: str) -> dict[str, Any]:
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline:
-            for line in self.request_log.read_bytes().splitlines():
+            data = self.request_log.read_bytes()
+            for line in data[: data.rfind(b"\n") + 1].splitlines():  # a line still being written: next time
                 rec = orjson.loads(line)
                 if rec.get("request_id") == request_id:
                     return rec

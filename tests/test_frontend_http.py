@@ -55,7 +55,9 @@ class Env:
         return self.tokenizer.decode([ids[(offset + i) % len(ids)] for i in range(n)])
 
     def log_records(self) -> list[dict[str, Any]]:
-        return [orjson.loads(line) for line in self.request_log.read_bytes().splitlines() if line.strip()]
+        data = self.request_log.read_bytes()
+        complete = data[: data.rfind(b"\n") + 1]  # a line still being written is read on the next call
+        return [orjson.loads(line) for line in complete.splitlines() if line.strip()]
 
     def record_for(self, request_id: str) -> dict[str, Any]:
         deadline = time.monotonic() + 5
