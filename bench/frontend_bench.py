@@ -1,6 +1,6 @@
 """Frontend overhead: pdserve's frontend and litellm's proxy, each in front of the same scripted upstream.
 
-The upstream is `bench/scripted_decode_node.py`: a real DecodeNode gRPC server (what the frontend talks
+The upstream is `testing/scripted_decode_node.py`: a real DecodeNode gRPC server (what the frontend talks
 to) that also serves the same pre-made tokens over OpenAI HTTP (what litellm talks to), with no model
 and no delays, so what is measured is the proxy. Each proxy is compared with its own upstream reached
 directly: the frontend with a gRPC client calling Generate, litellm with an HTTP client.
@@ -40,11 +40,11 @@ import orjson  # noqa: E402
 
 from engine.tiny import default_model_dir  # noqa: E402
 from frontend.tenants import hash_key  # noqa: E402
-from frontend.testing.procs import Proc, spawn, start_frontend, start_scripted_node, wait_for_http  # noqa: E402
 from protos import pdserve_pb2 as pb  # noqa: E402
 from protos import pdserve_pb2_grpc as pbg  # noqa: E402
 from registry import EtcdServer  # noqa: E402
 from registry.etcd_server import free_port  # noqa: E402
+from testing.procs import Proc, spawn, start_frontend, start_scripted_node, wait_for_http  # noqa: E402
 
 MODEL = "tiny-llama"
 API_KEY = "sk-bench-0123456789abcdef0123"

@@ -10,7 +10,7 @@ and prints GiB/s plus the ratio path/raw. A transfer's time runs from the sender
 receiver's completion (a system-wide monotonic clock on both sides), over `--iters` back-to-back
 transfers, so the control-plane hop that carries the metadata is paid once per batch, as by raw.
 Each figure is the median over `--repeats` batches, raw and path interleaved, after a warm-up.
-The production path is the "whole" row: prefill_node/server.py sends whole-request transfers
+The production path is the "whole" row: node/prefill/server.py sends whole-request transfers
 (layerwise=False) with KVSender's default 1 MiB messages, the bench's default `--message-mib`.
 
 Both processes call gc.freeze() after startup, as a serving process should: otherwise a full
@@ -325,7 +325,7 @@ def main() -> None:
         print(f"\nKV transfer, 2 processes over loopback gloo, torch {torch.__version__}, "
               f"{torch.get_num_threads()} torch threads, message size {args.message_mib} MiB")
         print("medians of interleaved batches; raw uses the mode's own message sizes; 'whole' is what "
-              "prefill_node/server.py sends")
+              "node/prefill/server.py sends")
         print(f"{'geometry':<16} {'tokens':>6} {'MiB':>8} {'mode':<15} {'path GiB/s':>10} {'raw GiB/s':>10} "
               f"{'memcpy GiB/s':>12} {'path/raw':>8} {'per-batch path/raw min..max':>28}")
         for r in rows:

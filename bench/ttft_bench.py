@@ -1,7 +1,7 @@
 """Time to first token of a 1k-token prompt at low load: disaggregated (prefill on a prefill node, KV
 shipped to the decode node) against colocated (the same decode node prefills it itself).
 
-Starts a real local cluster (etcd, one prefill node, one decode node; see tests/cluster.py), then sends
+Starts a real local cluster (etcd, one prefill node, one decode node; see testing/cluster.py), then sends
 requests one at a time, alternating the two paths so both see the same machine state. Every prompt is
 fresh random tokens, so no prefix-cache hit helps either path. TTFT is measured at the client, from
 sending Generate to the first message carrying a token; the decode node forwards the first token as
@@ -26,7 +26,7 @@ if str(REPO_ROOT) not in sys.path:
 
 from engine.sampling_params import SamplingParams  # noqa: E402
 from engine.tiny import default_model_dir  # noqa: E402
-from tests.cluster import GenerateResult, LocalCluster  # noqa: E402
+from testing.cluster import GenerateResult, LocalCluster  # noqa: E402
 
 
 def summarize(name: str, results: list[GenerateResult]) -> float:

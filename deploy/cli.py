@@ -252,8 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 # Server processes own their flags; `pdserve ROLE ...` hands the rest of the command line to them.
 _SERVERS = {
-    "prefill": ("prefill_node.server", "run a prefill node"),
-    "decode": ("decode_node.server", "run a decode node"),
+    "prefill": ("node.prefill.server", "run a prefill node"),
+    "decode": ("node.decode.server", "run a decode node"),
     "frontend": ("frontend.server", "run the OpenAI-compatible frontend"),
 }
 

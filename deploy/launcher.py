@@ -4,8 +4,8 @@ Processes, each in a session of its own so that a Ctrl-C in the terminal reaches
 then stops them in order:
 
     etcd        python -m registry.etcd_server    (etcd's /metrics is on its client port)
-    prefill-i   python -m prefill_node            (/metrics on a port the launcher picks)
-    decode-i    python -m decode_node
+    prefill-i   python -m node.prefill            (/metrics on a port the launcher picks)
+    decode-i    python -m node.decode
     frontend    python -m frontend                (the OpenAI API and /metrics on --host:--port)
 
 Start-up: etcd, then every node at once (progress shown while the models load), then the frontend once
@@ -47,7 +47,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from protos.control import READY_PREFIX
+from node.ready import READY_PREFIX
 from registry import cluster_prefix, parse_endpoint
 from registry.etcd_server import free_port
 
@@ -304,7 +304,7 @@ class Launcher:
                 "--request-log", str(self.logs_dir / "requests.log"), *cfg.frontend_args,
             ]
         return [
-            *py, f"{slot.pool}_node", "--node-id", slot.name, "--cluster", cfg.cluster, "--etcd", etcd,
+            *py, f"node.{slot.pool}", "--node-id", slot.name, "--cluster", cfg.cluster, "--etcd", etcd,
             "--model", cfg.model, "--model-name", cfg.model_name, "--dtype", cfg.dtype,
             "--kv-cache-memory-mib", str(cfg.kv_memory_mib), "--num-threads", str(cfg.num_threads),
             "--lease-ttl", str(cfg.lease_ttl_s), "--drain-timeout", str(cfg.drain_timeout_s),

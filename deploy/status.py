@@ -77,10 +77,10 @@ def node_status(member: Member, metrics: dict[str, str], now: float) -> NodeStat
         role=rec.role, node_id=rec.node_id, model=rec.model, grpc_address=rec.grpc_address,
         kv_address=rec.kv_address, metrics_address=metrics.get(rec.node_id), pid=rec.pid, hostname=rec.hostname,
         queue_len=load.queue_len if load else None, running=load.running if load else None,
-        in_flight=int(load.extra.get("in_flight", 0)) if load else None,
+        in_flight=load.in_flight if load else None,
         tokens_per_s=load.tokens_per_s if load else None, kv_blocks_used=load.kv_blocks_used if load else None,
         kv_blocks_total=total, kv_usage=(load.kv_blocks_used / total if load and total else None),
-        draining=bool(load and load.extra.get("draining")), load_age_s=(now - load.updated_at) if load else None,
+        draining=bool(load and load.draining), load_age_s=(now - load.updated_at) if load else None,
     )
 
 

@@ -174,17 +174,13 @@ class AsyncEngine:
         self._notify_finished()
         return found
 
-    async def release(self, request_id: str) -> bool:
-        """Frees the blocks a finished request still holds (see `LLMEngine.release`)."""
-        freed = await self.call(lambda e: e.release(request_id))
-        self._notify_finished()
-        return freed
-
     async def reserve(self, request_id: str, prompt: list[int], params: SamplingParams) -> Reservation | None:
-        """`LLMEngine.reserve_request` on the engine thread."""
-        return await self.call(lambda e: e.reserve_request(request_id, prompt, params))
+        """`LLMEngine.reserve` on the engine thread."""
+        return await self.call(lambda e: e.reserve(request_id, prompt, params))
 
-    async def first_token(self, request_id: str, token_id: int, logprob: TokenLogprob | None) -> RequestOutput:
+    async def append_first_token(
+        self, request_id: str, token_id: int, logprob: TokenLogprob | None
+    ) -> RequestOutput:
         """`LLMEngine.append_first_token` on the engine thread; the output goes to the request's stream
         as well as being returned."""
         out = await self.call(lambda e: e.append_first_token(request_id, token_id, logprob))
@@ -195,9 +191,14 @@ class AsyncEngine:
                 self._streams.pop(request_id, None)
         return out
 
-    async def admit(self, request_id: str) -> None:
-        """`LLMEngine.admit_transferred` on the engine thread: the request decodes from the next step."""
-        await self.call(lambda e: e.admit_transferred(request_id))
+    async def land(self, request_id: str) -> None:
+        """`LLMEngine.land` on the engine thread: the request decodes from the next step."""
+        await self.call(lambda e: e.land(request_id))
+
+    @property
+    def open_streams(self) -> frozenset[str]:
+        """Request ids whose outputs are delivered to a stream (event-loop thread)."""
+        return frozenset(self._streams)
 
     def load(self) -> EngineLoad:
         """The engine's load as of its latest step or command (no engine call; any thread)."""

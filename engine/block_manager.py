@@ -18,65 +18,14 @@ the queue.
 
 from __future__ import annotations
 
-import hashlib
-import struct
 from collections import OrderedDict
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
 from weakref import WeakKeyDictionary
 
+from engine.block_types import PrefixCacheStats, Reservation
+from engine.prefix_hash import BlockHash, compute_block_hashes
 from engine.sequence import Sequence
-
-BlockHash = bytes
-
-
-def hash_block_tokens(seed: int, parent: BlockHash | None, token_ids: SequenceOf[int]) -> BlockHash:
-    """Chained hash of one full block: stable across processes and machines (unlike ``hash()``)."""
-    h = hashlib.blake2b(digest_size=16)
-    h.update(seed.to_bytes(16, "little", signed=True))
-    # The flag byte keeps "no parent" distinct from any 16-byte parent digest.
-    h.update(b"\x00" if parent is None else b"\x01" + parent)
-    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
-    return h.digest()
-
-
-def compute_block_hashes(
-    token_ids: SequenceOf[int], block_size: int, seed: int, known: SequenceOf[BlockHash] = ()
-) -> list[BlockHash]:
-    """Chained hashes of every full block of ``token_ids`` (a trailing partial block has none).
-
-    ``known`` may hold the hashes of a leading run of those blocks, already computed; they are reused."""
-    hashes = list(known)
-    parent = hashes[-1] if hashes else None
-    for i in range(len(hashes), len(token_ids) // block_size):
-        parent = hash_block_tokens(seed, parent, token_ids[i * block_size : (i + 1) * block_size])
-        hashes.append(parent)
-    return hashes
-
-
-@dataclass
-class PrefixCacheStats:
-    query_tokens: int = 0  # tokens looked up on first allocations and reservations
-    hit_tokens: int = 0  # of those, tokens served from the prefix cache
-    rejected_hits: int = 0  # hash matches refused because the stored tokens or chain differed
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
-
-
-@dataclass(frozen=True)
-class Reservation:
-    """Blocks reserved for a prompt whose K/V arrive from elsewhere (a transfer)."""
-
-    block_ids: tuple[int, ...]  # the sequence's whole block table after the reservation
-    num_cached_blocks: int  # leading blocks already holding this prompt's K/V: a transfer skips them
-    fill_block_ids: tuple[int, ...]  # blocks the transfer must write, in order, right after the cached ones
-    num_cached_tokens: int  # num_cached_blocks * block_size
-
-    @property
-    def cached_block_ids(self) -> tuple[int, ...]:
-        return self.block_ids[: self.num_cached_blocks]
 
 
 @dataclass(eq=False)
@@ -159,6 +108,11 @@ class BlockManager:
     @property
     def num_evictable_blocks(self) -> int:
         return sum(1 for b in self._free if self._blocks[b].block_hash is not None)
+
+    @property
+    def num_holders(self) -> int:
+        """Sequences holding blocks (each must be known to its scheduler: see ``Scheduler.check_integrity``)."""
+        return len(self._holders)
 
     def stats(self) -> PrefixCacheStats:
         """A snapshot of the prefix-cache counters."""

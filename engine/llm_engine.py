@@ -6,7 +6,6 @@ import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import torch
 
@@ -18,7 +17,7 @@ from engine.model_runner import ModelRunner, kv_block_bytes
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.sequence import Sequence, SequenceStatus, TokenLogprob
+from engine.sequence import Sequence, TokenLogprob
 from engine.tokenizer import Tokenizer
 from kernels import get_kernel_ops
 
@@ -66,19 +65,43 @@ class StepStats:
     num_preempted: int = 0
 
 
-class EngineLoad(NamedTuple):
+@dataclass(frozen=True)
+class EngineLoad:
     """A snapshot of what an engine holds, for load reports."""
 
-    waiting: int  # queued in the scheduler (new, preempted, or transferred awaiting a slot)
+    waiting: int  # queued in the scheduler (new, preempted, or landed awaiting a slot)
     running: int
     kv_blocks_total: int
     kv_blocks_used: int  # referenced by some sequence (held and reserved blocks included)
     kv_blocks_free: int  # never used, or evictable prefix-cache blocks
     kv_blocks_cached: int  # free blocks still holding reusable prefix K/V
-    held_requests: int  # finished prefill-only requests keeping blocks for a transfer
+    held_requests: int  # finished requests keeping blocks for a transfer (see `Scheduler.release`)
     held_blocks: int
-    reserved_requests: int  # requests whose prompt K/V are expected from a transfer
+    reserved_requests: int  # RESERVED: requests whose prompt K/V are expected from a transfer
     reserved_blocks: int
+
+
+@dataclass(frozen=True)
+class EngineRequests:
+    """Which request ids an engine holds in which state (from `LLMEngine.check_integrity`)."""
+
+    scheduled: frozenset[str]  # waiting, landed or running
+    reserved: frozenset[str]
+    held: frozenset[str]  # finished, blocks kept until released
+
+    @property
+    def all(self) -> frozenset[str]:
+        return self.scheduled | self.reserved | self.held
+
+
+@dataclass(eq=False)
+class _Request:
+    """What the engine keeps per request until its finished output is emitted, next to the scheduler's
+    sequence: the detokenizer and, when captured, the logits of each generated token."""
+
+    seq: Sequence
+    detok: IncrementalDetokenizer
+    logits: list[torch.Tensor] = field(default_factory=list)
 
 
 class LLMEngine:
@@ -98,8 +121,7 @@ class LLMEngine:
         block_bytes = kv_block_bytes(mc.num_layers, cfg.block_size, mc.num_kv_heads, mc.head_dim, self.dtype)
         num_blocks = cfg.num_kv_blocks or max(2, cfg.kv_cache_memory_bytes // block_bytes)
         self.kv_cache = torch.zeros(
-            (mc.num_layers, 2, num_blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim),
-            dtype=self.dtype, device=cfg.device,
+            mc.kv_cache_shape(num_blocks, cfg.block_size), dtype=self.dtype, device=cfg.device
         )  # [L, 2, NB, BS, Hkv, D]
         self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.prefix_hash_seed, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -107,11 +129,7 @@ class LLMEngine:
         )
         self.sampler = Sampler(seed=cfg.seed, device=cfg.device)
         self.runner = ModelRunner(self.model, self.kv_cache, cfg.block_size, self.sampler, capture_logits)
-        self._seqs: dict[str, Sequence] = {}
-        self._detok: dict[str, IncrementalDetokenizer] = {}
-        self._logits: dict[str, list[torch.Tensor]] = {}
-        # Requests holding a reservation for transferred prompt K/V, not yet handed to the scheduler.
-        self._reserved: dict[str, Sequence] = {}
+        self._requests: dict[str, _Request] = {}  # every request whose finished output is still to come
         self.num_blocks = num_blocks
         self.last_step = StepStats()
         log.info("engine ready: %s, %d KV blocks of %d tokens (%.1f MiB)", mc.arch, num_blocks,
@@ -131,7 +149,7 @@ class LLMEngine:
         return seq
 
     def _new_sequence(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Sequence:
-        if request_id in self._seqs or request_id in self._reserved or self._held(request_id):
+        if request_id in self._requests or self.scheduler.knows(request_id):
             raise ValueError(f"request id {request_id!r} is already running")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
@@ -147,34 +165,18 @@ class LLMEngine:
         return Sequence(request_id, ids, params, eos_token_ids=self.tokenizer.eos_token_ids)
 
     def _register(self, seq: Sequence) -> None:
-        self._seqs[seq.seq_id] = seq
-        self._detok[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, seq.token_ids, seq.params.stop)
-
-    def _held(self, request_id: str) -> bool:
-        return any(s.seq_id == request_id for s in self.scheduler.held_seqs)
+        detok = IncrementalDetokenizer(self.tokenizer, seq.token_ids, seq.params.stop)
+        self._requests[seq.seq_id] = _Request(seq, detok)
 
     def abort(self, request_id: str) -> bool:
         """Drops a request wherever it is (queued, running, held, reserved) and frees its blocks at once.
         Returns whether it existed. A reserved request must not have a transfer writing its blocks."""
-        seq = self._seqs.pop(request_id, None)
-        self._detok.pop(request_id, None)
-        self._logits.pop(request_id, None)
-        reserved = self._reserved.pop(request_id, None)
-        if reserved is not None:
-            self.block_manager.free(reserved)
-            if not reserved.is_finished:
-                reserved.status, reserved.finish_reason = SequenceStatus.FINISHED, "abort"
-            return True
-        return self.scheduler.abort(request_id) is not None or seq is not None
+        request = self._requests.pop(request_id, None)
+        return self.scheduler.abort(request_id) is not None or request is not None
 
     def release(self, request_id: str) -> bool:
         """Frees the blocks a finished request still holds: a ``hold_blocks`` request after its transfer,
         or a reserved request that finished at its first token. Returns whether any were held."""
-        reserved = self._reserved.get(request_id)
-        if reserved is not None and reserved.is_finished:
-            del self._reserved[request_id]
-            self.block_manager.free(reserved)
-            return True
         return self.scheduler.release(request_id) is not None
 
     def held_block_table(self, request_id: str) -> list[int]:
@@ -195,53 +197,40 @@ class LLMEngine:
         probe = Sequence("prefix-probe", list(prompt_ids), SamplingParams(max_tokens=1))
         return self.block_manager.num_prefix_hit_tokens(probe)
 
-    def reserve_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> Reservation | None:
+    def reserve(self, request_id: str, prompt: list[int], params: SamplingParams) -> Reservation | None:
         """Reserves blocks for a request whose prompt K/V will arrive by transfer (prefix-cache hits are
-        shared instead). Returns None, registering nothing, when the pool cannot fit it now; raises
-        ValueError like ``add_request``. Follow with ``append_first_token`` and ``admit_transferred``,
-        or ``abort``."""
+        shared instead; see ``Scheduler.reserve``). Returns None, registering nothing, when the pool
+        cannot fit it now; raises ValueError like ``add_request``. Follow with ``append_first_token`` and
+        ``land``, or ``abort``."""
         seq = self._new_sequence(request_id, prompt, params)
-        reservation = self.block_manager.reserve(seq, seq.num_tokens)
+        reservation = self.scheduler.reserve(seq)
         if reservation is None:
             return None
-        self._reserved[request_id] = seq
         self._register(seq)
         return reservation
 
     def append_first_token(self, request_id: str, token_id: int, logprob: TokenLogprob | None) -> RequestOutput:
         """Appends the first token sampled by the prefill node to a reserved request and returns its
         delta (detokenized here). If that token ends the request, the output is finished but the
-        reservation stays until ``release``, since a transfer may still be writing it."""
-        seq = self._reserved[request_id]
-        if seq.num_completion_tokens:
-            raise ValueError(f"request {request_id!r} already has its first token")
-        seq.token_ids.append(token_id)
+        reservation stays until ``release``, since a transfer may still be writing it. Raises KeyError
+        for a request that is not reserved, ValueError if it has its first token already."""
+        seq = self._requests[request_id].seq
+        self.scheduler.append_first_token(request_id, token_id)
         if logprob is not None and seq.params.logprobs is not None:
             seq.logprobs.append(logprob)
-        decision = self.scheduler.stop_decision(seq)
-        if decision is not None:
-            self._finish_reserved(seq, decision.finish_reason, decision.stop_reason)
         return self._emit(seq, [token_id], seq.is_finished)
 
-    def admit_transferred(self, request_id: str) -> None:
-        """Marks a reserved request's prompt K/V as written and hands it to the scheduler, which decodes
-        it from the next step on. Raises KeyError if it is not reserved, ValueError if finished."""
-        seq = self._reserved[request_id]
-        if seq.is_finished or not seq.num_completion_tokens:
-            raise ValueError(f"request {request_id!r} is finished or has no first token")
-        del self._reserved[request_id]
-        self.block_manager.commit_filled(seq, seq.num_prompt_tokens)
-        self.scheduler.add_transferred(seq)
-
-    @staticmethod
-    def _finish_reserved(seq: Sequence, reason: str, stop_reason: str | int | None) -> None:
-        seq.status, seq.finish_reason, seq.stop_reason = SequenceStatus.FINISHED, reason, stop_reason
+    def land(self, request_id: str) -> None:
+        """The transfer into a reserved request's blocks completed: it decodes from the next step on
+        (``Scheduler.land``). Raises KeyError if it is not reserved (e.g. finished), ValueError if it has
+        no first token."""
+        self.scheduler.land(request_id)
 
     def load(self) -> EngineLoad:
         """A snapshot of queues and pool occupancy. Changes nothing."""
         bm = self.block_manager
         held = self.scheduler.held_seqs
-        reserved = list(self._reserved.values())
+        reserved = self.scheduler.reserved_seqs
         return EngineLoad(
             waiting=self.scheduler.num_waiting,
             running=self.scheduler.num_running,
@@ -256,7 +245,23 @@ class LLMEngine:
         )
 
     def has_unfinished(self) -> bool:
+        """Whether a step has anything to schedule (reserved requests wait for their transfer)."""
         return self.scheduler.has_unfinished()
+
+    def check_integrity(self) -> EngineRequests:
+        """Asserts the scheduler's and block manager's invariants and that the engine's per-request
+        records match the scheduler's unfinished sequences; returns the ids by state. Changes nothing.
+        Call between steps (on the engine thread)."""
+        sched = self.scheduler
+        scheduled = frozenset(s.seq_id for s in (*sched.waiting_seqs, *sched.running_seqs))
+        reserved = frozenset(s.seq_id for s in sched.reserved_seqs)
+        held = frozenset(s.seq_id for s in sched.held_seqs)
+        sched.check_integrity()
+        assert self._requests.keys() == scheduled | reserved, (
+            f"engine records {sorted(self._requests)} != unfinished sequences {sorted(scheduled | reserved)}")
+        for rid, request in self._requests.items():
+            assert request.seq.seq_id == rid and not request.seq.is_finished
+        return EngineRequests(scheduled, reserved, held)
 
     # -- the loop ---------------------------------------------------------------------------------
 
@@ -268,29 +273,26 @@ class LLMEngine:
             return [self._emit(seq, [], True) for seq in out.rejected]
         res = self.runner.run(out)
         for seq_id, lp in res.logprobs.items():
-            self._seqs[seq_id].logprobs.append(lp)
+            self._requests[seq_id].seq.logprobs.append(lp)
         if res.logits is not None:
             for seq_id, lg in res.logits.items():
-                self._logits.setdefault(seq_id, []).append(lg)
+                self._requests[seq_id].logits.append(lg)
         finished = {s.seq_id for s in self.scheduler.update(out, res.sampled)}
         outputs = [self._emit(seq, [], True) for seq in out.rejected]
         for seq_id, token in res.sampled.items():
-            seq = self._seqs[seq_id]
+            seq = self._requests[seq_id].seq
             outputs.append(self._emit(seq, [token], seq_id in finished))
         return outputs
 
     def _emit(self, seq: Sequence, new_tokens: list[int], finished: bool) -> RequestOutput:
-        detok = self._detok[seq.seq_id]
+        detok = self._requests[seq.seq_id].detok
         text_tokens = new_tokens
         if finished and seq.finish_reason == "stop" and isinstance(seq.stop_reason, int):
             text_tokens = []  # a stop token id ends the request without its text
         delta = detok.add(text_tokens) if text_tokens else None
         text = delta.text if delta is not None else ""
         if delta is not None and delta.stopped and not seq.is_finished:
-            if seq.seq_id in self._reserved:
-                self._finish_reserved(seq, "stop", delta.stop_string)
-            else:
-                self.scheduler.finish(seq, "stop", stop_reason=delta.stop_string)
+            self.scheduler.finish(seq, "stop", stop_reason=delta.stop_string)
             finished = True
         if finished and not (delta is not None and delta.stopped):
             text += detok.flush()
@@ -308,8 +310,7 @@ class LLMEngine:
             num_cached_tokens=seq.num_cached_tokens,
         )
         if finished:
-            self._seqs.pop(seq.seq_id, None)
-            self._detok.pop(seq.seq_id, None)
+            self._requests.pop(seq.seq_id, None)
         return outp
 
     # -- offline ----------------------------------------------------------------------------------
@@ -327,16 +328,16 @@ class LLMEngine:
             seq = self.add_request(rid, p, sp)
             order.append(rid)
             results[rid] = GenerationResult(rid, list(seq.token_ids), [], "", None, None)
-        seqs = {rid: self._seqs[rid] for rid in order}
+        requests = {rid: self._requests[rid] for rid in order}
         while self.has_unfinished():
             for o in self.step():
                 r = results[o.request_id]
                 r.text += o.new_text
                 if o.finished:
-                    seq = seqs[o.request_id]
+                    seq = requests[o.request_id].seq
                     r.token_ids = seq.completion_token_ids
                     r.finish_reason, r.stop_reason = o.finish_reason, o.stop_reason
                     r.logprobs = list(seq.logprobs)
                     r.num_cached_tokens = seq.num_cached_tokens
-                    r.logits = self._logits.pop(o.request_id, [])
+                    r.logits = requests[o.request_id].logits
         return [results[rid] for rid in order]

@@ -19,8 +19,8 @@ from engine.model_config import (
     SAFETENSORS_INDEX,
     ModelConfig,
     ModelLoadError,
+    dtype_name,
     load_model_config,
-    parse_dtype,
     weight_files,
 )
 from kernels import KernelOps, get_kernel_ops
@@ -91,9 +91,9 @@ def load_model(
     if dtype == "auto":
         choice = resolve_dtype("auto", config.dtype, str(device))
         log.info("dtype %s", choice.reason)
-        config = dataclasses.replace(config, dtype=choice.dtype)
+        config = dataclasses.replace(config, dtype_name=dtype_name(choice.dtype))
     elif dtype is not None:
-        config = dataclasses.replace(config, dtype=parse_dtype(dtype))
+        config = dataclasses.replace(config, dtype_name=dtype_name(dtype))
     ops = ops if ops is not None else get_kernel_ops("auto", str(device))
     with torch.device(device):
         model = CausalLM(config, ops)

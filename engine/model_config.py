@@ -3,6 +3,9 @@
 Reads ``config.json`` (both the older ``rope_theta`` + ``rope_scaling`` style and the transformers-5
 ``rope_parameters`` style), ``generation_config.json`` for the EOS ids, and the safetensors tensors for
 the weights digest that ``ModelConfig.fingerprint()`` folds in. Nothing here builds a model.
+
+Importing this module and parsing a config do not import torch (the frontend reads configs for their
+context length); only ``ModelConfig.dtype``, ``parse_dtype`` and the weights digest do, when called.
 """
 
 from __future__ import annotations
@@ -12,10 +15,12 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from safetensors import safe_open
+
+if TYPE_CHECKING:
+    import torch
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -24,15 +29,11 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
 )
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "fp16": torch.float16,
+# Accepted spellings -> the canonical name (also the torch attribute name) of the weights' dtype.
+DTYPE_NAMES: dict[str, str] = {
+    "float32": "float32", "float": "float32", "fp32": "float32",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float16": "float16", "half": "float16", "fp16": "float16",
 }
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_SINGLE = "model.safetensors"
@@ -69,7 +70,7 @@ class ModelConfig:
     o_proj_bias: bool
     mlp_bias: bool
     qk_norm: bool  # per-head RMSNorm on q and k before RoPE
-    dtype: torch.dtype
+    dtype_name: str  # canonical dtype name ("float32" | "bfloat16" | "float16"); see `dtype`
     eos_token_ids: tuple[int, ...]  # sorted; generation_config.json's when it has them, else config.json's
     bos_token_id: int | None
     weights_digest: str = ""  # hex digest of the tensors (see `weights_digest`); "" when not computed
@@ -94,8 +95,8 @@ class ModelConfig:
             raise ValueError(f"field 'rope_theta' must be > 0, got {self.rope_theta}")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ValueError(f"field 'sliding_window' must be positive or null, got {self.sliding_window}")
-        if self.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype}")
+        if self.dtype_name not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype_name!r}")
         if self.arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"architecture {self.arch!r} is not one of {SUPPORTED_ARCHITECTURES}")
         if any(not 0 <= t < self.vocab_size for t in self.eos_token_ids):
@@ -104,6 +105,11 @@ class ModelConfig:
     def __hash__(self) -> int:
         # `rope_scaling` is a dict, so the generated field hash would fail; the fingerprint is stable.
         return hash(self.fingerprint())
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The torch dtype the weights are held in (imports torch)."""
+        return parse_dtype(self.dtype_name)
 
     @property
     def q_size(self) -> int:
@@ -129,19 +135,25 @@ class ModelConfig:
         """Stable hex digest over every field, including the weights digest and the held dtype. Two nodes
         may exchange KV blocks only when their fingerprints agree."""
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        fields["dtype"] = str(self.dtype).removeprefix("torch.")
+        fields["dtype"] = fields.pop("dtype_name")
         blob = json.dumps(fields, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()
 
 
+def dtype_name(value: object) -> str:
+    """The canonical name of "bfloat16"/"bf16"/torch.bfloat16 (and the float32/float16 spellings).
+    Raises ValueError for anything else. Needs no torch."""
+    key = str(value).removeprefix("torch.").lower()
+    if key not in DTYPE_NAMES:
+        raise ValueError(f"unsupported dtype {value!r}; use one of float32, bfloat16, float16")
+    return DTYPE_NAMES[key]
+
+
 def parse_dtype(value: str | torch.dtype) -> torch.dtype:
     """Maps "bfloat16"/"bf16"/torch.bfloat16 (and the float32/float16 spellings) to a torch dtype."""
-    if isinstance(value, torch.dtype):
-        return value
-    key = str(value).removeprefix("torch.").lower()
-    if key not in DTYPES:
-        raise ValueError(f"unsupported dtype {value!r}; use one of float32, bfloat16, float16")
-    return DTYPES[key]
+    import torch
+
+    return getattr(torch, dtype_name(value))
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -210,35 +222,22 @@ def _rope(raw: dict[str, Any], source: Path) -> tuple[float, dict[str, Any] | No
     return float(theta), {"rope_type": rope_type, **{name: merged[name] for name in needed}}
 
 
-def parse_model_config(
-    raw: dict[str, Any], generation: dict[str, Any] | None, source: Path, weights_digest: str = ""
-) -> ModelConfig:
-    """Builds a validated ModelConfig from parsed config.json (and generation_config.json) contents.
-    `source` only names the file in error messages."""
+def _architecture(raw: dict[str, Any], source: Path) -> str:
     archs = _field(raw, "architectures", list, source)
     if not archs or archs[0] not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(
             f"{source}: field 'architectures' is {archs!r}; unsupported architecture "
             f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
         )
-    arch = archs[0]
     act = raw.get("hidden_act", "silu")
     if act != "silu":
         raise ModelLoadError(f"{source}: field 'hidden_act' is {act!r}; only 'silu' is supported")
-    hidden = _field(raw, "hidden_size", int, source)
-    heads = _field(raw, "num_attention_heads", int, source)
-    if heads <= 0:
-        raise ModelLoadError(f"{source}: field 'num_attention_heads' must be positive, got {heads}")
-    # Qwen3's own default head_dim is 128; the others derive it from the hidden size.
-    default_head_dim = 128 if arch == "Qwen3ForCausalLM" else hidden // heads
-    theta, scaling = _rope(raw, source)
+    return str(archs[0])
 
-    attention_bias = bool(raw.get("attention_bias", False))
-    o_proj_bias = attention_bias
-    if arch == "Qwen2ForCausalLM":
-        attention_bias, o_proj_bias = True, False
+
+def _sliding_window(raw: dict[str, Any], arch: str, num_layers: int, source: Path) -> int | None:
+    """The attention window in tokens, or None when there is none (or it never binds)."""
     sliding_window: int | None = None
-    num_layers = _field(raw, "num_hidden_layers", int, source)
     if arch == "MistralForCausalLM":
         # Mistral applies a 4096-token window when the field is absent; an explicit null disables it.
         sliding_window = _field(raw, "sliding_window", int, source, None) if "sliding_window" in raw else 4096
@@ -252,17 +251,40 @@ def parse_model_config(
             sliding_window = _field(raw, "sliding_window", int, source, 4096)
     if sliding_window is not None and sliding_window >= _field(raw, "max_position_embeddings", int, source, 2048):
         sliding_window = None  # the window never binds
+    return sliding_window
 
+
+def _special_ids(raw: dict[str, Any], generation: dict[str, Any] | None, source: Path) -> tuple[set[int], Any]:
+    """(EOS ids, BOS id as given): generation_config.json decides the stop ids when it names them, as in
+    transformers' generate."""
     gen = generation or {}
-    # generation_config.json decides the stop ids when it names them, as in transformers' generate.
     if gen.get("eos_token_id") is not None:
         eos = _token_ids(gen["eos_token_id"], "eos_token_id", source.with_name("generation_config.json"))
     else:
         eos = _token_ids(raw.get("eos_token_id"), "eos_token_id", source)
-    bos = gen.get("bos_token_id", raw.get("bos_token_id"))
-    dtype_name = raw.get("dtype") or raw.get("torch_dtype") or "float32"
+    return eos, gen.get("bos_token_id", raw.get("bos_token_id"))
+
+
+def parse_model_config(
+    raw: dict[str, Any], generation: dict[str, Any] | None, source: Path, weights_digest: str = ""
+) -> ModelConfig:
+    """Builds a validated ModelConfig from parsed config.json (and generation_config.json) contents.
+    `source` only names the file in error messages."""
+    arch = _architecture(raw, source)
+    hidden = _field(raw, "hidden_size", int, source)
+    heads = _field(raw, "num_attention_heads", int, source)
+    if heads <= 0:
+        raise ModelLoadError(f"{source}: field 'num_attention_heads' must be positive, got {heads}")
+    # Qwen3's own default head_dim is 128; the others derive it from the hidden size.
+    default_head_dim = 128 if arch == "Qwen3ForCausalLM" else hidden // heads
+    theta, scaling = _rope(raw, source)
+    # Qwen2 has q/k/v biases but none on o_proj, whatever config.json says.
+    attention_bias = arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False))
+    o_proj_bias = arch != "Qwen2ForCausalLM" and attention_bias
+    num_layers = _field(raw, "num_hidden_layers", int, source)
+    eos, bos = _special_ids(raw, generation, source)
     try:
-        dtype = parse_dtype(dtype_name)
+        dtype = dtype_name(raw.get("dtype") or raw.get("torch_dtype") or "float32")
     except ValueError as e:
         raise ModelLoadError(f"{source}: field 'dtype': {e}") from e
     try:
@@ -280,13 +302,13 @@ def parse_model_config(
             rope_theta=theta,
             rope_scaling=scaling,
             max_position_embeddings=_field(raw, "max_position_embeddings", int, source, 2048),
-            sliding_window=sliding_window,
+            sliding_window=_sliding_window(raw, arch, num_layers, source),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=attention_bias,
             o_proj_bias=o_proj_bias,
             mlp_bias=bool(raw.get("mlp_bias", False)),
             qk_norm=arch == "Qwen3ForCausalLM",
-            dtype=dtype,
+            dtype_name=dtype,
             eos_token_ids=tuple(sorted(eos)),
             bos_token_id=bos if isinstance(bos, int) and not isinstance(bos, bool) else None,
             weights_digest=weights_digest,
@@ -354,6 +376,8 @@ def _tensor_digest(f: Any, name: str, full: bool) -> str:
     else:
         step = rows / SAMPLED_ROWS_PER_TENSOR
         chunks = [sl[int(i * step) : int(i * step) + 1] for i in range(SAMPLED_ROWS_PER_TENSOR)]
+    import torch  # safe_open(framework="pt") hands out torch tensors
+
     for t in chunks:
         h.update(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()

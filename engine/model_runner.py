@@ -8,7 +8,7 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.sampler import Sampler
-from engine.scheduler import SchedulerOutput
+from engine.schedule import SchedulerOutput
 from engine.sequence import Sequence, TokenLogprob
 
 

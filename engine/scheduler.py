@@ -1,8 +1,20 @@
 """Continuous-batching scheduler: picks each step's decodes and prefill chunks under a token budget.
 
-Per step, in this order: running decodes (one token each, oldest first), sequences whose prompt K/V
-arrived by transfer (straight to decoding), running partial prefills (chunked), then waiting requests
+Per step, in this order: running decodes (one token each, oldest first), landed sequences (whose prompt
+K/V arrived by transfer: straight to decoding), running partial prefills (chunked), then waiting requests
 first-come-first-served (prefix-cache hits applied, chunked to what is left of the budget).
+
+The scheduler owns every sequence state and is the only code that sets one (`SequenceStatus`):
+
+    add ──> WAITING ──schedule──> RUNNING ──update/finish──> FINISHED
+                 ^                   │ preempt                  ^   (held: blocks kept until release)
+                 └───────────────────┘                          │
+    reserve ──> RESERVED ──land──> WAITING (landed queue) ──────┘
+                 │ append_first_token ends it / finish ──> FINISHED, held until release
+                 └ abort ──> FINISHED, blocks freed
+
+A RESERVED sequence holds blocks for a prompt whose K/V are written from outside (a KV transfer); it is
+never scheduled. Once the transfer landed, ``land`` commits those blocks and queues it for a running slot.
 
 When the pool runs out of blocks for a running sequence, the newest running sequence is preempted
 (blocks freed, progress dropped, put back at the front of the waiting queue) and the allocation is
@@ -15,94 +27,19 @@ generating. Such sequences appear in ``SchedulerOutput.rejected`` and in the lis
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
-from typing import NamedTuple
 
-from engine.block_manager import BlockManager
+from engine.block_manager import BlockManager, Reservation
+from engine.schedule import (
+    FINISH_REASONS,
+    SchedulerConfig,
+    SchedulerOutput,
+    StepPlan,
+    StopDecision,
+    stop_decision,
+)
 from engine.sequence import Sequence, SequenceStatus
 
-FINISH_REASONS = frozenset({"stop", "length", "abort"})
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_seqs: int = 64  # sequences scheduled per step at most
-    max_num_batched_tokens: int = 2048  # tokens per step: a decode counts 1, a prefill chunk its length
-    max_prefill_chunk: int = 0  # cap on one sequence's prefill chunk per step; 0: only the budget caps it
-
-    def __post_init__(self) -> None:
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        if self.max_prefill_chunk < 0:
-            raise ValueError(f"max_prefill_chunk must be >= 0, got {self.max_prefill_chunk}")
-
-    @property
-    def max_running(self) -> int:
-        """Sequences allowed to hold blocks and run at once. Never more than the token budget, so every
-        running sequence can decode in the same step and none is left idle holding blocks."""
-        return min(self.max_num_seqs, self.max_num_batched_tokens)
-
-
-@dataclass
-class SchedulerOutput:
-    # Sequences computing one token each this step: token_ids[-1] at position num_tokens - 1
-    # (num_computed_tokens == num_tokens - 1). The runner samples a token for every one of them.
-    decode_seqs: list[Sequence]
-    # Sequences computing a chunk of their prompt (or, after preemption, prompt + generated tokens).
-    prefill_seqs: list[Sequence]
-    # Chunk i is prefill_seqs[i].token_ids[c : c + prefill_chunk_lens[i]] with c = num_computed_tokens
-    # as it is before ``update``; the runner samples only for a chunk that reaches num_tokens.
-    prefill_chunk_lens: list[int]
-    # Sequences sent back to the waiting queue this step (blocks freed, to be recomputed later).
-    preempted: list[Sequence]
-    # Sequences finished this step because they can never fit the pool (see the module docstring).
-    rejected: list[Sequence]
-    # len(decode_seqs) + sum(prefill_chunk_lens); never above max_num_batched_tokens.
-    num_batched_tokens: int
-
-    @property
-    def is_empty(self) -> bool:
-        return self.num_batched_tokens == 0
-
-    def sampled_seqs(self) -> list[Sequence]:
-        """Sequences the runner must sample a token for. Valid between ``schedule`` and ``update``."""
-        done_prefills = [
-            s
-            for s, n in zip(self.prefill_seqs, self.prefill_chunk_lens, strict=True)
-            if s.num_computed_tokens + n == s.num_tokens
-        ]
-        return self.decode_seqs + done_prefills
-
-
-class StopDecision(NamedTuple):
-    finish_reason: str  # "stop" or "length"
-    stop_reason: int | None  # the stop token id that matched, if any
-
-
-@dataclass(eq=False)
-class _Step:
-    """What one ``schedule`` call has decided so far."""
-
-    budget: int  # tokens still available this step
-    tokens: dict[Sequence, int] = field(default_factory=dict)  # scheduled sequence -> tokens this step
-    decoding: set[Sequence] = field(default_factory=set)  # the scheduled sequences that decode
-    preempted: list[Sequence] = field(default_factory=list)
-    rejected: list[Sequence] = field(default_factory=list)
-
-    def add(self, seq: Sequence, num_tokens: int, decode: bool) -> None:
-        assert 0 < num_tokens <= self.budget, "scheduling past the token budget"
-        self.tokens[seq] = num_tokens
-        if decode:
-            self.decoding.add(seq)
-        self.budget -= num_tokens
-
-    def drop(self, seq: Sequence) -> None:
-        """Unschedules ``seq`` (it is being preempted) and gives its tokens back to the budget."""
-        self.budget += self.tokens.pop(seq, 0)
-        self.decoding.discard(seq)
-
+__all__ = ["FINISH_REASONS", "Scheduler", "SchedulerConfig", "SchedulerOutput", "StopDecision", "stop_decision"]
 
 class Scheduler:
     """Owns the request queues of one engine. Changes the ``Sequence`` objects it is given (status,
@@ -117,12 +54,15 @@ class Scheduler:
     ) -> None:
         self.config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_prefill_chunk)
         self.block_manager = block_manager
-        self._waiting: deque[Sequence] = deque()  # hold no blocks; the front is admitted first
-        # Transferred sequences hold blocks with their prompt K/V and wait only for a running slot.
-        self._transferred: deque[Sequence] = deque()
-        self._running: list[Sequence] = []  # hold blocks; admission order, so the last is the newest
-        self._seqs: dict[str, Sequence] = {}  # every unfinished sequence, by id
-        # Finished ``hold_blocks`` sequences that still hold their blocks until ``release``.
+        self._waiting: deque[Sequence] = deque()  # hold no blocks; the front is started first
+        # RESERVED: blocks set aside for prompt K/V on their way by transfer; never scheduled.
+        self._reserved: dict[str, Sequence] = {}
+        # Landed sequences hold blocks with their prompt K/V and wait only for a running slot.
+        self._landed: deque[Sequence] = deque()
+        self._running: list[Sequence] = []  # hold blocks; start order, so the last is the newest
+        self._seqs: dict[str, Sequence] = {}  # every sequence to schedule (waiting, landed, running), by id
+        # Finished sequences still holding their blocks until ``release``: ``hold_blocks`` ones (a transfer
+        # reads them) and reserved ones finished at their first token (a transfer may still write them).
         self._held: dict[str, Sequence] = {}
         self._num_preemptions = 0
 
@@ -130,8 +70,8 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        """Sequences not running yet: waiting (or preempted) ones plus transferred ones awaiting a slot."""
-        return len(self._waiting) + len(self._transferred)
+        """Sequences not running yet: waiting (or preempted) ones plus landed ones awaiting a slot."""
+        return len(self._waiting) + len(self._landed)
 
     @property
     def num_running(self) -> int:
@@ -139,13 +79,18 @@ class Scheduler:
 
     @property
     def running_seqs(self) -> tuple[Sequence, ...]:
-        """Running sequences in admission order: the last one is preempted first."""
+        """Running sequences in start order: the last one is preempted first."""
         return tuple(self._running)
 
     @property
     def waiting_seqs(self) -> tuple[Sequence, ...]:
-        """Waiting sequences in admission order (preempted ones at the front), then transferred ones."""
-        return tuple(self._waiting) + tuple(self._transferred)
+        """Waiting sequences in queue order (preempted ones at the front), then landed ones."""
+        return tuple(self._waiting) + tuple(self._landed)
+
+    @property
+    def reserved_seqs(self) -> tuple[Sequence, ...]:
+        """RESERVED sequences: holding blocks, their prompt K/V still on the way."""
+        return tuple(self._reserved.values())
 
     @property
     def num_preemptions(self) -> int:
@@ -154,14 +99,20 @@ class Scheduler:
 
     @property
     def held_seqs(self) -> tuple[Sequence, ...]:
-        """Finished ``hold_blocks`` sequences still holding their blocks (see ``release``)."""
+        """Finished sequences still holding their blocks (see ``release``)."""
         return tuple(self._held.values())
 
     def has_unfinished(self) -> bool:
+        """Whether any sequence is left to schedule. RESERVED ones are not: they wait for ``land``."""
         return bool(self._seqs)
 
+    def knows(self, seq_id: str) -> bool:
+        """Whether ``seq_id`` is taken here: queued, running, reserved or held."""
+        return seq_id in self._seqs or seq_id in self._reserved or seq_id in self._held
+
     def release(self, seq_id: str) -> Sequence | None:
-        """Frees the blocks of a finished ``hold_blocks`` sequence. Returns it, or None if none is held
+        """Frees the blocks of a finished sequence that still holds them (a ``hold_blocks`` one after its
+        transfer, or a reserved one finished at its first token). Returns it, or None if none is held
         under that id."""
         seq = self._held.pop(seq_id, None)
         if seq is not None:
@@ -169,7 +120,8 @@ class Scheduler:
         return seq
 
     def get(self, seq_id: str) -> Sequence | None:
-        return self._seqs.get(seq_id)
+        """The unfinished sequence under ``seq_id`` (queued, running or reserved), or None."""
+        return self._seqs.get(seq_id) or self._reserved.get(seq_id)
 
     def add(self, seq: Sequence) -> None:
         """Queues a new request at the back of the waiting queue."""
@@ -180,20 +132,49 @@ class Scheduler:
         self._waiting.append(seq)
         self._seqs[seq.seq_id] = seq
 
-    def add_transferred(self, seq: Sequence) -> None:
-        """Queues a sequence whose prompt K/V were written into blocks it already holds (see
-        ``BlockManager.reserve`` / ``commit_filled``); it goes straight to decoding once a running slot
-        is free. Requires ``num_computed_tokens == num_tokens - 1``."""
+    def reserve(self, seq: Sequence) -> Reservation | None:
+        """Sets aside blocks for the prompt of a new sequence whose K/V will be written from outside (a
+        transfer), sharing prefix-cache hits (see ``BlockManager.reserve``). Returns None, changing
+        nothing, when the pool cannot fit it now; else the sequence is RESERVED until ``land``, ``finish``
+        or ``abort``."""
         self._check_new(seq)
-        if not self.block_manager.holds(seq):
-            raise ValueError(f"sequence {seq.seq_id} holds no reserved blocks")
-        if seq.num_computed_tokens != seq.num_tokens - 1:
-            raise ValueError(
-                f"sequence {seq.seq_id} has {seq.num_computed_tokens} computed tokens, needs {seq.num_tokens - 1}"
-            )
+        if seq.block_table or seq.num_computed_tokens:
+            raise ValueError(f"sequence {seq.seq_id} must arrive with no blocks and nothing computed")
+        reservation = self.block_manager.reserve(seq, seq.num_tokens)
+        if reservation is None:
+            return None
+        seq.status = SequenceStatus.RESERVED
+        self._reserved[seq.seq_id] = seq
+        return reservation
+
+    def append_first_token(self, seq_id: str, token_id: int) -> StopDecision | None:
+        """Appends the token the prefill node sampled to a RESERVED sequence and applies the stop
+        decision to it; a sequence it ends is FINISHED but keeps its blocks until ``release`` (a transfer
+        may still be writing them). Raises KeyError if none is reserved under ``seq_id``, ValueError if
+        it already has its first token."""
+        seq = self._reserved[seq_id]
+        if seq.num_completion_tokens:
+            raise ValueError(f"sequence {seq_id} already has its first token")
+        seq.token_ids.append(token_id)
+        decision = self._stop_decision(seq)
+        if decision is not None:
+            self.finish(seq, decision.finish_reason, decision.stop_reason)
+        return decision
+
+    def land(self, seq_id: str) -> Sequence:
+        """The transfer into a RESERVED sequence's blocks completed: marks its prompt K/V computed,
+        commits its full blocks to the prefix cache and queues it for a running slot, from which it goes
+        straight to decoding. Raises KeyError if none is reserved under ``seq_id``, ValueError if it has
+        no first token yet."""
+        seq = self._reserved[seq_id]
+        if not seq.num_completion_tokens:
+            raise ValueError(f"sequence {seq_id} has no first token")
+        self.block_manager.commit_filled(seq, seq.num_tokens - 1)
+        del self._reserved[seq_id]
         seq.status = SequenceStatus.WAITING
-        self._transferred.append(seq)
-        self._seqs[seq.seq_id] = seq
+        self._landed.append(seq)
+        self._seqs[seq_id] = seq
+        return seq
 
     def abort(self, seq_id: str) -> Sequence | None:
         """Finishes an unfinished sequence in whatever state with finish_reason "abort", freeing its
@@ -201,7 +182,7 @@ class Scheduler:
         held = self.release(seq_id)
         if held is not None:
             return held
-        seq = self._seqs.get(seq_id)
+        seq = self.get(seq_id)
         if seq is None:
             return None
         self.finish(seq, "abort")
@@ -210,14 +191,15 @@ class Scheduler:
     def finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
         """Marks ``seq`` finished with ``reason`` and ``stop_reason``, dropping it from the queues and
         freeing its blocks. On an already finished sequence only the two reason fields change (e.g. a
-        stop string matched by the last token of a sequence that also hit max_tokens). A ``hold_blocks``
-        sequence finished other than by abort keeps its blocks until ``release``."""
+        stop string matched by the last token of a sequence that also hit max_tokens). Finished other than
+        by abort, a ``hold_blocks`` or RESERVED sequence keeps its blocks until ``release``."""
         if reason not in FINISH_REASONS:
             raise ValueError(f"finish reason must be one of {sorted(FINISH_REASONS)}, got {reason!r}")
         if not seq.is_finished:
-            if self._seqs.get(seq.seq_id) is not seq:
+            if self.get(seq.seq_id) is not seq:
                 raise ValueError(f"sequence {seq.seq_id} is not scheduled here")
-            self._forget(seq, keep_blocks=seq.hold_blocks and reason != "abort")
+            keep = (seq.hold_blocks or seq.status == SequenceStatus.RESERVED) and reason != "abort"
+            self._forget(seq, keep_blocks=keep)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
@@ -226,14 +208,14 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Decides this step's batch, allocating blocks (and preempting) as needed."""
-        step = _Step(budget=self.config.max_num_batched_tokens)
+        step = StepPlan(budget=self.config.max_num_batched_tokens)
         self._schedule_running(step, decoding=True)
-        # Transferred sequences only decode, so they join the decodes ahead of any prefill work.
-        self._admit_transferred(step)
+        # Landed sequences only decode, so they join the decodes ahead of any prefill work.
+        self._start_landed(step)
         self._schedule_running(step, decoding=False)
-        # Blocks just ran short: admitting more work now would only be preempted again.
+        # Blocks just ran short: starting more work now would only be preempted again.
         if not step.preempted:
-            self._admit_waiting(step)
+            self._start_waiting(step)
         decode_seqs = [s for s in self._running if s in step.decoding]
         prefill_seqs = [s for s in self._running if s in step.tokens and s not in step.decoding]
         out = SchedulerOutput(
@@ -279,21 +261,28 @@ class Scheduler:
     def check_integrity(self) -> None:
         """Asserts the queue invariants and the block manager's; changes nothing."""
         bm = self.block_manager
-        queued = list(self._waiting) + list(self._transferred) + self._running
+        queued = list(self._waiting) + list(self._landed) + self._running
         assert len({id(s) for s in queued}) == len(queued), "a sequence is queued twice"
         assert {s.seq_id: s for s in queued} == self._seqs, "queues and the id map disagree"
+        assert not (self._seqs.keys() & self._reserved.keys()) and not (self._seqs.keys() & self._held.keys())
+        assert not (self._reserved.keys() & self._held.keys()), "a sequence is reserved and held"
         assert len(self._running) <= self.config.max_running
         for seq in self._waiting:
             assert seq.status == SequenceStatus.WAITING and not bm.holds(seq) and not seq.block_table
             assert seq.num_computed_tokens == 0
-        for seq in self._transferred:
+        for seq_id, seq in self._reserved.items():
+            assert seq.seq_id == seq_id and seq.status == SequenceStatus.RESERVED and bm.holds(seq)
+            assert seq.num_completion_tokens <= 1 and seq.num_computed_tokens < seq.num_tokens
+        for seq in self._landed:
             assert seq.status == SequenceStatus.WAITING and bm.holds(seq)
             assert seq.num_computed_tokens == seq.num_tokens - 1
         for seq in self._running:
             assert seq.status == SequenceStatus.RUNNING and bm.holds(seq)
             assert seq.num_computed_tokens < seq.num_tokens
         for seq_id, seq in self._held.items():
-            assert seq.seq_id == seq_id and seq.is_finished and bm.holds(seq) and seq_id not in self._seqs
+            assert seq.seq_id == seq_id and seq.is_finished and bm.holds(seq)
+        holders = queued + list(self._reserved.values()) + list(self._held.values())
+        assert bm.num_holders == sum(1 for s in holders if bm.holds(s)), "a block holder is unknown here"
         bm.check_integrity()
 
     # ----------------------------------------------------------------------------------- internals
@@ -301,7 +290,7 @@ class Scheduler:
     def _check_new(self, seq: Sequence) -> None:
         if seq.is_finished:
             raise ValueError(f"sequence {seq.seq_id} is already finished")
-        if seq.seq_id in self._seqs or seq.seq_id in self._held:
+        if self.knows(seq.seq_id):
             raise ValueError(f"a sequence with id {seq.seq_id} is already scheduled")
 
     def _chunk_len(self, remaining: int, budget: int) -> int:
@@ -310,7 +299,7 @@ class Scheduler:
             n = min(n, self.config.max_prefill_chunk)
         return n
 
-    def _schedule_running(self, step: _Step, decoding: bool) -> None:
+    def _schedule_running(self, step: StepPlan, decoding: bool) -> None:
         i = 0
         while i < len(self._running) and step.budget > 0:
             seq = self._running[i]
@@ -326,7 +315,7 @@ class Scheduler:
             step.add(seq, n, decode=decoding)
             i += 1
 
-    def _allocate_or_preempt(self, seq: Sequence, num_tokens: int, step: _Step) -> bool:
+    def _allocate_or_preempt(self, seq: Sequence, num_tokens: int, step: StepPlan) -> bool:
         """Allocates blocks for ``num_tokens`` more tokens of running ``seq``, preempting the newest
         running sequences until it fits; False if ``seq`` itself had to be preempted."""
         while not self.block_manager.allocate(seq, num_tokens):
@@ -336,7 +325,7 @@ class Scheduler:
                 return False
         return True
 
-    def _preempt(self, seq: Sequence, step: _Step) -> None:
+    def _preempt(self, seq: Sequence, step: StepPlan) -> None:
         step.drop(seq)
         self._running.remove(seq)
         self.block_manager.free(seq)
@@ -348,17 +337,17 @@ class Scheduler:
         self._waiting.appendleft(seq)
         step.preempted.append(seq)
 
-    def _admit_transferred(self, step: _Step) -> None:
-        while self._transferred and len(self._running) < self.config.max_running and step.budget > 0:
-            seq = self._transferred[0]
+    def _start_landed(self, step: StepPlan) -> None:
+        while self._landed and len(self._running) < self.config.max_running and step.budget > 0:
+            seq = self._landed[0]
             if not self.block_manager.allocate(seq, 1):
                 break
-            self._transferred.popleft()
+            self._landed.popleft()
             seq.status = SequenceStatus.RUNNING
             self._running.append(seq)
             step.add(seq, 1, decode=True)
 
-    def _admit_waiting(self, step: _Step) -> None:
+    def _start_waiting(self, step: StepPlan) -> None:
         bm = self.block_manager
         while self._waiting and len(self._running) < self.config.max_running and step.budget > 0:
             seq = self._waiting[0]
@@ -377,7 +366,7 @@ class Scheduler:
             self._running.append(seq)
             step.add(seq, n, decode=False)
 
-    def _reject(self, seq: Sequence, step: _Step) -> None:
+    def _reject(self, seq: Sequence, step: StepPlan) -> None:
         # Removed from its queue by the caller; only the bookkeeping of a finished sequence is left.
         del self._seqs[seq.seq_id]
         self.block_manager.free(seq)
@@ -387,30 +376,21 @@ class Scheduler:
         step.rejected.append(seq)
 
     def _forget(self, seq: Sequence, keep_blocks: bool = False) -> None:
-        if seq.status == SequenceStatus.RUNNING:
-            self._running.remove(seq)
-        elif seq in self._transferred:
-            self._transferred.remove(seq)
+        if seq.status == SequenceStatus.RESERVED:
+            del self._reserved[seq.seq_id]
         else:
-            self._waiting.remove(seq)
-        del self._seqs[seq.seq_id]
+            if seq.status == SequenceStatus.RUNNING:
+                self._running.remove(seq)
+            elif seq in self._landed:
+                self._landed.remove(seq)
+            else:
+                self._waiting.remove(seq)
+            del self._seqs[seq.seq_id]
         if keep_blocks and self.block_manager.holds(seq):
             self._held[seq.seq_id] = seq
         else:
             self.block_manager.free(seq)
 
     @staticmethod
-    def stop_decision(seq: Sequence) -> StopDecision | None:
-        """Whether the last token of ``seq`` ends it (EOS, a stop token id, max_tokens). Changes nothing."""
-        return Scheduler._stop_decision(seq)
-
-    @staticmethod
     def _stop_decision(seq: Sequence) -> StopDecision | None:
-        token = seq.last_token
-        if not seq.params.ignore_eos and token in seq.eos_token_ids:
-            return StopDecision("stop", None)
-        if token in seq.params.stop_token_ids:
-            return StopDecision("stop", token)
-        if seq.num_completion_tokens >= seq.params.max_tokens:
-            return StopDecision("length", None)
-        return None
+        return stop_decision(seq.params, seq.eos_token_ids, seq.last_token, seq.num_completion_tokens)

@@ -11,9 +11,12 @@ from engine.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):
-    WAITING = "waiting"  # queued (new, or preempted and waiting to be recomputed)
+    """Where a sequence stands in its scheduler (which sets every status; see `engine.scheduler`)."""
+
+    RESERVED = "reserved"  # holds blocks for prompt K/V arriving by transfer; never scheduled until it lands
+    WAITING = "waiting"  # queued (new, preempted and waiting to be recomputed, or landed awaiting a slot)
     RUNNING = "running"  # holds blocks and is scheduled every step
-    FINISHED = "finished"  # done; blocks released
+    FINISHED = "finished"  # done; blocks released (or held until released: see `Scheduler.release`)
 
 
 @dataclass
@@ -77,6 +80,3 @@ class Sequence:
     def is_prefilling(self) -> bool:
         # True while the prompt (or, after preemption, prompt + output) is not fully in the cache.
         return self.num_computed_tokens < self.num_tokens - 1
-
-    def num_blocks_needed(self, num_tokens: int, block_size: int) -> int:
-        return (num_tokens + block_size - 1) // block_size

@@ -12,5 +12,6 @@ Modules, in request order:
   upstream    gRPC channels and messages to decode nodes           render   response bodies, SSE events
   metrics     Prometheus metrics                                   request_log  JSON lines per request
   config      FrontendConfig (the process's one configuration) and the models file
-  testing/    OpenAPI conformance checks, recording SDK transports, process helpers (tests, benchmarks)
+
+Test helpers (OpenAPI checks, recording transports, process helpers) live in the top-level `testing/`.
 """

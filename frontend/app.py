@@ -160,7 +160,13 @@ def create_app(frontend: Frontend) -> FastAPI:
             await frontend.close()
 
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    _add_generation_routes(app, frontend)
+    _add_model_routes(app, frontend)
+    _add_operations_routes(app, frontend)
+    return app
 
+
+def _add_generation_routes(app: FastAPI, frontend: Frontend) -> None:
     async def generation(kind: str, request: Request) -> Response:
         tenant_name = None
         try:
@@ -183,6 +189,8 @@ def create_app(frontend: Frontend) -> FastAPI:
     async def completions(request: Request) -> Response:
         return await generation(COMPLETION, request)
 
+
+def _add_model_routes(app: FastAPI, frontend: Frontend) -> None:
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         try:
@@ -202,6 +210,10 @@ def create_app(frontend: Frontend) -> FastAPI:
                 return json_response(item)
         return error_response(APIError(404, f"The model `{name}` does not exist or you do not have access to it.",
                                        param="model", code="model_not_found"))
+
+
+def _add_operations_routes(app: FastAPI, frontend: Frontend) -> None:
+    """Health, readiness, metrics, and the OpenAI-shaped errors of everything else."""
 
     @app.get("/health")
     async def health() -> Response:
@@ -226,5 +238,3 @@ def create_app(frontend: Frontend) -> FastAPI:
     async def internal_error(request: Request, exc: Exception) -> Response:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
         return error_response(APIError(500, "The server had an error while processing your request.", type=SERVER))
-
-    return app

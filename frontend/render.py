@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Sequence
-from typing import Any, Literal, NamedTuple
+from typing import Any, NamedTuple
 
 import orjson
 
 from frontend.models import TokenTexts
+from frontend.protocol import Kind
 from protos import pdserve_pb2 as pb
 
-Kind = Literal["chat", "completion"]
 DONE = b"data: [DONE]\n\n"
 # OpenAI's value for a token outside the top alternatives; also stands in for -inf, which JSON lacks.
 VERY_UNLIKELY = -9999.0

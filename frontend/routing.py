@@ -6,79 +6,27 @@ sequence capacity, and KV blocks in use; a node without enough free blocks for t
 With a session key the node is instead the session's owner on a consistent-hash ring of decode nodes,
 under bounded load, so a conversation keeps finding its KV prefix there.
 
-Prefill node: the owner of the prompt's first-block hash (the chained prefix hash every node of the pool
-computes, so the key is what the node's prefix cache is keyed on) on a consistent-hash ring of prefill
-nodes, walking on past nodes whose load exceeds `load_factor` times the average (consistent hashing with
-bounded loads): requests sharing a prefix land on one node and hit its cache while its load allows,
-unrelated prefixes spread over the ring. A prompt shorter than a block goes to the least loaded node.
+Prefill node: `placement.prefill.choose_prefill`, the cluster's one prefill rule (prefix affinity on a
+consistent-hash ring with bounded loads); the decode node follows the choice while that node is usable.
 """
 
 from __future__ import annotations
 
-import bisect
-import hashlib
 import math
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
-from engine.block_manager import compute_block_hashes
+from placement.prefill import choose_prefill, usable_prefill
+from placement.ring import HashRing, RingCache, bounded_pick, ring_hash
 from registry.view import Member
 
-VNODES_PER_NODE = 64
+__all__ = ["HashRing", "NoRoute", "PoolStatus", "RouteDecision", "RouteLease", "Router", "bounded_pick",
+           "ring_hash"]
+
 COOLDOWN_S = 2.0
 
 MembersFn = Callable[[str, str], list[Member]]  # (role, pool model name) -> members
-
-
-def ring_hash(data: bytes) -> int:
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
-
-
-class HashRing:
-    """A consistent-hash ring over node ids with virtual nodes. Immutable."""
-
-    def __init__(self, node_ids: Sequence[str], vnodes: int = VNODES_PER_NODE) -> None:
-        points = sorted((ring_hash(f"{nid}#{v}".encode()), nid) for nid in node_ids for v in range(vnodes))
-        self._keys = [k for k, _ in points]
-        self._ids = [nid for _, nid in points]
-        self.size = len(set(node_ids))
-
-    def walk(self, key: int) -> Iterator[str]:
-        """Distinct node ids in ring order, starting at the owner of `key`."""
-        if not self._ids:
-            return
-        start = bisect.bisect_left(self._keys, key)
-        seen: set[str] = set()
-        n = len(self._ids)
-        for i in range(n):
-            nid = self._ids[(start + i) % n]
-            if nid not in seen:
-                seen.add(nid)
-                yield nid
-                if len(seen) == self.size:
-                    return
-
-
-class Pick(NamedTuple):
-    node_id: str
-    spilled: bool  # not the ring owner: the owner was at its load bound
-    reason: str
-
-
-def bounded_pick(ring: HashRing, key: int, loads: dict[str, float], factor: float) -> Pick:
-    """Consistent hashing with bounded loads: the first node from `key`'s owner on whose load, plus this
-    request, stays within factor x the average load (plus this request)."""
-    cap = math.ceil(factor * (sum(loads.values()) + 1) / max(1, len(loads)))
-    owner = ""
-    for nid in ring.walk(key):
-        owner = owner or nid
-        if loads.get(nid, 0.0) + 1 <= cap:
-            if nid == owner:
-                return Pick(nid, False, f"ring owner (load {loads.get(nid, 0.0):g}, cap {cap})")
-            return Pick(nid, True, f"spilled from owner {owner} (load {loads.get(owner, 0.0):g} >= cap {cap})")
-    return Pick(owner, False, f"ring owner, every node at cap {cap}")
 
 
 @dataclass(frozen=True)
@@ -150,7 +98,7 @@ class Router:
         self.decode_max_queue = decode_max_queue
         self.decode_outstanding: dict[str, int] = {}
         self.prefill_outstanding: dict[str, int] = {}
-        self._rings: dict[tuple[str, ...], HashRing] = {}
+        self._rings = RingCache()
         self._rotation = 0
         self._cooldown: dict[str, float] = {}  # node id -> monotonic time until which it is avoided
 
@@ -164,27 +112,14 @@ class Router:
         else:
             counts.pop(node_id, None)
 
-    def _ring(self, node_ids: Sequence[str]) -> HashRing:
-        key = tuple(sorted(node_ids))
-        ring = self._rings.get(key)
-        if ring is None:
-            if len(self._rings) > 64:  # membership churn: drop rings of old memberships
-                self._rings.clear()
-            ring = self._rings[key] = HashRing(key)
-        return ring
-
     def overloaded(self, member: Member) -> bool:
         load = member.load
         return load is not None and load.queue_len >= self.decode_max_queue
 
-    @staticmethod
-    def draining(member: Member) -> bool:
-        """A draining node finishes what it has and refuses new work, so it is not routed to."""
-        return member.load is not None and bool(member.load.extra.get("draining"))
-
     def status(self, pool: str) -> PoolStatus:
-        decode = [m for m in self._members("decode", pool) if not self.draining(m)]
-        prefill = [m for m in self._members("prefill", pool) if not self.draining(m)]
+        """The pool's members that take new work (draining ones finish what they have)."""
+        decode = [m for m in self._members("decode", pool) if not m.draining]
+        prefill = usable_prefill(self._members("prefill", pool))
         return PoolStatus(decode, prefill, [m for m in decode if not self.overloaded(m)])
 
     def _decode_load(self, m: Member) -> float:
@@ -206,11 +141,6 @@ class Router:
                   f"need={need_blocks} score={score:.3f}")
         return score, detail
 
-    def _prefill_load(self, m: Member) -> float:
-        load = m.load
-        ours = self.prefill_outstanding.get(m.node_id, 0)
-        return float(ours + (0 if load is None else load.queue_len + load.running))
-
     def route(
         self,
         pool: str,
@@ -231,11 +161,30 @@ class Router:
             if status.decode:
                 raise NoRoute(f"every decode node of model pool {pool!r} is overloaded", overloaded=True)
             raise NoRoute(f"no decode node serves model pool {pool!r}", overloaded=False)
-        block_size = candidates[0].record.block_size
-        need = math.ceil((len(prompt_ids) + max_tokens) / block_size)
+        decode, decode_reason, decode_rule = self._pick_decode(candidates, len(prompt_ids) + max_tokens, session_key)
+        prefill = choose_prefill([m for m in status.prefill if m.node_id not in exclude], prompt_ids,
+                                 self.prefill_outstanding, load_factor=self.load_factor,
+                                 affinity_blocks=self.affinity_blocks, rings=self._rings)
+        return RouteDecision(
+            pool=pool,
+            decode_id=decode.node_id,
+            decode_address=decode.record.grpc_address,
+            decode_reason=decode_reason,
+            decode_rule=decode_rule,
+            prefill_id=prefill.node_id,
+            prefill_reason=prefill.reason,
+            prefill_rule=prefill.rule,
+            prefix_key=prefill.prefix_key,
+            fingerprint=decode.record.model_fingerprint,
+        )
+
+    def _pick_decode(self, candidates: list[Member], num_tokens: int, session_key: str | None) -> tuple[Member, str, str]:
+        """(node, reason, rule) among usable decode nodes: the session's ring owner under bounded load, or
+        the least loaded (ties rotate)."""
+        need = math.ceil(num_tokens / candidates[0].record.block_size)
         if session_key and len(candidates) > 1:
             loads = {m.node_id: self._decode_load(m) for m in candidates}
-            ring = self._ring(list(loads))
+            ring = self._rings.ring(list(loads))
             pick = bounded_pick(ring, ring_hash(session_key.encode()), loads, self.load_factor)
             decode = next(m for m in candidates if m.node_id == pick.node_id)
             decode_reason = f"session affinity: {pick.reason}"
@@ -250,39 +199,7 @@ class Router:
             self._rotation += 1
             decode_reason = f"least loaded of {len(candidates)}: {detail}"
             decode_rule = "least_loaded"
-
-        prefill_id, prefill_reason, prefix_key = "", "no prefill node in the pool: the decode node prefills", ""
-        prefill_rule = "local"
-        prefill = [m for m in status.prefill if m.node_id not in exclude]
-        if prefill:
-            rec = prefill[0].record
-            loads = {m.node_id: self._prefill_load(m) for m in prefill}
-            blocks = min(self.affinity_blocks, len(prompt_ids) // rec.block_size)
-            if blocks == 0:
-                prefill_id = min(loads, key=lambda nid: (loads[nid], nid))
-                prefill_reason = f"least loaded (prompt shorter than one block; load {loads[prefill_id]:g})"
-                prefill_rule = "least_loaded"
-            else:
-                hashes = compute_block_hashes(prompt_ids[: blocks * rec.block_size], rec.block_size,
-                                              rec.prefix_hash_seed)
-                key = int.from_bytes(hashes[-1][:8], "big")
-                prefix_key = hashes[-1][:8].hex()
-                pick = bounded_pick(self._ring(list(loads)), key, loads, self.load_factor)
-                prefill_id = pick.node_id
-                prefill_reason = f"prefix affinity on {blocks} block(s): {pick.reason}"
-                prefill_rule = "prefix_spill" if pick.spilled else "prefix_owner"
-        return RouteDecision(
-            pool=pool,
-            decode_id=decode.node_id,
-            decode_address=decode.record.grpc_address,
-            decode_reason=decode_reason,
-            decode_rule=decode_rule,
-            prefill_id=prefill_id,
-            prefill_reason=prefill_reason,
-            prefill_rule=prefill_rule,
-            prefix_key=prefix_key,
-            fingerprint=decode.record.model_fingerprint,
-        )
+        return decode, decode_reason, decode_rule
 
     def mark_unavailable(self, node_id: str, seconds: float = COOLDOWN_S) -> None:
         """A node refused or could not be reached: route around it for `seconds` while others can serve."""

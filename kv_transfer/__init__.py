@@ -26,7 +26,9 @@ from __future__ import annotations
 from kv_transfer.backend import PairGroup, PendingOp, TransferTimeout
 from kv_transfer.channel import Channel
 from kv_transfer.manager import ChannelManager
-from kv_transfer.transfer import KVReceiver, KVSender, SendHandle, TransferHandle, message_ranges
+from kv_transfer.receive import KVReceiver
+from kv_transfer.send import KVSender, SendHandle
+from kv_transfer.transfer import TransferHandle, message_ranges
 from kv_transfer.types import (
     DECODE_RANK,
     PREFILL_RANK,

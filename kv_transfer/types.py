@@ -10,7 +10,8 @@ import enum
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-Role = Literal["prefill", "decode"]
+from registry.records import Role
+
 BackendName = Literal["auto", "gloo", "nccl"]
 
 # Rank of each side inside a pair's two-rank process group.

@@ -61,22 +61,20 @@ class Timing(_message.Message):
     def __init__(self, prefill_queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., first_decode_step_s: _Optional[float] = ..., decode_admission_s: _Optional[float] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "model", "prompt_token_ids", "params", "prefill_node_id", "force_local_prefill", "return_text")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "prefill_node_id", "force_local_prefill", "return_text")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_NODE_ID_FIELD_NUMBER: _ClassVar[int]
     FORCE_LOCAL_PREFILL_FIELD_NUMBER: _ClassVar[int]
     RETURN_TEXT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    model: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: SamplingParams
     prefill_node_id: str
     force_local_prefill: bool
     return_text: bool
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., prefill_node_id: _Optional[str] = ..., force_local_prefill: _Optional[bool] = ..., return_text: _Optional[bool] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., prefill_node_id: _Optional[str] = ..., force_local_prefill: _Optional[bool] = ..., return_text: _Optional[bool] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "logprobs", "finished", "finish_reason", "stop_reason", "num_prompt_tokens", "num_cached_tokens", "num_completion_tokens", "timing", "prefill_node_id", "decode_node_id", "error", "num_cached_tokens_decode", "num_cached_tokens_prefill")
@@ -165,12 +163,10 @@ class FirstToken(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ...) -> None: ...
 
 class TransferStart(_message.Message):
-    __slots__ = ("channel_epoch", "seq_no", "num_blocks", "num_bytes", "layerwise", "num_tokens", "layout_version", "dtype", "geometry", "layers_per_message", "prefill_kv_address")
+    __slots__ = ("channel_epoch", "seq_no", "num_blocks", "num_tokens", "layout_version", "dtype", "geometry", "layers_per_message", "prefill_kv_address")
     CHANNEL_EPOCH_FIELD_NUMBER: _ClassVar[int]
     SEQ_NO_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
-    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
-    LAYERWISE_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_VERSION_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -180,29 +176,25 @@ class TransferStart(_message.Message):
     channel_epoch: int
     seq_no: int
     num_blocks: int
-    num_bytes: int
-    layerwise: bool
     num_tokens: int
     layout_version: int
     dtype: str
     geometry: _containers.RepeatedScalarFieldContainer[int]
     layers_per_message: int
     prefill_kv_address: str
-    def __init__(self, channel_epoch: _Optional[int] = ..., seq_no: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_bytes: _Optional[int] = ..., layerwise: _Optional[bool] = ..., num_tokens: _Optional[int] = ..., layout_version: _Optional[int] = ..., dtype: _Optional[str] = ..., geometry: _Optional[_Iterable[int]] = ..., layers_per_message: _Optional[int] = ..., prefill_kv_address: _Optional[str] = ...) -> None: ...
+    def __init__(self, channel_epoch: _Optional[int] = ..., seq_no: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_tokens: _Optional[int] = ..., layout_version: _Optional[int] = ..., dtype: _Optional[str] = ..., geometry: _Optional[_Iterable[int]] = ..., layers_per_message: _Optional[int] = ..., prefill_kv_address: _Optional[str] = ...) -> None: ...
 
 class TransferDone(_message.Message):
-    __slots__ = ("ok", "error", "transfer_s", "num_bytes", "skipped")
+    __slots__ = ("ok", "error", "transfer_s", "skipped")
     OK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
-    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
     SKIPPED_FIELD_NUMBER: _ClassVar[int]
     ok: bool
     error: str
     transfer_s: float
-    num_bytes: int
     skipped: bool
-    def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ..., transfer_s: _Optional[float] = ..., num_bytes: _Optional[int] = ..., skipped: _Optional[bool] = ...) -> None: ...
+    def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ..., transfer_s: _Optional[float] = ..., skipped: _Optional[bool] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token", "transfer_start", "transfer_done")
@@ -219,7 +211,7 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadResponse(_message.Message):
-    __slots__ = ("node_id", "role", "waiting", "running", "kv_blocks_total", "kv_blocks_used", "kv_blocks_free", "kv_blocks_cached", "kv_blocks_held_for_transfer", "tokens_per_s", "kv_blocks_reserved", "admission_queue", "in_flight")
+    __slots__ = ("node_id", "role", "waiting", "running", "kv_blocks_total", "kv_blocks_used", "kv_blocks_free", "kv_blocks_cached", "kv_blocks_held_for_transfer", "tokens_per_s", "kv_blocks_reserved", "admission_queue", "in_flight", "draining")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -233,6 +225,7 @@ class LoadResponse(_message.Message):
     KV_BLOCKS_RESERVED_FIELD_NUMBER: _ClassVar[int]
     ADMISSION_QUEUE_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     role: str
     waiting: int
@@ -246,8 +239,21 @@ class LoadResponse(_message.Message):
     kv_blocks_reserved: int
     admission_queue: int
     in_flight: int
-    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., waiting: _Optional[int] = ..., running: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., kv_blocks_held_for_transfer: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., kv_blocks_reserved: _Optional[int] = ..., admission_queue: _Optional[int] = ..., in_flight: _Optional[int] = ...) -> None: ...
+    draining: bool
+    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., waiting: _Optional[int] = ..., running: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., kv_blocks_held_for_transfer: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., kv_blocks_reserved: _Optional[int] = ..., admission_queue: _Optional[int] = ..., in_flight: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class IntegrityRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class IntegrityReport(_message.Message):
+    __slots__ = ("ok", "problem")
+    OK_FIELD_NUMBER: _ClassVar[int]
+    PROBLEM_FIELD_NUMBER: _ClassVar[int]
+    ok: bool
+    problem: str
+    def __init__(self, ok: _Optional[bool] = ..., problem: _Optional[str] = ...) -> None: ...

@@ -342,9 +342,8 @@ class PrefillNode:
 
 
 class NodeControlStub:
-    """Graceful drain (what `pdserve drain` and a pod's preStop hook call): stop taking new work, wait until no
-    request depends on a peer, leave the registry, finish running requests. Returns the load when the drain
-    ended or the caller's deadline came first (in_flight > 0 then).
+    """Node operations. CheckIntegrity asserts that the node's KV blocks, engine requests, output streams,
+    reservations and request objects agree (what the tests call after every cluster test).
     """
 
     def __init__(self, channel):
@@ -358,15 +357,25 @@ class NodeControlStub:
                 request_serializer=pdserve__pb2.DrainRequest.SerializeToString,
                 response_deserializer=pdserve__pb2.LoadResponse.FromString,
                 _registered_method=True)
+        self.CheckIntegrity = channel.unary_unary(
+                '/pdserve.v1.NodeControl/CheckIntegrity',
+                request_serializer=pdserve__pb2.IntegrityRequest.SerializeToString,
+                response_deserializer=pdserve__pb2.IntegrityReport.FromString,
+                _registered_method=True)
 
 
 class NodeControlServicer:
-    """Graceful drain (what `pdserve drain` and a pod's preStop hook call): stop taking new work, wait until no
-    request depends on a peer, leave the registry, finish running requests. Returns the load when the drain
-    ended or the caller's deadline came first (in_flight > 0 then).
+    """Node operations. CheckIntegrity asserts that the node's KV blocks, engine requests, output streams,
+    reservations and request objects agree (what the tests call after every cluster test).
     """
 
     def Drain(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CheckIntegrity(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -380,6 +389,11 @@ def add_NodeControlServicer_to_server(servicer, server):
                     request_deserializer=pdserve__pb2.DrainRequest.FromString,
                     response_serializer=pdserve__pb2.LoadResponse.SerializeToString,
             ),
+            'CheckIntegrity': grpc.unary_unary_rpc_method_handler(
+                    servicer.CheckIntegrity,
+                    request_deserializer=pdserve__pb2.IntegrityRequest.FromString,
+                    response_serializer=pdserve__pb2.IntegrityReport.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'pdserve.v1.NodeControl', rpc_method_handlers)
@@ -389,9 +403,8 @@ def add_NodeControlServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class NodeControl:
-    """Graceful drain (what `pdserve drain` and a pod's preStop hook call): stop taking new work, wait until no
-    request depends on a peer, leave the registry, finish running requests. Returns the load when the drain
-    ended or the caller's deadline came first (in_flight > 0 then).
+    """Node operations. CheckIntegrity asserts that the node's KV blocks, engine requests, output streams,
+    reservations and request objects agree (what the tests call after every cluster test).
     """
 
     @staticmethod
@@ -411,6 +424,33 @@ class NodeControl:
             '/pdserve.v1.NodeControl/Drain',
             pdserve__pb2.DrainRequest.SerializeToString,
             pdserve__pb2.LoadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CheckIntegrity(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.NodeControl/CheckIntegrity',
+            pdserve__pb2.IntegrityRequest.SerializeToString,
+            pdserve__pb2.IntegrityReport.FromString,
             options,
             channel_credentials,
             insecure,

@@ -9,14 +9,12 @@ from __future__ import annotations
 
 from registry.client import (
     POOL_INVARIANTS,
-    BackoffPolicy,
     NodeRegistration,
     RegistrationRefused,
     RegistrationState,
     RegistrationStatus,
-    RegistryUnavailable,
-    parse_endpoint,
 )
+from registry.connect import BackoffPolicy, RegistryUnavailable, parse_endpoint
 from registry.etcd_server import EtcdNotFoundError, EtcdServer, EtcdStartError, find_etcd_binary
 from registry.records import (
     KEY_ROOT,

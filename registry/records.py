@@ -107,16 +107,23 @@ class NodeRecord:
 
 @dataclass(frozen=True)
 class NodeLoad:
-    """A node's load snapshot, republished about once a second."""
+    """A node's load snapshot, republished about once a second; also what GetLoad answers and what
+    /metrics reads. Every field is typed; a role leaves the fields of the other role at 0."""
 
-    queue_len: int = 0  # requests waiting to be scheduled
+    queue_len: int = 0  # requests waiting to be scheduled: `waiting` + `reservation_queue`
     running: int = 0  # sequences in the running batch
-    kv_blocks_used: int = 0
+    kv_blocks_used: int = 0  # referenced by some sequence (held and reserved blocks included)
     kv_blocks_free: int = 0
     kv_blocks_cached: int = 0  # free blocks that still hold reusable prefix KV
     tokens_per_s: float = 0.0
     updated_at: float = field(default_factory=time.time)  # unix seconds, stamped by the publisher
-    extra: dict[str, float] = field(default_factory=dict)  # role-specific gauges
+    waiting: int = 0  # queued in the engine (new, preempted, or landed awaiting a slot)
+    kv_blocks_total: int = 0
+    kv_blocks_held: int = 0  # finished requests' blocks kept for a transfer (prefill: sends in flight)
+    kv_blocks_reserved: int = 0  # decode: blocks reserved for transfers not yet landed
+    reservation_queue: int = 0  # decode: requests waiting for blocks to be reserved
+    in_flight: int = 0  # requests the node is serving, at any stage
+    draining: bool = False  # the node finishes what it has and takes no new work
 
     def to_json(self) -> bytes:
         return json.dumps({"schema": SCHEMA_VERSION, **asdict(self)}, sort_keys=True).encode()
@@ -128,8 +135,11 @@ class NodeLoad:
             load = cls(**_known(cls, obj))
         except TypeError as err:
             raise RecordError(f"{cls.__name__}: malformed record: {err}") from err
-        if not isinstance(load.extra, dict):
-            raise RecordError(f"{cls.__name__}: extra must be an object, got {type(load.extra).__name__}")
+        for f in fields(cls):
+            value = getattr(load, f.name)
+            kind = {"int": int, "float": (int, float), "bool": bool}[str(f.type)]
+            if not isinstance(value, kind) or (f.type == "int" and isinstance(value, bool)):
+                raise RecordError(f"{cls.__name__}: {f.name} must be {f.type}, got {value!r}")
         return load
 
 

@@ -19,7 +19,7 @@ from typing import Literal
 
 import aetcd
 
-from registry.client import (
+from registry.connect import (
     TRANSIENT_ERRORS,
     BackoffPolicy,
     EtcdConnector,
@@ -46,6 +46,11 @@ class Member:
     @property
     def role(self) -> str:
         return self.record.role
+
+    @property
+    def draining(self) -> bool:
+        """The node finishes what it has and takes no new work, so nobody routes new work to it."""
+        return self.load is not None and self.load.draining
 
 
 @dataclass(frozen=True)

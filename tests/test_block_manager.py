@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from engine import block_manager as bm_module
+from engine import prefix_hash as prefix_hash_module
 from engine.block_manager import BlockManager, compute_block_hashes
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
@@ -145,7 +145,7 @@ def test_hash_collision_is_caught_by_the_token_check(monkeypatch: pytest.MonkeyP
     def weak_hash(seed: int, parent: bytes | None, token_ids: list[int]) -> bytes:
         return str(sum(token_ids)).encode()
 
-    monkeypatch.setattr(bm_module, "hash_block_tokens", weak_hash)
+    monkeypatch.setattr(prefix_hash_module, "hash_block_tokens", weak_hash)
     bm = BlockManager(num_blocks=16, block_size=4, hash_seed=0)
     a = make_seq("a", [1, 2, 3, 4, 99])
     compute_all(bm, a)

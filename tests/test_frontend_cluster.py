@@ -34,18 +34,14 @@ from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 from frontend.models import TokenTexts
 from frontend.tenants import hash_key
-from frontend.testing.bad_inputs import bad_inputs, check_bad_inputs
-from frontend.testing.openapi import OpenAPISchemas
-from frontend.testing.procs import FrontendProc, start_frontend
-from frontend.testing.recording import AsyncRecordingTransport, RecordingTransport, conformance_problems
 from protos import pdserve_pb2 as pb
 from registry import Member
 from registry.etcd_server import free_port
-
-if not (Path(__file__).parent / "cluster.py").is_file():
-    pytest.skip("needs the local cluster harness tests/cluster.py", allow_module_level=True)
-
-from tests.cluster import LocalCluster  # noqa: E402
+from testing.bad_inputs import bad_inputs, check_bad_inputs
+from testing.cluster import LocalCluster
+from testing.openapi import OpenAPISchemas
+from testing.procs import FrontendProc, start_frontend
+from testing.recording import AsyncRecordingTransport, RecordingTransport, conformance_problems
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -85,11 +81,9 @@ class Env:
     def record_for(self, request_id: str) -> dict[str, Any]:
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline:
-            for line in self.request_log.read_bytes().splitlines():
-                try:
-                    rec = orjson.loads(line)
-                except orjson.JSONDecodeError:  # the last line may be half written: read it again later
-                    continue
+            data = self.request_log.read_bytes()
+            for line in data[: data.rfind(b"\n") + 1].splitlines():  # a line still being written: next time
+                rec = orjson.loads(line)
                 if rec.get("request_id") == request_id:
                     return rec
             time.sleep(0.02)
@@ -122,6 +116,13 @@ def env(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: Path) -> Itera
         finally:
             assert fe.stop() in (0, -15), fe.proc.tail()  # uvicorn re-raises the SIGTERM it handled
             assert "Traceback" not in fe.proc.log_text(), fe.proc.tail(80)
+
+
+@pytest.fixture(autouse=True)
+def _check_integrity_after_each_test(env: Env) -> Iterator[None]:
+    """Every node's blocks, requests, streams and reservations agree after every test."""
+    yield
+    env.cluster.check_integrity()
 
 
 def user(text: str) -> list[dict[str, str]]:
@@ -247,7 +248,7 @@ def _idle_records(members: dict[str, Member]) -> bool:
     loads = [m.load for m in members.values()]
     return len(loads) == 4 and all(
         load is not None and load.kv_blocks_used == 0 and load.running == 0 and load.queue_len == 0
-        and load.extra.get("in_flight", 1) == 0 for load in loads)
+        and load.in_flight == 0 for load in loads)
 
 
 def test_disconnect_mid_stream_frees_blocks_on_both_nodes(env: Env) -> None:

@@ -21,14 +21,14 @@ import pytest
 import tokenizers
 
 from frontend.tenants import hash_key
-from frontend.testing.bad_inputs import bad_inputs, check_bad_inputs
-from frontend.testing.openapi import OpenAPISchemas
-from frontend.testing.procs import FrontendProc, Proc, start_frontend, start_scripted_node
-from frontend.testing.recording import AsyncRecordingTransport, RecordingTransport, conformance_problems
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pbg
 from registry import EtcdServer
 from registry.etcd_server import free_port
+from testing.bad_inputs import bad_inputs, check_bad_inputs
+from testing.openapi import OpenAPISchemas
+from testing.procs import FrontendProc, Proc, start_frontend, start_scripted_node
+from testing.recording import AsyncRecordingTransport, RecordingTransport, conformance_problems
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -55,7 +55,9 @@ class Env:
         return self.tokenizer.decode([ids[(offset + i) % len(ids)] for i in range(n)])
 
     def log_records(self) -> list[dict[str, Any]]:
-        return [orjson.loads(line) for line in self.request_log.read_bytes().splitlines() if line.strip()]
+        data = self.request_log.read_bytes()
+        complete = data[: data.rfind(b"\n") + 1]  # a line still being written is read on the next call
+        return [orjson.loads(line) for line in complete.splitlines() if line.strip()]
 
     def record_for(self, request_id: str) -> dict[str, Any]:
         deadline = time.monotonic() + 5

@@ -19,9 +19,9 @@ from frontend.protocol import parse_chat_request, parse_completion_request, pars
 from frontend.render import DONE, StreamEncoder, chat_logprobs, completion_logprobs, full_response, usage_dict
 from frontend.routing import HashRing, NoRoute, Router, bounded_pick, ring_hash
 from frontend.tenants import Tenant, TenantLimits, TenantTable, hash_key
-from frontend.testing.openapi import COMPLETION_CHUNK, OpenAPISchemas
 from protos import pdserve_pb2 as pb
 from registry import Member, NodeCapacity, NodeLoad, NodeRecord
+from testing.openapi import COMPLETION_CHUNK, OpenAPISchemas
 
 pytestmark = pytest.mark.timeout(60)
 

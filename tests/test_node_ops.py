@@ -21,10 +21,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from deploy.launcher import registry_keys
 from engine.sampling_params import SamplingParams
 from engine.tiny import default_model_dir
+from node.convert import params_to_proto
+from node.metrics import LATENCY_BUCKETS
 from protos import pdserve_pb2 as pb
-from protos.control import params_to_proto
-from protos.node_metrics import LATENCY_BUCKETS
-from tests.cluster import REPO_ROOT, LocalCluster
+from testing.cluster import REPO_ROOT, LocalCluster
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -50,6 +50,13 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     with LocalCluster(tmp_path_factory.mktemp("ops"), default_model_dir("llama"), node_args=NODE_ARGS) as c:
         c.start(1, 1, decode_args=["--local-prefill-threshold", "8"])
         yield c
+
+
+@pytest.fixture(autouse=True)
+def _check_integrity_after_each_test(cluster: LocalCluster) -> Iterator[None]:
+    """Every node's blocks, requests, streams and reservations agree after every test."""
+    yield
+    cluster.check_integrity()
 
 
 def scrape(cluster: LocalCluster, node_id: str) -> dict[str, list[tuple[str, dict[str, str], float]]]:

@@ -20,9 +20,9 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.tiny import default_model_dir
+from node.convert import params_to_proto
 from protos import pdserve_pb2 as pb
-from protos.control import params_to_proto
-from tests.cluster import GenerateResult, LocalCluster
+from testing.cluster import GenerateResult, LocalCluster
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -43,6 +43,13 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterat
         yield c
         # Every test leaves both kinds of node with no request and no used block.
         c.wait_clean()
+
+
+@pytest.fixture(autouse=True)
+def _check_integrity_after_each_test(cluster: LocalCluster) -> Iterator[None]:
+    """Every node's blocks, requests, streams and reservations agree after every test."""
+    yield
+    cluster.check_integrity()
 
 
 @pytest.fixture(scope="module")
@@ -276,7 +283,7 @@ def test_abort_rpc_and_load_records_in_registry(cluster: LocalCluster) -> None:
         loads = [m.load for m in members.values()]
         return len(loads) == 4 and all(
             load is not None and load.kv_blocks_used == 0 and load.running == 0 and load.queue_len == 0
-            and load.extra.get("in_flight", 1) == 0
+            and load.in_flight == 0
             for load in loads
         )
 

@@ -35,7 +35,7 @@ def clean(engine: LLMEngine) -> None:
 
 def handoff(prefill: LLMEngine, decode: LLMEngine, rid: str, prompt: list[int], params: SamplingParams) -> list[int]:
     """One disaggregated request between two engines; returns its generated tokens."""
-    reservation = decode.reserve_request(rid, prompt, params)
+    reservation = decode.reserve(rid, prompt, params)
     assert reservation is not None
     import dataclasses
 
@@ -54,7 +54,7 @@ def handoff(prefill: LLMEngine, decode: LLMEngine, rid: str, prompt: list[int], 
     if out.finished:
         assert decode.release(rid)
         return tokens
-    decode.admit_transferred(rid)
+    decode.land(rid)
     while decode.has_unfinished():
         for o in decode.step():
             tokens += o.new_token_ids
@@ -87,7 +87,7 @@ def test_abort_frees_held_reserved_and_queued_requests() -> None:
     while engine.has_unfinished():
         engine.step()
     assert engine.load().held_blocks > 0
-    assert engine.reserve_request("reserved", list(range(100, 150)), SamplingParams()) is not None
+    assert engine.reserve("reserved", list(range(100, 150)), SamplingParams()) is not None
     engine.add_request("queued", list(range(200, 240)), SamplingParams())
     with pytest.raises(ValueError):
         engine.add_request("held", prompt, SamplingParams())  # the id is still taken while held

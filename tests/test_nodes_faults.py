@@ -16,9 +16,10 @@ import pytest
 
 from engine.sampling_params import SamplingParams
 from engine.tiny import default_model_dir
+from node.convert import params_to_proto
+from node.ready import EXIT_REFUSED
 from protos import pdserve_pb2 as pb
-from protos.control import EXIT_REFUSED, params_to_proto
-from tests.cluster import LocalCluster
+from testing.cluster import LocalCluster
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -37,6 +38,13 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
         c.start(2, 2, decode_args=["--local-prefill-threshold", "32"])
         yield c
         c.wait_clean()  # the survivors hold nothing
+
+
+@pytest.fixture(autouse=True)
+def _check_integrity_after_each_test(cluster: LocalCluster) -> Iterator[None]:
+    """Every node's blocks, requests, streams and reservations agree after every test."""
+    yield
+    cluster.check_integrity()
 
 
 def prompt_of(n: int, seed: int) -> list[int]:

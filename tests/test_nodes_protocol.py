@@ -10,8 +10,8 @@ from pathlib import Path
 
 from engine.sampling_params import SamplingParams
 from engine.sequence import TokenLogprob
+from node.convert import logprob_from_proto, logprob_to_proto, params_from_proto, params_to_proto
 from protos import pdserve_pb2 as pb
-from protos.control import logprob_from_proto, logprob_to_proto, params_from_proto, params_to_proto
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 GENERATED = ("pdserve_pb2.py", "pdserve_pb2.pyi", "pdserve_pb2_grpc.py")

@@ -19,11 +19,11 @@ import openai
 import pytest
 import torch
 
-from frontend.testing.openapi import OpenAPISchemas
-from frontend.testing.procs import FrontendProc, start_frontend
-from frontend.testing.recording import RecordingTransport, conformance_problems
 from registry.etcd_server import free_port
-from tests.cluster import LocalCluster
+from testing.cluster import LocalCluster
+from testing.openapi import OpenAPISchemas
+from testing.procs import FrontendProc, start_frontend
+from testing.recording import RecordingTransport, conformance_problems
 
 pytest_plugins = ["tests.gguf_fixtures"]  # smollm2_dir
 pytestmark = pytest.mark.timeout(900)

@@ -83,7 +83,7 @@ class CountingLoad:
 
     def __call__(self) -> NodeLoad:
         self.calls += 1
-        return NodeLoad(queue_len=1, running=self.calls, kv_blocks_used=3, kv_blocks_free=125, extra={"calls": self.calls})
+        return NodeLoad(queue_len=1, running=self.calls, kv_blocks_used=3, kv_blocks_free=125, in_flight=self.calls)
 
 
 async def raw_keys(endpoint: str, prefix: str) -> list[str]:
@@ -115,8 +115,10 @@ def test_records_roundtrip_and_key_layout() -> None:
     with pytest.raises(RecordError, match="unsupported schema"):
         NodeRecord.from_json(json.dumps(obj))
 
-    load = NodeLoad(queue_len=2, tokens_per_s=12.5, extra={"prefill_tokens": 7.0})
+    load = NodeLoad(queue_len=2, tokens_per_s=12.5, kv_blocks_held=7, reservation_queue=1, draining=True)
     assert NodeLoad.from_json(load.to_json()) == load
+    with pytest.raises(RecordError):
+        NodeLoad.from_json(json.dumps({"schema": SCHEMA_VERSION, "draining": "yes"}))
     with pytest.raises(RecordError):
         make_record("a/b", "c-rec")
     with pytest.raises(RecordError):
@@ -145,7 +147,7 @@ def test_register_view_sees_record_and_load_updates(etcd: EtcdServer) -> None:
                 elapsed = time.monotonic() - t0
                 # ~1 Hz: three more reports take about three seconds, clearly not ten times faster or slower.
                 assert 1.5 < elapsed < 5.5, elapsed
-                assert members["p0"].load.extra == {"calls": float(members["p0"].load.running)}
+                assert members["p0"].load.in_flight == members["p0"].load.running
                 assert members["p0"].load.updated_at > time.time() - 3
                 assert reg.status().last_load_at is not None
 

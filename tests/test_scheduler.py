@@ -268,13 +268,13 @@ def test_abort_in_every_state_frees_everything() -> None:
     step(sched, runner)
     assert decoding.num_completion_tokens >= 1 and prefilling.is_prefilling
 
-    transferred = make_seq("transferred", list(range(200, 209)) + [7], max_tokens=50)
-    res = bm.reserve(transferred, 9)
-    assert res is not None
+    transferred = make_seq("transferred", list(range(200, 209)), max_tokens=50)
+    res = sched.reserve(transferred)
+    assert res is not None and transferred.status == SequenceStatus.RESERVED
     for pos in range(res.num_cached_tokens, 9):
         runner.slots[runner.slot(transferred, pos)] = transferred.token_ids[pos]
-    bm.commit_filled(transferred, 9)
-    sched.add_transferred(transferred)
+    assert sched.append_first_token("transferred", 7) is None
+    sched.land("transferred")
     in_flight = make_seq("in_flight", [21, 22], max_tokens=50)
     sched.add(in_flight)
     waiting = make_seq("waiting", [31, 32, 33], max_tokens=50)
@@ -306,10 +306,10 @@ def test_abort_a_transferred_sequence_before_it_runs() -> None:
     running = make_seq("running", [11, 12], max_tokens=5)
     sched.add(running)
     step(sched, runner)
-    parked = make_seq("parked", [1, 2, 3, 4, 5], max_tokens=5)
-    assert bm.reserve(parked, 4) is not None
-    bm.commit_filled(parked, 4)
-    sched.add_transferred(parked)
+    parked = make_seq("parked", [1, 2, 3, 4], max_tokens=5)
+    assert sched.reserve(parked) is not None
+    assert sched.append_first_token("parked", 5) is None
+    sched.land("parked")
     out, _ = step(sched, runner)  # no running slot for it
     assert parked not in out.decode_seqs and parked.status == SequenceStatus.WAITING and bm.holds(parked)
     assert sched.abort("parked") is parked and not bm.holds(parked)
@@ -382,25 +382,25 @@ def test_sequence_outgrowing_the_pool_finishes_with_length() -> None:
 
 def test_transferred_sequence_goes_straight_to_decoding() -> None:
     sched, runner = make(num_blocks=16, block_size=4, max_num_seqs=2, max_num_batched_tokens=8)
-    bm = sched.block_manager
     prompt = list(range(100, 110))
     first = mixing_token(prompt)  # what the prefill node sampled
-    seq = make_seq("remote", prompt + [first], max_tokens=5)
-    seq.num_prompt_tokens = len(prompt)
-    res = bm.reserve(seq, len(prompt))
+    seq = make_seq("remote", prompt, max_tokens=5)
+    res = sched.reserve(seq)
     assert res is not None and res.num_cached_blocks == 0 and len(res.fill_block_ids) == 3
     for pos in range(len(prompt)):  # the transfer writes the prompt K/V into the fill blocks
         runner.slots[runner.slot(seq, pos)] = prompt[pos]
-    bm.commit_filled(seq, len(prompt))
-    sched.add_transferred(seq)
+    assert not sched.has_unfinished(), "a reserved sequence is never scheduled"
+    assert sched.append_first_token("remote", first) is None and seq.num_prompt_tokens == len(prompt)
+    sched.land("remote")
     out, _ = step(sched, runner)
     assert out.decode_seqs == [seq] and out.prefill_seqs == [] and out.num_batched_tokens == 1
     drive(sched, runner)
     assert seq.completion_token_ids == expected_completion(prompt, 5)
     assert_drained(sched)
 
-    with pytest.raises(ValueError):
-        sched.add_transferred(make_seq("unreserved", [1, 2, 3]))
+    sched.add(make_seq("unreserved", [1, 2, 3]))
+    with pytest.raises(KeyError):
+        sched.land("unreserved")
 
 
 def test_engine_finish_for_a_stop_string() -> None:
@@ -450,4 +450,24 @@ def test_add_rejects_duplicates_and_used_sequences() -> None:
     with pytest.raises(ValueError):
         sched.add(used)
     assert sched.abort("dup") is seq
+    assert_drained(sched)
+
+
+def test_reserved_sequence_ended_by_its_first_token_holds_its_blocks_until_released() -> None:
+    sched, _ = make(num_blocks=16, block_size=4)
+    bm = sched.block_manager
+    seq = make_seq("remote", list(range(100, 110)), max_tokens=1)
+    assert sched.reserve(seq) is not None
+    with pytest.raises(ValueError):
+        sched.reserve(make_seq("remote", [1, 2, 3]))  # the id is taken while reserved
+    decision = sched.append_first_token("remote", 42)
+    assert decision is not None and decision.finish_reason == "length"
+    assert seq.status == SequenceStatus.FINISHED and bm.holds(seq), "a transfer may still be writing its blocks"
+    sched.check_integrity()
+    with pytest.raises(KeyError):
+        sched.land("remote")
+    assert sched.release("remote") is seq and not bm.holds(seq)
+    aborted = make_seq("aborted", list(range(200, 210)))
+    assert sched.reserve(aborted) is not None and sched.abort("aborted") is aborted
+    assert aborted.finish_reason == "abort" and not bm.holds(aborted)
     assert_drained(sched)

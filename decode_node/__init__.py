@@ -1,3 +1,0 @@
-"""The decode node: admits requests (reserving their KV blocks first), prefills short ones itself,
-has the rest prefilled on a prefill node whose KV it receives, and streams generated tokens
-(see `decode_node.server`)."""

@@ -1,0 +1,376 @@
+"""The checks on the k8s values and the template context derived from them (object names, the etcd
+member list, the frontend's tenants and models files, command lines): `build_context`."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+RULES_FILE = Path(__file__).resolve().parent.parent / "prometheus" / "rules.yml"
+CONFIG_DIR = "/etc/pdserve"  # where the frontend finds tenants.yaml and models.yaml
+ROLES = ("prefill", "decode")
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
+# Pod names add up to 17 characters (ReplicaSet hash and pod suffix) to a Deployment's name, and the pod
+# name must stay a 63-character DNS label because it is the node id and appears in label values.
+_MAX_NAME = 46
+
+
+class ValuesError(ValueError):
+    """Values that cannot produce a working deployment; the message names the key."""
+
+
+def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    """`override` merged into a copy of `base`: mappings merge key by key, anything else replaces."""
+    out = copy.deepcopy(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def _dns_label(where: str, text: str, max_len: int = 63) -> str:
+    """`text` as a DNS label (lowercase; dots and underscores become dashes); raises if still invalid."""
+    label = re.sub(r"[._]", "-", str(text).lower())
+    if not _DNS_LABEL.match(label) or len(label) > max_len:
+        raise ValuesError(f"{where}: {text!r} does not make a DNS label of at most {max_len} characters")
+    return label
+
+
+def _int(where: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValuesError(f"{where} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _check_pdb(where: str, pdb: dict[str, Any], replicas: int) -> dict[str, Any]:
+    """A PDB spec that names exactly one bound and does not forbid every eviction."""
+    if not isinstance(pdb, dict) or len(pdb.keys() & {"minAvailable", "maxUnavailable"}) != 1:
+        raise ValuesError(f"{where}: give exactly one of minAvailable, maxUnavailable")
+    low = pdb.get("minAvailable")
+    if isinstance(low, int) and replicas > 0 and low >= replicas:
+        # A node drain would then wait forever on this workload.
+        raise ValuesError(f"{where}: minAvailable {low} >= replicas {replicas} blocks every voluntary eviction")
+    if pdb.get("maxUnavailable") == 0:
+        raise ValuesError(f"{where}: maxUnavailable 0 blocks every voluntary eviction")
+    return pdb
+
+
+# ---------------------------------------------------------------------------------------- context
+
+
+def _selector(v: dict[str, Any], component: str, model: str | None = None) -> dict[str, str]:
+    sel = {
+        "app.kubernetes.io/name": "pdserve",
+        "app.kubernetes.io/instance": v["name"],
+        "app.kubernetes.io/component": component,
+    }
+    if model is not None:
+        sel["pdserve.io/model"] = model
+    return sel
+
+
+def _labels(v: dict[str, Any], component: str, model: str | None = None) -> dict[str, str]:
+    return {
+        **_selector(v, component, model),
+        "app.kubernetes.io/part-of": "pdserve",
+        "app.kubernetes.io/version": str(v["image"]["tag"]),
+        "pdserve.io/cluster": v["cluster"],
+    }
+
+
+def _scrape_annotations(port: int) -> dict[str, str]:
+    return {"prometheus.io/scrape": "true", "prometheus.io/port": str(port), "prometheus.io/path": "/metrics"}
+
+
+def _models_file(v: dict[str, Any]) -> str:
+    """The frontend's models file (format: frontend/config.py)."""
+    mount = v["modelStorage"]["mountPath"].rstrip("/")
+    entries = []
+    for m in v["models"]:
+        entry: dict[str, Any] = {"name": m["name"], "path": f"{mount}/{m['path']}", "pool": m["name"]}
+        if m.get("aliases"):
+            entry["aliases"] = list(m["aliases"])
+        for key, out_key in (("fallback", "fallback"), ("maxContext", "max_context"),
+                             ("maxOutputTokens", "max_output_tokens"), ("defaultMaxTokens", "default_max_tokens")):
+            if m.get(key) is not None:
+                entry[out_key] = m[key]
+        entries.append(entry)
+    return yaml.safe_dump({"models": entries}, sort_keys=False)
+
+
+def _tenants_file(v: dict[str, Any], served: set[str]) -> str:
+    """The frontend's tenants file (format: frontend/tenants.py); only digests of keys, never keys."""
+    items = v["tenants"].get("items") or []
+    if not items:
+        raise ValuesError("tenants.items: list at least one tenant, or set tenants.enabled: false")
+    for i, t in enumerate(items):
+        where = f"tenants.items[{i}]"
+        for digest in t.get("keys_sha256") or []:
+            if not isinstance(digest, str) or not _SHA256_HEX.match(digest):
+                raise ValuesError(f"{where}: {digest!r} is not a lowercase SHA-256 hex digest (store hashed keys only)")
+        if not t.get("keys_sha256"):
+            raise ValuesError(f"{where}: keys_sha256 must list at least one digest")
+        unknown = sorted(set(t.get("models") or ["*"]) - served - {"*"})
+        if unknown:
+            raise ValuesError(f"{where}: models {unknown} are not served (names and aliases: {sorted(served)})")
+    return yaml.safe_dump({"tenants": items}, sort_keys=False)
+
+
+def _flags(pairs: list[tuple[str, Any]]) -> list[str]:
+    """`--flag=value` items (one per line in the manifest, readable next to its value)."""
+    return [f"--{flag}={value}" for flag, value in pairs]
+
+
+def _node_args(v: dict[str, Any], m: dict[str, Any], cfg: dict[str, Any], etcd: str) -> list[str]:
+    mount = v["modelStorage"]["mountPath"].rstrip("/")
+    pairs: list[tuple[str, Any]] = [
+        ("node-id", "$(POD_NAME)"),  # pod names are unique, and the dashboards show them as `node`
+        ("cluster", v["cluster"]),
+        ("etcd", etcd),
+        ("model", f"{mount}/{m['path']}"),
+        ("model-name", m["name"]),
+        ("dtype", cfg["dtype"]),
+        ("device", "cuda"),
+        ("kv-cache-memory-mib", cfg["kvCacheMemoryMiB"]),
+        ("max-num-seqs", cfg["maxNumSeqs"]),
+        ("max-num-batched-tokens", cfg["maxNumBatchedTokens"]),
+    ]
+    if m.get("maxContext"):
+        pairs.append(("max-model-len", m["maxContext"]))
+    pairs += [
+        # Bind everywhere, advertise the pod IP: peers and the frontends dial what the registry says.
+        ("grpc-host", "0.0.0.0"),
+        ("grpc-port", cfg["grpcPort"]),
+        ("advertise-host", "$(POD_IP)"),
+        # The KV rendezvous address is both bound and advertised, so it must be the pod IP itself.
+        ("kv-host", "$(POD_IP)"),
+        ("kv-port", cfg["kvPort"]),
+        ("metrics-host", "0.0.0.0"),
+        ("metrics-port", cfg["metricsPort"]),
+        ("log-level", cfg["logLevel"]),
+    ]
+    return _flags(pairs) + [str(a) for a in cfg.get("extraArgs") or []]
+
+
+def _pools(v: dict[str, Any], etcd: str) -> list[dict[str, Any]]:
+    """One pool per (model, role), with the model's overrides merged over the role's values."""
+    pools = []
+    labels: dict[str, str] = {}
+    for m in v["models"]:
+        model_label = _dns_label(f"models[{m['name']}].name", m["name"])
+        if model_label in labels:
+            raise ValuesError(f"models {labels[model_label]!r} and {m['name']!r} make the same object names")
+        labels[model_label] = m["name"]
+        for role in ROLES:
+            override = m.get(role) or {}
+            if not isinstance(override, dict):
+                raise ValuesError(f"models[{m['name']}].{role} must be a mapping of {role} keys")
+            unknown = sorted(set(override) - set(v[role]))
+            if unknown:
+                raise ValuesError(f"models[{m['name']}].{role}: unknown keys {unknown}")
+            pools.append(_pool(v, m, role, model_label, deep_merge(v[role], override), etcd))
+    return pools
+
+
+def _pool(v: dict[str, Any], m: dict[str, Any], role: str, model_label: str, cfg: dict[str, Any],
+          etcd: str) -> dict[str, Any]:
+    where = f"{role} (model {m['name']})"
+    replicas = _int(f"{where}: replicas", cfg["replicas"], 0)
+    gpus = _int(f"{where}: gpus", cfg["gpus"], 1)
+    drain = _int(f"{where}: drainTimeoutSeconds", cfg["drainTimeoutSeconds"], 1)
+    startup = _int(f"{where}: startupTimeoutSeconds", cfg["startupTimeoutSeconds"], 10)
+    for port in ("grpcPort", "kvPort", "metricsPort"):
+        _int(f"{where}: {port}", cfg[port], 1)
+    if len({cfg["grpcPort"], cfg["kvPort"], cfg["metricsPort"]}) != 3:
+        raise ValuesError(f"{where}: grpcPort, kvPort and metricsPort must differ")
+    fullname = f"{v['name']}-{role}-{model_label}"
+    if len(fullname) > _MAX_NAME:
+        raise ValuesError(f"{where}: object name {fullname!r} is longer than {_MAX_NAME} characters")
+    resources = copy.deepcopy(cfg.get("resources") or {})
+    # Extended resources cannot be overcommitted: request and limit must be equal.
+    for kind in ("requests", "limits"):
+        resources.setdefault(kind, {})["nvidia.com/gpu"] = gpus
+    return {
+        "role": role,
+        "model": m["name"],
+        "model_label": model_label,
+        "fullname": fullname,
+        "replicas": replicas,
+        "cfg": cfg,
+        "resources": resources,
+        "args": _node_args(v, m, cfg, etcd),
+        "labels": _labels(v, role, model_label),
+        "selector": _selector(v, role, model_label),
+        "annotations": _scrape_annotations(cfg["metricsPort"]),
+        "grpc_service": "pdserve.v1.PrefillNode" if role == "prefill" else "pdserve.v1.DecodeNode",
+        "drain_timeout": drain,
+        # The preStop drain and the exit after SIGTERM both count against this budget.
+        "termination_grace": drain + 30,
+        "startup_failure_threshold": -(-startup // 10),
+        "pdb": _check_pdb(f"{where}: pdb", cfg["pdb"], replicas),
+    }
+
+
+def build_context(v: dict[str, Any]) -> dict[str, Any]:
+    """Checks the values and computes everything the templates use. Raises ValuesError."""
+    name = _check_names(v)
+    etcd = _etcd(v, name)
+    served = _served_models(v)
+    frontend, models_yaml, tenants_yaml = _frontend(v, name, etcd["endpoints"], served)
+    instance = {"app.kubernetes.io/name": "pdserve", "app.kubernetes.io/instance": name}
+    mon = v["monitoring"]
+    rules: dict[str, Any] = {}
+    if mon["prometheusRule"].get("enabled"):
+        rules = yaml.safe_load(RULES_FILE.read_text(encoding="utf-8"))
+    pools = _pools(v, etcd["endpoints"])
+    return {
+        "v": v,
+        "name": name,
+        "ns": v["namespace"],
+        "image": f"{v['image']['repository']}:{v['image']['tag']}",
+        "etcd": etcd,
+        "pools": pools,
+        "node_metrics_ports": [{"port": p} for p in sorted({p["cfg"]["metricsPort"] for p in pools})],
+        "frontend": frontend,
+        "tenants_on": bool(v["tenants"].get("enabled")),
+        "tenants_cm": f"{name}-tenants",
+        "models_cm": f"{name}-models",
+        "tenants_yaml": tenants_yaml,
+        "models_yaml": models_yaml,
+        "config_dir": CONFIG_DIR,
+        "model_volume": _model_volume(v),
+        "instance_selector": instance,
+        "monitors": _monitors(v),
+        "rules": rules,
+        "rule_labels": {**instance, "app.kubernetes.io/part-of": "pdserve", **(mon["prometheusRule"].get("labels") or {})},
+    }
+
+
+def _check_names(v: dict[str, Any]) -> str:
+    """The deployment's name, once the names and the model list are usable."""
+    name = _dns_label("name", v["name"], max_len=20)
+    if name != v["name"]:
+        raise ValuesError(f"name: {v['name']!r} must already be a DNS label (e.g. {name!r})")
+    _dns_label("namespace", v["namespace"])
+    if not v["cluster"] or "/" in str(v["cluster"]):
+        raise ValuesError(f"cluster: {v['cluster']!r} must be non-empty and contain no '/'")
+    if not v.get("models"):
+        raise ValuesError("models: list at least one model")
+    return name
+
+
+def _etcd(v: dict[str, Any], name: str) -> dict[str, Any]:
+    etcd_cfg = v["etcd"]
+    members = _int("etcd.replicas", etcd_cfg["replicas"], 1)
+    if members % 2 == 0:
+        # An even member count tolerates no more failures than one fewer member, and splits votes.
+        raise ValuesError(f"etcd.replicas must be odd, got {members}")
+    if etcd_cfg["antiAffinity"] not in ("soft", "hard"):
+        raise ValuesError(f"etcd.antiAffinity must be soft or hard, got {etcd_cfg['antiAffinity']!r}")
+    etcd_svc = f"{name}-etcd"
+    domain = f"{etcd_svc}.{v['namespace']}.svc.{v['clusterDomain']}"
+    member_names = [f"{etcd_svc}-{i}" for i in range(members)]
+    return {
+        "svc": etcd_svc,
+        "client_svc": f"{etcd_svc}-client",
+        "replicas": members,
+        "domain": domain,
+        "endpoints": ",".join(f"{m}.{domain}:{etcd_cfg['clientPort']}" for m in member_names),
+        "initial_cluster": ",".join(f"{m}=http://{m}.{domain}:{etcd_cfg['peerPort']}" for m in member_names),
+        "labels": _labels(v, "etcd"),
+        "selector": _selector(v, "etcd"),
+        "annotations": _scrape_annotations(etcd_cfg["metricsPort"]),
+        "pdb": _check_pdb("etcd.pdb", etcd_cfg["pdb"], members),
+    }
+
+
+def _served_models(v: dict[str, Any]) -> dict[str, str]:
+    """Served name or alias -> model name; checks names are unique and fallbacks exist."""
+    served: dict[str, str] = {}
+    for i, m in enumerate(v["models"]):
+        for key in ("name", "path"):
+            if not isinstance(m.get(key), str) or not m[key]:
+                raise ValuesError(f"models[{i}].{key} is required")
+        for n in (m["name"], *(m.get("aliases") or [])):
+            if n in served:
+                raise ValuesError(f"models[{i}]: name {n!r} is already served by {served[n]!r}")
+            served[n] = m["name"]
+    for m in v["models"]:
+        fb = m.get("fallback")
+        if fb is not None and (fb not in served or served[fb] == m["name"]):
+            raise ValuesError(f"models[{m['name']}].fallback: {fb!r} is not another served model")
+    return served
+
+
+def _frontend(v: dict[str, Any], name: str, etcd_endpoints: str, served: dict[str, str]
+              ) -> tuple[dict[str, Any], str, str]:
+    """(the frontend's template values, models.yaml, tenants.yaml)."""
+    fe = v["frontend"]
+    fe_replicas = _int("frontend.replicas", fe["replicas"], 1)
+    hpa = fe.get("hpa") or {}
+    if hpa.get("enabled"):
+        lo = _int("frontend.hpa.minReplicas", hpa["minReplicas"], 1)
+        if _int("frontend.hpa.maxReplicas", hpa["maxReplicas"], 1) < lo:
+            raise ValuesError("frontend.hpa.maxReplicas must be >= minReplicas")
+    grace = _int("frontend.terminationGracePeriodSeconds", fe["terminationGracePeriodSeconds"], 1)
+    if _int("frontend.preStopSleepSeconds", fe["preStopSleepSeconds"], 0) >= grace:
+        raise ValuesError("frontend.preStopSleepSeconds must be shorter than terminationGracePeriodSeconds")
+    tenants_on = bool(v["tenants"].get("enabled"))
+    models_yaml = _models_file(v)
+    tenants_yaml = _tenants_file(v, set(served)) if tenants_on else ""
+    limit_share = fe.get("limitShare") or (hpa["maxReplicas"] if hpa.get("enabled") else fe_replicas)
+    fe_pairs: list[tuple[str, Any]] = [
+        ("frontend-id", "$(POD_NAME)"), ("cluster", v["cluster"]), ("etcd", etcd_endpoints), ("host", "0.0.0.0"),
+        ("port", fe["port"]), ("models", f"{CONFIG_DIR}/models.yaml"),
+    ]
+    if tenants_on:
+        fe_pairs.append(("tenants", f"{CONFIG_DIR}/tenants.yaml"))
+    fe_pairs += [
+        ("limit-share", limit_share), ("ttft-slo", fe["ttftSloSeconds"]), ("tpot-slo", fe["tpotSloSeconds"]),
+        ("request-timeout", fe["requestTimeoutSeconds"]), ("log-level", fe["logLevel"]),
+    ]
+    frontend = {
+        "fullname": f"{name}-frontend",
+        "replicas": fe_replicas,
+        "hpa": bool(hpa.get("enabled")),
+        "args": _flags(fe_pairs) + [str(a) for a in fe.get("extraArgs") or []],
+        "labels": _labels(v, "frontend"),
+        "selector": _selector(v, "frontend"),
+        "annotations": {
+            **_scrape_annotations(fe["port"]),
+            # Rolls the frontends when the tenants or models file changes.
+            "pdserve.io/config-checksum": hashlib.sha256((models_yaml + tenants_yaml).encode()).hexdigest(),
+        },
+        "pdb": _check_pdb("frontend.pdb", fe["pdb"], fe_replicas),
+    }
+    return frontend, models_yaml, tenants_yaml
+
+
+def _model_volume(v: dict[str, Any]) -> dict[str, Any]:
+    storage = v["modelStorage"]
+    if storage["type"] not in ("pvc", "hostPath"):
+        raise ValuesError(f"modelStorage.type must be pvc or hostPath, got {storage['type']!r}")
+    if storage["type"] == "pvc":
+        return {"name": "models", "persistentVolumeClaim": {"claimName": storage["claimName"], "readOnly": True}}
+    return {"name": "models", "hostPath": {"path": storage["hostPath"], "type": "Directory"}}
+
+
+def _monitors(v: dict[str, Any]) -> list[dict[str, Any]]:
+    labels = v["monitoring"]["serviceMonitor"].get("labels") or {}
+    return [
+        {
+            "component": component,
+            "port": port,  # a port name of the component's Services
+            "selector": _selector(v, component),
+            "labels": {**_labels(v, component), **labels},
+        }
+        for component, port in (("frontend", "http"), ("prefill", "metrics"), ("decode", "metrics"), ("etcd", "metrics"))
+    ]

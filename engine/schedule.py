@@ -1,0 +1,109 @@
+"""What a scheduling step is bound by and decides, and the one stop rule: `SchedulerConfig`,
+`SchedulerOutput` (what the model runner computes), `stop_decision`. Pure values; the `Scheduler`
+(engine.scheduler) owns the sequences."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
+
+FINISH_REASONS = frozenset({"stop", "length", "abort"})
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64  # sequences scheduled per step at most
+    max_num_batched_tokens: int = 2048  # tokens per step: a decode counts 1, a prefill chunk its length
+    max_prefill_chunk: int = 0  # cap on one sequence's prefill chunk per step; 0: only the budget caps it
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_prefill_chunk < 0:
+            raise ValueError(f"max_prefill_chunk must be >= 0, got {self.max_prefill_chunk}")
+
+    @property
+    def max_running(self) -> int:
+        """Sequences allowed to hold blocks and run at once. Never more than the token budget, so every
+        running sequence can decode in the same step and none is left idle holding blocks."""
+        return min(self.max_num_seqs, self.max_num_batched_tokens)
+
+
+@dataclass
+class SchedulerOutput:
+    # Sequences computing one token each this step: token_ids[-1] at position num_tokens - 1
+    # (num_computed_tokens == num_tokens - 1). The runner samples a token for every one of them.
+    decode_seqs: list[Sequence]
+    # Sequences computing a chunk of their prompt (or, after preemption, prompt + generated tokens).
+    prefill_seqs: list[Sequence]
+    # Chunk i is prefill_seqs[i].token_ids[c : c + prefill_chunk_lens[i]] with c = num_computed_tokens
+    # as it is before ``update``; the runner samples only for a chunk that reaches num_tokens.
+    prefill_chunk_lens: list[int]
+    # Sequences sent back to the waiting queue this step (blocks freed, to be recomputed later).
+    preempted: list[Sequence]
+    # Sequences finished this step because they can never fit the pool (see the module docstring).
+    rejected: list[Sequence]
+    # len(decode_seqs) + sum(prefill_chunk_lens); never above max_num_batched_tokens.
+    num_batched_tokens: int
+
+    @property
+    def is_empty(self) -> bool:
+        return self.num_batched_tokens == 0
+
+    def sampled_seqs(self) -> list[Sequence]:
+        """Sequences the runner must sample a token for. Valid between ``schedule`` and ``update``."""
+        done_prefills = [
+            s
+            for s, n in zip(self.prefill_seqs, self.prefill_chunk_lens, strict=True)
+            if s.num_computed_tokens + n == s.num_tokens
+        ]
+        return self.decode_seqs + done_prefills
+
+
+@dataclass(frozen=True)
+class StopDecision:
+    finish_reason: str  # "stop" or "length"
+    stop_reason: int | None  # the stop token id that matched, if any
+
+
+def stop_decision(
+    params: SamplingParams, eos_token_ids: frozenset[int], last_token: int, num_completion_tokens: int
+) -> StopDecision | None:
+    """Whether a sequence's latest token ends it: EOS (unless ``ignore_eos``), a stop token id, or
+    ``max_tokens``. The one stop decision of the cluster: the scheduler applies it to every sampled token,
+    the prefill node to the first token (to skip a transfer nobody will use). Stop strings are text, and
+    are matched by the detokenizer where the text is made. Changes nothing."""
+    if not params.ignore_eos and last_token in eos_token_ids:
+        return StopDecision("stop", None)
+    if last_token in params.stop_token_ids:
+        return StopDecision("stop", last_token)
+    if num_completion_tokens >= params.max_tokens:
+        return StopDecision("length", None)
+    return None
+
+
+@dataclass(eq=False)
+class StepPlan:
+    """What one ``Scheduler.schedule`` call has decided so far (the scheduler's scratch record)."""
+
+    budget: int  # tokens still available this step
+    tokens: dict[Sequence, int] = field(default_factory=dict)  # scheduled sequence -> tokens this step
+    decoding: set[Sequence] = field(default_factory=set)  # the scheduled sequences that decode
+    preempted: list[Sequence] = field(default_factory=list)
+    rejected: list[Sequence] = field(default_factory=list)
+
+    def add(self, seq: Sequence, num_tokens: int, decode: bool) -> None:
+        assert 0 < num_tokens <= self.budget, "scheduling past the token budget"
+        self.tokens[seq] = num_tokens
+        if decode:
+            self.decoding.add(seq)
+        self.budget -= num_tokens
+
+    def drop(self, seq: Sequence) -> None:
+        """Unschedules ``seq`` (it is being preempted) and gives its tokens back to the budget."""
+        self.budget += self.tokens.pop(seq, 0)
+        self.decoding.discard(seq)

@@ -1,0 +1,191 @@
+"""The end of a job, exactly once: cancel what still runs upstream, release the route leases and the
+tenant's admission (refunding unused output budget), record the metrics, judge the SLOs and write the
+request log line. Requests refused before they started are accounted by `reject`."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from frontend.config import FrontendConfig
+from frontend.errors import APIError
+from frontend.job import CHAT, Choice, Job
+from frontend.metrics import FrontendMetrics
+from frontend.request_log import RequestLog
+
+
+@dataclass(frozen=True)
+class Latencies:
+    """What a finished job measured (seconds; None where nothing was measured)."""
+
+    status: int  # the HTTP status the request log records (499: the client went away)
+    finish: str  # the finish label of the request counter
+    ttft: float | None
+    itls: list[float]
+    tpot: float | None
+    e2e: float
+    queue: float | None  # node-reported queueing (prefill queue + decode admission), the longest choice
+    breakdown: dict[str, float]  # TTFT stages of the first choice to produce a token
+
+
+class Accounting:
+    """Releases what a job holds and records how it went (metrics and the request log)."""
+
+    def __init__(self, config: FrontendConfig, metrics: FrontendMetrics, request_log: RequestLog) -> None:
+        self._config, self._metrics, self._log = config, metrics, request_log
+
+    def reject(self, kind: str, tenant: str | None, err: APIError, client_id: str | None) -> None:
+        """Accounts a request refused before it started (metrics and a request log line)."""
+        endpoint = "chat.completions" if kind == CHAT else "completions"
+        self._metrics.requests.labels("frontend", self._config.frontend_id, "", endpoint, str(err.status),
+                                     "rejected").inc()
+        self._log.write({"ts": time.time(), "request_id": None, "client_request_id": client_id,
+                                "tenant": tenant, "endpoint": endpoint, "status": err.status,
+                                "error": err.message, "error_code": err.code})
+
+    def finish(self, job: Job) -> int:
+        """Ends a job exactly once (later calls do nothing): cancels calls still running upstream,
+        releases leases and the tenant's admission, records metrics and the request log line. Returns the
+        completion tokens it accounted."""
+        if job.ended:
+            return 0
+        job.ended = True
+        for c in job.choices:
+            if c.call is not None and c.finish_reason is None:
+                c.call.cancel()
+            c.lease.release()
+        completion = sum(c.tokens for c in job.choices)
+        job.admission.release(completion)
+        lat = _latencies(job, time.perf_counter())
+        self._observe(job, lat, completion)
+        if not job.disconnected:
+            self._judge_slo(job, lat, completion)
+        self._log.write(_log_record(job, lat, completion))
+        return completion
+
+    def _observe(self, job: Job, lat: Latencies, completion: int) -> None:
+        m, name = self._metrics, job.model.name
+        lbl = m.labels(name)
+        if job.disconnected:
+            m.disconnects.labels(*lbl).inc()
+        m.requests.labels(*lbl, job.endpoint, str(lat.status), lat.finish).inc()
+        m.tokens.labels(*lbl, job.tenant.name, "prompt").inc(sum(len(p) for p in job.prompts))
+        m.tokens.labels(*lbl, job.tenant.name, "completion").inc(completion)
+        m.observe_latencies(name, lat.ttft, lat.itls, lat.tpot, lat.e2e, lat.queue)
+        if lat.breakdown:
+            m.observe_ttft_breakdown(name, lat.breakdown)
+
+    def _judge_slo(self, job: Job, lat: Latencies, completion: int) -> None:
+        """Admitted and finished: a 5xx misses every target; otherwise the measured latencies decide."""
+        m, name = self._metrics, job.model.name
+        ok = lat.status < 500 and job.error is None
+        ttft_ok = ok and lat.ttft is not None and lat.ttft <= self._config.ttft_slo_s
+        tpot_ok = ok and (lat.tpot is None or lat.tpot <= self._config.tpot_slo_s)
+        m.observe_slo(name, "ttft", ttft_ok)
+        if lat.tpot is not None or not ok:
+            m.observe_slo(name, "tpot", tpot_ok)
+        m.observe_slo(name, "both", ttft_ok and tpot_ok)
+        if ttft_ok and tpot_ok:
+            m.goodput_tokens.labels(*m.labels(name)).inc(completion)
+
+
+def _latencies(job: Job, now: float) -> Latencies:
+    if job.disconnected:
+        status, finish = 499, "client_disconnect"
+    elif job.error is not None:
+        status, finish = job.error.status, "error"
+    else:
+        status, finish = job.status, ",".join(sorted({c.finish_reason or "none" for c in job.choices}))
+    firsts = [c.first_at for c in job.choices if c.first_at is not None]
+    tpots = [(c.last_at - c.first_at) / (c.tokens - 1) for c in job.choices
+             if c.first_at is not None and c.last_at is not None and c.tokens > 1]
+    timings = [c.timing for c in job.choices if c.timing is not None]
+    return Latencies(
+        status=status, finish=finish, ttft=(min(firsts) - job.arrived) if firsts else None,
+        itls=[v for c in job.choices for v in c.itls], tpot=sum(tpots) / len(tpots) if tpots else None,
+        e2e=now - job.arrived,
+        queue=max((t.prefill_queue_s + t.decode_admission_s for t in timings), default=None),
+        breakdown=_ttft_breakdown(job),
+    )
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1e3, 3)
+
+
+def _log_record(job: Job, lat: Latencies, completion: int) -> dict[str, Any]:
+    itls = sorted(lat.itls)
+    record: dict[str, Any] = {
+        "ts": time.time(),
+        "request_id": job.id,
+        "client_request_id": job.client_request_id,
+        "tenant": job.tenant.name,
+        "endpoint": job.endpoint,
+        "model": job.model.name,
+        "requested_model": job.requested_model,
+        "fallback": job.fallback_reason or None,
+        "status": lat.status,
+        "finish_reasons": [c.finish_reason for c in job.choices],
+        "error": None if job.error is None else job.error.message,
+        "stream": job.req.stream,
+        "n": job.req.n,
+        "prompt_tokens": sum(len(p) for p in job.prompts),
+        "completion_tokens": completion,
+        "cached_tokens": [c.cached_tokens for c in job.choices],
+        "ttft_ms": _ms(lat.ttft),
+        "ttft_breakdown_ms": {k: round(v * 1e3, 3) for k, v in lat.breakdown.items()} or None,
+        "e2e_ms": _ms(lat.e2e),
+        "tpot_ms": _ms(lat.tpot),
+        "itl_p50_ms": _ms(itls[len(itls) // 2]) if itls else None,
+        "itl_max_ms": _ms(itls[-1]) if itls else None,
+        "session_key": job.session_key is not None,
+        "routes": [_route_record(c) for c in job.choices],
+    }
+    if job.prompt_log is not None:
+        record["prompt"] = job.prompt_log
+    return record
+
+
+def _ttft_breakdown(job: Job) -> dict[str, float]:
+    """Stages of the first choice to produce a token: the frontend's own part (arrival to dispatch) and
+    the node-reported parts. Empty when no token came."""
+    firsts = [c for c in job.choices if c.first_at is not None]
+    if not firsts:
+        return {}
+    c = min(firsts, key=lambda ch: ch.first_at or 0.0)
+    out = {"frontend": max(0.0, (c.dispatched_at or job.arrived) - job.arrived)}
+    if c.timing is not None:
+        t = c.timing
+        out |= {"prefill_queue": t.prefill_queue_s, "prefill": t.prefill_s, "transfer": t.transfer_s,
+                "decode_admission": t.decode_admission_s, "first_decode_step": t.first_decode_step_s}
+    return out
+
+
+def _route_record(c: Choice) -> dict[str, Any]:
+    d = c.decision
+    out: dict[str, Any] = {
+        "choice": c.index,
+        "request_id": c.request_id,
+        "decode_node": d.decode_id,
+        "decode_reason": d.decode_reason,
+        "prefill_node": d.prefill_id or None,
+        "prefill_reason": d.prefill_reason,
+        "prefix_key": d.prefix_key or None,
+        "tried": c.tried,
+        "served_by": {"prefill": c.prefill_node or None, "decode": c.decode_node or None},
+        "tokens": c.tokens,
+        "cached_tokens": c.cached_tokens,
+        "cached_tokens_prefill": c.cached_prefill,
+        "cached_tokens_decode": c.cached_decode,
+    }
+    if c.timing is not None:
+        t = c.timing
+        out["timing_ms"] = {
+            "prefill_queue": round(t.prefill_queue_s * 1e3, 3),
+            "prefill": round(t.prefill_s * 1e3, 3),
+            "transfer": round(t.transfer_s * 1e3, 3),
+            "first_decode_step": round(t.first_decode_step_s * 1e3, 3),
+            "decode_admission": round(t.decode_admission_s * 1e3, 3),
+        }
+    return out

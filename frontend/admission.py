@@ -1,0 +1,192 @@
+"""Admission: everything that can refuse a generation request before its response starts (auth is the
+caller's): body validation, model resolution and fallback, permissions, tokenization and context checks,
+routing every choice, and the tenant's limits. The result is a `Job` holding a tenant admission and route
+leases, which `frontend.accounting` releases when the job ends."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TypeVar
+
+from frontend.config import FrontendConfig
+from frontend.errors import OVERLOADED, APIError
+from frontend.job import CHAT, Choice, Job, client_request_id
+from frontend.limits import TenantLimiter
+from frontend.metrics import FrontendMetrics
+from frontend.models import ModelCatalog, ServedModel
+from frontend.protocol import (
+    INT64_MAX,
+    SEED_MIN,
+    GenerationRequest,
+    parse_chat_request,
+    parse_completion_request,
+    parse_json_body,
+)
+from frontend.routing import NoRoute, RouteDecision, Router
+from frontend.tenants import Tenant
+from frontend.upstream import sampling_message
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class ModelChoice:
+    model: ServedModel
+    fallback_reason: str  # "" when the requested model serves
+
+
+@dataclass(frozen=True)
+class Tokenized:
+    prompts: list[list[int]]  # token ids per prompt
+    echo_texts: list[str]  # per prompt: the text `echo` puts in front ("" without echo)
+
+
+class Admitter:
+    """Turns a request body into an admitted `Job` (reads the catalog, router and limiter; takes route
+    leases and a tenant admission, which the job's end releases)."""
+
+    def __init__(self, config: FrontendConfig, catalog: ModelCatalog, limiter: TenantLimiter, router: Router,
+                 metrics: FrontendMetrics) -> None:
+        self.config, self.catalog, self.limiter, self.router, self.metrics = config, catalog, limiter, router, metrics
+
+    def prepare(self, kind: str, tenant: Tenant, body: bytes, headers: Mapping[str, str]) -> Job:
+        """Validates, tokenizes, routes and admits a request. Raises APIError (4xx/503)."""
+        arrived = time.perf_counter()
+        obj = parse_json_body(body)
+        req = parse_chat_request(obj) if kind == CHAT else parse_completion_request(obj)
+        model = self.catalog.resolve(req.model)
+        if not tenant.may_use(*self.catalog.names_of(model)):
+            raise APIError(403, f"Tenant {tenant.name!r} may not use model `{req.model}`.", type="permission_error",
+                           param="model", code="model_not_allowed")
+        self._limited(tenant, lambda: self.limiter.precheck(tenant))
+        picked = self._pick_model(tenant, model)
+        model = picked.model
+        tokenized = self._tokenize(req, model)
+        prompts = tokenized.prompts
+        per_prompt_max = [self._max_tokens(req, tenant, model, len(p)) for p in prompts]
+        session_key = headers.get(self.config.session_header) if self.config.session_header else None
+        if not session_key and self.config.user_affinity:
+            session_key = req.user
+        decisions = self._route(req, model, prompts, per_prompt_max, session_key)
+        reserve = sum(per_prompt_max[pi] for pi, _ in decisions)
+        admission = self._limited(tenant, lambda: self.limiter.admit(tenant, sum(len(p) for p in prompts), reserve))
+        job_id = ("chatcmpl-" if kind == CHAT else "cmpl-") + uuid.uuid4().hex
+        job = Job(kind=kind, id=job_id, created=int(time.time()), arrived=arrived, req=req, tenant=tenant,
+                  model=model, requested_model=req.model, prompts=prompts, echo_texts=tokenized.echo_texts,
+                  choices=self._choices(job_id, req, prompts, per_prompt_max, decisions), admission=admission,
+                  client_request_id=client_request_id(headers), session_key=session_key,
+                  fallback_reason=picked.fallback_reason)
+        if self.config.log_prompts:
+            job.prompt_log = req.messages if kind == CHAT else req.prompts
+        lbl = self.metrics.labels(model.name)
+        for c in job.choices:
+            self.metrics.routes.labels(*lbl, "prefill", c.decision.prefill_rule).inc()
+            self.metrics.routes.labels(*lbl, "decode", c.decision.decode_rule).inc()
+        return job
+
+    def _limited(self, tenant: Tenant, check: Callable[[], T]) -> T:
+        """Runs a tenant-limit check, counting a refusal in the metrics before re-raising it."""
+        try:
+            return check()
+        except APIError as err:
+            self._count_rejection(tenant, err)
+            raise
+
+    def _route(self, req: GenerationRequest, model: ServedModel, prompts: list[list[int]], per_prompt_max: list[int],
+               session_key: str | None) -> list[tuple[int, RouteDecision]]:
+        """(prompt index, route) of every choice; 503 APIError when the pool cannot take it."""
+        decisions: list[tuple[int, RouteDecision]] = []
+        try:
+            for pi, ids in enumerate(prompts):
+                for _ in range(req.n):
+                    decisions.append((pi, self.router.route(model.pool, ids, per_prompt_max[pi], session_key)))
+        except NoRoute as err:
+            raise APIError(503, f"Model `{model.name}` cannot take requests now: {err}", type=OVERLOADED,
+                           code="overloaded" if err.overloaded else "no_route",
+                           headers={"retry-after": "1"}) from None
+        return decisions
+
+    def _choices(self, job_id: str, req: GenerationRequest, prompts: list[list[int]], per_prompt_max: list[int],
+                 decisions: list[tuple[int, RouteDecision]]) -> list[Choice]:
+        """One choice per route, each with its own sampling seed and a route lease."""
+        choices = []
+        for i, (pi, decision) in enumerate(decisions):
+            k = i % req.n
+            seed = req.sampling.seed
+            if seed is not None and k:
+                seed = (seed + k - SEED_MIN) % (INT64_MAX - SEED_MIN + 1) + SEED_MIN  # distinct, wrapped
+            choices.append(Choice(
+                index=i, prompt_index=pi, request_id=f"{job_id}-{i}", prompt_ids=prompts[pi],
+                max_tokens=per_prompt_max[pi], params=sampling_message(req.sampling, per_prompt_max[pi], seed),
+                decision=decision, lease=self.router.lease(decision), echo_pending=req.echo,
+            ))
+        return choices
+
+    def _count_rejection(self, tenant: Tenant, err: APIError) -> None:
+        self.metrics.rejections.labels("frontend", self.config.frontend_id, tenant.name, err.limit or err.code or "").inc()
+
+    def _pick_model(self, tenant: Tenant, model: ServedModel) -> ModelChoice:
+        """The requested model, or its fallback when the requested pool has no usable decode node."""
+        status = self.router.status(model.pool)
+        if status.usable_decode or model.spec.fallback is None:
+            return ModelChoice(model, "")
+        fallback = self.catalog.get(model.spec.fallback)
+        if fallback is None or not tenant.may_use(*self.catalog.names_of(fallback)):
+            return ModelChoice(model, "")
+        if not self.router.status(fallback.pool).usable_decode:
+            return ModelChoice(model, "")
+        why = "overloaded" if status.decode else "has no decode node"
+        return ModelChoice(fallback, f"pool {model.pool!r} {why}; served by fallback {fallback.name!r}")
+
+    def _tokenize(self, req: GenerationRequest, model: ServedModel) -> Tokenized:
+        if req.kind == CHAT:
+            assert req.messages is not None
+            return Tokenized([model.encode_chat(req.messages)], [""])
+        prompts: list[list[int]] = []
+        echoes: list[str] = []
+        assert req.prompts is not None
+        single = len(req.prompts) == 1
+        for i, p in enumerate(req.prompts):
+            if isinstance(p, str):
+                ids = model.encode(p)
+                echoes.append(p if req.echo else "")
+            else:
+                model.check_token_ids(p, "prompt" if single else f"prompt[{i}]")
+                ids = list(p)
+                echoes.append(model.tokenizer.decode(ids) if req.echo else "")
+            if not ids:
+                raise APIError(400, "The prompt is empty after tokenization.", param="prompt", code="empty_prompt")
+            prompts.append(ids)
+        return Tokenized(prompts, echoes)
+
+    def _max_tokens(self, req: GenerationRequest, tenant: Tenant, model: ServedModel, prompt_len: int) -> int:
+        """The output budget of one choice; 400 APIError when the request cannot fit the context."""
+        limit = model.max_context
+        if tenant.limits.max_context_tokens is not None:
+            limit = min(limit, tenant.limits.max_context_tokens)
+        caps = [c for c in (model.spec.max_output_tokens, tenant.limits.max_output_tokens) if c is not None]
+        cap = min(caps) if caps else None
+        what = "messages" if req.kind == CHAT else "prompt"
+        if prompt_len >= limit:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens. However, your {what} "
+                           f"resulted in {prompt_len} tokens. Please reduce the length of the {what}.",
+                           param="messages" if req.kind == CHAT else "prompt", code="context_length_exceeded")
+        wanted = req.sampling.max_tokens
+        param = req.max_tokens_param
+        if wanted is None:
+            budget = limit - prompt_len
+            if model.spec.default_max_tokens is not None:
+                budget = min(budget, model.spec.default_max_tokens)
+            return budget if cap is None else min(budget, cap)
+        if cap is not None and wanted > cap:
+            raise APIError(400, f"{param} is too large: {wanted}. This model supports at most {cap} completion "
+                           "tokens per choice for this tenant.", param=param, code="invalid_value")
+        if prompt_len + wanted > limit:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
+                           f"{prompt_len + wanted} tokens ({prompt_len} in the {what}, {wanted} in the completion). "
+                           f"Please reduce the length of the {what} or completion.", param=param,
+                           code="context_length_exceeded")
+        return wanted

@@ -1,0 +1,110 @@
+"""What one HTTP generation request is while it runs: the `Job` (admitted once, ended once) and its
+`Choice`s (one upstream generation each), shared by admission, upstream calls, rendering and accounting."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from frontend.errors import APIError
+from frontend.limits import Admission
+from frontend.models import ServedModel
+from frontend.protocol import GenerationRequest
+from frontend.render import usage_dict
+from frontend.routing import RouteDecision, RouteLease
+from frontend.tenants import Tenant
+from protos import pdserve_pb2 as pb
+
+CHAT = "chat"
+COMPLETION = "completion"
+
+
+class UpstreamError(Exception):
+    """A node failed a request after it started; carries the APIError to report."""
+
+    def __init__(self, error: APIError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+@dataclass(eq=False)
+class Choice:
+    """One upstream generation, i.e. one choice of the response, and what it produced so far."""
+
+    index: int
+    prompt_index: int
+    request_id: str
+    prompt_ids: list[int]
+    max_tokens: int
+    params: pb.SamplingParams
+    decision: RouteDecision
+    lease: RouteLease
+    call: Any = None  # the grpc.aio call while it runs
+    echo_pending: bool = False  # streamed completions with echo: the prompt text still goes first
+    tried: list[str] = field(default_factory=list)  # decode nodes tried, in order
+    text: list[str] = field(default_factory=list)
+    logprobs: list[pb.TokenLogprob] = field(default_factory=list)
+    text_offset: int = 0  # legacy completions logprobs: offset of the next token in the text
+    tokens: int = 0
+    finish_reason: str | None = None
+    stop_reason: str = ""
+    cached_tokens: int = 0
+    cached_prefill: int = 0  # of cached_tokens: the prefill node's prefix-cache hit (remote prefill)
+    cached_decode: int = 0  # the decode node's own hit
+    dispatched_at: float | None = None  # perf_counter when the Generate call went out (TTFT breakdown)
+    first_at: float | None = None
+    last_at: float | None = None
+    itls: list[float] = field(default_factory=list)
+    timing: pb.Timing | None = None
+    prefill_node: str = ""
+    decode_node: str = ""
+
+
+@dataclass(eq=False)
+class Job:
+    """One HTTP generation request from admission to its end."""
+
+    kind: str
+    id: str
+    created: int
+    arrived: float  # perf_counter at arrival
+    req: GenerationRequest
+    tenant: Tenant
+    model: ServedModel
+    requested_model: str
+    prompts: list[list[int]]
+    echo_texts: list[str]
+    choices: list[Choice]
+    admission: Admission
+    client_request_id: str | None = None
+    session_key: str | None = None
+    fallback_reason: str = ""
+    prompt_log: Any = None  # what the request log shows of the prompt, when prompt logging is on
+    status: int = 200
+    error: APIError | None = None
+    disconnected: bool = False
+    ended: bool = False
+
+    @property
+    def fingerprint(self) -> str:
+        fp = self.choices[0].decision.fingerprint if self.choices else ""
+        return f"fp_{fp[:10]}" if fp else "fp_unknown"
+
+    @property
+    def endpoint(self) -> str:
+        return "chat.completions" if self.kind == CHAT else "completions"
+
+
+def client_request_id(headers: Mapping[str, str]) -> str | None:
+    value = headers.get("x-request-id")
+    return None if value is None else value[:128]  # a client's id goes to the log; keep its lines bounded
+
+
+def usage(job: Job) -> dict[str, Any]:
+    """The usage object of a job's response (cached tokens counted once per prompt)."""
+    completion = sum(c.tokens for c in job.choices)
+    cached: dict[int, int] = {}
+    for c in job.choices:
+        cached[c.prompt_index] = max(cached.get(c.prompt_index, 0), c.cached_tokens)
+    return usage_dict(sum(len(p) for p in job.prompts), completion, sum(cached.values()))

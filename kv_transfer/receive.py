@@ -1,0 +1,179 @@
+"""The receiving side of KV transfers (decode node): `KVReceiver` posts the receive of an announced
+transfer into destination blocks (or discards it, keeping the channel in step). Wire format and ordering
+contract: `kv_transfer.transfer`."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from kernels.interface import KV_LAYOUT_VERSION, KernelOps
+from kv_transfer import hostcopy
+from kv_transfer.backend import PendingOp
+from kv_transfer.channel import Channel, ChannelJob, WorkerContext
+from kv_transfer.staging import StagingBuffers, StagingSlot
+from kv_transfer.transfer import (
+    TAG_SPACE,
+    BlockIds,
+    TransferHandle,
+    block_id_tensor,
+    dtype_from_name,
+    dtype_name,
+    failed_handle,
+    message_ranges,
+    sync_device,
+)
+from kv_transfer.types import DECODE_RANK, TransferMeta
+
+
+class _RecvJob(ChannelJob):
+    """Receives a transfer and scatters it into the destination blocks (changes only those blocks);
+    with no kv_cache it drains the messages and changes nothing."""
+
+    def __init__(
+        self, meta: TransferMeta, ops: KernelOps, kv_cache: torch.Tensor | None, ids: torch.Tensor | None,
+        timeout_s: float, on_layer: Callable[[int], None] | None, rejection: str | None,
+    ) -> None:
+        super().__init__(meta.request_id, timeout_s)
+        self.meta = meta
+        self.seq_no = meta.seq_no
+        self.rejection = rejection
+        self._ops = ops
+        self._kv = kv_cache  # [L, 2, NB, BS, Hkv, D] or None to drain
+        self._ids = ids  # [n] int64
+        self._on_layer = on_layer
+        self._dtype = dtype_from_name(meta.dtype)
+        self._tag = meta.seq_no % TAG_SPACE
+        self._ranges = message_ranges(meta.geometry[0], meta.layers_per_message, meta.num_blocks)
+        self._slot_base = 0
+        self._preposted: tuple[StagingSlot, PendingOp, int, int] | None = None
+        self._host_ids: np.ndarray | None = None  # [n] int64, set when the pool takes hostcopy.scatter
+        if kv_cache is not None and ids is not None and hostcopy.supported(kv_cache):
+            self._host_ids = ids.numpy()
+
+    def prepost(self, ctx: WorkerContext, slot_base: int) -> None:
+        """Posts this job's first receive while the previous job finishes, so the sender never waits
+        for the receiver between transfers. Called by the previous job, on the worker thread."""
+        if self._ranges and self._preposted is None:
+            self._slot_base = slot_base
+            self._preposted = self._post(ctx, 0)
+
+    def _post(self, ctx: WorkerContext, i: int) -> tuple[StagingSlot, PendingOp, int, int]:
+        _, bs, h, d = self.meta.geometry
+        l0, l1 = self._ranges[i]
+        index = (self._slot_base + i) % StagingBuffers.NUM_SLOTS
+        slot = ctx.staging.slot(index, (l1 - l0, 2, self.meta.num_blocks, bs, h, d), self._dtype)
+        return slot, ctx.group.irecv(slot.wire, ctx.peer, self._tag), l0, l1
+
+    def execute(self, ctx: WorkerContext) -> int:
+        ranges = self._ranges
+        posted: deque[tuple[StagingSlot, PendingOp, int, int]] = deque()
+        if self._preposted is not None:
+            posted.append(self._preposted)
+            self._preposted = None
+        elif ranges:
+            posted.append(self._post(ctx, 0))
+        total = 0
+        for i in range(len(ranges)):
+            # The slot posted now held message i-1 (or the previous job's last), already unpacked.
+            if i + 1 < len(ranges):
+                posted.append(self._post(ctx, i + 1))
+            else:
+                nxt = ctx.peek(self.seq_no + 1)
+                if isinstance(nxt, _RecvJob):
+                    nxt.prepost(ctx, (self._slot_base + i + 1) % StagingBuffers.NUM_SLOTS)
+            slot, op, l0, l1 = posted.popleft()
+            op.wait(self.deadline)
+            total += slot.wire.numel() * slot.wire.element_size()
+            if self._kv is None:
+                continue
+            if slot.mirrored:
+                slot.compute.copy_(slot.wire, non_blocking=True)
+            self._unpack(slot, l0, l1)
+            sync_device(ctx)  # the slot is reposted next round, and on_layer promises the blocks are written
+            if self._on_layer is not None:
+                for layer in range(l0, l1):
+                    self._on_layer(layer)
+        return total
+
+    def _unpack(self, slot: StagingSlot, l0: int, l1: int) -> None:
+        assert self._kv is not None and self._ids is not None
+        if self._host_ids is not None:  # on this thread only (see hostcopy)
+            hostcopy.scatter(slot.compute, self._kv[l0:l1], self._host_ids)
+        elif l1 - l0 == 1:
+            self._ops.unpack_blocks(slot.compute[0], self._kv, self._ids, layer=l0)
+        else:
+            self._ops.unpack_blocks(slot.compute, self._kv[l0:l1], self._ids)
+
+
+class KVReceiver:
+    """Decode side: receives transfers into reserved blocks of the local pool (rank 1)."""
+
+    def __init__(self, ops: KernelOps) -> None:
+        self._ops = ops
+
+    def recv(
+        self,
+        channel: Channel,
+        kv_cache: torch.Tensor,  # [L, 2, NB', BS, Hkv, D]; NB' may differ from the sender's
+        dst_block_ids: BlockIds,  # [meta.num_blocks] reserved ids, matching the sender's order
+        meta: TransferMeta,
+        *,
+        timeout_s: float,
+        on_layer: Callable[[int], None] | None = None,
+    ) -> TransferHandle:
+        """Queues the receive of `meta`'s transfer and returns at once. `on_layer(l)` runs on the
+        channel worker once layer l is in the pool. If the arguments don't match the metadata the
+        transfer is still drained (so later ones stay in step) and resolves as failed."""
+        if channel.rank != DECODE_RANK:
+            raise ValueError("KVReceiver needs a decode-side channel (rank 1)")
+        if meta.channel_key != channel.key:
+            return failed_handle(meta, f"metadata is for {meta.channel_key.store_prefix}, channel is {channel.key.store_prefix}")
+        ids = None
+        problem = self._mismatch(meta, kv_cache)
+        if problem is None:
+            try:
+                ids = block_id_tensor(dst_block_ids, kv_cache.device, kv_cache.shape[2], unique=True)
+                if ids.numel() != meta.num_blocks:
+                    problem = f"{ids.numel()} destination blocks for {meta.num_blocks} sent blocks"
+            except ValueError as e:
+                problem = str(e)
+        return self._submit(channel, meta, timeout_s, None if problem else kv_cache, ids, on_layer, problem)
+
+    def discard(self, channel: Channel, meta: TransferMeta, *, timeout_s: float) -> TransferHandle:
+        """Consumes `meta`'s transfer without storing it (the request was dropped), keeping the
+        channel in step. Changes no pool memory."""
+        if channel.rank != DECODE_RANK:
+            raise ValueError("KVReceiver needs a decode-side channel (rank 1)")
+        if meta.channel_key != channel.key:
+            return failed_handle(meta, f"metadata is for {meta.channel_key.store_prefix}, channel is {channel.key.store_prefix}")
+        return self._submit(channel, meta, timeout_s, None, None, None, None)
+
+    def _submit(
+        self, channel: Channel, meta: TransferMeta, timeout_s: float, kv_cache: torch.Tensor | None,
+        ids: torch.Tensor | None, on_layer: Callable[[int], None] | None, problem: str | None,
+    ) -> TransferHandle:
+        try:
+            job = _RecvJob(meta, self._ops, kv_cache, ids, timeout_s, on_layer, problem)
+        except ValueError as e:
+            # Without a known dtype the messages cannot even be sized: the stream is lost.
+            channel.close(f"undecodable metadata for seq {meta.seq_no}: {e}")
+            return failed_handle(meta, str(e))
+        channel.submit(job)
+        return TransferHandle(job.future, meta)
+
+    @staticmethod
+    def _mismatch(meta: TransferMeta, kv_cache: torch.Tensor) -> str | None:
+        if meta.layout_version != KV_LAYOUT_VERSION:
+            return f"layout version {meta.layout_version} is not {KV_LAYOUT_VERSION}"
+        if kv_cache.dim() != 6 or kv_cache.shape[1] != 2:
+            return f"kv_cache must be [L, 2, NB, BS, Hkv, D], got {tuple(kv_cache.shape)}"
+        if dtype_name(kv_cache.dtype) != meta.dtype:
+            return f"pool dtype {dtype_name(kv_cache.dtype)} differs from the sender's {meta.dtype}"
+        num_layers, _, _, bs, h, d = kv_cache.shape
+        if (num_layers, bs, h, d) != meta.geometry:
+            return f"pool geometry (L, BS, Hkv, D) = {(num_layers, bs, h, d)} differs from the sender's {meta.geometry}"
+        return None

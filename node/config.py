@@ -1,0 +1,125 @@
+"""The configuration every node process shares (`NodeConfig`) and its command line; each node kind's
+config (`node.prefill.config`, `node.decode.config`) extends it. One validated, frozen config per process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.config import EngineConfig
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """Fields every node process has; `PrefillNodeConfig` / `DecodeNodeConfig` add their own."""
+
+    node_id: str
+    cluster: str
+    etcd_endpoints: tuple[str, ...]
+    engine: EngineConfig
+    model_name: str = ""  # the pool's model name; "" = the model directory's name
+    grpc_host: str = "127.0.0.1"  # address the gRPC server binds
+    grpc_port: int = 0  # 0 picks a free port (reported in the ready line and the registry)
+    advertise_host: str = ""  # host others use to reach this node's gRPC server; "" = grpc_host
+    kv_host: str = "127.0.0.1"  # KV channel rendezvous (TCPStore) host, also where gloo binds
+    kv_port: int = 0
+    kv_interface: str | None = None  # bind gloo to this NIC instead of kv_host's
+    lease_ttl_s: int = 5  # registry lease: a dead node leaves every view within this
+    load_interval_s: float = 1.0
+    join_timeout_s: float = 30.0  # how long to wait for etcd at start-up
+    transfer_timeout_s: float = 30.0  # last-resort bound on one KV transfer (queue + wire)
+    metrics_host: str = "127.0.0.1"  # where /metrics is served
+    metrics_port: int = 0  # 0 picks a free port (reported in the ready line)
+    drain_timeout_s: float = 30.0  # how long a drain waits for the work in flight before giving up
+
+    def __post_init__(self) -> None:
+        checks = [
+            (bool(self.node_id) and "/" not in self.node_id, f"bad node_id {self.node_id!r}"),
+            (bool(self.cluster) and "/" not in self.cluster, f"bad cluster {self.cluster!r}"),
+            (bool(self.etcd_endpoints), "at least one etcd endpoint is required"),
+            (all(0 <= p < 65536 for p in (self.grpc_port, self.kv_port, self.metrics_port)),
+             "ports must be in [0, 65535]"),
+            (self.lease_ttl_s >= 1, "lease_ttl_s must be >= 1"),
+            (self.load_interval_s > 0, "load_interval_s must be > 0"),
+            (self.join_timeout_s > 0, "join_timeout_s must be > 0"),
+            (self.transfer_timeout_s > 0, "transfer_timeout_s must be > 0"),
+            (self.drain_timeout_s >= 0, "drain_timeout_s must be >= 0"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise ValueError(f"{type(self).__name__}: {msg}")
+        if not self.model_name:
+            object.__setattr__(self, "model_name", Path(self.engine.model).name)
+
+    @property
+    def grpc_public_host(self) -> str:
+        return self.advertise_host or self.grpc_host
+
+
+def add_node_args(parser: argparse.ArgumentParser) -> None:
+    """The command-line options of `NodeConfig` (and of its EngineConfig)."""
+    parser.add_argument("--node-id", required=True)
+    parser.add_argument("--cluster", default="default")
+    parser.add_argument("--etcd", required=True, help="comma-separated etcd endpoints host:port")
+    parser.add_argument("--model", required=True, help="model directory")
+    parser.add_argument("--model-name", default="", help="pool model name (default: the directory name)")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--kernel-backend", default="auto")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--num-kv-blocks", type=int, default=None)
+    parser.add_argument("--kv-cache-memory-mib", type=int, default=1024)
+    parser.add_argument("--max-num-seqs", type=int, default=128)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--prefix-hash-seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--num-threads", type=int, default=None)
+    parser.add_argument("--grpc-host", default="127.0.0.1")
+    parser.add_argument("--grpc-port", type=int, default=0)
+    parser.add_argument("--advertise-host", default="")
+    parser.add_argument("--kv-host", default="127.0.0.1")
+    parser.add_argument("--kv-port", type=int, default=0)
+    parser.add_argument("--kv-interface", default=None)
+    parser.add_argument("--lease-ttl", type=int, default=5)
+    parser.add_argument("--load-interval", type=float, default=1.0)
+    parser.add_argument("--join-timeout", type=float, default=30.0)
+    parser.add_argument("--transfer-timeout", type=float, default=30.0)
+    parser.add_argument("--metrics-host", default="127.0.0.1", help="address /metrics is served on")
+    parser.add_argument("--metrics-port", type=int, default=0, help="/metrics port (0: a free one)")
+    parser.add_argument("--drain-timeout", type=float, default=30.0,
+                        help="seconds a drain (SIGTERM, pdserve drain) waits for requests in flight")
+    parser.add_argument("--log-level", default="INFO")
+
+
+def node_kwargs(args: argparse.Namespace) -> dict[str, object]:
+    """`NodeConfig` keyword arguments from parsed `add_node_args` options."""
+    engine = EngineConfig(
+        model=args.model, dtype=args.dtype, device=args.device, kernel_backend=args.kernel_backend,
+        block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory_mib << 20,
+        num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        enable_prefix_caching=not args.no_prefix_caching, prefix_hash_seed=args.prefix_hash_seed,
+        seed=args.seed, num_threads=args.num_threads,
+    )
+    return dict(
+        node_id=args.node_id, cluster=args.cluster,
+        etcd_endpoints=tuple(e.strip() for e in args.etcd.split(",") if e.strip()), engine=engine,
+        model_name=args.model_name, grpc_host=args.grpc_host, grpc_port=args.grpc_port,
+        advertise_host=args.advertise_host, kv_host=args.kv_host, kv_port=args.kv_port,
+        kv_interface=args.kv_interface, lease_ttl_s=args.lease_ttl, load_interval_s=args.load_interval,
+        join_timeout_s=args.join_timeout, transfer_timeout_s=args.transfer_timeout,
+        metrics_host=args.metrics_host, metrics_port=args.metrics_port, drain_timeout_s=args.drain_timeout,
+    )
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(), stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s",
+    )

@@ -1,0 +1,50 @@
+"""The decode node process's one validated configuration."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from node.config import NodeConfig, add_node_args, node_kwargs
+
+
+@dataclass(frozen=True)
+class DecodeNodeConfig(NodeConfig):
+    # Requests whose prompt part not in this node's prefix cache is shorter than this many tokens are
+    # prefilled here: shipping their KV would cost more than computing it.
+    local_prefill_threshold: int = 64
+    reservation_queue_limit: int = 256  # requests waiting for a reservation; beyond: RESOURCE_EXHAUSTED
+    reservation_timeout_s: float = 60.0  # a request that waits longer for blocks is refused
+    max_local_waiting: int = 256  # locally prefilled requests queued in the engine; beyond: refused
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        checks = [
+            (self.local_prefill_threshold >= 0, "local_prefill_threshold must be >= 0"),
+            (self.reservation_queue_limit >= 0, "reservation_queue_limit must be >= 0"),
+            (self.reservation_timeout_s > 0, "reservation_timeout_s must be > 0"),
+            (self.max_local_waiting >= 1, "max_local_waiting must be >= 1"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise ValueError(f"DecodeNodeConfig: {msg}")
+
+    @classmethod
+    def from_argv(cls, argv: list[str] | None) -> tuple[DecodeNodeConfig, str]:
+        """Parses the command line; returns the config and the log level."""
+        parser = argparse.ArgumentParser(prog="python -m node.decode", description="Run a pdserve decode node.")
+        add_node_args(parser)
+        parser.add_argument("--local-prefill-threshold", type=int, default=64)
+        # The --admission-* spellings are the flags' earlier names, kept for existing deployments.
+        parser.add_argument("--reservation-queue-limit", "--admission-queue-limit", type=int, default=256)
+        parser.add_argument("--reservation-timeout", "--admission-timeout", type=float, default=60.0)
+        parser.add_argument("--max-local-waiting", type=int, default=256)
+        args = parser.parse_args(argv)
+        config = cls(
+            **node_kwargs(args),  # type: ignore[arg-type]
+            local_prefill_threshold=args.local_prefill_threshold,
+            reservation_queue_limit=args.reservation_queue_limit,
+            reservation_timeout_s=args.reservation_timeout,
+            max_local_waiting=args.max_local_waiting,
+        )
+        return config, args.log_level

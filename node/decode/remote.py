@@ -1,0 +1,199 @@
+"""A remote request's prefill and KV transfer, driven by one task per request (`PrefillLink.drive`).
+
+The driver calls PrefillNode.Prefill with the reserved block ids. FirstToken is appended and detokenized
+here and goes to the caller at once; TransferStart posts the receive into the reserved blocks; when the
+receive lands the request joins the running batch (`land`) and decodes. Otherwise the request ends and
+its reservation is freed, only once no receive can still write the reserved blocks.
+
+Cancellation and failures: the caller cancelling marks the request; the driver calls PrefillNode.Abort
+and keeps reading the Prefill stream to its end, discarding a transfer that was already announced
+(keeping the pair channel in step) and waiting out one already posted before it frees the reservation.
+A prefill node that leaves the registry (lease gone) has its calls cancelled and its channel closed,
+which resolves posted receives at once; the reservations are then freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Iterable
+
+import grpc
+
+from engine.async_engine import abort_output
+from kernels import get_kernel_ops
+from kernels.interface import KV_LAYOUT_VERSION
+from kv_transfer import ChannelError, KVReceiver
+from node.convert import logprob_from_proto, params_to_proto, transfer_meta_from_proto
+from node.decode.config import DecodeNodeConfig
+from node.decode.metrics import DecodeMetrics
+from node.decode.request import DecodeRequest, RemotePrefill, Stage
+from node.runtime import GRPC_OPTIONS
+from node.service import NodeContext
+from protos import pdserve_pb2 as pb
+from protos import pdserve_pb2_grpc as pb_grpc
+from registry import Member
+
+log = logging.getLogger(__name__)
+
+
+class PrefillLink:
+    """What a decode node's remote requests share: gRPC stubs to prefill nodes, the KV receiver and the
+    node; `end` is the servicer's way of ending a request (frees what the engine holds, drops it)."""
+
+    def __init__(self, ctx: NodeContext, config: DecodeNodeConfig, metrics: DecodeMetrics,
+                 end: Callable[[DecodeRequest], Awaitable[None]]) -> None:
+        self.ctx, self.config, self.metrics, self._end = ctx, config, metrics, end
+        self._receiver = KVReceiver(get_kernel_ops(config.engine.kernel_backend, config.engine.device))
+        self._stubs: dict[tuple[str, str], tuple[grpc.aio.Channel, pb_grpc.PrefillNodeStub]] = {}
+        self._kv_dtype = str(ctx.engine.engine.kv_cache.dtype).removeprefix("torch.")
+
+    def _stub(self, member: Member) -> pb_grpc.PrefillNodeStub:
+        key = (member.node_id, member.record.grpc_address)
+        entry = self._stubs.get(key)
+        if entry is None:
+            channel = grpc.aio.insecure_channel(member.record.grpc_address, options=GRPC_OPTIONS)
+            entry = (channel, pb_grpc.PrefillNodeStub(channel))
+            self._stubs[key] = entry
+        return entry[1]
+
+    async def drive(self, req: DecodeRequest) -> None:
+        """Runs one request's prefill and transfer, then lands it in the engine or ends it. Owns the
+        reservation from PREFILLING until the request decodes or ends."""
+        rem = req.remote
+        assert rem is not None and req.stage == Stage.PREFILLING
+        try:
+            await self._read_prefill(req, rem)
+        except grpc.aio.AioRpcError as err:
+            req.error = req.error or f"prefill node {rem.prefill.node_id}: {err.code().name}: {err.details()}"
+        except asyncio.CancelledError:
+            # Our own cancel of the call (the prefill node left the registry) lands here as well.
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                await asyncio.shield(self._end(req))
+                raise
+            req.error = req.error or f"prefill call to {rem.prefill.node_id} cancelled"
+        except Exception as err:  # a bug here must not leak the reservation
+            log.exception("request %s: driver failed", req.request_id)
+            req.error = req.error or f"{type(err).__name__}: {err}"
+        if (req.error is not None or req.cancelled) and not req.stream.finished:
+            # Tell the caller now: a receive already posted may take until its deadline to resolve.
+            req.stream.push(abort_output(req.request_id, "abort" if req.cancelled else "error"))
+        if await self._kv_in_place(req, rem):
+            req.advance(Stage.DECODING)  # before `land` is queued, so a later cancel aborts in the engine
+            try:
+                self.metrics.landed(req.request_id)
+                await self.ctx.engine.land(req.request_id)
+                return
+            except (KeyError, ValueError) as err:
+                req.error = f"landing after the transfer failed: {err}"
+        await self._end(req)
+
+    async def _read_prefill(self, req: DecodeRequest, rem: RemotePrefill) -> None:
+        assert req.reservation is not None
+        msg = pb.PrefillRequest(
+            request_id=req.request_id, prompt_token_ids=req.prompt, params=params_to_proto(req.params),
+            decode_node_id=self.config.node_id, num_skip_blocks=req.reservation.num_cached_blocks,
+            dst_block_ids=list(req.reservation.fill_block_ids), block_size=self.config.engine.block_size,
+            kv_dtype=self._kv_dtype, layout_version=KV_LAYOUT_VERSION, model_fingerprint=self.ctx.fingerprint,
+        )
+        rem.call = self._stub(rem.prefill).Prefill(msg)
+        if req.cancelled:
+            self.send_abort(req)
+        async for event in rem.call:
+            kind = event.WhichOneof("event")
+            if kind == "first_token":
+                await self._on_first_token(req, rem, event.first_token)
+            elif kind == "transfer_start":
+                self._on_transfer_start(req, rem, event.transfer_start)
+            elif kind == "transfer_done":
+                self._on_transfer_done(req, rem, event.transfer_done)
+
+    async def _on_first_token(self, req: DecodeRequest, rem: RemotePrefill, first: pb.FirstToken) -> None:
+        rem.got_first = True
+        rem.cached_tokens = first.num_cached_tokens
+        req.timing.prefill_queue_s = first.queue_s
+        req.timing.prefill_s = first.prefill_s
+        if req.cancelled or req.stream.finished:
+            return
+        logprob = logprob_from_proto(first.logprob) if first.HasField("logprob") else None
+        await self.ctx.engine.append_first_token(req.request_id, first.token_id, logprob)
+
+    def _on_transfer_start(self, req: DecodeRequest, rem: RemotePrefill, ts: pb.TransferStart) -> None:
+        assert req.reservation is not None
+        meta = transfer_meta_from_proto(ts, req.request_id, rem.prefill.node_id, self.config.node_id)
+        address = ts.prefill_kv_address or rem.prefill.record.kv_address
+        try:
+            channel = self.ctx.channels.channel_from(rem.prefill.node_id, address, meta.epoch)
+        except ChannelError as err:
+            req.error = req.error or f"cannot open the KV channel: {err}"
+            return
+        rem.channel = channel
+        timeout = self.config.transfer_timeout_s
+        if req.cancelled or req.stream.finished or req.error is not None:
+            # Nobody wants these blocks any more; consuming the bytes keeps later transfers in step.
+            rem.recv = self._receiver.discard(channel, meta, timeout_s=timeout)
+        else:
+            rem.recv = self._receiver.recv(channel, self.ctx.engine.engine.kv_cache,
+                                           list(req.reservation.fill_block_ids), meta, timeout_s=timeout)
+
+    @staticmethod
+    def _on_transfer_done(req: DecodeRequest, rem: RemotePrefill, done: pb.TransferDone) -> None:
+        rem.skipped = done.ok and done.skipped
+        if done.ok:
+            rem.done = True
+            req.timing.transfer_s = done.transfer_s
+            return
+        req.error = req.error or f"prefill node {rem.prefill.node_id}: {done.error}"
+        if rem.recv is not None and not rem.recv.done() and rem.channel is not None:
+            rem.channel.close(f"prefill node reported a failed send: {done.error}")
+
+    async def _kv_in_place(self, req: DecodeRequest, rem: RemotePrefill) -> bool:
+        """Waits out a posted receive; whether the prompt K/V are in the reserved blocks and the request
+        still wants them."""
+        landed = rem.skipped
+        if rem.recv is not None:
+            result = await rem.recv.wait()
+            landed = result.ok and not req.cancelled and not req.stream.finished
+            if not result.ok:
+                req.error = req.error or f"KV receive failed: {result.error}"
+        usable = rem.got_first and not req.cancelled and req.error is None and not req.stream.finished
+        return usable and landed
+
+    def cancel(self, req: DecodeRequest) -> None:
+        """The caller is gone: the driver stops the prefill and frees what the request holds."""
+        if req.cancelled:
+            return
+        req.cancelled = True
+        if req.remote is not None and req.remote.call is not None:
+            self.send_abort(req)
+
+    def send_abort(self, req: DecodeRequest) -> None:
+        assert req.remote is not None
+        prefill = req.remote.prefill
+
+        async def abort() -> None:
+            try:
+                await self._stub(prefill).Abort(pb.AbortRequest(request_id=req.request_id), timeout=5.0)
+            except grpc.aio.AioRpcError as err:
+                log.info("abort of %s on %s failed: %s", req.request_id, prefill.node_id, err.code().name)
+
+        self.ctx.spawn(abort(), f"prefill-abort-{req.request_id}")
+
+    @staticmethod
+    def prefill_left(node_id: str, requests: Iterable[DecodeRequest]) -> None:
+        """Fails the requests a departed prefill node was still serving (its sends are dropped)."""
+        for req in requests:
+            rem = req.remote
+            if rem is None or rem.prefill.node_id != node_id or req.stage != Stage.PREFILLING or rem.done:
+                continue
+            log.warning("prefill node %s left the registry: failing %s", node_id, req.request_id)
+            req.error = req.error or f"prefill node {node_id} left the registry"
+            if rem.channel is not None:
+                rem.channel.close(f"prefill node {node_id} left the registry")
+            if rem.call is not None:
+                rem.call.cancel()
+
+    async def close(self) -> None:
+        for channel, _ in self._stubs.values():
+            await channel.close()

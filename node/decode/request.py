@@ -1,0 +1,93 @@
+"""One object per request on a decode node (`DecodeRequest`), with its stage as an explicit, checked
+state. The servicer's request table holds it from arrival until the engine let go of the request.
+
+    local:   DECODING ───────────────────────────────────────────> ENDING ──> (dropped)
+    remote:  RESERVING ──> PREFILLING ──(KV landed)──> DECODING ──> ENDING ──> (dropped)
+                 └──────────────┴──(refused, failed, cancelled)──────> ENDING
+
+KV blocks by stage (decode side): RESERVING holds none (it may wait in the reservation queue);
+PREFILLING holds its reservation (the engine's RESERVED sequence, written by the transfer); DECODING is
+the engine scheduler's; ENDING holds what the engine has until the abort that ends it is done.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import grpc
+
+from engine.async_engine import RequestStream
+from engine.block_manager import Reservation
+from engine.sampling_params import SamplingParams
+from kv_transfer import Channel, TransferHandle
+from protos import pdserve_pb2 as pb
+from registry import Member
+
+
+class Stage(enum.Enum):
+    RESERVING = "reserving"  # remote: waiting for its KV blocks to be reserved
+    PREFILLING = "prefilling"  # remote: blocks reserved; the prefill node computes and ships the prompt K/V
+    DECODING = "decoding"  # in the engine's scheduler: landed, or prefilled here
+    ENDING = "ending"  # refused, failed, cancelled or finished: waiting for the engine to let go
+
+
+_NEXT: dict[Stage, frozenset[Stage]] = {
+    Stage.RESERVING: frozenset({Stage.PREFILLING, Stage.ENDING}),
+    Stage.PREFILLING: frozenset({Stage.DECODING, Stage.ENDING}),
+    Stage.DECODING: frozenset({Stage.ENDING}),
+    Stage.ENDING: frozenset(),
+}
+
+
+@dataclass(eq=False)
+class RemotePrefill:
+    """Where a remote request's prefill and transfer stand (owned by its `node.decode.remote` driver)."""
+
+    prefill: Member
+    call: grpc.aio.UnaryStreamCall | None = None  # the Prefill call
+    channel: Channel | None = None
+    recv: TransferHandle | None = None
+    got_first: bool = False
+    skipped: bool = False  # the prefill node shipped nothing (TransferDone ok + skipped)
+    cached_tokens: int = 0  # the prefill node's prefix-cache hit
+    # The prefill node reported its part done (TransferDone ok): its leaving the registry no longer
+    # concerns this request (a drained prefill node revokes its lease right after its last send).
+    done: bool = False
+
+
+@dataclass(eq=False)
+class DecodeRequest:
+    """A request on this decode node, from arrival until the engine let go of it."""
+
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    arrived: float
+    stream: RequestStream
+    stage: Stage
+    remote: RemotePrefill | None = None  # None: prefilled here
+    reservation: Reservation | None = None  # set when RESERVING ends
+    cancelled: bool = False  # the caller went away or aborted
+    error: str | None = None  # why it failed, for the caller
+    timing: pb.Timing = field(default_factory=pb.Timing)
+
+    def __post_init__(self) -> None:
+        assert (self.stage == Stage.DECODING) == (self.remote is None), "local requests start decoding"
+
+    @property
+    def prefill_id(self) -> str:
+        """Who prefills it ("" for this node)."""
+        return self.remote.prefill.node_id if self.remote is not None else ""
+
+    def advance(self, stage: Stage) -> None:
+        """Moves to `stage`; asserts the move is one the diagram allows."""
+        assert stage in _NEXT[self.stage], f"request {self.request_id}: {self.stage.name} -> {stage.name}"
+        self.stage = stage
+
+    def check(self) -> None:
+        """Asserts the fields agree with the stage."""
+        if self.stage == Stage.RESERVING:
+            assert self.reservation is None and self.remote is not None and self.remote.call is None
+        if self.stage == Stage.PREFILLING:
+            assert self.reservation is not None and self.remote is not None

@@ -1,0 +1,198 @@
+"""The serving lifecycle both node kinds share: engine thread, KV channel manager, gRPC server (the
+node's service, NodeControl, grpc.health.v1), registry view and registration, /metrics, signals, drain
+and clean shutdown. Each node kind's `main` calls `run_node` with its config, service and metrics.
+
+Health (grpc.health.v1 on the gRPC port): the overall status ``""`` is SERVING while the server runs; the
+node's own service (``pdserve.v1.PrefillNode`` / ``pdserve.v1.DecodeNode``) is SERVING only while the
+node is registered and takes new work. Start-up and exit codes: `node.ready`; drain: `node.drain`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from prometheus_client import disable_created_metrics
+
+from engine.async_engine import AsyncEngine
+from kv_transfer import ChannelConfig, ChannelManager
+from node.config import NodeConfig
+from node.drain import Drainer, NodeControlServicer
+from node.metrics import MetricLabels, NodeMetrics, ObservedEngine
+from node.ready import EXIT_REFUSED, EXIT_UNAVAILABLE, ready_line
+from node.service import NodeContext, NodeService
+from protos import pdserve_pb2 as pb
+from protos import pdserve_pb2_grpc as pb_grpc
+from registry import (
+    NodeCapacity,
+    NodeRecord,
+    NodeRegistration,
+    RegistrationRefused,
+    RegistryUnavailable,
+    RegistryView,
+    ViewChange,
+)
+
+log = logging.getLogger(__name__)
+
+GRPC_OPTIONS = (
+    ("grpc.max_send_message_length", 64 << 20),
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.so_reuseport", 0),
+)
+# The gRPC service each role serves, whose health status says whether the node takes new work.
+ROLE_SERVICES = {"prefill": "PrefillNode", "decode": "DecodeNode"}
+
+
+@dataclass(eq=False)
+class _Node:
+    """The parts of one running node, in start order; `_shutdown` stops them in reverse."""
+
+    ctx: NodeContext
+    service: NodeService
+    server: grpc.aio.Server
+    health: health_aio.HealthServicer
+    service_name: str  # the health service name of the node's own service
+    drainer: Drainer
+
+
+async def run_node(
+    config: NodeConfig, role: str, make_service: type[NodeService],
+    make_metrics: Callable[[MetricLabels], NodeMetrics],
+) -> int:
+    """Runs one node until SIGTERM/SIGINT (drained, then stopped); returns the process exit code."""
+    # Process-wide switch of prometheus_client: `*_created` series only double the series count, and no
+    # dashboard or rule reads them.
+    disable_created_metrics()
+    metrics = make_metrics(MetricLabels(role, config.node_id, config.model_name))
+    try:
+        # Up before the model loads, so a scrape during start-up finds the process.
+        metrics_server = metrics.serve(config.metrics_host, config.metrics_port)
+    except OSError as err:
+        print(f"pdserve {role} node {config.node_id}: cannot serve /metrics on "
+              f"{config.metrics_host}:{config.metrics_port}: {err}", file=sys.stderr)
+        return 1
+    try:
+        node = await _build(config, role, make_service, metrics)
+        code = await _join(node)
+        if code is not None:
+            await _shutdown(node)
+            return code
+        await node.health.set(node.service_name, health_pb2.HealthCheckResponse.SERVING)
+        assert node.ctx.record is not None
+        print(ready_line({
+            "node_id": config.node_id, "role": role, "grpc_address": node.ctx.record.grpc_address,
+            "kv_address": node.ctx.record.kv_address, "metrics_address": metrics_server.address,
+            "pid": os.getpid(), "fingerprint": node.ctx.fingerprint,
+        }), flush=True)
+        await _serve_until_signalled(node)
+        await _shutdown(node)
+        return 0
+    finally:
+        metrics_server.close()
+
+
+async def _build(config: NodeConfig, role: str, make_service: type[NodeService], metrics: NodeMetrics) -> _Node:
+    """Loads the model and starts the engine thread; builds the channel manager, registry view, service
+    and gRPC server (not yet listening)."""
+    engine = await asyncio.to_thread(ObservedEngine, config.engine, metrics)
+    aengine = AsyncEngine(engine, name=config.node_id)
+    aengine.start()
+    channels = ChannelManager(ChannelConfig(
+        node_id=config.node_id, role=role, kv_address=f"{config.kv_host}:{config.kv_port}",  # type: ignore[arg-type]
+        device=config.engine.device, interface=config.kv_interface,
+        connect_timeout_s=config.transfer_timeout_s,
+    ))
+    view = RegistryView(config.etcd_endpoints, config.cluster)
+    ctx = NodeContext(config, role, aengine, channels, view, engine.model_config.fingerprint(), metrics)
+    service = make_service(ctx)
+    metrics.bind(service.node_load)
+    server = grpc.aio.server(options=GRPC_OPTIONS)
+    service.add_to_server(server)
+    health = health_aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    service_name = pb.DESCRIPTOR.services_by_name[ROLE_SERVICES[role]].full_name
+    await health.set(service_name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    drainer = Drainer(service, health, service_name, config.drain_timeout_s)
+    pb_grpc.add_NodeControlServicer_to_server(NodeControlServicer(drainer, service), server)
+    return _Node(ctx, service, server, health, service_name, drainer)
+
+
+async def _join(node: _Node) -> int | None:
+    """Starts serving gRPC, then joins the registry (watching it, registering under a lease). Returns
+    None once registered, else the exit code of a refused or unreachable registry."""
+    ctx, config = node.ctx, node.ctx.config
+    port = node.server.add_insecure_port(f"{config.grpc_host}:{config.grpc_port}")
+    if port == 0:
+        raise OSError(f"cannot bind gRPC to {config.grpc_host}:{config.grpc_port}")
+    await node.server.start()
+    engine = ctx.engine.engine
+    ctx.record = NodeRecord(
+        role=ctx.role, node_id=config.node_id, cluster=config.cluster,  # type: ignore[arg-type]
+        grpc_address=f"{config.grpc_public_host}:{port}", kv_address=ctx.channels.kv_address,
+        model=config.model_name, model_fingerprint=ctx.fingerprint,
+        dtype=str(engine.dtype).removeprefix("torch."), block_size=config.engine.block_size,
+        prefix_hash_seed=config.engine.prefix_hash_seed,
+        capacity=NodeCapacity(engine.num_blocks, config.engine.max_num_seqs, config.engine.max_num_batched_tokens),
+    )
+    try:
+        await ctx.view.start(sync_timeout_s=config.join_timeout_s)
+
+        def on_change(change: ViewChange) -> None:
+            # A disconnected view reports no departures; a resync after an outage reports real ones.
+            if change.kind == "left" and change.node_id != config.node_id and ctx.view.connected:
+                node.service.on_member_left(change.node_id)
+
+        ctx.view.subscribe(on_change)
+        registration = NodeRegistration(
+            config.etcd_endpoints, ctx.record, node.service.node_load, ttl_s=config.lease_ttl_s,
+            load_interval_s=config.load_interval_s, join_timeout_s=config.join_timeout_s,
+        )
+        await registration.start()
+    except RegistrationRefused as err:
+        log.error("registration refused: %s", err)
+        print(f"pdserve {ctx.role} node {config.node_id}: refused by the registry: {err}", file=sys.stderr)
+        return EXIT_REFUSED
+    except RegistryUnavailable as err:
+        log.error("registry unavailable: %s", err)
+        return EXIT_UNAVAILABLE
+    node.drainer.registration = registration
+    return None
+
+
+async def _serve_until_signalled(node: _Node) -> None:
+    """Serves until SIGTERM/SIGINT, then drains; a second signal cuts the drain short."""
+    node_id = node.ctx.config.node_id
+    signals: asyncio.Queue[int] = asyncio.Queue()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, signals.put_nowait, sig)
+    first = await signals.get()
+    log.info("node %s: %s received", node_id, signal.Signals(first).name)
+    drain = node.drainer.start()
+    second = asyncio.ensure_future(signals.get())
+    await asyncio.wait({drain, second}, return_when=asyncio.FIRST_COMPLETED)
+    if not drain.done():
+        log.warning("node %s: second signal, stopping without waiting for the drain", node_id)
+        drain.cancel()
+    second.cancel()
+    log.info("node %s stopping", node_id)
+
+
+async def _shutdown(node: _Node) -> None:
+    await node.health.enter_graceful_shutdown()
+    # Leave the registry first so routers stop sending work, then end the work in flight.
+    await node.drainer.deregister()
+    await node.server.stop(grace=1.0)
+    await node.service.close()
+    await node.ctx.engine.close()
+    await asyncio.to_thread(node.ctx.channels.close)
+    await node.ctx.view.close()

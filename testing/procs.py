@@ -1,0 +1,134 @@
+"""Runs the frontend and the scripted decode node as real child processes on loopback, for tests and
+benchmarks. Each process logs to its own file; a start that fails raises with the log's tail."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SCRIPTED_NODE = "testing.scripted_decode_node"  # run as `python -m` from the repository root
+
+
+class ProcessStartError(RuntimeError):
+    """A child process exited or did not become ready; the message carries its log tail."""
+
+
+@dataclass(eq=False)
+class Proc:
+    """A child process and its log file."""
+
+    name: str
+    popen: subprocess.Popen[bytes]
+    log_path: Path
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            return ""
+
+    def tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log_text().splitlines()[-lines:])
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def stop(self, timeout: float = 10.0) -> int | None:
+        """SIGTERM, then SIGKILL after `timeout`; returns the exit code."""
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(5)
+        return self.popen.returncode
+
+
+def spawn(name: str, argv: list[str], log_dir: Path, env: dict[str, str] | None = None) -> Proc:
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"{name}.log"
+    with log_path.open("ab") as log:
+        popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
+                                 env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+    return Proc(name, popen, log_path)
+
+
+def wait_for_line(proc: Proc, text: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while text not in proc.log_text():
+        if not proc.alive():
+            raise ProcessStartError(f"{proc.name} exited ({proc.popen.returncode}):\n{proc.tail()}")
+        if time.monotonic() > deadline:
+            raise ProcessStartError(f"{proc.name} not ready after {timeout}s:\n{proc.tail()}")
+        time.sleep(0.05)
+
+
+def wait_for_http(proc: Proc, url: str, timeout: float, status: int = 200) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                if resp.status == status:
+                    return
+        except urllib.error.HTTPError as err:
+            if err.code == status:
+                return
+        except (urllib.error.URLError, OSError):
+            pass
+        if not proc.alive():
+            raise ProcessStartError(f"{proc.name} exited ({proc.popen.returncode}):\n{proc.tail()}")
+        if time.monotonic() > deadline:
+            raise ProcessStartError(f"{proc.name}: {url} not answering {status} after {timeout}s:\n{proc.tail()}")
+        time.sleep(0.1)
+
+
+def start_scripted_node(name: str, log_dir: Path, etcd: list[str], *args: str, timeout: float = 30.0) -> Proc:
+    """Starts `python -m testing.scripted_decode_node` with `args`, registered in `etcd`; waits for "ready"."""
+    argv = [sys.executable, "-m", SCRIPTED_NODE, *(f"--etcd={e}" for e in etcd), *args]
+    proc = spawn(name, argv, log_dir)
+    try:
+        wait_for_line(proc, "ready", timeout)
+    except ProcessStartError:
+        proc.stop()
+        raise
+    return proc
+
+
+@dataclass(eq=False)
+class FrontendProc:
+    proc: Proc
+    host: str
+    port: int
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def stop(self) -> int | None:
+        return self.proc.stop()
+
+
+def start_frontend(name: str, log_dir: Path, etcd: list[str], port: int, *args: str,
+                   ready: bool = True, timeout: float = 60.0) -> FrontendProc:
+    """Starts `python -m frontend` on 127.0.0.1:`port`; waits for /health, and for /ready when `ready`."""
+    argv = [sys.executable, "-m", "frontend", *(f"--etcd={e}" for e in etcd), "--host", "127.0.0.1",
+            "--port", str(port), *args]
+    proc = spawn(name, argv, log_dir)
+    fp = FrontendProc(proc, "127.0.0.1", port)
+    try:
+        wait_for_http(proc, f"{fp.base_url}/health", timeout)
+        if ready:
+            wait_for_http(proc, f"{fp.base_url}/ready", timeout)
+    except ProcessStartError:
+        proc.stop()
+        raise
+    return fp
