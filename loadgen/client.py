@@ -72,7 +72,7 @@ class RequestRecord:
 def api_base(url: str) -> str:
     """The API base for a server URL: `http://h:p` gets `/v1`; a URL with a path is kept as given."""
     url = url.rstrip("/")
-    if not urlsplit(url).scheme:
+    if "://" not in url:  # "host:port" parses as scheme "host"
         url = f"http://{url}"
     return url if urlsplit(url).path else f"{url}/v1"
 
