@@ -100,7 +100,6 @@ def engine_config(path: Path) -> dict:
     """The engine's view of a directory, without the weights digest and the EOS ids (which a GGUF holds
     differently: the engine stops on Tokenizer.eos_token_ids, compared separately)."""
     fields = dataclasses.asdict(dataclasses.replace(load_model_config(path), weights_digest="", eos_token_ids=()))
-    fields["dtype"] = str(fields["dtype"])
     return fields
 
 
