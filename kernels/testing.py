@@ -48,26 +48,9 @@ def make_paged_problem(
     # Large pools are drawn on their device; CPU problems stay reproducible from `seed` alone.
     dev_gen = gen if dev.type == "cpu" else torch.Generator(device=dev).manual_seed(seed)
     b = len(context_lens)
-    blocks_per_seq = [math.ceil(n / block_size) for n in context_lens]
-    mb = max([1, *blocks_per_seq])
-    nb = sum(blocks_per_seq) + spare_blocks
-    order = torch.randperm(nb, generator=gen)
-    tables = torch.zeros(b, mb, dtype=torch.int32)
-    owned = torch.zeros(nb, block_size, dtype=torch.bool)
-    used = 0
-    for i, (n, nblk) in enumerate(zip(context_lens, blocks_per_seq, strict=True)):
-        ids = order[used : used + nblk]
-        used += nblk
-        tables[i, :nblk] = ids.to(torch.int32)
-        for j, blk in enumerate(ids.tolist()):
-            owned[blk, : min(block_size, n - j * block_size)] = True
-    shape = (nb, block_size, num_kv_heads, head_dim)
-    k_cache = torch.randn(shape, generator=dev_gen, device=dev)
-    v_cache = torch.randn(shape, generator=dev_gen, device=dev)
-    if poison_unused:
-        unowned = (~owned).to(dev)
-        k_cache[unowned] = float("nan")
-        v_cache[unowned] = float("nan")
+    tables, owned = _block_tables(context_lens, block_size, spare_blocks, gen)
+    shape = (owned.shape[0], block_size, num_kv_heads, head_dim)
+    k_cache, v_cache = _pool_pair(shape, owned if poison_unused else None, dev_gen, dev)
     lens_q = [1] * b if q_lens is None else list(q_lens)
     if any(ql > n for ql, n in zip(lens_q, context_lens, strict=True)):
         raise ValueError("each q_len must be <= its context length")
@@ -83,6 +66,39 @@ def make_paged_problem(
         cu_seqlens_q=cu.to(dev),
         scale=1.0 / math.sqrt(head_dim),
     )
+
+
+def _block_tables(context_lens: list[int], block_size: int, spare_blocks: int,
+                  gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block tables [B, MB] int32 (0-padded) over a pool of the blocks needed plus `spare_blocks`, handed
+    out in a random order, and the slots the sequences own ([NB, BS] bool)."""
+    b = len(context_lens)
+    blocks_per_seq = [math.ceil(n / block_size) for n in context_lens]
+    mb = max([1, *blocks_per_seq])
+    nb = sum(blocks_per_seq) + spare_blocks
+    order = torch.randperm(nb, generator=gen)
+    tables = torch.zeros(b, mb, dtype=torch.int32)
+    owned = torch.zeros(nb, block_size, dtype=torch.bool)
+    used = 0
+    for i, (n, nblk) in enumerate(zip(context_lens, blocks_per_seq, strict=True)):
+        ids = order[used : used + nblk]
+        used += nblk
+        tables[i, :nblk] = ids.to(torch.int32)
+        for j, blk in enumerate(ids.tolist()):
+            owned[blk, : min(block_size, n - j * block_size)] = True
+    return tables, owned
+
+
+def _pool_pair(shape: tuple[int, int, int, int], owned: torch.Tensor | None, gen: torch.Generator,
+               dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random float32 K and V pools; the slots not in `owned` NaN (none when `owned` is None)."""
+    k_cache = torch.randn(shape, generator=gen, device=dev)
+    v_cache = torch.randn(shape, generator=gen, device=dev)
+    if owned is not None:
+        unowned = (~owned).to(dev)
+        k_cache[unowned] = float("nan")
+        v_cache[unowned] = float("nan")
+    return k_cache, v_cache
 
 
 def tolerance(dtype: torch.dtype) -> dict[str, float]:

@@ -99,7 +99,8 @@ def hf_tokenizer_from_gguf(path: Path):
 def engine_config(path: Path) -> dict:
     """The engine's view of a directory, without the weights digest and the EOS ids (which a GGUF holds
     differently: the engine stops on Tokenizer.eos_token_ids, compared separately)."""
-    return dataclasses.asdict(dataclasses.replace(load_model_config(path), weights_digest="", eos_token_ids=()))
+    fields = dataclasses.asdict(dataclasses.replace(load_model_config(path), weights_digest="", eos_token_ids=()))
+    return fields
 
 
 def greedy(engine: LLMEngine, prompts: list[list[int]], n: int) -> list:

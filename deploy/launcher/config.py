@@ -1,0 +1,135 @@
+"""`pdserve up`'s configuration: the validated `LauncherConfig` (and `build_config`, from the CLI flags),
+and `ClusterState`, the cluster.json through which `pdserve status` finds a running cluster."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine.default_model import ResolvedModel
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+POOLS = ("etcd", "prefill", "decode", "frontend")
+
+
+def default_runs_dir() -> Path:
+    """`runs/` in the repository root when running from a checkout, else in the working directory."""
+    return REPO_ROOT / "runs" if (REPO_ROOT / "pyproject.toml").is_file() else Path.cwd() / "runs"
+
+
+def write_json_atomic(path: Path, data: object) -> None:
+    """Writes JSON to a temporary file beside `path`, then renames it over `path` (readers never see
+    half a file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+@dataclass(frozen=True)
+class LauncherConfig:
+    """Everything `pdserve up` was asked for; validated once."""
+
+    model: str  # HF model directory
+    model_name: str = ""  # the pool (and served) model name; "" = the directory's name
+    num_prefill: int = 1
+    num_decode: int = 1
+    host: str = "127.0.0.1"  # the frontend's address
+    port: int = 8000
+    dtype: str = "auto"
+    kv_memory_mib: int = 512  # KV cache budget of each node
+    num_threads: int = 1  # torch threads per node: several nodes share this machine's cores
+    cluster: str = "default"
+    runs_dir: Path = field(default_factory=default_runs_dir)
+    lease_ttl_s: int = 3  # a killed node leaves the registry this fast
+    drain_timeout_s: float = 20.0  # per node, at Ctrl-C
+    startup_timeout_s: float = 600.0  # model loading on a slow disk or a cold cache
+    restart: bool = True
+    node_args: tuple[str, ...] = ()  # extra flags for every node
+    frontend_args: tuple[str, ...] = ()  # extra flags for the frontend
+    python: str = sys.executable
+
+    def __post_init__(self) -> None:
+        checks = [
+            (Path(self.model).is_dir(), f"model directory {self.model!r} does not exist"),
+            (self.num_prefill >= 0, "--prefill must be >= 0"),
+            (self.num_decode >= 1, "--decode must be >= 1 (decode nodes serve every request)"),
+            (0 < self.port < 65536, f"--port must be in [1, 65535], got {self.port}"),
+            (self.dtype in ("auto", "float32", "bfloat16", "float16"), f"bad --dtype {self.dtype!r}"),
+            (self.kv_memory_mib >= 1, "--kv-memory must be >= 1 MiB"),
+            (self.num_threads >= 1, "--num-threads must be >= 1"),
+            (bool(self.cluster) and "/" not in self.cluster, f"bad --cluster {self.cluster!r}"),
+            (self.lease_ttl_s >= 1, "lease TTL must be >= 1 s"),
+            (self.drain_timeout_s >= 0 and self.startup_timeout_s > 0, "timeouts must be positive"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise ValueError(f"pdserve up: {msg}")
+        if not self.model_name:
+            object.__setattr__(self, "model_name", Path(self.model).resolve().name)
+
+    @property
+    def cluster_dir(self) -> Path:
+        return self.runs_dir / self.cluster
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class ClusterState:
+    """The contents of `cluster.json`: how `pdserve status` finds a running `pdserve up`."""
+
+    cluster: str
+    launcher_pid: int
+    etcd_endpoints: list[str]
+    url: str
+    model: str
+    started_at: float
+    processes: list[dict[str, Any]]  # name, pool, pid, metrics, log, restarts
+
+    @staticmethod
+    def path(runs_dir: Path, cluster: str) -> Path:
+        return runs_dir / cluster / "cluster.json"
+
+    @classmethod
+    def load(cls, runs_dir: Path, cluster: str) -> ClusterState | None:
+        """The state of a launcher that is still running, else None."""
+        try:
+            obj = json.loads(cls.path(runs_dir, cluster).read_text(encoding="utf-8"))
+            state = cls(**obj)
+        except (OSError, ValueError, TypeError):
+            return None
+        return state if pid_alive(state.launcher_pid) else None
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def build_config(args: Any, resolve_model: Callable[[str | None], ResolvedModel]) -> LauncherConfig:
+    """The LauncherConfig from `pdserve up` flags. `resolve_model(args.model)` turns the --model value into
+    a directory and a served name (`engine.default_model.resolve_model`: fetches the default model
+    before anything starts); --model-name overrides the name."""
+    model = resolve_model(args.model)
+    return LauncherConfig(
+        model=str(model.path), model_name=args.model_name or model.name, num_prefill=args.prefill,
+        num_decode=args.decode, host=args.host, port=args.port, dtype=args.dtype, kv_memory_mib=args.kv_memory,
+        num_threads=args.num_threads, cluster=args.cluster,
+        runs_dir=Path(args.runs_dir) if args.runs_dir else default_runs_dir(), lease_ttl_s=args.lease_ttl,
+        drain_timeout_s=args.drain_timeout, restart=not args.no_restart,
+        node_args=tuple(args.node_arg or ()), frontend_args=tuple(args.frontend_arg or ()),
+    )
