@@ -102,8 +102,8 @@ class DecodePlan:
 
 
 class CpuOps(TorchOps):
-    """TorchOps with decode attention in the C++ extension. Construct through `create`, which builds
-    or loads the extension first."""
+    """TorchOps with decode attention in the C++ extension (TorchOps.decode_attention reaches it through
+    `plan` / `attend_planned`). Construct through `create`, which builds or loads the extension first."""
 
     name = "cpu"
 
@@ -114,21 +114,6 @@ class CpuOps(TorchOps):
     @classmethod
     def create(cls) -> CpuOps:
         return cls(load_extension())
-
-    def decode_attention(
-        self,
-        q: torch.Tensor,  # [B, Hq, D]
-        k_cache: torch.Tensor,  # [NB, BS, Hkv, D]
-        v_cache: torch.Tensor,  # [NB, BS, Hkv, D]
-        block_tables: torch.Tensor,  # [B, MB]
-        context_lens: torch.Tensor,  # [B]
-        scale: float,
-    ) -> torch.Tensor:  # [B, Hq, D]
-        check_rank("q", q, 3, "[B, Hq, D]")
-        check_rank("block_tables", block_tables, 2, "[B, MB]")
-        check_dim("block_tables", block_tables, 0, q.shape[0], "batch of q")
-        check_cache_pair(k_cache, v_cache)
-        return self.attend_planned(q, k_cache, v_cache, self.plan(q, k_cache, block_tables, context_lens), scale)
 
     def plan(
         self,
