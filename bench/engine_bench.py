@@ -241,8 +241,8 @@ def main() -> None:
     args = ap.parse_args()
     model_dir = str(resolve_model(args.model).path)
     mc = load_model_config(model_dir)
-    choice = resolve_dtype(args.dtype, mc.dtype, "cpu")
-    dtype, dname = choice.dtype, str(choice.dtype).removeprefix("torch.")
+    choice = resolve_dtype(args.dtype, mc.dtype_name, "cpu")
+    dtype, dname = getattr(torch, choice.name), choice.name
     cost = model_cost(model_dir, dtype)
     prompts, outs = workload(args.requests, mc.vocab_size, args.seed)
     print(f"model {model_dir} ({mc.arch}, {mc.num_layers} layers, hidden {mc.hidden_size}, vocab {mc.vocab_size}); "

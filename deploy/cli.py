@@ -49,7 +49,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     elapsed = time.perf_counter() - t1
     n = seq.num_completion_tokens
     print(
-        f"[pdserve] model={model} load={t_load:.2f}s prompt_tokens={seq.num_prompt_tokens} "
+        f"[pdserve] model={model} dtype={str(engine.dtype).removeprefix('torch.')} load={t_load:.2f}s "
+        f"prompt_tokens={seq.num_prompt_tokens} "
         f"completion_tokens={n} ttft={1000 * (ttft or 0):.1f}ms total={elapsed:.2f}s "
         f"tok/s={n / max(elapsed, 1e-9):.1f} finish_reason={final.finish_reason if final else None}",
         file=sys.stderr,

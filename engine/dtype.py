@@ -1,19 +1,19 @@
-"""Which dtype the engine holds weights and KV in when asked for "auto".
+"""Which dtype the engine holds weights and KV in when asked for "auto" (no torch: the launcher prints it).
 
 On a CPU with AVX512-BF16 or AMX, bfloat16 GEMMs run about 2-3x as fast as float32 ones and the KV pool
-(and every KV transfer) is half the bytes, so an fp32 checkpoint is served in bfloat16 there; norms,
-softmax, attention arithmetic and logits stay float32. Elsewhere "auto" keeps the checkpoint's dtype.
-Ask for "float32" explicitly for bit-level parity with an fp32 reference.
+(and every KV transfer) is half the bytes, so an fp32 checkpoint is served in bfloat16 there; the residual
+stream, norms, softmax, attention arithmetic and the best logits stay float32 (engine/model.py).
+Elsewhere "auto" keeps the checkpoint's dtype. Ask for "float32" for parity with an fp32 reference.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 FAST_BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
+_NAMES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16", "float16": "float16", "half": "float16"}
 
 
 def cpu_bf16_flags(cpuinfo: str | None = None) -> tuple[str, ...]:
@@ -31,19 +31,26 @@ def cpu_bf16_flags(cpuinfo: str | None = None) -> tuple[str, ...]:
     return tuple(f for f in FAST_BF16_CPU_FLAGS if f in flags)
 
 
+def checkpoint_dtype_name(model_dir: str | Path) -> str:
+    """The dtype a Hugging Face directory's config.json declares ("float32" when it declares none)."""
+    raw = json.loads((Path(model_dir) / "config.json").read_text())
+    name = str(raw.get("dtype") or raw.get("torch_dtype") or "float32").removeprefix("torch.")
+    return _NAMES.get(name, name)
+
+
 @dataclass(frozen=True)
 class DtypeChoice:
-    dtype: torch.dtype
+    name: str  # "float32" | "bfloat16" | "float16"
     reason: str  # one line for the start-up log
 
 
-def resolve_dtype(requested: str, checkpoint: torch.dtype, device: str, cpuinfo: str | None = None) -> DtypeChoice:
-    """Maps the configured dtype ("auto" or a name) to the one to serve in, with the reason."""
+def resolve_dtype(requested: str, checkpoint: str, device: str, cpuinfo: str | None = None) -> DtypeChoice:
+    """Maps the configured dtype ("auto" or a name) and the checkpoint's dtype name to the one to serve in."""
     if requested != "auto":
-        return DtypeChoice(getattr(torch, requested), f"{requested} as configured")
-    if torch.device(device).type == "cpu" and checkpoint == torch.float32:
+        return DtypeChoice(requested, f"{requested} as configured")
+    if device.split(":")[0] == "cpu" and checkpoint == "float32":
         flags = cpu_bf16_flags(cpuinfo)
         if flags:
-            return DtypeChoice(torch.bfloat16, f"bfloat16: this CPU has {', '.join(flags)} (--dtype float32 to keep fp32)")
+            return DtypeChoice("bfloat16", f"bfloat16: this CPU has {', '.join(flags)} (--dtype float32 to keep fp32)")
         return DtypeChoice(checkpoint, "float32: the checkpoint's dtype (this CPU has no AVX512-BF16 or AMX)")
-    return DtypeChoice(checkpoint, f"{str(checkpoint).removeprefix('torch.')}: the checkpoint's dtype")
+    return DtypeChoice(checkpoint, f"{checkpoint}: the checkpoint's dtype")

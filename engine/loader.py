@@ -89,9 +89,9 @@ def load_model(
     root = Path(path)
     config = load_model_config(root)
     if dtype == "auto":
-        choice = resolve_dtype("auto", config.dtype, str(device))
+        choice = resolve_dtype("auto", config.dtype_name, str(device))
         log.info("dtype %s", choice.reason)
-        config = dataclasses.replace(config, dtype_name=dtype_name(choice.dtype))
+        config = dataclasses.replace(config, dtype_name=choice.name)
     elif dtype is not None:
         config = dataclasses.replace(config, dtype_name=dtype_name(dtype))
     ops = ops if ops is not None else get_kernel_ops("auto", str(device))

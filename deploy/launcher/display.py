@@ -32,6 +32,16 @@ def endpoint(cfg: LauncherConfig, slot: Slot, etcd_endpoints: Sequence[str]) -> 
     return f"grpc {slot.info.get('grpc_address')}  metrics {slot.info.get('metrics_address')}"
 
 
+def served_dtype(cfg: LauncherConfig) -> str:
+    """The dtype the nodes will serve in and why (what each node also logs at start)."""
+    from engine.dtype import checkpoint_dtype_name, resolve_dtype
+
+    try:
+        return resolve_dtype(cfg.dtype, checkpoint_dtype_name(cfg.model), "cpu").reason
+    except (OSError, ValueError) as e:
+        return f"{cfg.dtype} (checkpoint dtype unreadable: {e})"
+
+
 def print_banner(out: Console, cfg: LauncherConfig, slots: Sequence[Slot], etcd_endpoints: Sequence[str],
                  logs_dir: Path) -> None:
     """What `pdserve up` prints once the cluster is up: the URL, how to call it, logs, metrics, status."""
@@ -51,7 +61,8 @@ def print_banner(out: Console, cfg: LauncherConfig, slots: Sequence[Slot], etcd_
     etcd_metrics = "".join(f"http://{e}/metrics" for e in etcd_endpoints[:1])
     out.print(
         f"\n[bold green]pdserve is up[/bold green]: {model}, {cfg.num_prefill} prefill + {cfg.num_decode} decode "
-        f"node(s), cluster {cfg.cluster!r}\n\n"
+        f"node(s), cluster {cfg.cluster!r}\n"
+        f"  dtype      {served_dtype(cfg)}\n\n"
         f"  URL        {url}/v1  (OpenAI-compatible)\n\n"
         f"  curl       curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
         f"               -d '{body}'\n\n"
