@@ -94,6 +94,15 @@ void attend_item(const float* qs, const T* k_cache, const T* v_cache, const int3
     const int64_t n = std::min(BS, ctx - j * BS);
     const T* kb = k_cache + blk * BS * row_stride + h * D;
     const T* vb = v_cache + blk * BS * row_stride + h * D;
+    if (j + 2 < j1) {  // blocks sit anywhere in the pool: ask for the rows two blocks ahead while this one computes
+      const int64_t nxt = table[j + 2] * BS * row_stride + h * D;
+      constexpr int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
+      for (int64_t t = 0; t < BS; ++t)
+        for (int64_t c = 0; c < row_bytes; c += 64) {
+          _mm_prefetch(reinterpret_cast<const char*>(k_cache + nxt + t * row_stride) + c, _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(v_cache + nxt + t * row_stride) + c, _MM_HINT_T0);
+        }
+    }
     // scores s[g * BS + t]
     for (int64_t t = 0; t < n; ++t) {
       __m512 k[NV];
