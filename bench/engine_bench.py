@@ -14,7 +14,7 @@ once, ignore_eos on. Prints, each as a ratio against a baseline measured in this
   any op (Python, scheduling), from the torch profiler.
 
     .venv/bin/python bench/engine_bench.py [--model DIR|tiny] [--dtype auto|float32|bfloat16]
-        [--requests 32] [--hf-serial] [--skip-hf]
+        [--requests 32] [--skip-hf-serial] [--skip-hf]
 
 Default model: SmolLM2-135M-Instruct (fetched and imported on first use); default dtype: what
 `pdserve up` serves (bf16 on AVX512-BF16/AMX CPUs).
@@ -243,7 +243,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--context", type=int, default=512, help="prompt tokens per sequence in the steady decode")
-    ap.add_argument("--hf-serial", action="store_true", help="also run transformers one request at a time (slow)")
+    ap.add_argument("--skip-hf-serial", action="store_true", help="skip transformers one request at a time (slowest)")
     ap.add_argument("--skip-hf", action="store_true")
     args = ap.parse_args()
     model_dir = str(resolve_model(args.model).path)
@@ -270,7 +270,7 @@ def main() -> None:
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
         results: dict[str, float | str] = {}
         with torch.inference_mode():
-            if args.hf_serial:
+            if not args.skip_hf_serial:
                 results["transformers generate, 1 at a time"] = run_hf_serial(hf, prompts, outs)
             results["transformers static batches of 32"] = run_hf_static(hf, prompts, outs)
             results["transformers generate_batch"] = run_hf_generate_batch(hf, prompts, outs)
