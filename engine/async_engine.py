@@ -195,6 +195,15 @@ class AsyncEngine:
         """`LLMEngine.land` on the engine thread: the request decodes from the next step."""
         await self.call(lambda e: e.land(request_id))
 
+    async def prefill_here(self, request_id: str) -> None:
+        """`LLMEngine.prefill_here` on the engine thread: the reserved request is queued as an ordinary
+        one, its outputs going to the stream it already has; the freed reservation wakes block waiters."""
+        seq = await self.call(lambda e: e.prefill_here(request_id))
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.seq = seq
+        self._notify_finished()
+
     @property
     def open_streams(self) -> frozenset[str]:
         """Request ids whose outputs are delivered to a stream (event-loop thread)."""

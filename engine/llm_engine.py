@@ -17,7 +17,7 @@ from engine.model_runner import ModelRunner, kv_block_bytes
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.sequence import Sequence, TokenLogprob
+from engine.sequence import Sequence, SequenceStatus, TokenLogprob
 from engine.tokenizer import Tokenizer
 from kernels import get_kernel_ops
 
@@ -225,6 +225,20 @@ class LLMEngine:
         (``Scheduler.land``). Raises KeyError if it is not reserved (e.g. finished), ValueError if it has
         no first token."""
         self.scheduler.land(request_id)
+
+    def prefill_here(self, request_id: str) -> Sequence:
+        """Turns a reserved request with no first token into an ordinary queued request (its remote
+        prefill failed): the reservation is freed, shared prefix-cache blocks staying cached for the
+        local prefill to find again, and a fresh sequence with the same prompt and params (seed
+        included) is queued under the same id. Raises KeyError if it is not reserved, ValueError if it
+        has its first token."""
+        seq = self.scheduler.get(request_id)
+        if seq is None or seq.status != SequenceStatus.RESERVED:
+            raise KeyError(request_id)
+        if seq.num_completion_tokens:
+            raise ValueError(f"request {request_id!r} already has its first token")
+        self.abort(request_id)
+        return self.add_request(request_id, seq.token_ids[: seq.num_prompt_tokens], seq.params)
 
     def load(self) -> EngineLoad:
         """A snapshot of queues and pool occupancy. Changes nothing."""

@@ -20,12 +20,14 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
 import grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from engine.sampling_params import SamplingParams
 from node.convert import params_to_proto
@@ -257,6 +259,16 @@ class LocalCluster:
             text="".join(m.text for m in messages), finish_reason=last.finish_reason, error=last.error,
             messages=messages, ttft_s=ttft, prefill_node_id=messages[0].prefill_node_id,
             num_cached_tokens=max(m.num_cached_tokens for m in messages),
+        )
+
+    def metric(self, node_id: str, sample: str, **labels: str) -> float:
+        """The sum of a node's /metrics samples named `sample` whose labels include `labels`."""
+        address = self.nodes[node_id].info["metrics_address"]
+        with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as resp:
+            text = resp.read().decode()
+        return sum(
+            s.value for family in text_string_to_metric_families(text) for s in family.samples
+            if s.name == sample and all(s.labels.get(k) == want for k, want in labels.items())
         )
 
     # -- accounting -----------------------------------------------------------------------------------

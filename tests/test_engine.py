@@ -122,3 +122,20 @@ def test_cli_generate_prints_only_text():
     assert "[pdserve]" not in p.stdout and p.stdout.strip()
     p2 = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True)
     assert p.stdout == p2.stdout  # greedy by default
+
+
+def test_prefill_here_turns_a_reservation_into_a_local_request(engine):
+    """A reserved request whose remote prefill failed is freed and run here, seed and all: same text as
+    an ordinary request with the same params."""
+    sp = SamplingParams(temperature=1.0, seed=5, max_tokens=16, ignore_eos=True)
+    prompt = engine.tokenizer.encode("The quick brown fox " * 8)
+    want = engine.generate([prompt], sp)[0].text
+    assert engine.reserve("r", prompt, sp) is not None and engine.block_manager.num_used_blocks > 0
+    seq = engine.prefill_here("r")
+    assert engine.block_manager.num_used_blocks == 0 and not engine.scheduler.reserved_seqs
+    outs = []
+    while engine.has_unfinished():
+        outs += [o for o in engine.step() if o.request_id == "r"]
+    assert outs[-1].finished and "".join(o.new_text for o in outs) == want and seq.num_completion_tokens == 16
+    with pytest.raises(KeyError):
+        engine.prefill_here("r")

@@ -16,6 +16,9 @@ class DecodeNodeConfig(NodeConfig):
     reservation_queue_limit: int = 256  # requests waiting for a reservation; beyond: RESOURCE_EXHAUSTED
     reservation_timeout_s: float = 60.0  # a request that waits longer for blocks is refused
     max_local_waiting: int = 256  # locally prefilled requests queued in the engine; beyond: refused
+    # A remote prefill with no first token after this many seconds is cancelled and done here instead
+    # (0: no bound; a hung prefill node is then noticed when its registry lease lapses).
+    prefill_timeout_s: float = 0.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -24,6 +27,7 @@ class DecodeNodeConfig(NodeConfig):
             (self.reservation_queue_limit >= 0, "reservation_queue_limit must be >= 0"),
             (self.reservation_timeout_s > 0, "reservation_timeout_s must be > 0"),
             (self.max_local_waiting >= 1, "max_local_waiting must be >= 1"),
+            (self.prefill_timeout_s >= 0, "prefill_timeout_s must be >= 0"),
         ]
         for ok, msg in checks:
             if not ok:
@@ -39,6 +43,8 @@ class DecodeNodeConfig(NodeConfig):
         parser.add_argument("--reservation-queue-limit", "--admission-queue-limit", type=int, default=256)
         parser.add_argument("--reservation-timeout", "--admission-timeout", type=float, default=60.0)
         parser.add_argument("--max-local-waiting", type=int, default=256)
+        parser.add_argument("--prefill-timeout", type=float, default=0.0,
+                            help="seconds to wait for a remote prefill's first token before prefilling here (0: no bound)")
         args = parser.parse_args(argv)
         config = cls(
             **node_kwargs(args),  # type: ignore[arg-type]
@@ -46,5 +52,6 @@ class DecodeNodeConfig(NodeConfig):
             reservation_queue_limit=args.reservation_queue_limit,
             reservation_timeout_s=args.reservation_timeout,
             max_local_waiting=args.max_local_waiting,
+            prefill_timeout_s=args.prefill_timeout,
         )
         return config, args.log_level

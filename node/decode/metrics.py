@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 from node.metrics import LATENCY_BUCKETS, SIZE_BUCKETS, MetricLabels, NodeMetrics, StepRecord
 
+FALLBACK_REASONS = ("unavailable", "refused", "error", "timeout", "lease_lost")
+
 
 @dataclass
 class _Timing:
@@ -28,6 +30,11 @@ class DecodeMetrics(NodeMetrics):
                                   LATENCY_BUCKETS)
         self.batch_size = self.histogram("pdserve_decode_batch_size", "Sequences per decode step", SIZE_BUCKETS)
         self.tokens = self.counter("pdserve_decode_tokens", "Tokens generated")
+        self.fallbacks = self.counter("pdserve_decode_local_prefill_fallbacks",
+                                      "Remote prefills that failed before the first token and were done here",
+                                      ["reason"])
+        for reason in FALLBACK_REASONS:  # every series exists from the start, at zero
+            self.fallbacks.labels(**labels.values(), reason=reason)
         self._lock = threading.Lock()
         self._timings: dict[str, _Timing] = {}
 
@@ -65,6 +72,10 @@ class DecodeMetrics(NodeMetrics):
         """Marks a transferred request's KV as in place; called just before it is handed to the engine."""
         with self._lock:
             self._timings.setdefault(request_id, _Timing()).landed_at = time.monotonic()
+
+    def local_prefill_fallback(self, reason: str) -> None:
+        """Counts a remote prefill that failed before its first token and is done here instead."""
+        self.fallbacks.labels(**self.labels.values(), reason=reason).inc()
 
     def first_step_seconds(self, request_id: str) -> float | None:
         """Landing to the end of the first decode step, once that step ran (None before)."""

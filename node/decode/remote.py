@@ -10,6 +10,10 @@ and keeps reading the Prefill stream to its end, discarding a transfer that was 
 (keeping the pair channel in step) and waiting out one already posted before it frees the reservation.
 A prefill node that leaves the registry (lease gone) has its calls cancelled and its channel closed,
 which resolves posted receives at once; the reservations are then freed.
+
+A prefill that fails before the first token (the node died, refused, errored, gave no first token within
+`--prefill-timeout`, or lost its lease) is not the caller's problem: `_fall_back` frees the reservation
+and the request is prefilled here, as an ordinary local request (`pdserve_decode_local_prefill_fallbacks_total`).
 """
 
 from __future__ import annotations
@@ -36,6 +40,20 @@ from registry import Member
 
 log = logging.getLogger(__name__)
 
+# gRPC codes by which a prefill node declines a request it could not or would not take.
+_REFUSED = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                      grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.FAILED_PRECONDITION,
+                      grpc.StatusCode.OUT_OF_RANGE})
+
+
+def failure_reason(code: grpc.StatusCode) -> str:
+    """The fallback metric's reason for a Prefill call that failed with `code`."""
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return "unavailable"  # the process is gone, not listening, or draining
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return "timeout"
+    return "refused" if code in _REFUSED else "error"
+
 
 class PrefillLink:
     """What a decode node's remote requests share: gRPC stubs to prefill nodes, the KV receiver and the
@@ -58,24 +76,14 @@ class PrefillLink:
         return entry[1]
 
     async def drive(self, req: DecodeRequest) -> None:
-        """Runs one request's prefill and transfer, then lands it in the engine or ends it. Owns the
-        reservation from PREFILLING until the request decodes or ends."""
+        """Runs one request's prefill and transfer, then lands it in the engine, prefills it here (a
+        failure before the first token, `_fall_back`) or ends it. Owns the reservation from PREFILLING
+        until the request decodes or ends."""
         rem = req.remote
         assert rem is not None and req.stage == Stage.PREFILLING
-        try:
-            await self._read_prefill(req, rem)
-        except grpc.aio.AioRpcError as err:
-            req.error = req.error or f"prefill node {rem.prefill.node_id}: {err.code().name}: {err.details()}"
-        except asyncio.CancelledError:
-            # Our own cancel of the call (the prefill node left the registry) lands here as well.
-            task = asyncio.current_task()
-            if task is not None and task.cancelling():
-                await asyncio.shield(self._end(req))
-                raise
-            req.error = req.error or f"prefill call to {rem.prefill.node_id} cancelled"
-        except Exception as err:  # a bug here must not leak the reservation
-            log.exception("request %s: driver failed", req.request_id)
-            req.error = req.error or f"{type(err).__name__}: {err}"
+        await self._run_prefill(req, rem)
+        if await self._fall_back(req, rem):
+            return
         if (req.error is not None or req.cancelled) and not req.stream.finished:
             # Tell the caller now: a receive already posted may take until its deadline to resolve.
             req.stream.push(abort_output(req.request_id, "abort" if req.cancelled else "error"))
@@ -89,6 +97,50 @@ class PrefillLink:
                 req.error = f"landing after the transfer failed: {err}"
         await self._end(req)
 
+    async def _run_prefill(self, req: DecodeRequest, rem: RemotePrefill) -> None:
+        """The Prefill call, its failures turned into `req.error` and a `rem.failure` reason."""
+        try:
+            await self._read_prefill(req, rem)
+        except grpc.aio.AioRpcError as err:
+            rem.failure = rem.failure or failure_reason(err.code())
+            req.error = req.error or f"prefill node {rem.prefill.node_id}: {err.code().name}: {err.details()}"
+        except asyncio.CancelledError:
+            # Our own cancel of the call (lease lost, first token late) lands here as well.
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                await asyncio.shield(self._end(req))
+                raise
+            rem.failure = rem.failure or "error"
+            req.error = req.error or f"prefill call to {rem.prefill.node_id} cancelled"
+        except Exception as err:  # a bug here must not leak the reservation
+            log.exception("request %s: driver failed", req.request_id)
+            rem.failure = rem.failure or "error"
+            req.error = req.error or f"{type(err).__name__}: {err}"
+
+    async def _fall_back(self, req: DecodeRequest, rem: RemotePrefill) -> bool:
+        """The one place that decides "fall back or fail" once the Prefill call is over. A remote prefill
+        that failed before the first token (node dead, refusing, erroring, late, or its lease lost) no
+        longer fails the request: nothing reached the caller and no receive can write the reservation,
+        so the reservation is freed and the engine queues the request as an ordinary local one, keeping
+        its id, stream, params and seed; the caller only sees a later first token. From then on it is a
+        local request (`remote` None, so responses name this node as its prefill node). Returns False,
+        changing nothing, after the first token (a failed transfer still fails the request), for a
+        cancelled request, and when the prefill simply succeeded."""
+        if rem.got_first or rem.recv is not None or req.cancelled or req.stream.finished:
+            return False
+        reason = rem.failure or "error"  # a call that ended without a first token counts as an error
+        log.warning("request %s: prefill on %s failed before its first token (%s: %s); prefilling here",
+                    req.request_id, rem.prefill.node_id, reason, req.error)
+        self.metrics.local_prefill_fallback(reason)
+        req.error, req.remote, req.reservation = None, None, None
+        req.advance(Stage.DECODING)  # before the engine hears of it, so a later cancel aborts in the engine
+        try:
+            await self.ctx.engine.prefill_here(req.request_id)
+        except (KeyError, ValueError, RuntimeError) as err:
+            req.error = f"local prefill after the remote one failed: {err}"
+            await self._end(req)
+        return True
+
     async def _read_prefill(self, req: DecodeRequest, rem: RemotePrefill) -> None:
         assert req.reservation is not None
         msg = pb.PrefillRequest(
@@ -100,14 +152,29 @@ class PrefillLink:
         rem.call = self._stub(rem.prefill).Prefill(msg)
         if req.cancelled:
             self.send_abort(req)
-        async for event in rem.call:
-            kind = event.WhichOneof("event")
-            if kind == "first_token":
-                await self._on_first_token(req, rem, event.first_token)
-            elif kind == "transfer_start":
-                self._on_transfer_start(req, rem, event.transfer_start)
-            elif kind == "transfer_done":
-                self._on_transfer_done(req, rem, event.transfer_done)
+        timeout = self.config.prefill_timeout_s
+        timer = asyncio.get_running_loop().call_later(timeout, self._first_token_late, req, rem) if timeout else None
+        try:
+            async for event in rem.call:
+                kind = event.WhichOneof("event")
+                if kind == "first_token":
+                    await self._on_first_token(req, rem, event.first_token)
+                elif kind == "transfer_start":
+                    self._on_transfer_start(req, rem, event.transfer_start)
+                elif kind == "transfer_done":
+                    self._on_transfer_done(req, rem, event.transfer_done)
+        finally:
+            if timer is not None:
+                timer.cancel()
+
+    def _first_token_late(self, req: DecodeRequest, rem: RemotePrefill) -> None:
+        """No first token within the prefill timeout: the call is cancelled (the prefill node drops the
+        work) and the driver decides what follows."""
+        if rem.got_first or rem.call is None or rem.call.done():
+            return
+        rem.failure = rem.failure or "timeout"
+        req.error = req.error or f"no first token from {rem.prefill.node_id} in {self.config.prefill_timeout_s:g}s"
+        rem.call.cancel()
 
     async def _on_first_token(self, req: DecodeRequest, rem: RemotePrefill, first: pb.FirstToken) -> None:
         rem.got_first = True
@@ -188,6 +255,7 @@ class PrefillLink:
             if rem is None or rem.prefill.node_id != node_id or req.stage != Stage.PREFILLING or rem.done:
                 continue
             log.warning("prefill node %s left the registry: failing %s", node_id, req.request_id)
+            rem.failure = rem.failure or "lease_lost"
             req.error = req.error or f"prefill node {node_id} left the registry"
             if rem.channel is not None:
                 rem.channel.close(f"prefill node {node_id} left the registry")

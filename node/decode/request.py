@@ -3,6 +3,7 @@ state. The servicer's request table holds it from arrival until the engine let g
 
     local:   DECODING ───────────────────────────────────────────> ENDING ──> (dropped)
     remote:  RESERVING ──> PREFILLING ──(KV landed)──> DECODING ──> ENDING ──> (dropped)
+                              └──(failed before the first token: prefilled here, now local)──> DECODING
                  └──────────────┴──(refused, failed, cancelled)──────> ENDING
 
 KV blocks by stage (decode side): RESERVING holds none (it may wait in the reservation queue);
@@ -54,6 +55,8 @@ class RemotePrefill:
     # The prefill node reported its part done (TransferDone ok): its leaving the registry no longer
     # concerns this request (a drained prefill node revokes its lease right after its last send).
     done: bool = False
+    # Why the prefill failed, for the fallback metric: unavailable, refused, error, timeout, lease_lost.
+    failure: str = ""
 
 
 @dataclass(eq=False)
@@ -66,7 +69,7 @@ class DecodeRequest:
     arrived: float
     stream: RequestStream
     stage: Stage
-    remote: RemotePrefill | None = None  # None: prefilled here
+    remote: RemotePrefill | None = None  # None: prefilled here (from the start, or after a failed remote prefill)
     reservation: Reservation | None = None  # set when RESERVING ends
     cancelled: bool = False  # the caller went away or aborted
     error: str | None = None  # why it failed, for the caller
