@@ -12,8 +12,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.model_config import dtype_name
+
 FAST_BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
-_NAMES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16", "float16": "float16", "half": "float16"}
 
 
 def cpu_bf16_flags(cpuinfo: str | None = None) -> tuple[str, ...]:
@@ -32,10 +33,10 @@ def cpu_bf16_flags(cpuinfo: str | None = None) -> tuple[str, ...]:
 
 
 def checkpoint_dtype_name(model_dir: str | Path) -> str:
-    """The dtype a Hugging Face directory's config.json declares ("float32" when it declares none)."""
+    """The dtype a Hugging Face directory's config.json declares ("float32" when it declares none); raises
+    ValueError for one the engine does not serve."""
     raw = json.loads((Path(model_dir) / "config.json").read_text())
-    name = str(raw.get("dtype") or raw.get("torch_dtype") or "float32").removeprefix("torch.")
-    return _NAMES.get(name, name)
+    return dtype_name(raw.get("dtype") or raw.get("torch_dtype") or "float32")
 
 
 @dataclass(frozen=True)

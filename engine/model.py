@@ -81,16 +81,17 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = _param(dim, dtype=dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim] -> same shape, in the weight's dtype
+    def _normalized(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim] float32, a fresh tensor (never x)
         xf = x.float()
-        xf = xf * xf.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_()  # fresh tensor: x is not changed
-        # rounded to the weight dtype before the scale, as transformers does; never x itself
-        return xf.to(self.weight.dtype).mul_(self.weight)
+        return xf * xf.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim] -> same shape, in the weight's dtype
+        # rounded to the weight dtype before the scale, as transformers does
+        return self._normalized(x).to(self.weight.dtype).mul_(self.weight)
 
     def forward_float32(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim] -> same shape, float32
         """The same norm kept in float32 throughout (equal to `forward` for float32 weights)."""
-        xf = x.float()
-        return (xf * xf.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_()).mul_(self.weight.float())
+        return self._normalized(x).mul_(self.weight.float())
 
 
 class Attention(nn.Module):

@@ -49,6 +49,16 @@ inline float dot(const float* __restrict a, const float* __restrict b, int64_t d
   return s;
 }
 
+// Online softmax for one query head over one block of scores: the running max after the block (stored in
+// *m) and the factor that rescales what was accumulated before it (0 for the first block).
+inline float advance_max(const float* sg, int64_t n, float* m) {
+  float mx = *m;
+  for (int64_t t = 0; t < n; ++t) mx = std::max(mx, sg[t]);
+  const float alpha = *m == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(*m - mx);
+  *m = mx;
+  return alpha;
+}
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
@@ -117,11 +127,9 @@ void attend_item(const float* qs, const T* k_cache, const T* v_cache, const int3
     // online softmax, 16 tokens at a time
     for (int64_t g = 0; g < G; ++g) {
       float* sg = s + g * BS;
-      float mx = m[g];
-      for (int64_t t = 0; t < n; ++t) mx = std::max(mx, sg[t]);
-      const float alpha = m[g] == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(m[g] - mx);
+      const float alpha = advance_max(sg, n, &m[g]);
       float sum = 0.f;
-      const __m512 mxv = _mm512_set1_ps(mx);
+      const __m512 mxv = _mm512_set1_ps(m[g]);
       for (int64_t t = 0; t < n; t += 16) {
         const __mmask16 mask = n - t >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - t)) - 1);
         const __m512 p = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, sg + t), mxv));
@@ -129,7 +137,6 @@ void attend_item(const float* qs, const T* k_cache, const T* v_cache, const int3
         sum += _mm512_mask_reduce_add_ps(mask, p);
       }
       l[g] = l[g] * alpha + sum;
-      m[g] = mx;
       if (alpha != 1.f) {
         const __m512 av = _mm512_set1_ps(alpha);
         for (int v = 0; v < NV; ++v) _mm512_storeu_ps(acc + g * D + 16 * v, _mm512_mul_ps(av, _mm512_loadu_ps(acc + g * D + 16 * v)));
@@ -176,16 +183,13 @@ void attend_item_generic(const float* qs, const T* k_cache, const T* v_cache, co
     }
     for (int64_t g = 0; g < G; ++g) {
       float* sg = s + g * BS;
-      float mx = m[g];
-      for (int64_t t = 0; t < n; ++t) mx = std::max(mx, sg[t]);
-      const float alpha = m[g] == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(m[g] - mx);
+      const float alpha = advance_max(sg, n, &m[g]);
       float sum = 0.f;
       for (int64_t t = 0; t < n; ++t) {
-        sg[t] = std::exp(sg[t] - mx);
+        sg[t] = std::exp(sg[t] - m[g]);
         sum += sg[t];
       }
       l[g] = l[g] * alpha + sum;
-      m[g] = mx;
       float* a = acc + g * D;
 #pragma omp simd
       for (int64_t i = 0; i < D; ++i) a[i] *= alpha;
