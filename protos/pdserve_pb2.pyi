@@ -61,20 +61,24 @@ class Timing(_message.Message):
     def __init__(self, prefill_queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., first_decode_step_s: _Optional[float] = ..., decode_admission_s: _Optional[float] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "prefill_node_id", "force_local_prefill", "return_text")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "prefill_node_id", "force_local_prefill", "return_text", "resume_token_ids", "resume_text_chars")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_NODE_ID_FIELD_NUMBER: _ClassVar[int]
     FORCE_LOCAL_PREFILL_FIELD_NUMBER: _ClassVar[int]
     RETURN_TEXT_FIELD_NUMBER: _ClassVar[int]
+    RESUME_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    RESUME_TEXT_CHARS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: SamplingParams
     prefill_node_id: str
     force_local_prefill: bool
     return_text: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., prefill_node_id: _Optional[str] = ..., force_local_prefill: _Optional[bool] = ..., return_text: _Optional[bool] = ...) -> None: ...
+    resume_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    resume_text_chars: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., prefill_node_id: _Optional[str] = ..., force_local_prefill: _Optional[bool] = ..., return_text: _Optional[bool] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., resume_text_chars: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "logprobs", "finished", "finish_reason", "stop_reason", "num_prompt_tokens", "num_cached_tokens", "num_completion_tokens", "timing", "prefill_node_id", "decode_node_id", "error", "num_cached_tokens_decode", "num_cached_tokens_prefill")
@@ -125,7 +129,7 @@ class AbortResponse(_message.Message):
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "decode_node_id", "num_skip_blocks", "dst_block_ids", "block_size", "kv_dtype", "layout_version", "model_fingerprint")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "decode_node_id", "num_skip_blocks", "dst_block_ids", "block_size", "kv_dtype", "layout_version", "model_fingerprint", "num_prompt_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +140,7 @@ class PrefillRequest(_message.Message):
     KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: SamplingParams
@@ -146,7 +151,8 @@ class PrefillRequest(_message.Message):
     kv_dtype: str
     layout_version: int
     model_fingerprint: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., decode_node_id: _Optional[str] = ..., num_skip_blocks: _Optional[int] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., layout_version: _Optional[int] = ..., model_fingerprint: _Optional[str] = ...) -> None: ...
+    num_prompt_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., decode_node_id: _Optional[str] = ..., num_skip_blocks: _Optional[int] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., layout_version: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class FirstToken(_message.Message):
     __slots__ = ("token_id", "logprob", "num_cached_tokens", "queue_s", "prefill_s")
