@@ -100,9 +100,10 @@ def _cmd_drain(args: argparse.Namespace) -> int:
 
     from protos import pdserve_pb2 as pb
     from protos import pdserve_pb2_grpc as pb_grpc
+    from rpc import rpc_security_from_args
 
     started = time.monotonic()
-    with grpc.insecure_channel(args.grpc) as channel:
+    with rpc_security_from_args(args).channel(args.grpc) as channel:
         try:
             load = pb_grpc.NodeControlStub(channel).Drain(pb.DrainRequest(), timeout=args.timeout)
         except grpc.RpcError as err:
@@ -237,6 +238,9 @@ def _add_drain_parser(sub: argparse._SubParsersAction) -> None:
     d = sub.add_parser("drain", help="drain a node: leave the registry, finish its requests (preStop hook)")
     d.add_argument("--grpc", required=True, metavar="HOST:PORT", help="the node's gRPC address")
     d.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the node to be idle")
+    from rpc import add_rpc_args
+
+    add_rpc_args(d, server=False)
     d.set_defaults(fn=_cmd_drain)
 
 

@@ -27,6 +27,8 @@ from typing import Any
 
 import yaml
 
+from rpc import RpcSecurity, add_rpc_args, rpc_security_from_args
+
 
 class ConfigError(ValueError):
     """A configuration file or flag that cannot be used; the message names the file and the field."""
@@ -165,6 +167,7 @@ class FrontendConfig:
     ttft_slo_s: float = 2.0
     tpot_slo_s: float = 0.2
     log_level: str = "info"
+    rpc: RpcSecurity = field(default_factory=RpcSecurity.from_env)  # token (and CA) the calls to nodes carry
 
     def __post_init__(self) -> None:
         checks = [
@@ -227,6 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tpot-slo", type=float, default=0.2)
     p.add_argument("--log-level", default="info")
     p.add_argument("--hash-key", metavar="KEY", help="print the sha256 of an API key for a tenants file and exit")
+    add_rpc_args(p, server=False)
     return p
 
 
@@ -242,6 +246,10 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
     extra: dict[str, Any] = {}
     if args.frontend_id:
         extra["frontend_id"] = args.frontend_id
+    try:
+        extra["rpc"] = rpc_security_from_args(args)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"cluster token / TLS: {err}") from err
     return FrontendConfig(
         etcd_endpoints=endpoints,
         models=tuple(models),

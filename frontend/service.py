@@ -62,7 +62,7 @@ class Frontend:
             affinity_blocks=config.affinity_blocks,
             decode_max_queue=config.decode_max_queue,
         )
-        self.upstream = UpstreamPool()
+        self.upstream = UpstreamPool(config.rpc)
         self.admitter = Admitter(config, self.catalog, self.limiter, self.router, self.metrics)
         self.calls = UpstreamCalls(config, self.router, self.upstream)
         self.accounting = Accounting(config, self.metrics, self.request_log)

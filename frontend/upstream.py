@@ -23,6 +23,7 @@ from frontend.protocol import SamplingOptions
 from frontend.routing import NoRoute, Router
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pbg
+from rpc import RpcSecurity
 
 log = logging.getLogger(__name__)
 
@@ -65,14 +66,15 @@ def sampling_message(opts: SamplingOptions, max_tokens: int, seed: int | None) -
 class UpstreamPool:
     """gRPC channels to decode nodes by address, opened on first use (changed by `stub` and `drop`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, security: RpcSecurity) -> None:
+        self._security = security
         self._stubs: dict[str, pbg.DecodeNodeStub] = {}
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def stub(self, address: str) -> pbg.DecodeNodeStub:
         stub = self._stubs.get(address)
         if stub is None:
-            channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+            channel = self._security.aio_channel(address, options=_CHANNEL_OPTIONS)
             self._channels[address] = channel
             stub = self._stubs[address] = pbg.DecodeNodeStub(channel)
         return stub

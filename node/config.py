@@ -7,10 +7,11 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.config import EngineConfig
+from rpc import RpcSecurity, add_rpc_args, rpc_security_from_args
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,8 @@ class NodeConfig:
     metrics_host: str = "127.0.0.1"  # where /metrics is served
     metrics_port: int = 0  # 0 picks a free port (reported in the ready line)
     drain_timeout_s: float = 30.0  # how long a drain waits for the work in flight before giving up
+    # The cluster token and TLS of the gRPC server and of channels to peers ($PDSERVE_CLUSTER_TOKEN by default).
+    rpc: RpcSecurity = field(default_factory=RpcSecurity.from_env)
 
     def __post_init__(self) -> None:
         checks = [
@@ -52,6 +55,7 @@ class NodeConfig:
         for ok, msg in checks:
             if not ok:
                 raise ValueError(f"{type(self).__name__}: {msg}")
+        self.rpc.check_bind(self.grpc_host)
         if not self.model_name:
             object.__setattr__(self, "model_name", Path(self.engine.model).name)
 
@@ -95,6 +99,7 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="seconds a drain (SIGTERM, pdserve drain) waits for requests in flight")
     parser.add_argument("--log-level", default="INFO")
+    add_rpc_args(parser)
 
 
 def node_kwargs(args: argparse.Namespace) -> dict[str, object]:
@@ -115,6 +120,7 @@ def node_kwargs(args: argparse.Namespace) -> dict[str, object]:
         kv_interface=args.kv_interface, lease_ttl_s=args.lease_ttl, load_interval_s=args.load_interval,
         join_timeout_s=args.join_timeout, transfer_timeout_s=args.transfer_timeout,
         metrics_host=args.metrics_host, metrics_port=args.metrics_port, drain_timeout_s=args.drain_timeout,
+        rpc=rpc_security_from_args(args),
     )
 
 

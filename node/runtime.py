@@ -115,7 +115,7 @@ async def _build(config: NodeConfig, role: str, make_service: type[NodeService],
     ctx = NodeContext(config, role, aengine, channels, view, engine.model_config.fingerprint(), metrics)
     service = make_service(ctx)
     metrics.bind(service.node_load)
-    server = grpc.aio.server(options=GRPC_OPTIONS)
+    server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=config.rpc.server_interceptors())
     service.add_to_server(server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
@@ -130,7 +130,7 @@ async def _join(node: _Node) -> int | None:
     """Starts serving gRPC, then joins the registry (watching it, registering under a lease). Returns
     None once registered, else the exit code of a refused or unreachable registry."""
     ctx, config = node.ctx, node.ctx.config
-    port = node.server.add_insecure_port(f"{config.grpc_host}:{config.grpc_port}")
+    port = config.rpc.add_port(node.server, f"{config.grpc_host}:{config.grpc_port}")
     if port == 0:
         raise OSError(f"cannot bind gRPC to {config.grpc_host}:{config.grpc_port}")
     await node.server.start()

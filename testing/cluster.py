@@ -35,6 +35,7 @@ from node.ready import parse_ready_line
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
 from registry import EtcdServer, Member, RegistryView
+from rpc import RpcSecurity
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -92,8 +93,10 @@ class LocalCluster:
         lease_ttl_s: int = 3,
         node_args: Sequence[str] = (),
         python: str = sys.executable,
+        rpc: RpcSecurity | None = None,
     ) -> None:
         self.workdir = Path(workdir)
+        self.rpc = rpc or RpcSecurity.from_env()  # what this client's channels to the nodes present
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.model_dir = str(model_dir)
         self.cluster = cluster
@@ -221,7 +224,7 @@ class LocalCluster:
     def channel(self, node_id: str) -> grpc.Channel:
         channel = self._channels.get(node_id)
         if channel is None:
-            channel = grpc.insecure_channel(self.nodes[node_id].grpc_address)
+            channel = self.rpc.channel(self.nodes[node_id].grpc_address)
             self._channels[node_id] = channel
         return channel
 

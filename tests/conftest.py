@@ -11,6 +11,9 @@ from pathlib import Path
 # A GPU run (PDSERVE_TEST_DEVICE=cuda) compiles the kernels for real instead.
 if os.environ.get("PDSERVE_TEST_DEVICE", "cpu") == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Every cluster the tests start authenticates its internal calls, as a deployed one does: nodes and
+# frontends (in this process or spawned) read the shared token from the environment.
+os.environ.setdefault("PDSERVE_CLUSTER_TOKEN", "pdserve-test-" + os.urandom(12).hex())
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

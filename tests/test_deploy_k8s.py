@@ -213,8 +213,11 @@ def test_node_pods_request_gpus_probe_and_drain(role: str) -> None:
     assert pod["terminationGracePeriodSeconds"] > timeout
 
     # Identity and addresses from the downward API.
-    env = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in c["env"]}
-    assert env["POD_NAME"] == "metadata.name" and env["POD_IP"] == "status.podIP"
+    env = {e["name"]: e["valueFrom"] for e in c["env"]}
+    assert env["POD_NAME"]["fieldRef"]["fieldPath"] == "metadata.name"
+    assert env["POD_IP"]["fieldRef"]["fieldPath"] == "status.podIP"
+    # The cluster token every internal call carries (and the preStop drain presents) comes from a Secret.
+    assert env["PDSERVE_CLUSTER_TOKEN"] == {"secretKeyRef": {"name": "pdserve-cluster-token", "key": "token"}}
     assert _flag(c["args"], "node-id") == "$(POD_NAME)"
     assert _flag(c["args"], "advertise-host") == "$(POD_IP)"
     assert _flag(c["args"], "kv-host") == "$(POD_IP)"

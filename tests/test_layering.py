@@ -21,6 +21,7 @@ FORBIDDEN: dict[str, set[str]] = {
     "protos": {"engine", "kernels", "kv_transfer", "registry", "node", "frontend", "deploy", "testing", "torch"},
     "node": {"frontend", "deploy", "testing", "fastapi", "starlette", "uvicorn", "httpx"},
     "frontend": {"kernels", "kv_transfer", "node", "deploy", "testing", "torch"},
+    "rpc": {"engine", "kernels", "kv_transfer", "registry", "node", "frontend", "deploy", "protos", "testing", "torch"},
 }
 
 

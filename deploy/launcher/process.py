@@ -12,7 +12,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -81,13 +81,13 @@ def command(cfg: LauncherConfig, slot: Slot, etcd_endpoints: Sequence[str], logs
     ]
 
 
-def spawn(slot: Slot, num_threads: int, command: Callable[[Slot], list[str]]) -> None:
-    """Starts (or restarts) the slot's process (`command(slot)`, after the slot's metrics port is chosen);
-    its output is appended to its log."""
+def spawn(slot: Slot, num_threads: int, command: Callable[[Slot], list[str]], env_extra: Mapping[str, str]) -> None:
+    """Starts (or restarts) the slot's process (`command(slot)`, after the slot's metrics port is chosen,
+    with `env_extra` in its environment); its output is appended to its log."""
     if slot.pool in ("prefill", "decode") and (slot.metrics_port == 0 or not slot.was_ready):
         # Kept across restarts so the Prometheus target stays put; picked anew after a failed start.
         slot.metrics_port = free_port("127.0.0.1")
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(num_threads))
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(num_threads), **env_extra)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
     slot.log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(slot.log_path, "ab") as log:

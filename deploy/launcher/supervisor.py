@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -21,6 +22,7 @@ from deploy.launcher.config import ClusterState, LauncherConfig, write_json_atom
 from deploy.launcher.display import endpoint, print_banner, progress_table
 from deploy.launcher.process import Slot, StartupError, command, http_ok, spawn
 from deploy.launcher.shutdown import STOP_ORDER, empty_registry, stop_grace_s, stop_group
+from rpc import TOKEN_ENV
 
 _POLL_S = 0.2
 _BACKOFF_MAX_S = 30.0
@@ -45,6 +47,10 @@ class Launcher:
         self._force = threading.Event()
         self._started_at = time.time()
         self._etcd_endpoints: list[str] = []  # etcd keeps its ports across restarts
+        # Every process of the cluster authenticates its internal gRPC calls with this token: the
+        # caller's $PDSERVE_CLUSTER_TOKEN, else a fresh one (kept in token_path for `pdserve drain`).
+        self._cluster_token = os.environ.get(TOKEN_ENV, "").strip() or secrets.token_urlsafe(24)
+        self.token_path = config.cluster_dir / "cluster-token"
 
     # -- entry point ----------------------------------------------------------------------------------
 
@@ -93,6 +99,9 @@ class Launcher:
             except OSError as err:
                 raise StartupError(f"cannot serve on {cfg.host}:{cfg.port} ({err}); pick another --port") from err
         self.logs_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.token_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(self._cluster_token + "\n")
         # The registry of a local cluster lives as long as the cluster: a new `up` starts from an empty one
         # (and from fresh ports, so that a port taken since the last run is no obstacle).
         etcd_dir = cfg.cluster_dir / "etcd"
@@ -122,7 +131,8 @@ class Launcher:
         return list(self._etcd_endpoints)
 
     def _spawn(self, slot: Slot) -> None:
-        spawn(slot, self.config.num_threads, lambda s: command(self.config, s, self.etcd_endpoints, self.logs_dir))
+        spawn(slot, self.config.num_threads, lambda s: command(self.config, s, self.etcd_endpoints, self.logs_dir),
+              {TOKEN_ENV: self._cluster_token})
 
     def _check_ready(self, slot: Slot) -> bool:
         if slot.ready or not slot.alive:

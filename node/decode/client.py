@@ -12,13 +12,13 @@ import json
 import sys
 import time
 
-import grpc
 from google.protobuf.json_format import MessageToDict
 
 from engine.sampling_params import SamplingParams
 from node.convert import params_to_proto
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
+from rpc import add_rpc_args, rpc_security_from_args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,8 +33,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefill-node-id", default="")
     parser.add_argument("--force-local-prefill", action="store_true")
     parser.add_argument("--timeout", type=float, default=120.0)
+    add_rpc_args(parser, server=False)
     args = parser.parse_args(argv)
-    with grpc.insecure_channel(args.target) as channel:
+    with rpc_security_from_args(args).channel(args.target) as channel:
         if args.load:
             stub = pb_grpc.DecodeNodeStub(channel) if args.load == "decode" else pb_grpc.PrefillNodeStub(channel)
             load = stub.GetLoad(pb.LoadRequest(), timeout=args.timeout)

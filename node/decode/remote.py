@@ -70,7 +70,7 @@ class PrefillLink:
         key = (member.node_id, member.record.grpc_address)
         entry = self._stubs.get(key)
         if entry is None:
-            channel = grpc.aio.insecure_channel(member.record.grpc_address, options=GRPC_OPTIONS)
+            channel = self.config.rpc.aio_channel(member.record.grpc_address, options=GRPC_OPTIONS)
             entry = (channel, pb_grpc.PrefillNodeStub(channel))
             self._stubs[key] = entry
         return entry[1]
