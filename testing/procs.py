@@ -132,3 +132,44 @@ def start_frontend(name: str, log_dir: Path, etcd: list[str], port: int, *args: 
         proc.stop()
         raise
     return fp
+
+
+# Command-line marks of the processes a test may start: node and frontend processes, the scripted
+# decode node, etcd, `pdserve up` and its children. Other children (a compiler, a tokenizer pool) are
+# not the harness's business.
+_CLUSTER_MARKS = ("node.prefill", "node.decode", "-m frontend", SCRIPTED_NODE, "etcd", "pdserve", "prometheus")
+
+
+def _children(pid: int) -> list[int]:
+    """Direct children of `pid` (from /proc; empty where /proc is not Linux's)."""
+    out = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # Field 4 is the parent pid; the command name (field 2) may hold spaces, so split after it.
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            out.append(int(entry.name))
+    return out
+
+
+def reap_cluster_processes(pid: int | None = None) -> list[str]:
+    """Kills (SIGKILL) the cluster processes still running as children of `pid` (this process by
+    default) and waits for them; returns a description of each, for the test that left them behind."""
+    found = []
+    for child in _children(os.getpid() if pid is None else pid):
+        try:
+            argv = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        command = " ".join(a.decode(errors="replace") for a in argv if a)
+        if not any(mark in command for mark in _CLUSTER_MARKS):
+            continue
+        found.append(f"pid {child}: {command[:200]}")
+        try:
+            os.kill(child, signal.SIGKILL)
+            os.waitpid(child, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
+    return found

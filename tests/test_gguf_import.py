@@ -15,7 +15,6 @@ import dataclasses
 import json
 import os
 import struct
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -34,6 +33,7 @@ from engine.model_config import load_model_config
 from engine.sampling_params import SamplingParams
 from engine.tiny import default_model_dir
 from engine.tokenizer import Tokenizer
+from testing.threads import start_thread
 
 pytest.register_assert_rewrite("tests.gguf_fixtures")
 from tests.gguf_fixtures import craft_blocks, llamacpp_rope_freqs, write_gguf  # noqa: E402
@@ -259,12 +259,8 @@ def test_concurrent_fetches_import_once(tmp_path: Path, smollm2_gguf: Path, monk
         return Path(out)
 
     monkeypatch.setattr(engine.gguf_import, "import_gguf", fake_import)
-    results: list[Path] = []
-    threads = [threading.Thread(target=lambda: results.append(fetch_default_model(tmp_path))) for _ in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    futures = [start_thread(fetch_default_model, tmp_path) for _ in range(3)]
+    results = [f.result(timeout=60) for f in futures]
     assert results == [tmp_path / DIR_NAME] * 3 and calls == [tmp_path / DIR_NAME]
 
 

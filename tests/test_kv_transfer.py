@@ -35,6 +35,7 @@ from kv_transfer import (
     TransferResult,
     message_ranges,
 )
+from testing.threads import start_thread
 
 GEOMETRY = (4, 16, 2, 64)  # (L, BS, Hkv, D): the tiny model
 PREFILL_BLOCKS = 64
@@ -93,11 +94,8 @@ def _decode_node_main(conn: Connection, idle_timeout_s: float) -> None:
             time.sleep(0.01 * i)
             errors[item["token"]] = submit(item)
 
-        threads = [threading.Thread(target=run, args=(i, it)) for i, it in enumerate(items)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        for future in [start_thread(run, i, it) for i, it in enumerate(items)]:
+            future.result(timeout=60)  # re-raises a submission's failure
         return errors
 
     def wait(tokens: list[str], timeout: float) -> dict[str, TransferResult]:
@@ -321,11 +319,8 @@ def test_concurrent_transfers_on_one_channel_never_mix(cluster: Cluster) -> None
         if i % 2 == 1:
             handles[i].all_layers_ready()
 
-    threads = [threading.Thread(target=submit, args=(i,)) for i in range(len(plans))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    for future in [start_thread(submit, i) for i in range(len(plans))]:
+        future.result(timeout=60)
     assert sorted(h.meta.seq_no for h in handles) == list(range(len(plans)))
     # The decode node learns about the transfers in reverse sequence order.
     order = sorted(range(len(plans)), key=lambda i: -handles[i].meta.seq_no)

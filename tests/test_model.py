@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +29,7 @@ from engine.model_config import ModelLoadError, load_model_config, weight_files
 from engine.tiny import default_model_dir, make_tiny_model
 from engine.tokenizer import ChatTemplateError, Tokenizer
 from kernels import get_kernel_ops
+from testing.threads import start_thread
 from tests.logit_reference import assert_fp32_close, forward_logits, load_float64_reference
 
 ARCHS = ("llama", "qwen2", "qwen3")
@@ -525,21 +525,9 @@ def test_make_tiny_model_is_deterministic(tmp_path: Path) -> None:
 
 
 def test_default_model_dir_survives_a_race(tmp_path: Path) -> None:
-    results: list[Path] = []
-    errors: list[BaseException] = []
-
-    def create() -> None:
-        try:
-            results.append(default_model_dir("qwen2", seed=3, cache_dir=tmp_path))
-        except BaseException as e:  # surfaced below; a thread would swallow it
-            errors.append(e)
-
-    threads = [threading.Thread(target=create) for _ in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors and len(results) == 2 and results[0] == results[1]
+    futures = [start_thread(default_model_dir, "qwen2", 3, tmp_path) for _ in range(2)]
+    results = [f.result(timeout=120) for f in futures]
+    assert results[0] == results[1]
     assert [p.name for p in tmp_path.iterdir()] == [results[0].name]  # no temp dirs left behind
     assert load_model_config(results[0]).arch == "Qwen2ForCausalLM"
     shutil.rmtree(results[0])

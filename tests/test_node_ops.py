@@ -8,7 +8,6 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -25,6 +24,7 @@ from node.convert import params_to_proto
 from node.metrics import LATENCY_BUCKETS
 from protos import pdserve_pb2 as pb
 from testing.cluster import REPO_ROOT, LocalCluster
+from testing.threads import start_thread
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -135,15 +135,14 @@ def test_health_drain_and_graceful_exit(cluster: LocalCluster) -> None:
             tokens.extend(msg.token_ids)
         finished_at.append(time.monotonic())
 
-    reader = threading.Thread(target=read_rest)
-    reader.start()
+    reader = start_thread(read_rest)
     drain_started = time.monotonic()
     drain = subprocess.run(
         [sys.executable, "-m", "deploy", "drain", "--grpc", cluster.nodes["d0"].grpc_address, "--timeout", "90"],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
     )
     drain_ended = time.monotonic()
-    reader.join(timeout=60)
+    reader.result(timeout=60)
     assert drain.returncode == 0, drain.stderr
     assert "0 request(s) in flight" in drain.stdout
     assert len(tokens) == 1500, "the running request finished"

@@ -23,6 +23,7 @@ from engine.tiny import default_model_dir
 from node.convert import params_to_proto
 from protos import pdserve_pb2 as pb
 from testing.cluster import GenerateResult, LocalCluster
+from testing.threads import start_thread
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -204,8 +205,7 @@ def cancel_at(cluster: LocalCluster, stage: str, prompt: list[int]) -> bool:
         except grpc.RpcError as err:
             assert err.code() == grpc.StatusCode.CANCELLED, err
 
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
+    reader = start_thread(read)
     hit = False
     if stage == "prefill":
         # p0 has the request and the client has no token yet.
@@ -223,7 +223,7 @@ def cancel_at(cluster: LocalCluster, stage: str, prompt: list[int]) -> bool:
         load = cluster.get_load("d0")
         hit = load.running == 1 and load.kv_blocks_reserved == 0
         call.cancel()
-    reader.join(30)
+    reader.result(timeout=30)  # re-raises the reader's failure
     loads = cluster.wait_clean(["p0", "d0"], timeout_s=20)
     for load in loads.values():
         assert load.kv_blocks_used == 0 and load.in_flight == 0

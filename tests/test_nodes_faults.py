@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import random
 import signal
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -20,6 +19,7 @@ from node.convert import params_to_proto
 from node.ready import EXIT_REFUSED
 from protos import pdserve_pb2 as pb
 from testing.cluster import LocalCluster
+from testing.threads import start_thread
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -87,17 +87,21 @@ def test_mismatched_fingerprint_is_refused(cluster: LocalCluster) -> None:
     assert "p-bf16" not in cluster.registry_members()
 
 
+OUTAGE_S = 1.0
+
+
 def test_etcd_restart_while_serving(cluster: LocalCluster) -> None:
     assert cluster.etcd is not None
     params = SamplingParams(max_tokens=400, ignore_eos=True)
     jobs = [(f"d{i % 2}", f"p{(i // 2) % 2}", prompt_of(60 + i, seed=i)) for i in range(6)]
     with ThreadPoolExecutor(len(jobs) + 2) as pool:
         futures = [pool.submit(cluster.generate, d, prompt, params, prefill_node_id=p) for d, p, prompt in jobs]
-        time.sleep(0.3)
+        wait_until(lambda: sum(cluster.get_load(d).running for d in ("d0", "d1")) == len(jobs), 60,
+                   "every request to be decoding")
         cluster.etcd.stop()
         # Serving goes on without etcd: the nodes keep their last view of each other.
         during = cluster.generate("d1", prompt_of(80, seed=99), SamplingParams(max_tokens=8), prefill_node_id="p0")
-        time.sleep(1.0)
+        time.sleep(OUTAGE_S)  # the fault's length (not a synchronisation): etcd stays down a while longer
         cluster.etcd.start()
         results = [f.result(timeout=120) for f in futures]
     assert during.finish_reason in ("length", "stop") and during.prefill_node_id == "p0"
@@ -146,12 +150,11 @@ def test_hung_decode_node_lease_loss_frees_prefill_blocks(cluster: LocalCluster)
 
 def test_killed_decode_node_leaves_registry_within_ttl_and_prefill_frees(cluster: LocalCluster) -> None:
     call = open_stream(cluster, "d1", "p1", prompt_of(3000, seed=3), max_tokens=4)
-    reader = threading.Thread(target=drain, args=(call,), daemon=True)
-    reader.start()
+    reader = start_thread(drain, call)
     wait_until(lambda: cluster.get_load("p1").in_flight > 0, 30, "p1 to take the prefill")
     cluster.kill("d1", signal.SIGKILL)
     killed = time.monotonic()
     cluster.wait_registry(lambda m: "d1" not in m, timeout_s=TTL_S + 2, what="d1 to leave")
     assert time.monotonic() - killed <= TTL_S + 2
     cluster.wait_clean(["p1"], timeout_s=TTL_S + 2)
-    reader.join(10)
+    reader.result(timeout=10)
