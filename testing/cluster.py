@@ -178,6 +178,10 @@ class LocalCluster:
         started += [self.spawn_node("decode", f"d{i}", decode_args) for i in range(num_decode)]
         self.wait_ready(started)
 
+    def is_stopped(self, node_id: str) -> bool:
+        """Whether the node was sent SIGSTOP (and no SIGCONT since)."""
+        return node_id in self._stopped
+
     def kill(self, node_id: str, sig: int = signal.SIGKILL) -> None:
         node = self.nodes[node_id]
         if node.alive:
