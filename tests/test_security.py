@@ -27,7 +27,7 @@ from testing.cluster import LocalCluster
 
 pytestmark = pytest.mark.timeout(300)
 
-NODE_ARGS = ["--num-threads", "1", "--num-kv-blocks", "256", "--block-size", "16"]
+NODE_ARGS = ["--num-threads", "1", "--num-kv-blocks", "256", "--block-size", "16", "--log-level", "DEBUG"]
 DECODE_ARGS = ["--local-prefill-threshold", "8"]  # every test prompt is prefilled remotely
 PROMPT = list(range(40, 100))
 PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -147,3 +147,35 @@ def test_tls_between_every_process(tmp_path: Path, model_dir: Path, expected: li
                 pb_grpc.DecodeNodeStub(plain).GetLoad(pb.LoadRequest(), timeout=5)
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE  # no TLS handshake, no call
         c.wait_clean()
+
+
+# -- what the logs hold -----------------------------------------------------------------------------
+
+
+def test_no_prompt_text_in_any_log_unless_enabled(cluster: LocalCluster, tmp_path: Path) -> None:
+    """A request whose prompt holds a marker, served with debug logging on every process: the marker is
+    in no log (frontend, its request log, both nodes) unless the frontend was told --log-prompts."""
+    import openai
+
+    from registry.etcd_server import free_port
+    from testing.procs import start_frontend
+
+    marker = "zebra-quartz-7731"
+    name = Path(cluster.model_dir).name
+    for log_prompts in (False, True):
+        request_log = tmp_path / f"requests-{log_prompts}.jsonl"
+        fe = start_frontend(f"frontend-{log_prompts}", tmp_path, cluster.etcd_endpoints, free_port(),
+                            "--cluster", cluster.cluster, "--model", f"{name}={cluster.model_dir}",
+                            "--request-log", str(request_log), "--log-level", "debug",
+                            *(["--log-prompts"] if log_prompts else []))
+        try:
+            client = openai.OpenAI(base_url=f"{fe.base_url}/v1", api_key="k", max_retries=0)
+            out = client.chat.completions.create(
+                model=name, messages=[{"role": "user", "content": f"Say {marker} twice."}], max_tokens=4)
+            assert out.choices[0].finish_reason in ("length", "stop")
+        finally:
+            fe.stop()
+        logs = {"frontend": fe.proc.log_text(), "request log": request_log.read_text()}
+        logs |= {node_id: node.log_path.read_text(errors="replace") for node_id, node in cluster.nodes.items()}
+        holding = sorted(where for where, text in logs.items() if marker in text)
+        assert holding == (["request log"] if log_prompts else []), holding
