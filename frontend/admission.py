@@ -39,6 +39,16 @@ class ModelChoice:
 
 
 @dataclass(frozen=True)
+class OutputBudget:
+    """One prompt's output: the generation cap of each of its choices and what each reserves against the
+    tenant's output budget (max_tokens when sent; else an estimate, settled when the job ends)."""
+
+    max_tokens: int
+    reserve: int
+    estimated: bool
+
+
+@dataclass(frozen=True)
 class Tokenized:
     prompts: list[list[int]]  # token ids per prompt
     echo_texts: list[str]  # per prompt: the text `echo` puts in front ("" without echo)
@@ -66,13 +76,16 @@ class Admitter:
         model = picked.model
         tokenized = self._tokenize(req, model)
         prompts = tokenized.prompts
-        per_prompt_max = [self._max_tokens(req, tenant, model, len(p)) for p in prompts]
+        budgets = [self._max_tokens(req, tenant, model, len(p)) for p in prompts]
+        per_prompt_max = [b.max_tokens for b in budgets]
         session_key = headers.get(self.config.session_header) if self.config.session_header else None
         if not session_key and self.config.user_affinity:
             session_key = req.user
         decisions = self._route(req, model, prompts, per_prompt_max, session_key)
-        reserve = sum(per_prompt_max[pi] for pi, _ in decisions)
-        admission = self._limited(tenant, lambda: self.limiter.admit(tenant, sum(len(p) for p in prompts), reserve))
+        firm = sum(budgets[pi].reserve for pi, _ in decisions if not budgets[pi].estimated)
+        estimate = sum(budgets[pi].reserve for pi, _ in decisions if budgets[pi].estimated)
+        admission = self._limited(tenant, lambda: self.limiter.admit(tenant, sum(len(p) for p in prompts), firm,
+                                                                     estimate))
         job_id = ("chatcmpl-" if kind == CHAT else "cmpl-") + uuid.uuid4().hex
         job = Job(kind=kind, id=job_id, created=int(time.time()), arrived=arrived, req=req, tenant=tenant,
                   model=model, requested_model=req.model, prompts=prompts, echo_texts=tokenized.echo_texts,
@@ -162,7 +175,7 @@ class Admitter:
             prompts.append(ids)
         return Tokenized(prompts, echoes)
 
-    def _max_tokens(self, req: GenerationRequest, tenant: Tenant, model: ServedModel, prompt_len: int) -> int:
+    def _max_tokens(self, req: GenerationRequest, tenant: Tenant, model: ServedModel, prompt_len: int) -> OutputBudget:
         """The output budget of one choice; 400 APIError when the request cannot fit the context."""
         limit = model.max_context
         if tenant.limits.max_context_tokens is not None:
@@ -180,7 +193,10 @@ class Admitter:
             budget = limit - prompt_len
             if model.spec.default_max_tokens is not None:
                 budget = min(budget, model.spec.default_max_tokens)
-            return budget if cap is None else min(budget, cap)
+            budget = budget if cap is None else min(budget, cap)
+            estimate = next(e for e in (tenant.limits.output_tokens_estimate, model.spec.output_tokens_estimate,
+                                        self.config.output_estimate) if e is not None)
+            return OutputBudget(budget, min(budget, estimate), estimated=True)
         if cap is not None and wanted > cap:
             raise APIError(400, f"{param} is too large: {wanted}. This model supports at most {cap} completion "
                            "tokens per choice for this tenant.", param=param, code="invalid_value")
@@ -189,4 +205,4 @@ class Admitter:
                            f"{prompt_len + wanted} tokens ({prompt_len} in the {what}, {wanted} in the completion). "
                            f"Please reduce the length of the {what} or completion.", param=param,
                            code="context_length_exceeded")
-        return wanted
+        return OutputBudget(wanted, wanted, estimated=False)

@@ -11,6 +11,8 @@ Models file (YAML or TOML, chosen by the file suffix)::
         max_context: 2048           # default: the model's max_model_len
         max_output_tokens: 1024     # cap on max_tokens (default: no cap beyond the context)
         default_max_tokens: 256     # chat requests without max_tokens (default: the rest of the context)
+        output_tokens_estimate: 256 # output reserved against tenant budgets when max_tokens is absent
+                                    # (default: --output-estimate); reconciled with what was generated
 
 `--model NAME=PATH` on the command line adds an entry with only a name and a path.
 """
@@ -83,6 +85,7 @@ class ModelSpec:
     max_context: int | None = None
     max_output_tokens: int | None = None
     default_max_tokens: int | None = None
+    output_tokens_estimate: int | None = None
 
     def __post_init__(self) -> None:
         if not self.name or "/" in self.pool:
@@ -120,6 +123,7 @@ class ModelSpec:
             max_context=optional_positive_int(where, obj, "max_context"),
             max_output_tokens=optional_positive_int(where, obj, "max_output_tokens"),
             default_max_tokens=optional_positive_int(where, obj, "default_max_tokens"),
+            output_tokens_estimate=optional_positive_int(where, obj, "output_tokens_estimate"),
         )
 
 
@@ -150,6 +154,9 @@ class FrontendConfig:
     # Per-tenant limits are enforced per process; with K frontends behind one balancer each enforces
     # limit / limit_share, so the tenant's total stays at its configured limit.
     limit_share: int = 1
+    # Output tokens a request without max_tokens reserves against its tenant's output budget until it
+    # ends (then it is charged what it generated); a model's or tenant's output_tokens_estimate wins.
+    output_estimate: int = 256
     max_body_bytes: int = 4 << 20
     max_inflight: int = 2048  # requests in flight in this process before new ones get 503
     request_log: str | None = "-"  # "-": stderr, a path: appended JSON lines, None: off
@@ -173,6 +180,7 @@ class FrontendConfig:
             (bool(self.cluster) and "/" not in self.cluster, f"bad cluster name {self.cluster!r}"),
             (0 <= self.port <= 65535, f"port must be in [0, 65535], got {self.port}"),
             (self.limit_share >= 1, f"limit_share must be >= 1, got {self.limit_share}"),
+            (self.output_estimate >= 1, f"output_estimate must be >= 1, got {self.output_estimate}"),
             (self.max_body_bytes >= 1024, f"max_body_bytes must be >= 1024, got {self.max_body_bytes}"),
             (self.max_inflight >= 1, f"max_inflight must be >= 1, got {self.max_inflight}"),
             (self.affinity_blocks >= 1, f"affinity_blocks must be >= 1, got {self.affinity_blocks}"),
@@ -212,6 +220,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--frontend-id", default=None)
     p.add_argument("--limit-share", type=int, default=1,
                    help="number of frontend processes sharing each tenant's limits")
+    p.add_argument("--output-estimate", type=int, default=256,
+                   help="output tokens reserved against tenant budgets for a request without max_tokens "
+                        "(reconciled with what it generated when it ends)")
     p.add_argument("--max-body-bytes", type=int, default=4 << 20)
     p.add_argument("--max-inflight", type=int, default=2048)
     p.add_argument("--request-log", default="-", help="'-' for stderr, a file path, or 'off'")
@@ -250,6 +261,7 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         port=args.port,
         tenants_file=args.tenants,
         limit_share=args.limit_share,
+        output_estimate=args.output_estimate,
         max_body_bytes=args.max_body_bytes,
         max_inflight=args.max_inflight,
         request_log=None if args.request_log == "off" else args.request_log,

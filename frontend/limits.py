@@ -3,7 +3,10 @@
 A request is admitted atomically (every limit checked before any is charged, and nothing awaits in
 between, so concurrent requests on the event loop cannot interleave). Its output budget is its
 `max_tokens` (times the number of choices), taken up front; `Admission.release` refunds what it did not
-use. Limits are per process: with K frontends, run each with `limit_share=K` (see FrontendConfig), which
+use. A choice without `max_tokens` (the openai SDK sends none) may generate up to the context, so it
+reserves an estimate instead (`output_tokens_estimate`), never more than the bucket or the day's quota
+can hold, so leaving max_tokens out never makes a request too large; when it ends it is charged what it
+generated, which may put the bucket into debt that later requests wait out. Limits are per process: with K frontends, run each with `limit_share=K` (see FrontendConfig), which
 gives every process 1/K of each limit; a balancer that pins a tenant's key to one frontend (hash on the
 Authorization header) can instead give that process the whole limit.
 
@@ -50,6 +53,7 @@ class TokenBucket:
         return max(0.0, (amount - self.level) / self.rate)
 
     def take(self, amount: float) -> None:
+        """Removes `amount`; the level may go below zero (a debt later requests wait out)."""
         self.level -= amount
 
     def give(self, amount: float) -> None:
@@ -82,14 +86,20 @@ class Admission:
     released: bool = field(default=False)
 
     def release(self, output_used: int) -> None:
-        """Frees the concurrency slot and refunds the unused part of the output reservation."""
+        """Frees the concurrency slot and settles the output reservation against `output_used`: the
+        unused part is refunded, generation beyond an estimated reservation is charged (the bucket may
+        go into debt)."""
         if self.released:
             return
         self.released = True
         self.state.concurrent -= 1
-        unused = max(0, self.output_reserved - output_used)
-        if self.state.output_tokens is not None:
-            self.state.output_tokens.give(unused)
+        unused = self.output_reserved - output_used
+        bucket = self.state.output_tokens
+        if bucket is not None:
+            if unused >= 0:
+                bucket.give(unused)
+            else:
+                bucket.take(-unused)
         if self.state.day == self.day:
             self.state.day_used = max(0, self.state.day_used - unused)
 
@@ -135,11 +145,17 @@ class TenantLimiter:
             st.requests.refill(self._clock())
             self._check_bucket(tenant, st.requests, 1, "requests", "requests per minute (RPM)", "rpm")
 
-    def admit(self, tenant: Tenant, input_tokens: int, output_reserve: int) -> Admission:
-        """Charges one request, `input_tokens` and an output reservation, or raises a 429 APIError."""
+    def admit(self, tenant: Tenant, input_tokens: int, output_reserve: int, output_estimate: int = 0) -> Admission:
+        """Charges one request: `input_tokens`, the firm output reservation `output_reserve` (the sum of
+        the max_tokens the client sent) and `output_estimate` (what choices without max_tokens reserve,
+        cut to what the output bucket and the daily quota can hold); or raises a 429 APIError."""
         st = self.state(tenant)
         now = self._clock()
         self._check_concurrency(tenant, st)
+        if st.output_tokens is not None:
+            output_estimate = min(output_estimate, max(0, int(st.output_tokens.capacity) - output_reserve))
+        output_reserve += max(0, output_estimate)
+        day, output_reserve = self._check_daily(tenant, st, input_tokens, output_reserve, output_estimate)
         checks = [
             (st.requests, 1, "requests", "requests per minute (RPM)", "rpm"),
             (st.input_tokens, input_tokens, "tokens", "input tokens per minute (ITPM)", "input_tpm"),
@@ -149,7 +165,6 @@ class TenantLimiter:
             if bucket is not None:
                 bucket.refill(now)
                 self._check_bucket(tenant, bucket, amount, kind, what, name)
-        day = self._check_daily(tenant, st, input_tokens + output_reserve)
         for bucket, amount, *_ in checks:
             if bucket is not None:
                 bucket.take(amount)
@@ -197,12 +212,18 @@ class TenantLimiter:
                      f"x-ratelimit-limit-{kind}": str(limit)},
         )
 
-    def _check_daily(self, tenant: Tenant, st: TenantState, amount: int) -> int:
+    def _check_daily(self, tenant: Tenant, st: TenantState, input_tokens: int, output_reserve: int,
+                     estimated: int) -> tuple[int, int]:
+        """(the UTC day number, the output reservation cut so its `estimated` part fits the quota)."""
         wall = self._wall()
         day = int(wall // SECONDS_PER_DAY)
         if st.day != day:
             st.day, st.day_used = day, 0
         quota = self._scaled(st.limits.daily_token_quota)
+        if quota is not None:
+            over = st.day_used + input_tokens + output_reserve - quota
+            output_reserve -= min(max(0, over), estimated)
+        amount = input_tokens + output_reserve
         if quota is not None and st.day_used + amount > quota:
             reset_in = (day + 1) * SECONDS_PER_DAY - wall
             raise APIError(
@@ -214,7 +235,7 @@ class TenantLimiter:
                 limit="quota",
                 headers={"retry-after": _retry_after(reset_in), "x-should-retry": "false"},
             )
-        return day
+        return day, output_reserve
 
     def concurrent(self, tenant_name: str) -> int:
         st = self._states.get(tenant_name)

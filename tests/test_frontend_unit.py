@@ -246,6 +246,34 @@ def test_limiter_output_reservation_is_refunded() -> None:
     assert lim.state(t).output_tokens is not None and lim.state(t).output_tokens.level == pytest.approx(10)
 
 
+def test_limiter_estimated_output_is_capped_and_settled_against_use() -> None:
+    clock, wall = FakeClock(), FakeClock()
+    lim = TenantLimiter(clock=clock, wall_clock=wall)
+    t = tenant(output_tokens_per_minute=60)  # 1 token/s refill
+    # A request without max_tokens whose estimate exceeds the bucket is never too large: it reserves
+    # what the bucket holds, and is charged what it generated when it ends.
+    first = lim.admit(t, 1, 0, 4000)
+    assert first.output_reserved == 60
+    first.release(100)  # generated past the reservation: the bucket owes 40
+    bucket = lim.state(t).output_tokens
+    assert bucket is not None and bucket.level == pytest.approx(-40)
+    err = api_error(lambda: lim.admit(t, 1, 0, 10))
+    assert err.code == "rate_limit_exceeded" and err.headers["retry-after"] == "50"  # debt + 10 at 1/s
+    clock.now += 50
+    second = lim.admit(t, 1, 0, 10)
+    second.release(3)  # used less than the estimate: the rest comes back
+    assert bucket.level == pytest.approx(7)  # refilled to 10, 10 reserved, 7 back
+    # A firm max_tokens larger than the bucket stays a hard refusal.
+    assert api_error(lambda: lim.admit(t, 1, 61)).code == "request_too_large"
+    # The daily quota: the estimate shrinks to what is left, then the day is charged what was used.
+    daily = Tenant("d", frozenset({"*"}), TenantLimits(daily_token_quota=100))
+    held = lim.admit(daily, 70, 0, 256)
+    assert held.output_reserved == 30
+    held.release(50)
+    assert lim.state(daily).day_used == 120
+    assert api_error(lambda: lim.admit(daily, 1, 0, 5)).code == "insufficient_quota"
+
+
 def test_limiter_requests_concurrency_daily_and_share() -> None:
     clock, wall = FakeClock(), FakeClock()
     lim = TenantLimiter(clock=clock, wall_clock=wall)
