@@ -151,9 +151,13 @@ class FrontendConfig:
     port: int = 8000
     tenants_file: str | None = None  # None: local mode, any key accepted
     frontend_id: str = field(default_factory=_default_frontend_id)
-    # Per-tenant limits are enforced per process; with K frontends behind one balancer each enforces
-    # limit / limit_share, so the tenant's total stays at its configured limit.
+    # Per-tenant limits are enforced per process. With K frontends behind one balancer (limit_share=K)
+    # frontend i of K (limit_share_index=i) enforces floor(limit / K), plus one while i < limit % K: the
+    # shares sum to exactly the limit. Without an index every frontend enforces floor(limit / K), which
+    # never exceeds the limit in total but loses the remainder. A zero share refuses with 429 +
+    # Retry-After, so clients and balancers retry on another frontend.
     limit_share: int = 1
+    limit_share_index: int | None = None
     # Output tokens a request without max_tokens reserves against its tenant's output budget until it
     # ends (then it is charged what it generated); a model's or tenant's output_tokens_estimate wins.
     output_estimate: int = 256
@@ -180,6 +184,8 @@ class FrontendConfig:
             (bool(self.cluster) and "/" not in self.cluster, f"bad cluster name {self.cluster!r}"),
             (0 <= self.port <= 65535, f"port must be in [0, 65535], got {self.port}"),
             (self.limit_share >= 1, f"limit_share must be >= 1, got {self.limit_share}"),
+            (self.limit_share_index is None or 0 <= self.limit_share_index < self.limit_share,
+             f"limit_share_index must be in [0, limit_share={self.limit_share}), got {self.limit_share_index}"),
             (self.output_estimate >= 1, f"output_estimate must be >= 1, got {self.output_estimate}"),
             (self.max_body_bytes >= 1024, f"max_body_bytes must be >= 1024, got {self.max_body_bytes}"),
             (self.max_inflight >= 1, f"max_inflight must be >= 1, got {self.max_inflight}"),
@@ -220,6 +226,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--frontend-id", default=None)
     p.add_argument("--limit-share", type=int, default=1,
                    help="number of frontend processes sharing each tenant's limits")
+    p.add_argument("--limit-share-index", type=int, default=None,
+                   help="this frontend's index in [0, --limit-share): the shares then sum to each limit exactly")
     p.add_argument("--output-estimate", type=int, default=256,
                    help="output tokens reserved against tenant budgets for a request without max_tokens "
                         "(reconciled with what it generated when it ends)")
@@ -261,6 +269,7 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         port=args.port,
         tenants_file=args.tenants,
         limit_share=args.limit_share,
+        limit_share_index=args.limit_share_index,
         output_estimate=args.output_estimate,
         max_body_bytes=args.max_body_bytes,
         max_inflight=args.max_inflight,

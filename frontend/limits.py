@@ -25,6 +25,8 @@ from frontend.errors import QUOTA, RATE_LIMIT, APIError
 from frontend.tenants import Tenant, TenantLimits
 
 SECONDS_PER_DAY = 86400.0
+_SHARED_LIMITS = ("requests_per_minute", "input_tokens_per_minute", "output_tokens_per_minute",
+                  "max_concurrent_requests", "daily_token_quota")
 
 
 @dataclass(eq=False)
@@ -35,10 +37,13 @@ class TokenBucket:
     rate: float
     level: float
     stamp: float
+    largest_share: float = 0.0  # the capacity of the largest share of this limit on any frontend
 
     @classmethod
-    def per_minute(cls, limit: int, now: float) -> TokenBucket:
-        return cls(capacity=float(limit), rate=limit / 60.0, level=float(limit), stamp=now)
+    def per_minute(cls, limit: int, now: float, largest_share: int | None = None) -> TokenBucket:
+        """A full bucket of `limit` refilled over a minute (a limit of 0 is empty for good)."""
+        largest = float(limit if largest_share is None else largest_share)
+        return cls(capacity=float(limit), rate=limit / 60.0, level=float(limit), stamp=now, largest_share=largest)
 
     def refill(self, now: float) -> None:
         """Adds what accrued since the last call."""
@@ -112,26 +117,43 @@ class TenantLimiter:
     """Admits or rejects requests per tenant (changes the tenants' counters and buckets)."""
 
     def __init__(self, share: int = 1, clock: Callable[[], float] = time.monotonic,
-                 wall_clock: Callable[[], float] = time.time) -> None:
+                 wall_clock: Callable[[], float] = time.time, index: int | None = None) -> None:
+        assert share >= 1 and (index is None or 0 <= index < share), (share, index)
         self._share = share
+        self._index = index
         self._clock = clock
         self._wall = wall_clock
         self._states: dict[str, TenantState] = {}
 
     def _scaled(self, limit: int | None) -> int | None:
-        return None if limit is None else max(1, math.ceil(limit / self._share))
+        """This process's share of `limit` (None: unlimited); the shares of indices 0..K-1 sum to it."""
+        if limit is None:
+            return None
+        base, rest = divmod(limit, self._share)
+        return base + (1 if self._index is not None and self._index < rest else 0)
+
+    def _largest(self, limit: int) -> int:
+        """The largest share of `limit` any frontend holds."""
+        return math.ceil(limit / self._share) if self._index is not None else limit // self._share
+
+    def _bucket(self, limit: int | None, now: float) -> TokenBucket | None:
+        share = self._scaled(limit)
+        return None if limit is None or share is None else TokenBucket.per_minute(share, now, self._largest(limit))
+
+    def zero_shares(self, tenants: list[Tenant]) -> list[str]:
+        """`tenant.limit` names whose share in this process is zero (for a startup warning)."""
+        return [f"{t.name}.{f}" for t in tenants for f in _SHARED_LIMITS
+                if self._scaled(getattr(t.limits, f)) == 0]
 
     def state(self, tenant: Tenant) -> TenantState:
         st = self._states.get(tenant.name)
         if st is None:
             lim, now = tenant.limits, self._clock()
-            rpm, itpm = self._scaled(lim.requests_per_minute), self._scaled(lim.input_tokens_per_minute)
-            otpm = self._scaled(lim.output_tokens_per_minute)
             st = TenantState(
                 limits=lim,
-                requests=None if rpm is None else TokenBucket.per_minute(rpm, now),
-                input_tokens=None if itpm is None else TokenBucket.per_minute(itpm, now),
-                output_tokens=None if otpm is None else TokenBucket.per_minute(otpm, now),
+                requests=self._bucket(lim.requests_per_minute, now),
+                input_tokens=self._bucket(lim.input_tokens_per_minute, now),
+                output_tokens=self._bucket(lim.output_tokens_per_minute, now),
             )
             self._states[tenant.name] = st
         return st
@@ -172,8 +194,23 @@ class TenantLimiter:
         st.day_used += input_tokens + output_reserve
         return Admission(tenant, st, input_tokens, output_reserve, day)
 
+    def _no_share(self, tenant: Tenant, what: str, name: str, amount: int = 1) -> APIError:
+        """429 for a request beyond this process's share of a limit that another frontend's share could
+        hold (a zero share refuses everything): soft, so a client or balancer retries elsewhere."""
+        return APIError(
+            429,
+            f"Tenant {tenant.name!r}: {amount} is more than this frontend's share of its {what} limit (the "
+            f"limit is split over {self._share} frontends). Retry: another frontend may serve the request.",
+            type=RATE_LIMIT,
+            code="rate_limit_exceeded",
+            limit=name,
+            headers={"retry-after": "1", "x-should-retry": "true"},
+        )
+
     def _check_concurrency(self, tenant: Tenant, st: TenantState) -> None:
         cap = self._scaled(st.limits.max_concurrent_requests)
+        if cap == 0:
+            raise self._no_share(tenant, "concurrent requests", "concurrency")
         if cap is not None and st.concurrent >= cap:
             raise APIError(
                 429,
@@ -187,6 +224,8 @@ class TenantLimiter:
     def _check_bucket(
         self, tenant: Tenant, bucket: TokenBucket, amount: int, kind: str, what: str, name: str
     ) -> None:
+        if bucket.capacity < amount <= bucket.largest_share:
+            raise self._no_share(tenant, what, name, amount)
         wait = bucket.wait_s(amount)
         if wait == 0.0:
             return
@@ -220,6 +259,8 @@ class TenantLimiter:
         if st.day != day:
             st.day, st.day_used = day, 0
         quota = self._scaled(st.limits.daily_token_quota)
+        if quota == 0:
+            raise self._no_share(tenant, "daily token quota", "quota", input_tokens + output_reserve)
         if quota is not None:
             over = st.day_used + input_tokens + output_reserve - quota
             output_reserve -= min(max(0, over), estimated)

@@ -52,7 +52,7 @@ class Frontend:
         self.config = config
         self.catalog = ModelCatalog(config.models)
         self.tenants = TenantTable.from_file(config.tenants_file) if config.tenants_file else TenantTable.local()
-        self.limiter = TenantLimiter(share=config.limit_share)
+        self.limiter = TenantLimiter(share=config.limit_share, index=config.limit_share_index)
         self.metrics = FrontendMetrics(config.frontend_id)
         self.request_log = RequestLog(config.request_log)
         self.view = RegistryView(config.etcd_endpoints, config.cluster)
@@ -72,6 +72,11 @@ class Frontend:
         unknown = self.tenants.check_models(self.catalog.served_names)
         if unknown:
             log.warning("tenants file allows models that are not served: %s", unknown)
+        starved = self.limiter.zero_shares(self.tenants.tenants)
+        if starved:
+            log.warning("limit share %s of %d: no share of these tenant limits here (refused with 429 + "
+                        "Retry-After, served by other frontends): %s", config.limit_share_index,
+                        config.limit_share, starved)
 
     # --- lifecycle -------------------------------------------------------------------------------
 

@@ -301,6 +301,45 @@ def test_limiter_requests_concurrency_daily_and_share() -> None:
     assert api_error(lambda: shared.admit(tenant(input_tokens_per_minute=400), 101, 0)).code == "request_too_large"
 
 
+def test_limit_share_concurrency_one_over_four_frontends_admits_one_in_total() -> None:
+    clock, wall = FakeClock(), FakeClock()
+    frontends = [TenantLimiter(share=4, index=i, clock=clock, wall_clock=wall) for i in range(4)]
+    one = Tenant("one", frozenset({"*"}), TenantLimits(max_concurrent_requests=1))
+    admitted, refused = [], []
+    for _ in range(3):  # every frontend is asked three times while nothing ends
+        for lim in frontends:
+            try:
+                admitted.append(lim.admit(one, 1, 1))
+            except APIError as err:
+                refused.append(err)
+    assert len(admitted) == 1 and len(refused) == 11
+    # Refusals are soft: a client or balancer retries, and another frontend (or this one later) serves it.
+    assert all(e.status == 429 and e.headers["retry-after"] == "1" and e.headers["x-should-retry"] == "true"
+               for e in refused)
+    assert frontends[0].concurrent("one") == 1  # index 0 holds the remainder of 1 // 4
+
+    # Every shared limit splits exactly: floor(limit / K), one more for indices below limit % K.
+    limits = TenantLimits(requests_per_minute=10, input_tokens_per_minute=7, output_tokens_per_minute=3,
+                          max_concurrent_requests=6, daily_token_quota=4001)
+    t = Tenant("split", frozenset({"*"}), limits)
+    for field_name, total in ((f, getattr(limits, f)) for f in ("requests_per_minute", "input_tokens_per_minute",
+                                                                "output_tokens_per_minute", "max_concurrent_requests",
+                                                                "daily_token_quota")):
+        assert sum(lim._scaled(total) or 0 for lim in frontends) == total, field_name
+    # Input tokens: 7 over 4 is 2, 2, 2, 1: 2 tokens are beyond frontend 3's share but not another's (soft),
+    # 3 are beyond every share (hard).
+    assert api_error(lambda: frontends[3].admit(t, 2, 1)).headers["x-should-retry"] == "true"
+    assert api_error(lambda: frontends[3].admit(t, 3, 1)).code == "request_too_large"
+    frontends[2].admit(t, 2, 1).release(1)
+    # Output tokens: 3 over 4 leaves frontend 3 none: a soft 429, never "too large".
+    zero = api_error(lambda: frontends[3].admit(t, 1, 1))
+    assert zero.code == "rate_limit_exceeded" and zero.headers["retry-after"] == "1", zero.message
+    assert frontends[3].zero_shares([t]) == ["split.output_tokens_per_minute"]
+    # Without an index each process takes the floor: never more than the limit in total.
+    floors = [TenantLimiter(share=4, clock=clock) for _ in range(4)]
+    assert sum(lim._scaled(6) or 0 for lim in floors) == 4
+
+
 # --- routing --------------------------------------------------------------------------------------
 
 
