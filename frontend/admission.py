@@ -1,7 +1,14 @@
 """Admission: everything that can refuse a generation request before its response starts (auth is the
 caller's): body validation, model resolution and fallback, permissions, tokenization and context checks,
 routing every choice, and the tenant's limits. The result is a `Job` holding a tenant admission and route
-leases, which `frontend.accounting` releases when the job ends."""
+leases, which `frontend.accounting` releases when the job ends.
+
+The CPU-heavy steps (parsing the body, chat templating, tokenization) run on `frontend.workers` threads
+for a body over `prepare_inline_bytes`, so a long prompt does not stall the event loop that streams
+other requests' tokens; a small body is cheaper to do inline than to hand over. They are pure functions of
+the body and the model; everything that reads or changes shared state (catalog, router, limiter) runs on
+the event loop.
+"""
 
 from __future__ import annotations
 
@@ -28,6 +35,7 @@ from frontend.protocol import (
 from frontend.routing import NoRoute, RouteDecision, Router
 from frontend.tenants import Tenant
 from frontend.upstream import sampling_message
+from frontend.workers import PrepareWorkers
 
 T = TypeVar("T")
 
@@ -54,19 +62,50 @@ class Tokenized:
     echo_texts: list[str]  # per prompt: the text `echo` puts in front ("" without echo)
 
 
+def parse_request(kind: str, body: bytes) -> GenerationRequest:
+    """The validated request of a body. Pure: safe on a worker thread. Raises APIError (400)."""
+    obj = parse_json_body(body)
+    return parse_chat_request(obj) if kind == CHAT else parse_completion_request(obj)
+
+
+def tokenize(req: GenerationRequest, model: ServedModel) -> Tokenized:
+    """Token ids and echo texts of every prompt (chat: the rendered template). Pure: safe on a worker
+    thread. Raises APIError (400)."""
+    if req.kind == CHAT:
+        assert req.messages is not None
+        return Tokenized([model.encode_chat(req.messages)], [""])
+    prompts: list[list[int]] = []
+    echoes: list[str] = []
+    assert req.prompts is not None
+    single = len(req.prompts) == 1
+    for i, p in enumerate(req.prompts):
+        if isinstance(p, str):
+            ids = model.encode(p)
+            echoes.append(p if req.echo else "")
+        else:
+            model.check_token_ids(p, "prompt" if single else f"prompt[{i}]")
+            ids = list(p)
+            echoes.append(model.tokenizer.decode(ids) if req.echo else "")
+        if not ids:
+            raise APIError(400, "The prompt is empty after tokenization.", param="prompt", code="empty_prompt")
+        prompts.append(ids)
+    return Tokenized(prompts, echoes)
+
+
 class Admitter:
     """Turns a request body into an admitted `Job` (reads the catalog, router and limiter; takes route
     leases and a tenant admission, which the job's end releases)."""
 
     def __init__(self, config: FrontendConfig, catalog: ModelCatalog, limiter: TenantLimiter, router: Router,
-                 metrics: FrontendMetrics) -> None:
+                 metrics: FrontendMetrics, workers: PrepareWorkers) -> None:
         self.config, self.catalog, self.limiter, self.router, self.metrics = config, catalog, limiter, router, metrics
+        self.workers = workers
 
-    def prepare(self, kind: str, tenant: Tenant, body: bytes, headers: Mapping[str, str]) -> Job:
+    async def prepare(self, kind: str, tenant: Tenant, body: bytes, headers: Mapping[str, str]) -> Job:
         """Validates, tokenizes, routes and admits a request. Raises APIError (4xx/503)."""
         arrived = time.perf_counter()
-        obj = parse_json_body(body)
-        req = parse_chat_request(obj) if kind == CHAT else parse_completion_request(obj)
+        offload = len(body) > self.config.prepare_inline_bytes
+        req = await self.workers.run(parse_request, kind, body) if offload else parse_request(kind, body)
         model = self.catalog.resolve(req.model)
         if not tenant.may_use(*self.catalog.names_of(model)):
             raise APIError(403, f"Tenant {tenant.name!r} may not use model `{req.model}`.", type="permission_error",
@@ -74,7 +113,7 @@ class Admitter:
         self._limited(tenant, lambda: self.limiter.precheck(tenant))
         picked = self._pick_model(tenant, model)
         model = picked.model
-        tokenized = self._tokenize(req, model)
+        tokenized = await self.workers.run(tokenize, req, model) if offload else tokenize(req, model)
         prompts = tokenized.prompts
         budgets = [self._max_tokens(req, tenant, model, len(p)) for p in prompts]
         per_prompt_max = [b.max_tokens for b in budgets]
@@ -153,27 +192,6 @@ class Admitter:
             return ModelChoice(model, "")
         why = "overloaded" if status.decode else "has no decode node"
         return ModelChoice(fallback, f"pool {model.pool!r} {why}; served by fallback {fallback.name!r}")
-
-    def _tokenize(self, req: GenerationRequest, model: ServedModel) -> Tokenized:
-        if req.kind == CHAT:
-            assert req.messages is not None
-            return Tokenized([model.encode_chat(req.messages)], [""])
-        prompts: list[list[int]] = []
-        echoes: list[str] = []
-        assert req.prompts is not None
-        single = len(req.prompts) == 1
-        for i, p in enumerate(req.prompts):
-            if isinstance(p, str):
-                ids = model.encode(p)
-                echoes.append(p if req.echo else "")
-            else:
-                model.check_token_ids(p, "prompt" if single else f"prompt[{i}]")
-                ids = list(p)
-                echoes.append(model.tokenizer.decode(ids) if req.echo else "")
-            if not ids:
-                raise APIError(400, "The prompt is empty after tokenization.", param="prompt", code="empty_prompt")
-            prompts.append(ids)
-        return Tokenized(prompts, echoes)
 
     def _max_tokens(self, req: GenerationRequest, tenant: Tenant, model: ServedModel, prompt_len: int) -> OutputBudget:
         """The output budget of one choice; 400 APIError when the request cannot fit the context."""

@@ -173,7 +173,7 @@ def _add_generation_routes(app: FastAPI, frontend: Frontend) -> None:
             tenant = frontend.authenticate(request.headers.get("authorization"))
             tenant_name = tenant.name
             body = await read_body(request, frontend.config.max_body_bytes)
-            job = frontend.prepare(kind, tenant, body, request.headers)
+            job = await frontend.prepare(kind, tenant, body, request.headers)
         except APIError as err:
             frontend.reject(kind, tenant_name, err, client_request_id(request.headers))
             return error_response(err)

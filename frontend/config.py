@@ -163,6 +163,11 @@ class FrontendConfig:
     output_estimate: int = 256
     max_body_bytes: int = 4 << 20
     max_inflight: int = 2048  # requests in flight in this process before new ones get 503
+    # Admission's CPU work (parse, chat template, tokenize) for bodies over prepare_inline_bytes runs on
+    # prepare_workers threads, with at most prepare_queue requests waiting for one (then 503).
+    prepare_workers: int = field(default_factory=lambda: max(2, min(8, os.cpu_count() or 1)))
+    prepare_queue: int = 256
+    prepare_inline_bytes: int = 16384
     request_log: str | None = "-"  # "-": stderr, a path: appended JSON lines, None: off
     log_prompts: bool = False
     session_header: str = "x-session-id"  # session affinity key header ("" disables the header)
@@ -189,6 +194,9 @@ class FrontendConfig:
             (self.output_estimate >= 1, f"output_estimate must be >= 1, got {self.output_estimate}"),
             (self.max_body_bytes >= 1024, f"max_body_bytes must be >= 1024, got {self.max_body_bytes}"),
             (self.max_inflight >= 1, f"max_inflight must be >= 1, got {self.max_inflight}"),
+            (self.prepare_workers >= 1, f"prepare_workers must be >= 1, got {self.prepare_workers}"),
+            (self.prepare_queue >= 0, f"prepare_queue must be >= 0, got {self.prepare_queue}"),
+            (self.prepare_inline_bytes >= 0, f"prepare_inline_bytes must be >= 0, got {self.prepare_inline_bytes}"),
             (self.affinity_blocks >= 1, f"affinity_blocks must be >= 1, got {self.affinity_blocks}"),
             (self.load_factor > 1.0, f"load_factor must be > 1, got {self.load_factor}"),
             (self.decode_max_queue >= 1, f"decode_max_queue must be >= 1, got {self.decode_max_queue}"),
@@ -233,6 +241,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "(reconciled with what it generated when it ends)")
     p.add_argument("--max-body-bytes", type=int, default=4 << 20)
     p.add_argument("--max-inflight", type=int, default=2048)
+    p.add_argument("--prepare-workers", type=int, default=None,
+                   help="threads for parsing, chat templating and tokenization (default: CPUs, 2..8)")
+    p.add_argument("--prepare-queue", type=int, default=256,
+                   help="requests that may wait for a prepare thread before new ones get 503")
+    p.add_argument("--prepare-inline-bytes", type=int, default=16384,
+                   help="bodies up to this size are parsed and tokenized on the event loop (cheaper than a hand-over)")
     p.add_argument("--request-log", default="-", help="'-' for stderr, a file path, or 'off'")
     p.add_argument("--log-prompts", action="store_true", help="include prompt text in the request log")
     p.add_argument("--session-header", default="x-session-id")
@@ -261,6 +275,8 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
     extra: dict[str, Any] = {}
     if args.frontend_id:
         extra["frontend_id"] = args.frontend_id
+    if args.prepare_workers is not None:
+        extra["prepare_workers"] = args.prepare_workers
     return FrontendConfig(
         etcd_endpoints=endpoints,
         models=tuple(models),
@@ -273,6 +289,8 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         output_estimate=args.output_estimate,
         max_body_bytes=args.max_body_bytes,
         max_inflight=args.max_inflight,
+        prepare_queue=args.prepare_queue,
+        prepare_inline_bytes=args.prepare_inline_bytes,
         request_log=None if args.request_log == "off" else args.request_log,
         log_prompts=args.log_prompts,
         session_header=args.session_header.lower(),

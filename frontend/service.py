@@ -35,6 +35,7 @@ from frontend.request_log import RequestLog
 from frontend.routing import Router
 from frontend.tenants import Tenant, TenantTable
 from frontend.upstream import UpstreamCalls, UpstreamPool
+from frontend.workers import PrepareWorkers
 from protos import pdserve_pb2 as pb
 from registry.view import RegistryView, ViewChange
 
@@ -63,7 +64,8 @@ class Frontend:
             decode_max_queue=config.decode_max_queue,
         )
         self.upstream = UpstreamPool()
-        self.admitter = Admitter(config, self.catalog, self.limiter, self.router, self.metrics)
+        self.workers = PrepareWorkers(config.prepare_workers, config.prepare_queue)
+        self.admitter = Admitter(config, self.catalog, self.limiter, self.router, self.metrics, self.workers)
         self.calls = UpstreamCalls(config, self.router, self.upstream)
         self.accounting = Accounting(config, self.metrics, self.request_log)
         self.inflight = 0
@@ -96,6 +98,7 @@ class Frontend:
             task.cancel()
         await self.view.close()
         await self.upstream.close()
+        self.workers.close()
         self.request_log.close()
 
     def _on_view_change(self, change: ViewChange) -> None:
@@ -151,13 +154,13 @@ class Frontend:
 
     # --- a job's life ----------------------------------------------------------------------------
 
-    def prepare(self, kind: str, tenant: Tenant, body: bytes, headers: Mapping[str, str]) -> Job:
+    async def prepare(self, kind: str, tenant: Tenant, body: bytes, headers: Mapping[str, str]) -> Job:
         """Validates, tokenizes, routes and admits a request (`Admitter.prepare`). Raises APIError
         (4xx/503). On success the job counts as in flight until `finish`."""
-        if self.inflight >= self.config.max_inflight:
+        if self.inflight + self.workers.pending >= self.config.max_inflight:
             raise APIError(503, "This frontend is at its in-flight request limit; retry shortly.",
                            type=OVERLOADED, code="overloaded", headers={"retry-after": "1"})
-        job = self.admitter.prepare(kind, tenant, body, headers)
+        job = await self.admitter.prepare(kind, tenant, body, headers)
         self.inflight += 1
         self.metrics.inflight_now.inc()
         return job

@@ -512,3 +512,63 @@ def test_rendered_chunks_and_bodies_match_the_spec(schemas: OpenAPISchemas, cata
     assert chat_logprobs(entries, texts, 1)[1]["logprob"] == -9999.0  # -inf has no JSON form
     assert DONE == b"data: [DONE]\n\n"
     assert schemas.errors("ErrorResponse", APIError(400, "m", param="p", code="c").to_dict()) == []
+
+
+# --- admission off the event loop -------------------------------------------------------------------
+
+
+async def _max_loop_lag_during(work: Any) -> tuple[float, float, Any]:
+    """(largest event-loop stall in s, the work's duration in s, its outcome) while `work` is awaited,
+    measured by a 1 ms ticker on the same loop."""
+    import asyncio
+    import time
+
+    lags: list[float] = []
+    done = False
+
+    async def ticker() -> None:
+        last = time.perf_counter()
+        while not done:
+            await asyncio.sleep(0.001)
+            now = time.perf_counter()
+            lags.append(now - last)
+            last = now
+
+    probe = asyncio.ensure_future(ticker())
+    await asyncio.sleep(0.01)
+    start = time.perf_counter()
+    try:
+        outcome: Any = await work
+    except APIError as err:
+        outcome = err
+    took = time.perf_counter() - start
+    done = True
+    await probe
+    return max(lags), took, outcome
+
+
+def test_prepare_tokenizes_off_the_event_loop(tiny_llama_dir: Path) -> None:
+    import asyncio
+
+    from frontend.service import Frontend
+
+    words = "The quick brown fox jumps over the lazy dog, again and again; "
+    body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": words * 12000}], "max_tokens": 1})
+
+    def lag_of(inline_bytes: int) -> tuple[float, float, Any]:
+        config = FrontendConfig(etcd_endpoints=("127.0.0.1:1",), models=(ModelSpec("m", str(tiny_llama_dir)),),
+                                request_log=None, prepare_inline_bytes=inline_bytes, prepare_workers=2)
+        fe = Frontend(config)  # its registry view is never started: a cluster without nodes
+        try:
+            return asyncio.run(_max_loop_lag_during(fe.prepare("chat", fe.tenants.authenticate(None), body, {})))
+        finally:
+            fe.workers.close()
+
+    inline_lag, inline_took, inline_err = lag_of(len(body))  # the whole body inline: the old behaviour
+    lag, took, err = lag_of(0)
+    # Either way the request is tokenized (the prompt is far over the context) and refused the same way.
+    for e in (inline_err, err):
+        assert isinstance(e, APIError) and e.code == "context_length_exceeded", e
+        assert "resulted in 2" in e.message  # ~230k tokens counted
+    assert inline_lag > 0.8 * inline_took > 0.05  # the probe sees a stall the length of the work
+    assert lag < max(0.02, 0.25 * took), (lag, took, inline_lag)
