@@ -12,6 +12,7 @@ the event loop.
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -34,10 +35,14 @@ from frontend.protocol import (
 )
 from frontend.routing import NoRoute, RouteDecision, Router
 from frontend.tenants import Tenant
+from frontend.ttft import TTFTEstimator
 from frontend.upstream import sampling_message
 from frontend.workers import PrepareWorkers
 
 T = TypeVar("T")
+
+TTFT_BUDGET_HEADER = "x-pdserve-ttft-budget-ms"
+_MAX_TTFT_BUDGET_MS = 3_600_000.0
 
 
 @dataclass(frozen=True)
@@ -60,6 +65,23 @@ class OutputBudget:
 class Tokenized:
     prompts: list[list[int]]  # token ids per prompt
     echo_texts: list[str]  # per prompt: the text `echo` puts in front ("" without echo)
+
+
+def ttft_budget_ms(tenant: Tenant, headers: Mapping[str, str]) -> float | None:
+    """The request's TTFT budget: its `x-pdserve-ttft-budget-ms` header, else the tenant's
+    `ttft_budget_ms`, else None (no early rejection). 400 APIError for a malformed header."""
+    raw = headers.get(TTFT_BUDGET_HEADER)
+    if raw is None:
+        return None if tenant.limits.ttft_budget_ms is None else float(tenant.limits.ttft_budget_ms)
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not 0 < value <= _MAX_TTFT_BUDGET_MS:  # also refuses NaN
+        raise APIError(400, f"Invalid value for header '{TTFT_BUDGET_HEADER}': {raw[:40]!r}; it must be a number "
+                       f"of milliseconds in (0, {_MAX_TTFT_BUDGET_MS:g}].", param=TTFT_BUDGET_HEADER,
+                       code="invalid_value")
+    return value
 
 
 def parse_request(kind: str, body: bytes) -> GenerationRequest:
@@ -97,13 +119,14 @@ class Admitter:
     leases and a tenant admission, which the job's end releases)."""
 
     def __init__(self, config: FrontendConfig, catalog: ModelCatalog, limiter: TenantLimiter, router: Router,
-                 metrics: FrontendMetrics, workers: PrepareWorkers) -> None:
+                 metrics: FrontendMetrics, workers: PrepareWorkers, ttft: TTFTEstimator) -> None:
         self.config, self.catalog, self.limiter, self.router, self.metrics = config, catalog, limiter, router, metrics
-        self.workers = workers
+        self.workers, self.ttft = workers, ttft
 
     async def prepare(self, kind: str, tenant: Tenant, body: bytes, headers: Mapping[str, str]) -> Job:
         """Validates, tokenizes, routes and admits a request. Raises APIError (4xx/503)."""
         arrived = time.perf_counter()
+        budget_ms = ttft_budget_ms(tenant, headers)
         offload = len(body) > self.config.prepare_inline_bytes
         req = await self.workers.run(parse_request, kind, body) if offload else parse_request(kind, body)
         model = self.catalog.resolve(req.model)
@@ -121,6 +144,8 @@ class Admitter:
         if not session_key and self.config.user_affinity:
             session_key = req.user
         decisions = self._route(req, model, prompts, per_prompt_max, session_key)
+        if budget_ms is not None:
+            self._limited(tenant, lambda: self._check_ttft(model, [d for _, d in decisions], budget_ms, arrived))
         firm = sum(budgets[pi].reserve for pi, _ in decisions if not budgets[pi].estimated)
         estimate = sum(budgets[pi].reserve for pi, _ in decisions if budgets[pi].estimated)
         admission = self._limited(tenant, lambda: self.limiter.admit(tenant, sum(len(p) for p in prompts), firm,
@@ -146,6 +171,31 @@ class Admitter:
         except APIError as err:
             self._count_rejection(tenant, err)
             raise
+
+    def _check_ttft(self, model: ServedModel, decisions: list[RouteDecision], budget_ms: float, arrived: float) -> None:
+        """503 APIError with Retry-After when some choice's predicted TTFT (time so far plus
+        `TTFTEstimator.estimate` behind its node's backlog, earlier choices of this request included)
+        exceeds `ttft_headroom` times the budget."""
+        elapsed = time.perf_counter() - arrived
+        limit_ms = budget_ms * self.config.ttft_headroom
+        added: dict[str, int] = {}  # prompt tokens this request already puts on a node
+        for d in decisions:
+            node = d.prefill_node
+            backlog = self.router.backlog(d)
+            est = self.ttft.estimate(model.pool, backlog, added.get(node, 0) + d.prompt_tokens)
+            added[node] = added.get(node, 0) + d.prompt_tokens
+            if est is None:
+                continue
+            predicted_ms = (elapsed + est.seconds) * 1e3
+            if predicted_ms > limit_ms:
+                wait_s = math.ceil((predicted_ms - limit_ms) / 1e3)
+                raise APIError(503, f"Model `{model.name}` cannot produce a first token within the {budget_ms:g} ms "
+                               f"TTFT budget now: predicted {predicted_ms:.0f} ms ({est.work_tokens} prompt tokens "
+                               f"to prefill at {est.tokens_per_s:.0f} tokens/s; {backlog.ours_tokens} routed by this "
+                               f"frontend, {backlog.reported_queue} requests reported waiting). Retry later or "
+                               "elsewhere.",
+                               type=OVERLOADED, code="ttft_budget_unmet", limit="ttft",
+                               headers={"retry-after": str(max(1, wait_s))})
 
     def _route(self, req: GenerationRequest, model: ServedModel, prompts: list[list[int]], per_prompt_max: list[int],
                session_key: str | None) -> list[tuple[int, RouteDecision]]:

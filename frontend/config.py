@@ -168,6 +168,9 @@ class FrontendConfig:
     prepare_workers: int = field(default_factory=lambda: max(2, min(8, os.cpu_count() or 1)))
     prepare_queue: int = 256
     prepare_inline_bytes: int = 16384
+    # A request with a TTFT budget is refused when its predicted TTFT exceeds ttft_headroom x budget: the
+    # queue settles where admission stops, so the prediction needs room for its own error.
+    ttft_headroom: float = 0.7
     request_log: str | None = "-"  # "-": stderr, a path: appended JSON lines, None: off
     log_prompts: bool = False
     session_header: str = "x-session-id"  # session affinity key header ("" disables the header)
@@ -196,6 +199,7 @@ class FrontendConfig:
             (self.max_inflight >= 1, f"max_inflight must be >= 1, got {self.max_inflight}"),
             (self.prepare_workers >= 1, f"prepare_workers must be >= 1, got {self.prepare_workers}"),
             (self.prepare_queue >= 0, f"prepare_queue must be >= 0, got {self.prepare_queue}"),
+            (0 < self.ttft_headroom <= 1, f"ttft_headroom must be in (0, 1], got {self.ttft_headroom}"),
             (self.prepare_inline_bytes >= 0, f"prepare_inline_bytes must be >= 0, got {self.prepare_inline_bytes}"),
             (self.affinity_blocks >= 1, f"affinity_blocks must be >= 1, got {self.affinity_blocks}"),
             (self.load_factor > 1.0, f"load_factor must be > 1, got {self.load_factor}"),
@@ -247,6 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests that may wait for a prepare thread before new ones get 503")
     p.add_argument("--prepare-inline-bytes", type=int, default=16384,
                    help="bodies up to this size are parsed and tokenized on the event loop (cheaper than a hand-over)")
+    p.add_argument("--ttft-headroom", type=float, default=0.7,
+                   help="refuse a request whose predicted TTFT exceeds this fraction of its TTFT budget")
     p.add_argument("--request-log", default="-", help="'-' for stderr, a file path, or 'off'")
     p.add_argument("--log-prompts", action="store_true", help="include prompt text in the request log")
     p.add_argument("--session-header", default="x-session-id")
@@ -291,6 +297,7 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         max_inflight=args.max_inflight,
         prepare_queue=args.prepare_queue,
         prepare_inline_bytes=args.prepare_inline_bytes,
+        ttft_headroom=args.ttft_headroom,
         request_log=None if args.request_log == "off" else args.request_log,
         log_prompts=args.log_prompts,
         session_header=args.session_header.lower(),

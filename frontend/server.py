@@ -48,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
         access_log=False,
         lifespan="on",
         timeout_keep_alive=30,
+        # The last bound, behind the frontend's own (max_inflight, the prepare queue), which answer in the
+        # OpenAI error shape first: uvicorn answers a plain 503 beyond this many connections and tasks.
+        limit_concurrency=2 * config.max_inflight + config.prepare_queue + 64,
     )
     log.info("pdserve frontend %s on http://%s:%d (cluster %r, etcd %s)", config.frontend_id, config.host,
              config.port, config.cluster, ",".join(config.etcd_endpoints))

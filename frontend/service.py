@@ -34,6 +34,7 @@ from frontend.render import (
 from frontend.request_log import RequestLog
 from frontend.routing import Router
 from frontend.tenants import Tenant, TenantTable
+from frontend.ttft import TTFTEstimator
 from frontend.upstream import UpstreamCalls, UpstreamPool
 from frontend.workers import PrepareWorkers
 from protos import pdserve_pb2 as pb
@@ -65,7 +66,10 @@ class Frontend:
         )
         self.upstream = UpstreamPool()
         self.workers = PrepareWorkers(config.prepare_workers, config.prepare_queue)
-        self.admitter = Admitter(config, self.catalog, self.limiter, self.router, self.metrics, self.workers)
+        self.ttft = TTFTEstimator()
+        self.router.on_first_token = self.ttft.observe_lease
+        self.admitter = Admitter(config, self.catalog, self.limiter, self.router, self.metrics, self.workers,
+                                 self.ttft)
         self.calls = UpstreamCalls(config, self.router, self.upstream)
         self.accounting = Accounting(config, self.metrics, self.request_log)
         self.inflight = 0

@@ -5,6 +5,7 @@ headers and timings of refusals matter as much as the answers."""
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -92,3 +93,82 @@ def long_context_copy(src: Path, dst: Path, max_len: int) -> Path:
         obj[key] = max_len
         path.write_bytes(orjson.dumps(obj, option=orjson.OPT_INDENT_2))
     return dst
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident set size of process `pid` (Linux /proc)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+@dataclass(eq=False)
+class OverloadRun:
+    """An open-loop run: every request's result and the server's RSS samples (bytes)."""
+
+    results: list[CallResult]
+    rss: list[int]
+    seconds: float
+
+    @property
+    def accepted(self) -> list[CallResult]:
+        return [r for r in self.results if r.status == 200]
+
+    @property
+    def refused(self) -> list[CallResult]:
+        return [r for r in self.results if r.status != 200]
+
+
+async def closed_loop_rate(url: str, bodies: Any, clients: int, seconds: float,
+                           headers: dict[str, str] | None = None) -> float:
+    """Completed requests per second with `clients` sending back to back for `seconds` (a capacity probe;
+    `bodies` is an iterator of request bodies)."""
+    done = 0
+    deadline = time.monotonic() + seconds
+    async with httpx.AsyncClient(timeout=120) as client:
+
+        async def worker() -> None:
+            nonlocal done
+            while time.monotonic() < deadline:
+                r = await stream_chat(client, url, next(bodies), headers)
+                if r.status != 200 or r.error or r.transport_error:
+                    raise RuntimeError(f"capacity probe failed: {r.status} {r.error} {r.transport_error}")
+                done += 1
+
+        start = time.monotonic()
+        await asyncio.gather(*(worker() for _ in range(clients)))
+        return done / (time.monotonic() - start)
+
+
+async def open_loop(url: str, bodies: Any, rate: float, seconds: float, pid: int,
+                    headers: dict[str, str] | None = None) -> OverloadRun:
+    """Sends requests at `rate` per second (evenly spaced, not waiting for answers) for `seconds`, while
+    sampling the RSS of process `pid` every 100 ms; returns when every request has ended."""
+    results: list[CallResult] = []
+    rss: list[int] = []
+    stop = asyncio.Event()
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
+    async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+
+        async def one(body: dict[str, Any]) -> None:
+            results.append(await stream_chat(client, url, body, headers))
+
+        async def sample() -> None:
+            while not stop.is_set():
+                rss.append(rss_bytes(pid))
+                await asyncio.sleep(0.1)
+
+        sampler = asyncio.ensure_future(sample())
+        start = time.monotonic()
+        tasks = []
+        i = 0
+        while (due := start + i / rate) < start + seconds:
+            await asyncio.sleep(max(0.0, due - time.monotonic()))
+            tasks.append(asyncio.ensure_future(one(next(bodies))))
+            i += 1
+        await asyncio.gather(*tasks)
+        took = time.monotonic() - start
+        stop.set()
+        await sampler
+    return OverloadRun(results, rss, took)

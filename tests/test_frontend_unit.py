@@ -572,3 +572,45 @@ def test_prepare_tokenizes_off_the_event_loop(tiny_llama_dir: Path) -> None:
         assert "resulted in 2" in e.message  # ~230k tokens counted
     assert inline_lag > 0.8 * inline_took > 0.05  # the probe sees a stall the length of the work
     assert lag < max(0.02, 0.25 * took), (lag, took, inline_lag)
+
+
+# --- TTFT prediction ---------------------------------------------------------------------------------
+
+
+def test_ttft_backlog_estimate_and_budget_header() -> None:
+    from frontend.admission import TTFT_BUDGET_HEADER, ttft_budget_ms
+    from frontend.routing import Backlog
+    from frontend.ttft import TTFTEstimator
+
+    router = make_router([member("d0"), member("p0", "prefill", queue=3)])
+    est = TTFTEstimator()
+    router.on_first_token = est.observe_lease
+    first = router.route("m", list(range(100)), 4)
+    assert first.prefill_node == "p0" and first.prompt_tokens == 100
+    lease1 = router.lease(first)
+    lease2 = router.lease(router.route("m", list(range(300)), 4))
+    assert router.backlog(first) == Backlog(ours_tokens=400, reported_queue=3)
+    assert lease2.work_ahead == 400  # 100 ahead of it plus its own 300
+    assert est.estimate("m", router.backlog(first), 50) is None  # no sample yet: nothing to judge by
+    lease1.prefill_done()  # its first token: a sample of 100 tokens over the time since its lease
+    rate = est.rate("m")
+    assert rate is not None and rate > 0
+    assert router.prefill_tokens == {"p0": 300}
+    lease2.release()  # ended without a first token: no sample, its tokens leave the backlog
+    assert router.prefill_tokens == {} and est.rate("m") == rate
+    lease1.release()
+
+    est.observe("x", 1000, 200, 2.0)  # 500 tokens/s, prompts of 200
+    got = est.estimate("x", Backlog(ours_tokens=400, reported_queue=0), 100)
+    assert got is not None and got.work_tokens == 500 and got.seconds == pytest.approx(1.0)
+    # Another frontend's requests show only in the node's queue: priced at the mean prompt.
+    got = est.estimate("x", Backlog(ours_tokens=0, reported_queue=5), 100)
+    assert got is not None and got.work_tokens == 1100
+    assert est.estimate("x", Backlog(0, 0), 100) is None  # nothing ahead: always admitted
+
+    t = Tenant("t", frozenset({"*"}), TenantLimits(ttft_budget_ms=800))
+    assert ttft_budget_ms(t, {}) == 800 and ttft_budget_ms(t, {TTFT_BUDGET_HEADER: "250.5"}) == 250.5
+    assert ttft_budget_ms(tenant(), {}) is None
+    for bad in ("0", "-3", "soon", "nan", "1e12"):
+        err = api_error(lambda b=bad: ttft_budget_ms(t, {TTFT_BUDGET_HEADER: b}))  # type: ignore[misc]
+        assert err.status == 400 and err.param == TTFT_BUDGET_HEADER
