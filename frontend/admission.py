@@ -29,6 +29,7 @@ from frontend.protocol import (
     INT64_MAX,
     SEED_MIN,
     GenerationRequest,
+    RequestLimits,
     parse_chat_request,
     parse_completion_request,
     parse_json_body,
@@ -84,10 +85,10 @@ def ttft_budget_ms(tenant: Tenant, headers: Mapping[str, str]) -> float | None:
     return value
 
 
-def parse_request(kind: str, body: bytes) -> GenerationRequest:
+def parse_request(kind: str, body: bytes, limits: RequestLimits) -> GenerationRequest:
     """The validated request of a body. Pure: safe on a worker thread. Raises APIError (400)."""
     obj = parse_json_body(body)
-    return parse_chat_request(obj) if kind == CHAT else parse_completion_request(obj)
+    return parse_chat_request(obj, limits) if kind == CHAT else parse_completion_request(obj, limits)
 
 
 def tokenize(req: GenerationRequest, model: ServedModel) -> Tokenized:
@@ -128,7 +129,8 @@ class Admitter:
         arrived = time.perf_counter()
         budget_ms = ttft_budget_ms(tenant, headers)
         offload = len(body) > self.config.prepare_inline_bytes
-        req = await self.workers.run(parse_request, kind, body) if offload else parse_request(kind, body)
+        limits = self.config.request_limits
+        req = await self.workers.run(parse_request, kind, body, limits) if offload else parse_request(kind, body, limits)
         model = self.catalog.resolve(req.model)
         if not tenant.may_use(*self.catalog.names_of(model)):
             raise APIError(403, f"Tenant {tenant.name!r} may not use model `{req.model}`.", type="permission_error",

@@ -19,7 +19,7 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
-from starlette.types import Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from frontend.errors import NOT_FOUND, SERVER, APIError
 from frontend.render import DONE, error_event
@@ -42,8 +42,10 @@ def error_response(err: APIError) -> Response:
     return Response(err.body(), status_code=err.status, media_type="application/json", headers=err.headers)
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, refusing more than `limit` bytes (413) without reading past the limit."""
+async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
+    """The request body, refusing more than `limit` bytes (413) without reading past the limit, and a body
+    that has not arrived in full within `timeout_s` (408: a client trickling its body holds a connection
+    and a buffer for nothing)."""
     declared = request.headers.get("content-length")
     if declared is not None:
         if not declared.isdigit():
@@ -52,11 +54,36 @@ async def read_body(request: Request, limit: int) -> bytes:
             raise APIError(413, f"The request body is {declared} bytes; the limit is {limit} bytes.",
                            code="request_too_large")
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise APIError(413, f"The request body exceeds the limit of {limit} bytes.", code="request_too_large")
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > limit:
+                    raise APIError(413, f"The request body exceeds the limit of {limit} bytes.",
+                                   code="request_too_large")
+    except TimeoutError:
+        raise APIError(408, f"The request body was not received within {timeout_s:g} s.",
+                       code="body_timeout") from None
     return bytes(body)
+
+
+class HeaderLimit:
+    """ASGI middleware: a request whose headers exceed `limit` bytes is answered 431 in the OpenAI error
+    shape before any route sees it. Pure ASGI (no BaseHTTPMiddleware), so disconnects still reach the
+    routes."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            size = sum(len(k) + len(v) for k, v in scope["headers"])
+            if size > self.limit:
+                err = APIError(431, f"The request headers are {size} bytes; the limit is {self.limit} bytes.",
+                               code="headers_too_large")
+                await _send_error(send, err, [(b"connection", b"close")])
+                return
+        await self.app(scope, receive, send)
 
 
 @dataclass(eq=False)
@@ -163,6 +190,7 @@ def create_app(frontend: Frontend) -> FastAPI:
     _add_generation_routes(app, frontend)
     _add_model_routes(app, frontend)
     _add_operations_routes(app, frontend)
+    app.add_middleware(HeaderLimit, limit=frontend.config.max_header_bytes)
     return app
 
 
@@ -172,7 +200,7 @@ def _add_generation_routes(app: FastAPI, frontend: Frontend) -> None:
         try:
             tenant = frontend.authenticate(request.headers.get("authorization"))
             tenant_name = tenant.name
-            body = await read_body(request, frontend.config.max_body_bytes)
+            body = await read_body(request, frontend.config.max_body_bytes, frontend.config.body_timeout_s)
             job = await frontend.prepare(kind, tenant, body, request.headers)
         except APIError as err:
             frontend.reject(kind, tenant_name, err, client_request_id(request.headers))

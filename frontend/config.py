@@ -29,6 +29,8 @@ from typing import Any
 
 import yaml
 
+from frontend.protocol import RequestLimits
+
 
 class ConfigError(ValueError):
     """A configuration file or flag that cannot be used; the message names the file and the field."""
@@ -162,6 +164,12 @@ class FrontendConfig:
     # ends (then it is charged what it generated); a model's or tenant's output_tokens_estimate wins.
     output_estimate: int = 256
     max_body_bytes: int = 4 << 20
+    max_header_bytes: int = 16384  # request line excluded: names and values of every header together
+    body_timeout_s: float = 30.0  # a body not received in full by then is answered 408
+    max_messages: int = 2048
+    max_stop_strings: int = 4
+    max_stop_chars: int = 256
+    max_prompt_chars: int = 1 << 20  # message content characters, or prompt characters + token ids
     max_inflight: int = 2048  # requests in flight in this process before new ones get 503
     # Admission's CPU work (parse, chat template, tokenize) for bodies over prepare_inline_bytes runs on
     # prepare_workers threads, with at most prepare_queue requests waiting for one (then 503).
@@ -184,6 +192,7 @@ class FrontendConfig:
     ttft_slo_s: float = 2.0
     tpot_slo_s: float = 0.2
     log_level: str = "info"
+    request_limits: RequestLimits = field(init=False, repr=False, compare=False)  # derived from the max_* above
 
     def __post_init__(self) -> None:
         checks = [
@@ -197,6 +206,12 @@ class FrontendConfig:
             (self.output_estimate >= 1, f"output_estimate must be >= 1, got {self.output_estimate}"),
             (self.max_body_bytes >= 1024, f"max_body_bytes must be >= 1024, got {self.max_body_bytes}"),
             (self.max_inflight >= 1, f"max_inflight must be >= 1, got {self.max_inflight}"),
+            (self.max_header_bytes >= 1024, f"max_header_bytes must be >= 1024, got {self.max_header_bytes}"),
+            (self.body_timeout_s > 0, f"body_timeout_s must be > 0, got {self.body_timeout_s}"),
+            (self.max_messages >= 1, f"max_messages must be >= 1, got {self.max_messages}"),
+            (1 <= self.max_stop_strings <= 1024, f"max_stop_strings must be in [1, 1024], got {self.max_stop_strings}"),
+            (self.max_stop_chars >= 1, f"max_stop_chars must be >= 1, got {self.max_stop_chars}"),
+            (self.max_prompt_chars >= 1, f"max_prompt_chars must be >= 1, got {self.max_prompt_chars}"),
             (self.prepare_workers >= 1, f"prepare_workers must be >= 1, got {self.prepare_workers}"),
             (self.prepare_queue >= 0, f"prepare_queue must be >= 0, got {self.prepare_queue}"),
             (0 < self.ttft_headroom <= 1, f"ttft_headroom must be in (0, 1], got {self.ttft_headroom}"),
@@ -211,6 +226,9 @@ class FrontendConfig:
         for ok, message in checks:
             if not ok:
                 raise ConfigError(f"FrontendConfig: {message}")
+        object.__setattr__(self, "request_limits", RequestLimits(
+            max_messages=self.max_messages, max_stop_strings=self.max_stop_strings,
+            max_stop_chars=self.max_stop_chars, max_prompt_chars=self.max_prompt_chars))
         names: dict[str, str] = {}
         for spec in self.models:
             for served in (spec.name, *spec.aliases):
@@ -244,6 +262,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="output tokens reserved against tenant budgets for a request without max_tokens "
                         "(reconciled with what it generated when it ends)")
     p.add_argument("--max-body-bytes", type=int, default=4 << 20)
+    p.add_argument("--max-header-bytes", type=int, default=16384, help="431 beyond this many header bytes")
+    p.add_argument("--body-timeout", type=float, default=30.0, help="seconds to receive a whole body (then 408)")
+    p.add_argument("--max-messages", type=int, default=2048, help="messages per chat request")
+    p.add_argument("--max-stop-strings", type=int, default=4)
+    p.add_argument("--max-stop-chars", type=int, default=256, help="characters per stop string")
+    p.add_argument("--max-prompt-chars", type=int, default=1 << 20,
+                   help="characters of a request's messages or prompts (token ids count one each)")
     p.add_argument("--max-inflight", type=int, default=2048)
     p.add_argument("--prepare-workers", type=int, default=None,
                    help="threads for parsing, chat templating and tokenization (default: CPUs, 2..8)")
@@ -294,6 +319,12 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         limit_share_index=args.limit_share_index,
         output_estimate=args.output_estimate,
         max_body_bytes=args.max_body_bytes,
+        max_header_bytes=args.max_header_bytes,
+        body_timeout_s=args.body_timeout,
+        max_messages=args.max_messages,
+        max_stop_strings=args.max_stop_strings,
+        max_stop_chars=args.max_stop_chars,
+        max_prompt_chars=args.max_prompt_chars,
         max_inflight=args.max_inflight,
         prepare_queue=args.prepare_queue,
         prepare_inline_bytes=args.prepare_inline_bytes,
