@@ -8,10 +8,13 @@ cancels the work at once, which cancels the Generate calls and so aborts the req
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import orjson
 from fastapi import FastAPI, Request
@@ -27,11 +30,20 @@ from frontend.service import CHAT, COMPLETION, Frontend, Job, client_request_id
 
 log = logging.getLogger(__name__)
 
+_OPENAPI_PATH = Path(__file__).with_name("openapi.json")
+
 _SSE_HEADERS = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
     (b"cache-control", b"no-cache"),
     (b"x-accel-buffering", b"no"),  # proxies must not buffer the stream
 ]
+
+
+def openapi_document() -> dict[str, Any]:
+    """The API's OpenAPI document (served at /openapi.json): the routes with the official OpenAI request and
+    error schemas, since the routes read raw bodies that FastAPI cannot describe. Generated from the
+    vendored spec by scripts/build_frontend_openapi.py."""
+    return json.loads(_OPENAPI_PATH.read_bytes())  # stdlib json: the schemas hold integers beyond 64 bits
 
 
 def json_response(obj: object, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -186,7 +198,9 @@ def create_app(frontend: Frontend) -> FastAPI:
         finally:
             await frontend.close()
 
-    app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url="/openapi.json", lifespan=lifespan)
+    document = openapi_document()
+    app.openapi = lambda: document  # type: ignore[method-assign]
     _add_generation_routes(app, frontend)
     _add_model_routes(app, frontend)
     _add_operations_routes(app, frontend)

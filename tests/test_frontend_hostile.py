@@ -23,6 +23,9 @@ import httpx
 import openai
 import orjson
 import pytest
+import schemathesis
+from hypothesis import HealthCheck, Phase, given, settings
+from schemathesis import checks
 
 from registry.etcd_server import free_port
 from testing.cluster import LocalCluster
@@ -35,6 +38,7 @@ NODE_ARGS = ["--dtype", "float32", "--num-threads", "1", "--num-kv-blocks", "102
              "--model-name", MODEL]
 BODY_TIMEOUT_S = 2.0
 ERROR_KEYS = {"message", "type", "param", "code"}
+FUZZ_EXAMPLES = 30  # per operation: about a minute for the four
 
 
 @dataclass(eq=False)
@@ -233,3 +237,52 @@ def test_oversized_headers(env: Env) -> None:
     many = [f"X-H{i}: {'v' * 60}" for i in range(400)]
     resp = raw_post(env, "/v1/models", many + ["Content-Length: 0"], iter([]))
     assert resp.status == 431 and resp.error()["code"] == "headers_too_large"
+
+
+# --- fuzzing the frontend's own OpenAPI document -----------------------------------------------------------
+
+
+def test_openapi_document_is_served_and_current(env: Env) -> None:
+    from testing.openapi import frontend_document
+
+    served = httpx.get(f"{env.frontend.base_url}/openapi.json", timeout=30).json()
+    assert served == frontend_document(), "frontend/openapi.json is stale: run scripts/build_frontend_openapi.py"
+    chat_body = served["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]
+    assert chat_body["schema"] == {"$ref": "#/components/schemas/CreateChatCompletionRequest"}
+    assert "messages" in served["components"]["schemas"]["CreateChatCompletionRequest"]["allOf"][-1]["properties"]
+
+
+FUZZ_CHECKS = [checks.not_a_server_error, checks.status_code_conformance, checks.content_type_conformance,
+               checks.response_schema_conformance]
+
+
+def fuzz_operation(operation: Any, seen: dict[int, int]) -> None:
+    """Runs FUZZ_EXAMPLES generated cases of one operation (hypothesis; deterministic), counting statuses."""
+
+    @given(case=operation.as_strategy())
+    @settings(max_examples=FUZZ_EXAMPLES, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck), phases=[Phase.explicit, Phase.generate])
+    def fuzz(case: Any) -> None:
+        if isinstance(case.body, dict) and isinstance(case.body.get("model"), str):
+            case.body["model"] = MODEL  # a served model, so that generated bodies get past the lookup
+        response = case.call_and_validate(checks=FUZZ_CHECKS, timeout=60)
+        seen[response.status_code] = seen.get(response.status_code, 0) + 1
+        assert response.status_code < 500, response.text[:500]
+        if response.status_code >= 400:
+            obj = response.json()
+            assert set(obj) == {"error"} and set(obj["error"]) == ERROR_KEYS, obj
+
+    fuzz()
+
+
+def test_fuzz_no_5xx_and_errors_in_the_openai_shape(env: Env) -> None:
+    # Each operation's generated cases are run by hypothesis here rather than through schemathesis'
+    # pytest plugin, whose lazy loader does not work with this pytest.
+    schema = schemathesis.openapi.from_url(f"{env.frontend.base_url}/openapi.json")
+    statuses: dict[str, dict[int, int]] = {}
+    for result in schema.get_all_operations():
+        operation = result.ok()
+        fuzz_operation(operation, statuses.setdefault(operation.label, {}))
+    print(statuses)
+    assert len(statuses) == 4 and sum(statuses["POST /v1/chat/completions"].values()) >= FUZZ_EXAMPLES // 2
+    assert sum(statuses["POST /v1/completions"].values()) >= FUZZ_EXAMPLES // 2, statuses
