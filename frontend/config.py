@@ -254,6 +254,25 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve model NAME with the tokenizer in PATH (repeatable)")
     p.add_argument("--tenants", metavar="FILE", help="tenants file (YAML or TOML); without it any key is accepted")
     p.add_argument("--frontend-id", default=None)
+    _add_admission_flags(p)
+    p.add_argument("--request-log", default="-", help="'-' for stderr, a file path, or 'off'")
+    p.add_argument("--log-prompts", action="store_true", help="include prompt text in the request log")
+    p.add_argument("--session-header", default="x-session-id")
+    p.add_argument("--no-user-affinity", action="store_true")
+    p.add_argument("--affinity-blocks", type=int, default=1)
+    p.add_argument("--load-factor", type=float, default=1.25)
+    p.add_argument("--decode-max-queue", type=int, default=64)
+    p.add_argument("--upstream-attempts", type=int, default=2)
+    p.add_argument("--request-timeout", type=float, default=600.0)
+    p.add_argument("--ttft-slo", type=float, default=2.0)
+    p.add_argument("--tpot-slo", type=float, default=0.2)
+    p.add_argument("--log-level", default="info")
+    p.add_argument("--hash-key", metavar="KEY", help="print the sha256 of an API key for a tenants file and exit")
+    return p
+
+
+def _add_admission_flags(p: argparse.ArgumentParser) -> None:
+    """Tenant-limit sharing, request size and time bounds, the prepare pool and overload flags."""
     p.add_argument("--limit-share", type=int, default=1,
                    help="number of frontend processes sharing each tenant's limits")
     p.add_argument("--limit-share-index", type=int, default=None,
@@ -278,20 +297,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bodies up to this size are parsed and tokenized on the event loop (cheaper than a hand-over)")
     p.add_argument("--ttft-headroom", type=float, default=0.7,
                    help="refuse a request whose predicted TTFT exceeds this fraction of its TTFT budget")
-    p.add_argument("--request-log", default="-", help="'-' for stderr, a file path, or 'off'")
-    p.add_argument("--log-prompts", action="store_true", help="include prompt text in the request log")
-    p.add_argument("--session-header", default="x-session-id")
-    p.add_argument("--no-user-affinity", action="store_true")
-    p.add_argument("--affinity-blocks", type=int, default=1)
-    p.add_argument("--load-factor", type=float, default=1.25)
-    p.add_argument("--decode-max-queue", type=int, default=64)
-    p.add_argument("--upstream-attempts", type=int, default=2)
-    p.add_argument("--request-timeout", type=float, default=600.0)
-    p.add_argument("--ttft-slo", type=float, default=2.0)
-    p.add_argument("--tpot-slo", type=float, default=0.2)
-    p.add_argument("--log-level", default="info")
-    p.add_argument("--hash-key", metavar="KEY", help="print the sha256 of an API key for a tenants file and exit")
-    return p
 
 
 def config_from_args(args: argparse.Namespace) -> FrontendConfig:
