@@ -614,3 +614,36 @@ def test_ttft_backlog_estimate_and_budget_header() -> None:
     for bad in ("0", "-3", "soon", "nan", "1e12"):
         err = api_error(lambda b=bad: ttft_budget_ms(t, {TTFT_BUDGET_HEADER: b}))  # type: ignore[misc]
         assert err.status == 400 and err.param == TTFT_BUDGET_HEADER
+
+
+def test_prepare_workers_are_bounded_and_refuse_at_once() -> None:
+    import asyncio
+    import threading
+
+    from frontend.workers import PrepareWorkers
+
+    workers = PrepareWorkers(threads=1, queue_limit=1)
+    release = threading.Event()
+
+    async def scenario() -> list[object]:
+        running = [asyncio.ensure_future(workers.run(release.wait, 10)) for _ in range(2)]  # one runs, one waits
+        await asyncio.sleep(0)
+        assert workers.pending == 2
+        refused = api_error_async(workers.run(release.wait, 10))
+        err = await refused
+        release.set()
+        return [err, *(await asyncio.gather(*running))]
+
+    async def api_error_async(coro: Any) -> APIError:
+        try:
+            await coro
+        except APIError as err:
+            return err
+        raise AssertionError("no APIError")
+
+    try:
+        err, *results = asyncio.run(scenario())
+    finally:
+        workers.close()
+    assert isinstance(err, APIError) and err.status == 503 and err.headers["retry-after"] == "1"
+    assert results == [True, True] and workers.pending == 0
