@@ -473,6 +473,17 @@ def test_config_validation(tmp_path: Path, tiny_llama_dir: Path) -> None:
     models.write_text("models:\n  - name: a\n    path: /x\n    colour: red\n")
     with pytest.raises(ConfigError, match="unknown field"):
         load_models_file(models)
+    # The admission settings are validated too.
+    base = {"etcd_endpoints": ("h:1",), "models": tuple(specs)}
+    ok = FrontendConfig(**base, limit_share=4, limit_share_index=3, max_messages=10, max_stop_strings=8)
+    assert ok.request_limits.max_messages == 10 and ok.request_limits.max_stop_strings == 8
+    for bad, match in (({"limit_share": 4, "limit_share_index": 4}, "limit_share_index"),
+                       ({"limit_share_index": -1}, "limit_share_index"), ({"output_estimate": 0}, "output_estimate"),
+                       ({"body_timeout_s": 0}, "body_timeout_s"), ({"max_header_bytes": 10}, "max_header_bytes"),
+                       ({"max_stop_strings": 0}, "max_stop_strings"), ({"max_prompt_chars": 0}, "max_prompt_chars"),
+                       ({"prepare_workers": 0}, "prepare_workers"), ({"ttft_headroom": 1.5}, "ttft_headroom")):
+        with pytest.raises(ConfigError, match=match):
+            FrontendConfig(**base, **bad)  # type: ignore[arg-type]
 
 
 def test_rendered_chunks_and_bodies_match_the_spec(schemas: OpenAPISchemas, catalog: ModelCatalog) -> None:
