@@ -215,7 +215,9 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; with add_special_tokens the post-processor adds BOS/EOS as configured."""
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL while the Rust side works (encode holds it), so a long prompt
+        # tokenized on a worker thread (the frontend's) does not stall the threads around it.
+        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids` through tokenizer.json's decoder (byte-level: invalid UTF-8 tails come out as U+FFFD)."""

@@ -4,8 +4,11 @@ Entry point: `python -m frontend --etcd HOST:PORT --models FILE [--tenants FILE]
 (`frontend.server.main(argv)`). See frontend/README.md for the configuration files and operations.
 
 Modules, in request order:
-  app         FastAPI routes; the ASGI response that runs a generation and watches for disconnects
+  app         FastAPI routes; the ASGI response that runs a generation and watches for disconnects;
+              the header limit; /openapi.json (openapi.json, built by scripts/build_frontend_openapi.py)
   service     Frontend: admission, tokenization, routing, upstream calls, streaming, accounting
+  admission   validate, tokenize, route, TTFT budget, tenant limits: the admitted Job
+  workers     the bounded thread pool admission's CPU work runs on    ttft  TTFT prediction
   protocol    request validation with OpenAI-style errors          errors   the OpenAI error shape
   tenants     tenants file and hashed API keys                     limits   token buckets and quotas
   models      served models, tokenizers, logprob token strings     routing  decode/prefill node choice

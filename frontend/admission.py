@@ -1,10 +1,18 @@
 """Admission: everything that can refuse a generation request before its response starts (auth is the
 caller's): body validation, model resolution and fallback, permissions, tokenization and context checks,
 routing every choice, and the tenant's limits. The result is a `Job` holding a tenant admission and route
-leases, which `frontend.accounting` releases when the job ends."""
+leases, which `frontend.accounting` releases when the job ends.
+
+The CPU-heavy steps (parsing the body, chat templating, tokenization) run on `frontend.workers` threads
+for a body over `prepare_inline_bytes`, so a long prompt does not stall the event loop that streams
+other requests' tokens; a small body is cheaper to do inline than to hand over. They are pure functions of
+the body and the model; everything that reads or changes shared state (catalog, router, limiter) runs on
+the event loop.
+"""
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -21,15 +29,21 @@ from frontend.protocol import (
     INT64_MAX,
     SEED_MIN,
     GenerationRequest,
+    RequestLimits,
     parse_chat_request,
     parse_completion_request,
     parse_json_body,
 )
 from frontend.routing import NoRoute, RouteDecision, Router
 from frontend.tenants import Tenant
+from frontend.ttft import TTFTEstimator
 from frontend.upstream import sampling_message
+from frontend.workers import PrepareWorkers
 
 T = TypeVar("T")
+
+TTFT_BUDGET_HEADER = "x-pdserve-ttft-budget-ms"
+_MAX_TTFT_BUDGET_MS = 3_600_000.0
 
 
 @dataclass(frozen=True)
@@ -39,9 +53,66 @@ class ModelChoice:
 
 
 @dataclass(frozen=True)
+class OutputBudget:
+    """One prompt's output: the generation cap of each of its choices and what each reserves against the
+    tenant's output budget (max_tokens when sent; else an estimate, settled when the job ends)."""
+
+    max_tokens: int
+    reserve: int
+    estimated: bool
+
+
+@dataclass(frozen=True)
 class Tokenized:
     prompts: list[list[int]]  # token ids per prompt
     echo_texts: list[str]  # per prompt: the text `echo` puts in front ("" without echo)
+
+
+def ttft_budget_ms(tenant: Tenant, headers: Mapping[str, str]) -> float | None:
+    """The request's TTFT budget: its `x-pdserve-ttft-budget-ms` header, else the tenant's
+    `ttft_budget_ms`, else None (no early rejection). 400 APIError for a malformed header."""
+    raw = headers.get(TTFT_BUDGET_HEADER)
+    if raw is None:
+        return None if tenant.limits.ttft_budget_ms is None else float(tenant.limits.ttft_budget_ms)
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not 0 < value <= _MAX_TTFT_BUDGET_MS:  # also refuses NaN
+        raise APIError(400, f"Invalid value for header '{TTFT_BUDGET_HEADER}': {raw[:40]!r}; it must be a number "
+                       f"of milliseconds in (0, {_MAX_TTFT_BUDGET_MS:g}].", param=TTFT_BUDGET_HEADER,
+                       code="invalid_value")
+    return value
+
+
+def parse_request(kind: str, body: bytes, limits: RequestLimits) -> GenerationRequest:
+    """The validated request of a body. Pure: safe on a worker thread. Raises APIError (400)."""
+    obj = parse_json_body(body)
+    return parse_chat_request(obj, limits) if kind == CHAT else parse_completion_request(obj, limits)
+
+
+def tokenize(req: GenerationRequest, model: ServedModel) -> Tokenized:
+    """Token ids and echo texts of every prompt (chat: the rendered template). Pure: safe on a worker
+    thread. Raises APIError (400)."""
+    if req.kind == CHAT:
+        assert req.messages is not None
+        return Tokenized([model.encode_chat(req.messages)], [""])
+    prompts: list[list[int]] = []
+    echoes: list[str] = []
+    assert req.prompts is not None
+    single = len(req.prompts) == 1
+    for i, p in enumerate(req.prompts):
+        if isinstance(p, str):
+            ids = model.encode(p)
+            echoes.append(p if req.echo else "")
+        else:
+            model.check_token_ids(p, "prompt" if single else f"prompt[{i}]")
+            ids = list(p)
+            echoes.append(model.tokenizer.decode(ids) if req.echo else "")
+        if not ids:
+            raise APIError(400, "The prompt is empty after tokenization.", param="prompt", code="empty_prompt")
+        prompts.append(ids)
+    return Tokenized(prompts, echoes)
 
 
 class Admitter:
@@ -49,14 +120,17 @@ class Admitter:
     leases and a tenant admission, which the job's end releases)."""
 
     def __init__(self, config: FrontendConfig, catalog: ModelCatalog, limiter: TenantLimiter, router: Router,
-                 metrics: FrontendMetrics) -> None:
+                 metrics: FrontendMetrics, workers: PrepareWorkers, ttft: TTFTEstimator) -> None:
         self.config, self.catalog, self.limiter, self.router, self.metrics = config, catalog, limiter, router, metrics
+        self.workers, self.ttft = workers, ttft
 
-    def prepare(self, kind: str, tenant: Tenant, body: bytes, headers: Mapping[str, str]) -> Job:
+    async def prepare(self, kind: str, tenant: Tenant, body: bytes, headers: Mapping[str, str]) -> Job:
         """Validates, tokenizes, routes and admits a request. Raises APIError (4xx/503)."""
         arrived = time.perf_counter()
-        obj = parse_json_body(body)
-        req = parse_chat_request(obj) if kind == CHAT else parse_completion_request(obj)
+        budget_ms = ttft_budget_ms(tenant, headers)
+        offload = len(body) > self.config.prepare_inline_bytes
+        limits = self.config.request_limits
+        req = await self.workers.run(parse_request, kind, body, limits) if offload else parse_request(kind, body, limits)
         model = self.catalog.resolve(req.model)
         if not tenant.may_use(*self.catalog.names_of(model)):
             raise APIError(403, f"Tenant {tenant.name!r} may not use model `{req.model}`.", type="permission_error",
@@ -64,15 +138,20 @@ class Admitter:
         self._limited(tenant, lambda: self.limiter.precheck(tenant))
         picked = self._pick_model(tenant, model)
         model = picked.model
-        tokenized = self._tokenize(req, model)
+        tokenized = await self.workers.run(tokenize, req, model) if offload else tokenize(req, model)
         prompts = tokenized.prompts
-        per_prompt_max = [self._max_tokens(req, tenant, model, len(p)) for p in prompts]
+        budgets = [self._max_tokens(req, tenant, model, len(p)) for p in prompts]
+        per_prompt_max = [b.max_tokens for b in budgets]
         session_key = headers.get(self.config.session_header) if self.config.session_header else None
         if not session_key and self.config.user_affinity:
             session_key = req.user
         decisions = self._route(req, model, prompts, per_prompt_max, session_key)
-        reserve = sum(per_prompt_max[pi] for pi, _ in decisions)
-        admission = self._limited(tenant, lambda: self.limiter.admit(tenant, sum(len(p) for p in prompts), reserve))
+        if budget_ms is not None:
+            self._limited(tenant, lambda: self._check_ttft(model, [d for _, d in decisions], budget_ms, arrived))
+        firm = sum(budgets[pi].reserve for pi, _ in decisions if not budgets[pi].estimated)
+        estimate = sum(budgets[pi].reserve for pi, _ in decisions if budgets[pi].estimated)
+        admission = self._limited(tenant, lambda: self.limiter.admit(tenant, sum(len(p) for p in prompts), firm,
+                                                                     estimate))
         job_id = ("chatcmpl-" if kind == CHAT else "cmpl-") + uuid.uuid4().hex
         job = Job(kind=kind, id=job_id, created=int(time.time()), arrived=arrived, req=req, tenant=tenant,
                   model=model, requested_model=req.model, prompts=prompts, echo_texts=tokenized.echo_texts,
@@ -94,6 +173,31 @@ class Admitter:
         except APIError as err:
             self._count_rejection(tenant, err)
             raise
+
+    def _check_ttft(self, model: ServedModel, decisions: list[RouteDecision], budget_ms: float, arrived: float) -> None:
+        """503 APIError with Retry-After when some choice's predicted TTFT (time so far plus
+        `TTFTEstimator.estimate` behind its node's backlog, earlier choices of this request included)
+        exceeds `ttft_headroom` times the budget."""
+        elapsed = time.perf_counter() - arrived
+        limit_ms = budget_ms * self.config.ttft_headroom
+        added: dict[str, int] = {}  # prompt tokens this request already puts on a node
+        for d in decisions:
+            node = d.prefill_node
+            backlog = self.router.backlog(d)
+            est = self.ttft.estimate(model.pool, backlog, added.get(node, 0) + d.prompt_tokens)
+            added[node] = added.get(node, 0) + d.prompt_tokens
+            if est is None:
+                continue
+            predicted_ms = (elapsed + est.seconds) * 1e3
+            if predicted_ms > limit_ms:
+                wait_s = math.ceil((predicted_ms - limit_ms) / 1e3)
+                raise APIError(503, f"Model `{model.name}` cannot produce a first token within the {budget_ms:g} ms "
+                               f"TTFT budget now: predicted {predicted_ms:.0f} ms ({est.work_tokens} prompt tokens "
+                               f"to prefill at {est.tokens_per_s:.0f} tokens/s; {backlog.ours_tokens} routed by this "
+                               f"frontend, {backlog.reported_queue} requests reported waiting). Retry later or "
+                               "elsewhere.",
+                               type=OVERLOADED, code="ttft_budget_unmet", limit="ttft",
+                               headers={"retry-after": str(max(1, wait_s))})
 
     def _route(self, req: GenerationRequest, model: ServedModel, prompts: list[list[int]], per_prompt_max: list[int],
                session_key: str | None) -> list[tuple[int, RouteDecision]]:
@@ -141,28 +245,7 @@ class Admitter:
         why = "overloaded" if status.decode else "has no decode node"
         return ModelChoice(fallback, f"pool {model.pool!r} {why}; served by fallback {fallback.name!r}")
 
-    def _tokenize(self, req: GenerationRequest, model: ServedModel) -> Tokenized:
-        if req.kind == CHAT:
-            assert req.messages is not None
-            return Tokenized([model.encode_chat(req.messages)], [""])
-        prompts: list[list[int]] = []
-        echoes: list[str] = []
-        assert req.prompts is not None
-        single = len(req.prompts) == 1
-        for i, p in enumerate(req.prompts):
-            if isinstance(p, str):
-                ids = model.encode(p)
-                echoes.append(p if req.echo else "")
-            else:
-                model.check_token_ids(p, "prompt" if single else f"prompt[{i}]")
-                ids = list(p)
-                echoes.append(model.tokenizer.decode(ids) if req.echo else "")
-            if not ids:
-                raise APIError(400, "The prompt is empty after tokenization.", param="prompt", code="empty_prompt")
-            prompts.append(ids)
-        return Tokenized(prompts, echoes)
-
-    def _max_tokens(self, req: GenerationRequest, tenant: Tenant, model: ServedModel, prompt_len: int) -> int:
+    def _max_tokens(self, req: GenerationRequest, tenant: Tenant, model: ServedModel, prompt_len: int) -> OutputBudget:
         """The output budget of one choice; 400 APIError when the request cannot fit the context."""
         limit = model.max_context
         if tenant.limits.max_context_tokens is not None:
@@ -180,7 +263,10 @@ class Admitter:
             budget = limit - prompt_len
             if model.spec.default_max_tokens is not None:
                 budget = min(budget, model.spec.default_max_tokens)
-            return budget if cap is None else min(budget, cap)
+            budget = budget if cap is None else min(budget, cap)
+            estimate = next(e for e in (tenant.limits.output_tokens_estimate, model.spec.output_tokens_estimate,
+                                        self.config.output_estimate) if e is not None)
+            return OutputBudget(budget, min(budget, estimate), estimated=True)
         if cap is not None and wanted > cap:
             raise APIError(400, f"{param} is too large: {wanted}. This model supports at most {cap} completion "
                            "tokens per choice for this tenant.", param=param, code="invalid_value")
@@ -189,4 +275,4 @@ class Admitter:
                            f"{prompt_len + wanted} tokens ({prompt_len} in the {what}, {wanted} in the completion). "
                            f"Please reduce the length of the {what} or completion.", param=param,
                            code="context_length_exceeded")
-        return wanted
+        return OutputBudget(wanted, wanted, estimated=False)

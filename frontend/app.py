@@ -8,10 +8,13 @@ cancels the work at once, which cancels the Generate calls and so aborts the req
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import orjson
 from fastapi import FastAPI, Request
@@ -19,7 +22,7 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
-from starlette.types import Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from frontend.errors import NOT_FOUND, SERVER, APIError
 from frontend.render import DONE, error_event
@@ -27,11 +30,20 @@ from frontend.service import CHAT, COMPLETION, Frontend, Job, client_request_id
 
 log = logging.getLogger(__name__)
 
+_OPENAPI_PATH = Path(__file__).with_name("openapi.json")
+
 _SSE_HEADERS = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
     (b"cache-control", b"no-cache"),
     (b"x-accel-buffering", b"no"),  # proxies must not buffer the stream
 ]
+
+
+def openapi_document() -> dict[str, Any]:
+    """The API's OpenAPI document (served at /openapi.json): the routes with the official OpenAI request and
+    error schemas, since the routes read raw bodies that FastAPI cannot describe. Generated from the
+    vendored spec by scripts/build_frontend_openapi.py."""
+    return json.loads(_OPENAPI_PATH.read_bytes())  # stdlib json: the schemas hold integers beyond 64 bits
 
 
 def json_response(obj: object, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -42,8 +54,10 @@ def error_response(err: APIError) -> Response:
     return Response(err.body(), status_code=err.status, media_type="application/json", headers=err.headers)
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, refusing more than `limit` bytes (413) without reading past the limit."""
+async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
+    """The request body, refusing more than `limit` bytes (413) without reading past the limit, and a body
+    that has not arrived in full within `timeout_s` (408: a client trickling its body holds a connection
+    and a buffer for nothing)."""
     declared = request.headers.get("content-length")
     if declared is not None:
         if not declared.isdigit():
@@ -52,11 +66,36 @@ async def read_body(request: Request, limit: int) -> bytes:
             raise APIError(413, f"The request body is {declared} bytes; the limit is {limit} bytes.",
                            code="request_too_large")
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise APIError(413, f"The request body exceeds the limit of {limit} bytes.", code="request_too_large")
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > limit:
+                    raise APIError(413, f"The request body exceeds the limit of {limit} bytes.",
+                                   code="request_too_large")
+    except TimeoutError:
+        raise APIError(408, f"The request body was not received within {timeout_s:g} s.",
+                       code="body_timeout") from None
     return bytes(body)
+
+
+class HeaderLimit:
+    """ASGI middleware: a request whose headers exceed `limit` bytes is answered 431 in the OpenAI error
+    shape before any route sees it. Pure ASGI (no BaseHTTPMiddleware), so disconnects still reach the
+    routes."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            size = sum(len(k) + len(v) for k, v in scope["headers"])
+            if size > self.limit:
+                err = APIError(431, f"The request headers are {size} bytes; the limit is {self.limit} bytes.",
+                               code="headers_too_large")
+                await _send_error(send, err, [(b"connection", b"close")])
+                return
+        await self.app(scope, receive, send)
 
 
 @dataclass(eq=False)
@@ -159,10 +198,13 @@ def create_app(frontend: Frontend) -> FastAPI:
         finally:
             await frontend.close()
 
-    app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url="/openapi.json", lifespan=lifespan)
+    document = openapi_document()
+    app.openapi = lambda: document  # type: ignore[method-assign]
     _add_generation_routes(app, frontend)
     _add_model_routes(app, frontend)
     _add_operations_routes(app, frontend)
+    app.add_middleware(HeaderLimit, limit=frontend.config.max_header_bytes)
     return app
 
 
@@ -172,8 +214,8 @@ def _add_generation_routes(app: FastAPI, frontend: Frontend) -> None:
         try:
             tenant = frontend.authenticate(request.headers.get("authorization"))
             tenant_name = tenant.name
-            body = await read_body(request, frontend.config.max_body_bytes)
-            job = frontend.prepare(kind, tenant, body, request.headers)
+            body = await read_body(request, frontend.config.max_body_bytes, frontend.config.body_timeout_s)
+            job = await frontend.prepare(kind, tenant, body, request.headers)
         except APIError as err:
             frontend.reject(kind, tenant_name, err, client_request_id(request.headers))
             return error_response(err)

@@ -11,6 +11,8 @@ Models file (YAML or TOML, chosen by the file suffix)::
         max_context: 2048           # default: the model's max_model_len
         max_output_tokens: 1024     # cap on max_tokens (default: no cap beyond the context)
         default_max_tokens: 256     # chat requests without max_tokens (default: the rest of the context)
+        output_tokens_estimate: 256 # output reserved against tenant budgets when max_tokens is absent
+                                    # (default: --output-estimate); reconciled with what was generated
 
 `--model NAME=PATH` on the command line adds an entry with only a name and a path.
 """
@@ -27,6 +29,7 @@ from typing import Any
 
 import yaml
 
+from frontend.protocol import RequestLimits
 from rpc import RpcSecurity, add_rpc_args, rpc_security_from_args
 
 
@@ -85,6 +88,7 @@ class ModelSpec:
     max_context: int | None = None
     max_output_tokens: int | None = None
     default_max_tokens: int | None = None
+    output_tokens_estimate: int | None = None
 
     def __post_init__(self) -> None:
         if not self.name or "/" in self.pool:
@@ -122,6 +126,7 @@ class ModelSpec:
             max_context=optional_positive_int(where, obj, "max_context"),
             max_output_tokens=optional_positive_int(where, obj, "max_output_tokens"),
             default_max_tokens=optional_positive_int(where, obj, "default_max_tokens"),
+            output_tokens_estimate=optional_positive_int(where, obj, "output_tokens_estimate"),
         )
 
 
@@ -149,11 +154,32 @@ class FrontendConfig:
     port: int = 8000
     tenants_file: str | None = None  # None: local mode, any key accepted
     frontend_id: str = field(default_factory=_default_frontend_id)
-    # Per-tenant limits are enforced per process; with K frontends behind one balancer each enforces
-    # limit / limit_share, so the tenant's total stays at its configured limit.
+    # Per-tenant limits are enforced per process. With K frontends behind one balancer (limit_share=K)
+    # frontend i of K (limit_share_index=i) enforces floor(limit / K), plus one while i < limit % K: the
+    # shares sum to exactly the limit. Without an index every frontend enforces floor(limit / K), which
+    # never exceeds the limit in total but loses the remainder. A zero share refuses with 429 +
+    # Retry-After, so clients and balancers retry on another frontend.
     limit_share: int = 1
+    limit_share_index: int | None = None
+    # Output tokens a request without max_tokens reserves against its tenant's output budget until it
+    # ends (then it is charged what it generated); a model's or tenant's output_tokens_estimate wins.
+    output_estimate: int = 256
     max_body_bytes: int = 4 << 20
+    max_header_bytes: int = 16384  # request line excluded: names and values of every header together
+    body_timeout_s: float = 30.0  # a body not received in full by then is answered 408
+    max_messages: int = 2048
+    max_stop_strings: int = 4
+    max_stop_chars: int = 256
+    max_prompt_chars: int = 1 << 20  # message content characters, or prompt characters + token ids
     max_inflight: int = 2048  # requests in flight in this process before new ones get 503
+    # Admission's CPU work (parse, chat template, tokenize) for bodies over prepare_inline_bytes runs on
+    # prepare_workers threads, with at most prepare_queue requests waiting for one (then 503).
+    prepare_workers: int = field(default_factory=lambda: max(2, min(8, os.cpu_count() or 1)))
+    prepare_queue: int = 256
+    prepare_inline_bytes: int = 16384
+    # A request with a TTFT budget is refused when its predicted TTFT exceeds ttft_headroom x budget: the
+    # queue settles where admission stops, so the prediction needs room for its own error.
+    ttft_headroom: float = 0.7
     request_log: str | None = "-"  # "-": stderr, a path: appended JSON lines, None: off
     log_prompts: bool = False
     session_header: str = "x-session-id"  # session affinity key header ("" disables the header)
@@ -168,6 +194,7 @@ class FrontendConfig:
     tpot_slo_s: float = 0.2
     log_level: str = "info"
     rpc: RpcSecurity = field(default_factory=RpcSecurity.from_env)  # token (and CA) the calls to nodes carry
+    request_limits: RequestLimits = field(init=False, repr=False, compare=False)  # derived from the max_* above
 
     def __post_init__(self) -> None:
         checks = [
@@ -176,8 +203,21 @@ class FrontendConfig:
             (bool(self.cluster) and "/" not in self.cluster, f"bad cluster name {self.cluster!r}"),
             (0 <= self.port <= 65535, f"port must be in [0, 65535], got {self.port}"),
             (self.limit_share >= 1, f"limit_share must be >= 1, got {self.limit_share}"),
+            (self.limit_share_index is None or 0 <= self.limit_share_index < self.limit_share,
+             f"limit_share_index must be in [0, limit_share={self.limit_share}), got {self.limit_share_index}"),
+            (self.output_estimate >= 1, f"output_estimate must be >= 1, got {self.output_estimate}"),
             (self.max_body_bytes >= 1024, f"max_body_bytes must be >= 1024, got {self.max_body_bytes}"),
             (self.max_inflight >= 1, f"max_inflight must be >= 1, got {self.max_inflight}"),
+            (self.max_header_bytes >= 1024, f"max_header_bytes must be >= 1024, got {self.max_header_bytes}"),
+            (self.body_timeout_s > 0, f"body_timeout_s must be > 0, got {self.body_timeout_s}"),
+            (self.max_messages >= 1, f"max_messages must be >= 1, got {self.max_messages}"),
+            (1 <= self.max_stop_strings <= 1024, f"max_stop_strings must be in [1, 1024], got {self.max_stop_strings}"),
+            (self.max_stop_chars >= 1, f"max_stop_chars must be >= 1, got {self.max_stop_chars}"),
+            (self.max_prompt_chars >= 1, f"max_prompt_chars must be >= 1, got {self.max_prompt_chars}"),
+            (self.prepare_workers >= 1, f"prepare_workers must be >= 1, got {self.prepare_workers}"),
+            (self.prepare_queue >= 0, f"prepare_queue must be >= 0, got {self.prepare_queue}"),
+            (0 < self.ttft_headroom <= 1, f"ttft_headroom must be in (0, 1], got {self.ttft_headroom}"),
+            (self.prepare_inline_bytes >= 0, f"prepare_inline_bytes must be >= 0, got {self.prepare_inline_bytes}"),
             (self.affinity_blocks >= 1, f"affinity_blocks must be >= 1, got {self.affinity_blocks}"),
             (self.load_factor > 1.0, f"load_factor must be > 1, got {self.load_factor}"),
             (self.decode_max_queue >= 1, f"decode_max_queue must be >= 1, got {self.decode_max_queue}"),
@@ -188,6 +228,9 @@ class FrontendConfig:
         for ok, message in checks:
             if not ok:
                 raise ConfigError(f"FrontendConfig: {message}")
+        object.__setattr__(self, "request_limits", RequestLimits(
+            max_messages=self.max_messages, max_stop_strings=self.max_stop_strings,
+            max_stop_chars=self.max_stop_chars, max_prompt_chars=self.max_prompt_chars))
         names: dict[str, str] = {}
         for spec in self.models:
             for served in (spec.name, *spec.aliases):
@@ -213,10 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve model NAME with the tokenizer in PATH (repeatable)")
     p.add_argument("--tenants", metavar="FILE", help="tenants file (YAML or TOML); without it any key is accepted")
     p.add_argument("--frontend-id", default=None)
-    p.add_argument("--limit-share", type=int, default=1,
-                   help="number of frontend processes sharing each tenant's limits")
-    p.add_argument("--max-body-bytes", type=int, default=4 << 20)
-    p.add_argument("--max-inflight", type=int, default=2048)
+    _add_admission_flags(p)
     p.add_argument("--request-log", default="-", help="'-' for stderr, a file path, or 'off'")
     p.add_argument("--log-prompts", action="store_true", help="include prompt text in the request log")
     p.add_argument("--session-header", default="x-session-id")
@@ -232,6 +272,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hash-key", metavar="KEY", help="print the sha256 of an API key for a tenants file and exit")
     add_rpc_args(p, server=False)
     return p
+
+
+def _add_admission_flags(p: argparse.ArgumentParser) -> None:
+    """Tenant-limit sharing, request size and time bounds, the prepare pool and overload flags."""
+    p.add_argument("--limit-share", type=int, default=1,
+                   help="number of frontend processes sharing each tenant's limits")
+    p.add_argument("--limit-share-index", type=int, default=None,
+                   help="this frontend's index in [0, --limit-share): the shares then sum to each limit exactly")
+    p.add_argument("--output-estimate", type=int, default=256,
+                   help="output tokens reserved against tenant budgets for a request without max_tokens "
+                        "(reconciled with what it generated when it ends)")
+    p.add_argument("--max-body-bytes", type=int, default=4 << 20)
+    p.add_argument("--max-header-bytes", type=int, default=16384, help="431 beyond this many header bytes")
+    p.add_argument("--body-timeout", type=float, default=30.0, help="seconds to receive a whole body (then 408)")
+    p.add_argument("--max-messages", type=int, default=2048, help="messages per chat request")
+    p.add_argument("--max-stop-strings", type=int, default=4)
+    p.add_argument("--max-stop-chars", type=int, default=256, help="characters per stop string")
+    p.add_argument("--max-prompt-chars", type=int, default=1 << 20,
+                   help="characters of a request's messages or prompts (token ids count one each)")
+    p.add_argument("--max-inflight", type=int, default=2048)
+    p.add_argument("--prepare-workers", type=int, default=None,
+                   help="threads for parsing, chat templating and tokenization (default: CPUs, 2..8)")
+    p.add_argument("--prepare-queue", type=int, default=256,
+                   help="requests that may wait for a prepare thread before new ones get 503")
+    p.add_argument("--prepare-inline-bytes", type=int, default=16384,
+                   help="bodies up to this size are parsed and tokenized on the event loop (cheaper than a hand-over)")
+    p.add_argument("--ttft-headroom", type=float, default=0.7,
+                   help="refuse a request whose predicted TTFT exceeds this fraction of its TTFT budget")
 
 
 def config_from_args(args: argparse.Namespace) -> FrontendConfig:
@@ -250,6 +318,8 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         extra["rpc"] = rpc_security_from_args(args)
     except (OSError, ValueError) as err:
         raise ConfigError(f"cluster token / TLS: {err}") from err
+    if args.prepare_workers is not None:
+        extra["prepare_workers"] = args.prepare_workers
     return FrontendConfig(
         etcd_endpoints=endpoints,
         models=tuple(models),
@@ -258,8 +328,19 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         port=args.port,
         tenants_file=args.tenants,
         limit_share=args.limit_share,
+        limit_share_index=args.limit_share_index,
+        output_estimate=args.output_estimate,
         max_body_bytes=args.max_body_bytes,
+        max_header_bytes=args.max_header_bytes,
+        body_timeout_s=args.body_timeout,
+        max_messages=args.max_messages,
+        max_stop_strings=args.max_stop_strings,
+        max_stop_chars=args.max_stop_chars,
+        max_prompt_chars=args.max_prompt_chars,
         max_inflight=args.max_inflight,
+        prepare_queue=args.prepare_queue,
+        prepare_inline_bytes=args.prepare_inline_bytes,
+        ttft_headroom=args.ttft_headroom,
         request_log=None if args.request_log == "off" else args.request_log,
         log_prompts=args.log_prompts,
         session_header=args.session_header.lower(),

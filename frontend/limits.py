@@ -3,7 +3,10 @@
 A request is admitted atomically (every limit checked before any is charged, and nothing awaits in
 between, so concurrent requests on the event loop cannot interleave). Its output budget is its
 `max_tokens` (times the number of choices), taken up front; `Admission.release` refunds what it did not
-use. Limits are per process: with K frontends, run each with `limit_share=K` (see FrontendConfig), which
+use. A choice without `max_tokens` (the openai SDK sends none) may generate up to the context, so it
+reserves an estimate instead (`output_tokens_estimate`), never more than the bucket or the day's quota
+can hold, so leaving max_tokens out never makes a request too large; when it ends it is charged what it
+generated, which may put the bucket into debt that later requests wait out. Limits are per process: with K frontends, run each with `limit_share=K` (see FrontendConfig), which
 gives every process 1/K of each limit; a balancer that pins a tenant's key to one frontend (hash on the
 Authorization header) can instead give that process the whole limit.
 
@@ -22,6 +25,8 @@ from frontend.errors import QUOTA, RATE_LIMIT, APIError
 from frontend.tenants import Tenant, TenantLimits
 
 SECONDS_PER_DAY = 86400.0
+_SHARED_LIMITS = ("requests_per_minute", "input_tokens_per_minute", "output_tokens_per_minute",
+                  "max_concurrent_requests", "daily_token_quota")
 
 
 @dataclass(eq=False)
@@ -32,10 +37,13 @@ class TokenBucket:
     rate: float
     level: float
     stamp: float
+    largest_share: float = 0.0  # the capacity of the largest share of this limit on any frontend
 
     @classmethod
-    def per_minute(cls, limit: int, now: float) -> TokenBucket:
-        return cls(capacity=float(limit), rate=limit / 60.0, level=float(limit), stamp=now)
+    def per_minute(cls, limit: int, now: float, largest_share: int | None = None) -> TokenBucket:
+        """A full bucket of `limit` refilled over a minute (a limit of 0 is empty for good)."""
+        largest = float(limit if largest_share is None else largest_share)
+        return cls(capacity=float(limit), rate=limit / 60.0, level=float(limit), stamp=now, largest_share=largest)
 
     def refill(self, now: float) -> None:
         """Adds what accrued since the last call."""
@@ -50,6 +58,7 @@ class TokenBucket:
         return max(0.0, (amount - self.level) / self.rate)
 
     def take(self, amount: float) -> None:
+        """Removes `amount`; the level may go below zero (a debt later requests wait out)."""
         self.level -= amount
 
     def give(self, amount: float) -> None:
@@ -82,14 +91,20 @@ class Admission:
     released: bool = field(default=False)
 
     def release(self, output_used: int) -> None:
-        """Frees the concurrency slot and refunds the unused part of the output reservation."""
+        """Frees the concurrency slot and settles the output reservation against `output_used`: the
+        unused part is refunded, generation beyond an estimated reservation is charged (the bucket may
+        go into debt)."""
         if self.released:
             return
         self.released = True
         self.state.concurrent -= 1
-        unused = max(0, self.output_reserved - output_used)
-        if self.state.output_tokens is not None:
-            self.state.output_tokens.give(unused)
+        unused = self.output_reserved - output_used
+        bucket = self.state.output_tokens
+        if bucket is not None:
+            if unused >= 0:
+                bucket.give(unused)
+            else:
+                bucket.take(-unused)
         if self.state.day == self.day:
             self.state.day_used = max(0, self.state.day_used - unused)
 
@@ -102,26 +117,43 @@ class TenantLimiter:
     """Admits or rejects requests per tenant (changes the tenants' counters and buckets)."""
 
     def __init__(self, share: int = 1, clock: Callable[[], float] = time.monotonic,
-                 wall_clock: Callable[[], float] = time.time) -> None:
+                 wall_clock: Callable[[], float] = time.time, index: int | None = None) -> None:
+        assert share >= 1 and (index is None or 0 <= index < share), (share, index)
         self._share = share
+        self._index = index
         self._clock = clock
         self._wall = wall_clock
         self._states: dict[str, TenantState] = {}
 
     def _scaled(self, limit: int | None) -> int | None:
-        return None if limit is None else max(1, math.ceil(limit / self._share))
+        """This process's share of `limit` (None: unlimited); the shares of indices 0..K-1 sum to it."""
+        if limit is None:
+            return None
+        base, rest = divmod(limit, self._share)
+        return base + (1 if self._index is not None and self._index < rest else 0)
+
+    def _largest(self, limit: int) -> int:
+        """The largest share of `limit` any frontend holds."""
+        return math.ceil(limit / self._share) if self._index is not None else limit // self._share
+
+    def _bucket(self, limit: int | None, now: float) -> TokenBucket | None:
+        share = self._scaled(limit)
+        return None if limit is None or share is None else TokenBucket.per_minute(share, now, self._largest(limit))
+
+    def zero_shares(self, tenants: list[Tenant]) -> list[str]:
+        """`tenant.limit` names whose share in this process is zero (for a startup warning)."""
+        return [f"{t.name}.{f}" for t in tenants for f in _SHARED_LIMITS
+                if self._scaled(getattr(t.limits, f)) == 0]
 
     def state(self, tenant: Tenant) -> TenantState:
         st = self._states.get(tenant.name)
         if st is None:
             lim, now = tenant.limits, self._clock()
-            rpm, itpm = self._scaled(lim.requests_per_minute), self._scaled(lim.input_tokens_per_minute)
-            otpm = self._scaled(lim.output_tokens_per_minute)
             st = TenantState(
                 limits=lim,
-                requests=None if rpm is None else TokenBucket.per_minute(rpm, now),
-                input_tokens=None if itpm is None else TokenBucket.per_minute(itpm, now),
-                output_tokens=None if otpm is None else TokenBucket.per_minute(otpm, now),
+                requests=self._bucket(lim.requests_per_minute, now),
+                input_tokens=self._bucket(lim.input_tokens_per_minute, now),
+                output_tokens=self._bucket(lim.output_tokens_per_minute, now),
             )
             self._states[tenant.name] = st
         return st
@@ -135,11 +167,17 @@ class TenantLimiter:
             st.requests.refill(self._clock())
             self._check_bucket(tenant, st.requests, 1, "requests", "requests per minute (RPM)", "rpm")
 
-    def admit(self, tenant: Tenant, input_tokens: int, output_reserve: int) -> Admission:
-        """Charges one request, `input_tokens` and an output reservation, or raises a 429 APIError."""
+    def admit(self, tenant: Tenant, input_tokens: int, output_reserve: int, output_estimate: int = 0) -> Admission:
+        """Charges one request: `input_tokens`, the firm output reservation `output_reserve` (the sum of
+        the max_tokens the client sent) and `output_estimate` (what choices without max_tokens reserve,
+        cut to what the output bucket and the daily quota can hold); or raises a 429 APIError."""
         st = self.state(tenant)
         now = self._clock()
         self._check_concurrency(tenant, st)
+        if st.output_tokens is not None:
+            output_estimate = min(output_estimate, max(0, int(st.output_tokens.capacity) - output_reserve))
+        output_reserve += max(0, output_estimate)
+        day, output_reserve = self._check_daily(tenant, st, input_tokens, output_reserve, output_estimate)
         checks = [
             (st.requests, 1, "requests", "requests per minute (RPM)", "rpm"),
             (st.input_tokens, input_tokens, "tokens", "input tokens per minute (ITPM)", "input_tpm"),
@@ -149,7 +187,6 @@ class TenantLimiter:
             if bucket is not None:
                 bucket.refill(now)
                 self._check_bucket(tenant, bucket, amount, kind, what, name)
-        day = self._check_daily(tenant, st, input_tokens + output_reserve)
         for bucket, amount, *_ in checks:
             if bucket is not None:
                 bucket.take(amount)
@@ -157,8 +194,23 @@ class TenantLimiter:
         st.day_used += input_tokens + output_reserve
         return Admission(tenant, st, input_tokens, output_reserve, day)
 
+    def _no_share(self, tenant: Tenant, what: str, name: str, amount: int = 1) -> APIError:
+        """429 for a request beyond this process's share of a limit that another frontend's share could
+        hold (a zero share refuses everything): soft, so a client or balancer retries elsewhere."""
+        return APIError(
+            429,
+            f"Tenant {tenant.name!r}: {amount} is more than this frontend's share of its {what} limit (the "
+            f"limit is split over {self._share} frontends). Retry: another frontend may serve the request.",
+            type=RATE_LIMIT,
+            code="rate_limit_exceeded",
+            limit=name,
+            headers={"retry-after": "1", "x-should-retry": "true"},
+        )
+
     def _check_concurrency(self, tenant: Tenant, st: TenantState) -> None:
         cap = self._scaled(st.limits.max_concurrent_requests)
+        if cap == 0:
+            raise self._no_share(tenant, "concurrent requests", "concurrency")
         if cap is not None and st.concurrent >= cap:
             raise APIError(
                 429,
@@ -172,6 +224,8 @@ class TenantLimiter:
     def _check_bucket(
         self, tenant: Tenant, bucket: TokenBucket, amount: int, kind: str, what: str, name: str
     ) -> None:
+        if bucket.capacity < amount <= bucket.largest_share:
+            raise self._no_share(tenant, what, name, amount)
         wait = bucket.wait_s(amount)
         if wait == 0.0:
             return
@@ -197,12 +251,20 @@ class TenantLimiter:
                      f"x-ratelimit-limit-{kind}": str(limit)},
         )
 
-    def _check_daily(self, tenant: Tenant, st: TenantState, amount: int) -> int:
+    def _check_daily(self, tenant: Tenant, st: TenantState, input_tokens: int, output_reserve: int,
+                     estimated: int) -> tuple[int, int]:
+        """(the UTC day number, the output reservation cut so its `estimated` part fits the quota)."""
         wall = self._wall()
         day = int(wall // SECONDS_PER_DAY)
         if st.day != day:
             st.day, st.day_used = day, 0
         quota = self._scaled(st.limits.daily_token_quota)
+        if quota == 0:
+            raise self._no_share(tenant, "daily token quota", "quota", input_tokens + output_reserve)
+        if quota is not None:
+            over = st.day_used + input_tokens + output_reserve - quota
+            output_reserve -= min(max(0, over), estimated)
+        amount = input_tokens + output_reserve
         if quota is not None and st.day_used + amount > quota:
             reset_in = (day + 1) * SECONDS_PER_DAY - wall
             raise APIError(
@@ -214,7 +276,7 @@ class TenantLimiter:
                 limit="quota",
                 headers={"retry-after": _retry_after(reset_in), "x-should-retry": "false"},
             )
-        return day
+        return day, output_reserve
 
     def concurrent(self, tenant_name: str) -> int:
         st = self._states.get(tenant_name)

@@ -28,6 +28,19 @@ Kind = Literal["chat", "completion"]
 Prompt = str | list[int]
 
 
+@dataclass(frozen=True)
+class RequestLimits:
+    """Bounds on what one request may ask for, checked while parsing (FrontendConfig sets them)."""
+
+    max_messages: int = 2048
+    max_stop_strings: int = MAX_STOP_STRINGS
+    max_stop_chars: int = 256  # characters per stop string
+    max_prompt_chars: int = 1 << 20  # characters of message content, or prompt characters plus token ids
+
+    def __post_init__(self) -> None:
+        assert min(self.max_messages, self.max_stop_strings, self.max_stop_chars, self.max_prompt_chars) >= 1, self
+
+
 @dataclass(eq=False)
 class SamplingOptions:
     """Sampling fields of a request, validated; `max_tokens` None means the model's default."""
@@ -124,21 +137,29 @@ def _string(obj: dict[str, Any], key: str) -> str | None:
     return value
 
 
-def _stop(obj: dict[str, Any]) -> tuple[str, ...]:
+def _stop(obj: dict[str, Any], limits: RequestLimits) -> tuple[str, ...]:
     value = obj.get("stop")
     if value is None:
         return ()
     items = [value] if isinstance(value, str) else value
     if not isinstance(items, list):
         raise invalid_type("stop", "a string or an array of strings", value)
-    if len(items) > MAX_STOP_STRINGS:
-        raise invalid_value("stop", f"at most {MAX_STOP_STRINGS} stop sequences are allowed, got {len(items)}.")
+    if len(items) > limits.max_stop_strings:
+        raise invalid_value("stop", f"at most {limits.max_stop_strings} stop sequences are allowed, got {len(items)}.")
     for i, item in enumerate(items):
         if not isinstance(item, str):
             raise invalid_type(f"stop[{i}]", "a string", item)
         if not item:
             raise invalid_value(f"stop[{i}]", "stop sequences must be non-empty.")
+        if len(item) > limits.max_stop_chars:
+            raise invalid_value(f"stop[{i}]", f"a stop sequence may have at most {limits.max_stop_chars} characters, "
+                                f"got {len(item)}.")
     return tuple(items)
+
+
+def _prompt_too_long(param: str, size: int, limits: RequestLimits) -> APIError:
+    return APIError(400, f"The {param} is too long: {size} characters; this server accepts at most "
+                    f"{limits.max_prompt_chars}.", param=param, code="prompt_too_long")
 
 
 def _unsupported(obj: dict[str, Any], key: str, ok: bool, what: str) -> None:
@@ -146,7 +167,7 @@ def _unsupported(obj: dict[str, Any], key: str, ok: bool, what: str) -> None:
         raise APIError(400, f"'{key}' is not supported by this server: {what}", param=key, code="unsupported_parameter")
 
 
-def _common(obj: dict[str, Any], kind: Kind) -> GenerationRequest:
+def _common(obj: dict[str, Any], kind: Kind, limits: RequestLimits) -> GenerationRequest:
     model = obj.get("model")
     if model is None:
         raise APIError(400, "you must provide a model parameter", param="model", code="missing_required_parameter")
@@ -166,7 +187,7 @@ def _common(obj: dict[str, Any], kind: Kind) -> GenerationRequest:
         frequency_penalty=_number(obj, "frequency_penalty", 0.0, -2.0, 2.0),
         repetition_penalty=_number(obj, "repetition_penalty", 1.0, 0.01, 10.0),
         max_tokens=_integer(obj, max_param, None, 1, INT64_MAX),
-        stop=_stop(obj),
+        stop=_stop(obj, limits),
         ignore_eos=_boolean(obj, "ignore_eos", False),
     )
     if kind == "chat" and max_param == "max_completion_tokens":
@@ -221,7 +242,7 @@ def _message_text(content: Any, param: str) -> str:
     return "".join(parts)
 
 
-def _messages(obj: dict[str, Any]) -> list[dict[str, Any]]:
+def _messages(obj: dict[str, Any], limits: RequestLimits) -> list[dict[str, Any]]:
     messages = obj.get("messages")
     if messages is None:
         raise APIError(400, "Missing required parameter: 'messages'.", param="messages", code="missing_required_parameter")
@@ -229,7 +250,10 @@ def _messages(obj: dict[str, Any]) -> list[dict[str, Any]]:
         raise invalid_type("messages", "an array", messages)
     if not messages:
         raise invalid_value("messages", "the array must not be empty.")
+    if len(messages) > limits.max_messages:
+        raise invalid_value("messages", f"at most {limits.max_messages} messages are allowed, got {len(messages)}.")
     cleaned: list[dict[str, Any]] = []
+    chars = 0
     for i, msg in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(msg, dict):
@@ -250,6 +274,9 @@ def _messages(obj: dict[str, Any]) -> list[dict[str, Any]]:
             text = ""
         else:
             text = _message_text(content, f"{where}.content")
+        chars += len(text)
+        if chars > limits.max_prompt_chars:
+            raise _prompt_too_long("messages", chars, limits)
         # "developer" is OpenAI's newer name for the system role; chat templates know "system".
         item: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": text}
         name = msg.get("name")
@@ -261,10 +288,10 @@ def _messages(obj: dict[str, Any]) -> list[dict[str, Any]]:
     return cleaned
 
 
-def parse_chat_request(obj: dict[str, Any]) -> GenerationRequest:
+def parse_chat_request(obj: dict[str, Any], limits: RequestLimits = RequestLimits()) -> GenerationRequest:
     """Validates a /v1/chat/completions body. Raises APIError (400)."""
-    req = _common(obj, "chat")
-    req.messages = _messages(obj)
+    req = _common(obj, "chat", limits)
+    req.messages = _messages(obj, limits)
     logprobs = _boolean(obj, "logprobs", False)
     top = _integer(obj, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
     if top is not None and not logprobs:
@@ -291,7 +318,15 @@ def _token_list(value: list[Any], param: str) -> list[int]:
     return value
 
 
-def _prompts(obj: dict[str, Any]) -> list[Prompt]:
+def _prompts(obj: dict[str, Any], limits: RequestLimits) -> list[Prompt]:
+    prompts = _prompt_list(obj)
+    size = sum(len(p) for p in prompts)  # characters of text prompts, ids of token prompts
+    if size > limits.max_prompt_chars:
+        raise _prompt_too_long("prompt", size, limits)
+    return prompts
+
+
+def _prompt_list(obj: dict[str, Any]) -> list[Prompt]:
     prompt = obj.get("prompt")
     if prompt is None:
         raise APIError(400, "Missing required parameter: 'prompt'.", param="prompt", code="missing_required_parameter")
@@ -319,10 +354,10 @@ def _prompts(obj: dict[str, Any]) -> list[Prompt]:
     return out
 
 
-def parse_completion_request(obj: dict[str, Any]) -> GenerationRequest:
+def parse_completion_request(obj: dict[str, Any], limits: RequestLimits = RequestLimits()) -> GenerationRequest:
     """Validates a /v1/completions body. Raises APIError (400)."""
-    req = _common(obj, "completion")
-    req.prompts = _prompts(obj)
+    req = _common(obj, "completion", limits)
+    req.prompts = _prompts(obj, limits)
     req.sampling.logprobs = _integer(obj, "logprobs", None, 0, MAX_TOP_LOGPROBS)
     req.echo = _boolean(obj, "echo", False)
     if req.echo and req.sampling.logprobs is not None:

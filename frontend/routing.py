@@ -21,7 +21,7 @@ from placement.prefill import choose_prefill, usable_prefill
 from placement.ring import HashRing, RingCache, bounded_pick, ring_hash
 from registry.view import Member
 
-__all__ = ["HashRing", "NoRoute", "PoolStatus", "RouteDecision", "RouteLease", "Router", "bounded_pick",
+__all__ = ["Backlog", "HashRing", "NoRoute", "PoolStatus", "RouteDecision", "RouteLease", "Router", "bounded_pick",
            "ring_hash"]
 
 COOLDOWN_S = 2.0
@@ -43,6 +43,20 @@ class RouteDecision:
     prefill_rule: str  # "prefix_owner" | "prefix_spill" | "least_loaded" | "local"
     prefix_key: str  # hex of the ring key used for prefill affinity ("" when none)
     fingerprint: str  # the pool's model fingerprint
+    prompt_tokens: int = 0  # the prompt's length: the prefill work this route adds to its node
+
+    @property
+    def prefill_node(self) -> str:
+        """The node that prefills the prompt: the prefill node, or the decode node itself."""
+        return self.prefill_id or self.decode_id
+
+
+@dataclass(frozen=True)
+class Backlog:
+    """Prefill work queued ahead of a new prompt on one node, as this frontend sees it."""
+
+    ours_tokens: int  # prompt tokens this frontend routed there whose first token has not come
+    reported_queue: int  # requests the node's last load record says are waiting there (all frontends)
 
 
 @dataclass(eq=False)
@@ -53,19 +67,31 @@ class RouteLease:
     decision: RouteDecision
     prefill_pending: bool = True
     released: bool = field(default=False)
+    work_ahead: int = 0  # prefill tokens queued on its node when it was leased, its own included
+    tokens_pending: bool = True
+    leased_at: float = field(default_factory=time.perf_counter)
 
     def prefill_done(self) -> None:
-        """The first token arrived: the prefill node is done with this request."""
+        """The first token arrived: the prefill node is done with this request (reported to the router's
+        `on_first_token`, which learns the prefill rate)."""
+        if self.tokens_pending and self.router.on_first_token is not None:
+            self.router.on_first_token(self, time.perf_counter() - self.leased_at)
+        self._settle_prefill()
+
+    def _settle_prefill(self) -> None:
         if self.prefill_pending:
             self.prefill_pending = False
             self.router.adjust(self.router.prefill_outstanding, self.decision.prefill_id, -1)
+        if self.tokens_pending:
+            self.tokens_pending = False
+            self.router.adjust(self.router.prefill_tokens, self.decision.prefill_node, -self.decision.prompt_tokens)
 
     def release(self) -> None:
         """The request ended (any way): its counts go away. Idempotent."""
         if self.released:
             return
         self.released = True
-        self.prefill_done()
+        self._settle_prefill()
         self.router.adjust(self.router.decode_outstanding, self.decision.decode_id, -1)
 
 
@@ -98,9 +124,12 @@ class Router:
         self.decode_max_queue = decode_max_queue
         self.decode_outstanding: dict[str, int] = {}
         self.prefill_outstanding: dict[str, int] = {}
+        self.prefill_tokens: dict[str, int] = {}  # node id -> prompt tokens routed there awaiting a first token
         self._rings = RingCache()
         self._rotation = 0
         self._cooldown: dict[str, float] = {}  # node id -> monotonic time until which it is avoided
+        # Called with (lease, seconds from lease to first token) when a route's first token arrives.
+        self.on_first_token: Callable[[RouteLease, float], None] | None = None
 
     @staticmethod
     def adjust(counts: dict[str, int], node_id: str, delta: int) -> None:
@@ -176,6 +205,7 @@ class Router:
             prefill_rule=prefill.rule,
             prefix_key=prefill.prefix_key,
             fingerprint=decode.record.model_fingerprint,
+            prompt_tokens=len(prompt_ids),
         )
 
     def _pick_decode(self, candidates: list[Member], num_tokens: int, session_key: str | None) -> tuple[Member, str, str]:
@@ -208,8 +238,20 @@ class Router:
             now = time.monotonic()
             self._cooldown = {k: v for k, v in self._cooldown.items() if v > now}
 
+    def backlog(self, decision: RouteDecision) -> Backlog:
+        """The prefill work queued ahead on the node that would prefill `decision`'s prompt."""
+        node = decision.prefill_node
+        role = "prefill" if decision.prefill_id else "decode"
+        member = next((m for m in self._members(role, decision.pool) if m.node_id == node), None)
+        queue = 0 if member is None or member.load is None else member.load.queue_len
+        return Backlog(self.prefill_tokens.get(node, 0), queue)
+
     def lease(self, decision: RouteDecision) -> RouteLease:
-        """Counts the request as outstanding on its nodes until the lease is released."""
+        """Counts the request (and its prompt's prefill tokens) as outstanding on its nodes until the
+        lease is released."""
+        ahead = self.prefill_tokens.get(decision.prefill_node, 0)
         self.adjust(self.decode_outstanding, decision.decode_id, +1)
         self.adjust(self.prefill_outstanding, decision.prefill_id, +1)
-        return RouteLease(self, decision, prefill_pending=bool(decision.prefill_id))
+        self.adjust(self.prefill_tokens, decision.prefill_node, decision.prompt_tokens)
+        return RouteLease(self, decision, prefill_pending=bool(decision.prefill_id),
+                          work_ahead=ahead + decision.prompt_tokens)

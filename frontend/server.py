@@ -48,6 +48,12 @@ def main(argv: list[str] | None = None) -> int:
         access_log=False,
         lifespan="on",
         timeout_keep_alive=30,
+        # The last bound, behind the frontend's own (max_inflight, the prepare queue), which answer in the
+        # OpenAI error shape first: uvicorn answers a plain 503 beyond this many connections and tasks.
+        limit_concurrency=2 * config.max_inflight + config.prepare_queue + 64,
+        # h11 buffers a request head up to this size (httptools has no such bound; HeaderLimit answers 431
+        # in the OpenAI shape either way).
+        h11_max_incomplete_event_size=config.max_header_bytes + 8192,
     )
     log.info("pdserve frontend %s on http://%s:%d (cluster %r, etcd %s)", config.frontend_id, config.host,
              config.port, config.cluster, ",".join(config.etcd_endpoints))

@@ -34,7 +34,9 @@ from frontend.render import (
 from frontend.request_log import RequestLog
 from frontend.routing import Router
 from frontend.tenants import Tenant, TenantTable
+from frontend.ttft import TTFTEstimator
 from frontend.upstream import UpstreamCalls, UpstreamPool
+from frontend.workers import PrepareWorkers
 from protos import pdserve_pb2 as pb
 from registry.view import RegistryView, ViewChange
 
@@ -52,7 +54,7 @@ class Frontend:
         self.config = config
         self.catalog = ModelCatalog(config.models)
         self.tenants = TenantTable.from_file(config.tenants_file) if config.tenants_file else TenantTable.local()
-        self.limiter = TenantLimiter(share=config.limit_share)
+        self.limiter = TenantLimiter(share=config.limit_share, index=config.limit_share_index)
         self.metrics = FrontendMetrics(config.frontend_id)
         self.request_log = RequestLog(config.request_log)
         self.view = RegistryView(config.etcd_endpoints, config.cluster)
@@ -63,7 +65,11 @@ class Frontend:
             decode_max_queue=config.decode_max_queue,
         )
         self.upstream = UpstreamPool(config.rpc)
-        self.admitter = Admitter(config, self.catalog, self.limiter, self.router, self.metrics)
+        self.workers = PrepareWorkers(config.prepare_workers, config.prepare_queue)
+        self.ttft = TTFTEstimator()
+        self.router.on_first_token = self.ttft.observe_lease
+        self.admitter = Admitter(config, self.catalog, self.limiter, self.router, self.metrics, self.workers,
+                                 self.ttft)
         self.calls = UpstreamCalls(config, self.router, self.upstream)
         self.accounting = Accounting(config, self.metrics, self.request_log)
         self.inflight = 0
@@ -72,6 +78,11 @@ class Frontend:
         unknown = self.tenants.check_models(self.catalog.served_names)
         if unknown:
             log.warning("tenants file allows models that are not served: %s", unknown)
+        starved = self.limiter.zero_shares(self.tenants.tenants)
+        if starved:
+            log.warning("limit share %s of %d: no share of these tenant limits here (refused with 429 + "
+                        "Retry-After, served by other frontends): %s", config.limit_share_index,
+                        config.limit_share, starved)
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -91,6 +102,7 @@ class Frontend:
             task.cancel()
         await self.view.close()
         await self.upstream.close()
+        self.workers.close()
         self.request_log.close()
 
     def _on_view_change(self, change: ViewChange) -> None:
@@ -146,13 +158,13 @@ class Frontend:
 
     # --- a job's life ----------------------------------------------------------------------------
 
-    def prepare(self, kind: str, tenant: Tenant, body: bytes, headers: Mapping[str, str]) -> Job:
+    async def prepare(self, kind: str, tenant: Tenant, body: bytes, headers: Mapping[str, str]) -> Job:
         """Validates, tokenizes, routes and admits a request (`Admitter.prepare`). Raises APIError
         (4xx/503). On success the job counts as in flight until `finish`."""
-        if self.inflight >= self.config.max_inflight:
+        if self.inflight + self.workers.pending >= self.config.max_inflight:
             raise APIError(503, "This frontend is at its in-flight request limit; retry shortly.",
                            type=OVERLOADED, code="overloaded", headers={"retry-after": "1"})
-        job = self.admitter.prepare(kind, tenant, body, headers)
+        job = await self.admitter.prepare(kind, tenant, body, headers)
         self.inflight += 1
         self.metrics.inflight_now.inc()
         return job

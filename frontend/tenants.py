@@ -13,6 +13,9 @@ Tenants file (YAML or TOML)::
         max_context_tokens: 4096          # prompt + max_tokens
         max_output_tokens: 1024           # max_tokens per choice
         daily_token_quota: 5000000        # hard quota, input + output tokens per UTC day
+        output_tokens_estimate: 256       # output reserved for a request without max_tokens (default: the
+                                          # model's, else the frontend's --output-estimate)
+        ttft_budget_ms: 2000              # refuse at once (503) what cannot get a first token in time
 
 Keys are random bearer secrets, so an unsalted digest is enough: recovering a key from its digest is as
 hard as guessing the key. Lookup is by digest, so no comparison ever runs over the secret itself.
@@ -47,6 +50,12 @@ class TenantLimits:
     max_context_tokens: int | None = None
     max_output_tokens: int | None = None
     daily_token_quota: int | None = None
+    # Not a limit: what a request without max_tokens reserves against output_tokens_per_minute and the
+    # daily quota until it ends and is charged what it generated (None: the model's or frontend's default).
+    output_tokens_estimate: int | None = None
+    # Not a limit either: the default TTFT budget of the tenant's requests; a request whose predicted TTFT
+    # (frontend.ttft) exceeds it is refused at once with 503 + Retry-After (a request header overrides it).
+    ttft_budget_ms: int | None = None
 
 
 @dataclass(frozen=True)

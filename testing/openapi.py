@@ -111,3 +111,67 @@ class OpenAPISchemas:
         problems = self.errors(name, instance)
         if problems:
             raise ValidationError(f"{name}: " + "; ".join(problems[:10]))
+
+
+# --- the frontend's own OpenAPI document ----------------------------------------------------------------
+
+_OPERATIONS = (  # (path, method, operationId, request schema or None)
+    ("/v1/chat/completions", "post", "createChatCompletion", "CreateChatCompletionRequest"),
+    ("/v1/completions", "post", "createCompletion", "CreateCompletionRequest"),
+    ("/v1/models", "get", "listModels", None),
+    ("/v1/models/{model}", "get", "retrieveModel", None),
+)
+
+
+def _schema_closure(schemas: dict[str, Any], roots: list[str]) -> dict[str, Any]:
+    """`roots` and every component schema they reference, transitively."""
+    out: dict[str, Any] = {}
+    todo = list(roots)
+    while todo:
+        name = todo.pop()
+        if name in out:
+            continue
+        out[name] = schemas[name]
+        stack: list[Any] = [schemas[name]]
+        while stack:
+            node = stack.pop()
+            if isinstance(node, dict):
+                ref = node.get("$ref")
+                if isinstance(ref, str) and ref.startswith("#/components/schemas/"):
+                    todo.append(ref.rsplit("/", 1)[1])
+                stack.extend(node.values())
+            elif isinstance(node, list):
+                stack.extend(node)
+    return dict(sorted(out.items()))
+
+
+def frontend_document(path: Path | None = None) -> dict[str, Any]:
+    """The OpenAPI 3.1 document the frontend serves at /openapi.json: its routes, with the request bodies
+    and the error response of the official spec (what `scripts/build_frontend_openapi.py` writes to
+    frontend/openapi.json)."""
+    spec = _load(path or find_spec())
+    schemas = spec["components"]["schemas"]
+    roots = [s for *_, s in _OPERATIONS if s] + ["ErrorResponse"]
+    error = {"description": "An error, in the OpenAI shape",
+             "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+    paths: dict[str, Any] = {}
+    for route, method, op_id, request in _OPERATIONS:
+        op: dict[str, Any] = {"operationId": op_id, "responses": {
+            "200": {"description": "Success", "content": {"application/json": {}, **(
+                {"text/event-stream": {}} if request else {})}},
+            "default": error}}
+        if request:
+            op["requestBody"] = {"required": True, "content": {"application/json": {
+                "schema": {"$ref": f"#/components/schemas/{request}"}}}}
+        if "{model}" in route:
+            op["parameters"] = [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}]
+        paths[route] = {method: op}
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "pdserve", "version": "1",
+                 "description": "The OpenAI-compatible API of a pdserve cluster. Request and error schemas are "
+                                "the official OpenAI specification's (MIT); fields of features the server "
+                                "does not serve are answered 400."},
+        "paths": paths,
+        "components": {"schemas": _schema_closure(schemas, roots)},
+    }

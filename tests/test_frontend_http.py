@@ -34,7 +34,7 @@ pytestmark = pytest.mark.timeout(180)
 
 REPLY = "The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs."
 FAIL_SEED = 4242
-KEYS = {t: f"sk-{t}-{'x' * 24}" for t in ("alpha", "beta", "gamma", "delta", "epsilon", "zeta")}
+KEYS = {t: f"sk-{t}-{'x' * 24}" for t in ("alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta")}
 
 
 @dataclass(eq=False)
@@ -78,6 +78,8 @@ def write_configs(tmp: Path, model_dir: Path) -> tuple[Path, Path]:
         "delta": {"output_tokens_per_minute": 100},
         "epsilon": {"daily_token_quota": 60},
         "zeta": {"max_concurrent_requests": 1, "max_output_tokens": 20, "max_context_tokens": 200},
+        "eta": {"output_tokens_per_minute": 60, "output_tokens_estimate": 8},  # far below the 4096 context
+        "theta": {"max_concurrent_requests": 1},
     }
     entries = [{"name": name, "keys_sha256": [hash_key(KEYS[name])], **extra} for name, extra in limits.items()]
     tenants.write_bytes(orjson.dumps({"tenants": entries}))  # JSON is YAML
@@ -400,6 +402,58 @@ def test_output_budget_reserved_up_front_and_refunded(env: Env) -> None:
     list(stream)
     zeta.chat.completions.create(model="tiny-llama", messages=user("x"), max_tokens=3)
     assert_conformant(env, transport, zeta_transport)
+
+
+def test_sdk_without_max_tokens_reserves_an_estimate_and_is_charged_what_it_used(env: Env) -> None:
+    eta, transport = sdk(env, "eta")  # 60 output tokens per minute (1/s), estimate 8, context 4096
+    started = time.monotonic()
+    # The SDK sends no max_tokens: the request may generate up to the context, yet it is admitted (it
+    # reserves the estimate, not the 4000-odd tokens left in the context).
+    resp = eta.chat.completions.create(model="tiny-llama", messages=user("x"))
+    assert resp.choices[0].finish_reason == "stop"
+    used = resp.usage.completion_tokens if resp.usage else 0
+    assert used == len(env.reply_ids) > 8
+    # Charged what it generated (33), not the estimate (8): 40 is more than what is left.
+    with pytest.raises(openai.RateLimitError) as err:
+        eta.chat.completions.create(model="tiny-llama", messages=user("x"), max_tokens=40)
+    assert err.value.code == "rate_limit_exceeded" and err.value.response.headers["x-should-retry"] == "true"
+    available = int(str(err.value.message).split("available ")[1].split(".")[0])
+    refilled = time.monotonic() - started + 1  # one token per second since the first charge
+    assert 60 - used <= available <= 60 - used + refilled
+    # The bucket is low but a request without max_tokens still gets in while it holds its estimate.
+    assert eta.chat.completions.create(model="tiny-llama", messages=user("x")).choices[0].message.content
+    assert_conformant(env, transport)
+
+
+def test_concurrency_one_shared_by_four_frontends_admits_one_in_total(env: Env, tmp_path: Path) -> None:
+    tenants, models = write_configs(tmp_path, env.model_dir)
+    frontends: list[FrontendProc] = []
+    try:
+        for i in range(4):
+            frontends.append(start_frontend(f"share-{i}", tmp_path, env.etcd.endpoints, free_port(), "--tenants",
+                                            str(tenants), "--models", str(models), "--limit-share", "4",
+                                            "--limit-share-index", str(i), "--request-log", "off",
+                                            "--log-level", "warning"))
+        clients = [openai.OpenAI(base_url=f"{fe.base_url}/v1", api_key=KEYS["theta"], max_retries=0)
+                   for fe in frontends]
+        # Two long streams per frontend, all open at once: the tenant's one slot is held by one of them.
+        streams, refused = [], []
+        for client in clients * 2:
+            try:
+                streams.append(client.chat.completions.create(model="slow-llama", messages=user("x"),
+                                                              max_tokens=50, stream=True))
+            except openai.RateLimitError as err:
+                refused.append(err)
+        assert len(streams) == 1 and len(refused) == 7
+        assert all(e.response.headers["retry-after"] == "1" and e.response.headers["x-should-retry"] == "true"
+                   for e in refused)
+        for stream in streams:
+            stream.close()
+    finally:
+        for fe in frontends:
+            assert_clean_exit(fe)
+    assert any("no share of these tenant limits here" in fe.proc.log_text() and "theta" in fe.proc.log_text()
+               for fe in frontends[1:])
 
 
 def create_error(env: Env, tenant: str, model: str, max_tokens: int) -> Exception | None:

@@ -246,6 +246,34 @@ def test_limiter_output_reservation_is_refunded() -> None:
     assert lim.state(t).output_tokens is not None and lim.state(t).output_tokens.level == pytest.approx(10)
 
 
+def test_limiter_estimated_output_is_capped_and_settled_against_use() -> None:
+    clock, wall = FakeClock(), FakeClock()
+    lim = TenantLimiter(clock=clock, wall_clock=wall)
+    t = tenant(output_tokens_per_minute=60)  # 1 token/s refill
+    # A request without max_tokens whose estimate exceeds the bucket is never too large: it reserves
+    # what the bucket holds, and is charged what it generated when it ends.
+    first = lim.admit(t, 1, 0, 4000)
+    assert first.output_reserved == 60
+    first.release(100)  # generated past the reservation: the bucket owes 40
+    bucket = lim.state(t).output_tokens
+    assert bucket is not None and bucket.level == pytest.approx(-40)
+    err = api_error(lambda: lim.admit(t, 1, 0, 10))
+    assert err.code == "rate_limit_exceeded" and err.headers["retry-after"] == "50"  # debt + 10 at 1/s
+    clock.now += 50
+    second = lim.admit(t, 1, 0, 10)
+    second.release(3)  # used less than the estimate: the rest comes back
+    assert bucket.level == pytest.approx(7)  # refilled to 10, 10 reserved, 7 back
+    # A firm max_tokens larger than the bucket stays a hard refusal.
+    assert api_error(lambda: lim.admit(t, 1, 61)).code == "request_too_large"
+    # The daily quota: the estimate shrinks to what is left, then the day is charged what was used.
+    daily = Tenant("d", frozenset({"*"}), TenantLimits(daily_token_quota=100))
+    held = lim.admit(daily, 70, 0, 256)
+    assert held.output_reserved == 30
+    held.release(50)
+    assert lim.state(daily).day_used == 120
+    assert api_error(lambda: lim.admit(daily, 1, 0, 5)).code == "insufficient_quota"
+
+
 def test_limiter_requests_concurrency_daily_and_share() -> None:
     clock, wall = FakeClock(), FakeClock()
     lim = TenantLimiter(clock=clock, wall_clock=wall)
@@ -271,6 +299,45 @@ def test_limiter_requests_concurrency_daily_and_share() -> None:
 
     shared = TenantLimiter(share=4, clock=clock)
     assert api_error(lambda: shared.admit(tenant(input_tokens_per_minute=400), 101, 0)).code == "request_too_large"
+
+
+def test_limit_share_concurrency_one_over_four_frontends_admits_one_in_total() -> None:
+    clock, wall = FakeClock(), FakeClock()
+    frontends = [TenantLimiter(share=4, index=i, clock=clock, wall_clock=wall) for i in range(4)]
+    one = Tenant("one", frozenset({"*"}), TenantLimits(max_concurrent_requests=1))
+    admitted, refused = [], []
+    for _ in range(3):  # every frontend is asked three times while nothing ends
+        for lim in frontends:
+            try:
+                admitted.append(lim.admit(one, 1, 1))
+            except APIError as err:
+                refused.append(err)
+    assert len(admitted) == 1 and len(refused) == 11
+    # Refusals are soft: a client or balancer retries, and another frontend (or this one later) serves it.
+    assert all(e.status == 429 and e.headers["retry-after"] == "1" and e.headers["x-should-retry"] == "true"
+               for e in refused)
+    assert frontends[0].concurrent("one") == 1  # index 0 holds the remainder of 1 // 4
+
+    # Every shared limit splits exactly: floor(limit / K), one more for indices below limit % K.
+    limits = TenantLimits(requests_per_minute=10, input_tokens_per_minute=7, output_tokens_per_minute=3,
+                          max_concurrent_requests=6, daily_token_quota=4001)
+    t = Tenant("split", frozenset({"*"}), limits)
+    for field_name, total in ((f, getattr(limits, f)) for f in ("requests_per_minute", "input_tokens_per_minute",
+                                                                "output_tokens_per_minute", "max_concurrent_requests",
+                                                                "daily_token_quota")):
+        assert sum(lim._scaled(total) or 0 for lim in frontends) == total, field_name
+    # Input tokens: 7 over 4 is 2, 2, 2, 1: 2 tokens are beyond frontend 3's share but not another's (soft),
+    # 3 are beyond every share (hard).
+    assert api_error(lambda: frontends[3].admit(t, 2, 1)).headers["x-should-retry"] == "true"
+    assert api_error(lambda: frontends[3].admit(t, 3, 1)).code == "request_too_large"
+    frontends[2].admit(t, 2, 1).release(1)
+    # Output tokens: 3 over 4 leaves frontend 3 none: a soft 429, never "too large".
+    zero = api_error(lambda: frontends[3].admit(t, 1, 1))
+    assert zero.code == "rate_limit_exceeded" and zero.headers["retry-after"] == "1", zero.message
+    assert frontends[3].zero_shares([t]) == ["split.output_tokens_per_minute"]
+    # Without an index each process takes the floor: never more than the limit in total.
+    floors = [TenantLimiter(share=4, clock=clock) for _ in range(4)]
+    assert sum(lim._scaled(6) or 0 for lim in floors) == 4
 
 
 # --- routing --------------------------------------------------------------------------------------
@@ -406,6 +473,17 @@ def test_config_validation(tmp_path: Path, tiny_llama_dir: Path) -> None:
     models.write_text("models:\n  - name: a\n    path: /x\n    colour: red\n")
     with pytest.raises(ConfigError, match="unknown field"):
         load_models_file(models)
+    # The admission settings are validated too.
+    base = {"etcd_endpoints": ("h:1",), "models": tuple(specs)}
+    ok = FrontendConfig(**base, limit_share=4, limit_share_index=3, max_messages=10, max_stop_strings=8)
+    assert ok.request_limits.max_messages == 10 and ok.request_limits.max_stop_strings == 8
+    for bad, match in (({"limit_share": 4, "limit_share_index": 4}, "limit_share_index"),
+                       ({"limit_share_index": -1}, "limit_share_index"), ({"output_estimate": 0}, "output_estimate"),
+                       ({"body_timeout_s": 0}, "body_timeout_s"), ({"max_header_bytes": 10}, "max_header_bytes"),
+                       ({"max_stop_strings": 0}, "max_stop_strings"), ({"max_prompt_chars": 0}, "max_prompt_chars"),
+                       ({"prepare_workers": 0}, "prepare_workers"), ({"ttft_headroom": 1.5}, "ttft_headroom")):
+        with pytest.raises(ConfigError, match=match):
+            FrontendConfig(**base, **bad)  # type: ignore[arg-type]
 
 
 def test_rendered_chunks_and_bodies_match_the_spec(schemas: OpenAPISchemas, catalog: ModelCatalog) -> None:
@@ -445,3 +523,138 @@ def test_rendered_chunks_and_bodies_match_the_spec(schemas: OpenAPISchemas, cata
     assert chat_logprobs(entries, texts, 1)[1]["logprob"] == -9999.0  # -inf has no JSON form
     assert DONE == b"data: [DONE]\n\n"
     assert schemas.errors("ErrorResponse", APIError(400, "m", param="p", code="c").to_dict()) == []
+
+
+# --- admission off the event loop -------------------------------------------------------------------
+
+
+async def _max_loop_lag_during(work: Any) -> tuple[float, float, Any]:
+    """(largest event-loop stall in s, the work's duration in s, its outcome) while `work` is awaited,
+    measured by a 1 ms ticker on the same loop."""
+    import asyncio
+    import time
+
+    lags: list[float] = []
+    done = False
+
+    async def ticker() -> None:
+        last = time.perf_counter()
+        while not done:
+            await asyncio.sleep(0.001)
+            now = time.perf_counter()
+            lags.append(now - last)
+            last = now
+
+    probe = asyncio.ensure_future(ticker())
+    await asyncio.sleep(0.01)
+    start = time.perf_counter()
+    try:
+        outcome: Any = await work
+    except APIError as err:
+        outcome = err
+    took = time.perf_counter() - start
+    done = True
+    await probe
+    return max(lags), took, outcome
+
+
+def test_prepare_tokenizes_off_the_event_loop(tiny_llama_dir: Path) -> None:
+    import asyncio
+
+    from frontend.service import Frontend
+
+    words = "The quick brown fox jumps over the lazy dog, again and again; "
+    body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": words * 12000}], "max_tokens": 1})
+
+    def lag_of(inline_bytes: int) -> tuple[float, float, Any]:
+        config = FrontendConfig(etcd_endpoints=("127.0.0.1:1",), models=(ModelSpec("m", str(tiny_llama_dir)),),
+                                request_log=None, prepare_inline_bytes=inline_bytes, prepare_workers=2)
+        fe = Frontend(config)  # its registry view is never started: a cluster without nodes
+        try:
+            return asyncio.run(_max_loop_lag_during(fe.prepare("chat", fe.tenants.authenticate(None), body, {})))
+        finally:
+            fe.workers.close()
+
+    inline_lag, inline_took, inline_err = lag_of(len(body))  # the whole body inline: the old behaviour
+    lag, took, err = lag_of(0)
+    # Either way the request is tokenized (the prompt is far over the context) and refused the same way.
+    for e in (inline_err, err):
+        assert isinstance(e, APIError) and e.code == "context_length_exceeded", e
+        assert "resulted in 2" in e.message  # ~230k tokens counted
+    assert inline_lag > 0.8 * inline_took > 0.05  # the probe sees a stall the length of the work
+    assert lag < max(0.02, 0.25 * took), (lag, took, inline_lag)
+
+
+# --- TTFT prediction ---------------------------------------------------------------------------------
+
+
+def test_ttft_backlog_estimate_and_budget_header() -> None:
+    from frontend.admission import TTFT_BUDGET_HEADER, ttft_budget_ms
+    from frontend.routing import Backlog
+    from frontend.ttft import TTFTEstimator
+
+    router = make_router([member("d0"), member("p0", "prefill", queue=3)])
+    est = TTFTEstimator()
+    router.on_first_token = est.observe_lease
+    first = router.route("m", list(range(100)), 4)
+    assert first.prefill_node == "p0" and first.prompt_tokens == 100
+    lease1 = router.lease(first)
+    lease2 = router.lease(router.route("m", list(range(300)), 4))
+    assert router.backlog(first) == Backlog(ours_tokens=400, reported_queue=3)
+    assert lease2.work_ahead == 400  # 100 ahead of it plus its own 300
+    assert est.estimate("m", router.backlog(first), 50) is None  # no sample yet: nothing to judge by
+    lease1.prefill_done()  # its first token: a sample of 100 tokens over the time since its lease
+    rate = est.rate("m")
+    assert rate is not None and rate > 0
+    assert router.prefill_tokens == {"p0": 300}
+    lease2.release()  # ended without a first token: no sample, its tokens leave the backlog
+    assert router.prefill_tokens == {} and est.rate("m") == rate
+    lease1.release()
+
+    est.observe("x", 1000, 200, 2.0)  # 500 tokens/s, prompts of 200
+    got = est.estimate("x", Backlog(ours_tokens=400, reported_queue=0), 100)
+    assert got is not None and got.work_tokens == 500 and got.seconds == pytest.approx(1.0)
+    # Another frontend's requests show only in the node's queue: priced at the mean prompt.
+    got = est.estimate("x", Backlog(ours_tokens=0, reported_queue=5), 100)
+    assert got is not None and got.work_tokens == 1100
+    assert est.estimate("x", Backlog(0, 0), 100) is None  # nothing ahead: always admitted
+
+    t = Tenant("t", frozenset({"*"}), TenantLimits(ttft_budget_ms=800))
+    assert ttft_budget_ms(t, {}) == 800 and ttft_budget_ms(t, {TTFT_BUDGET_HEADER: "250.5"}) == 250.5
+    assert ttft_budget_ms(tenant(), {}) is None
+    for bad in ("0", "-3", "soon", "nan", "1e12"):
+        err = api_error(lambda b=bad: ttft_budget_ms(t, {TTFT_BUDGET_HEADER: b}))  # type: ignore[misc]
+        assert err.status == 400 and err.param == TTFT_BUDGET_HEADER
+
+
+def test_prepare_workers_are_bounded_and_refuse_at_once() -> None:
+    import asyncio
+    import threading
+
+    from frontend.workers import PrepareWorkers
+
+    workers = PrepareWorkers(threads=1, queue_limit=1)
+    release = threading.Event()
+
+    async def scenario() -> list[object]:
+        running = [asyncio.ensure_future(workers.run(release.wait, 10)) for _ in range(2)]  # one runs, one waits
+        await asyncio.sleep(0)
+        assert workers.pending == 2
+        refused = api_error_async(workers.run(release.wait, 10))
+        err = await refused
+        release.set()
+        return [err, *(await asyncio.gather(*running))]
+
+    async def api_error_async(coro: Any) -> APIError:
+        try:
+            await coro
+        except APIError as err:
+            return err
+        raise AssertionError("no APIError")
+
+    try:
+        err, *results = asyncio.run(scenario())
+    finally:
+        workers.close()
+    assert isinstance(err, APIError) and err.status == 503 and err.headers["retry-after"] == "1"
+    assert results == [True, True] and workers.pending == 0

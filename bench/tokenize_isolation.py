@@ -1,0 +1,183 @@
+"""Does tokenizing long prompts stall other requests' streams? Inter-token latency (ITL) p99 of 16
+streams, alone and while 4 other clients keep sending 8k-token chat prompts, through one frontend in
+front of a real local cluster (etcd, one prefill and one decode node running the tiny llama with its
+declared context raised to 16k positions; the tokenizer, the chat template and the frontend are what is
+measured). Target: loaded p99 within 20% of the unloaded p99.
+
+The heavy clients send `max_tokens: 1` and each repeats its own prompt, so the prefill node answers from
+its prefix cache and the nodes stay lightly loaded: the load lands on the frontend, which renders and
+tokenizes ~8k tokens per request. The same loaded run against a frontend started with
+`--prepare-inline-bytes` above every body (tokenizing on the event loop, as it used to) is the baseline.
+ITL is measured at the client between chunks carrying text.
+
+    .venv/bin/python bench/tokenize_isolation.py [--seconds 20] [--streams 16] [--heavy 4] [--prompt-tokens 8000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from engine.tiny import default_model_dir  # noqa: E402
+from engine.tokenizer import Tokenizer  # noqa: E402
+from registry.etcd_server import free_port  # noqa: E402
+from testing.cluster import LocalCluster  # noqa: E402
+from testing.http_load import CallResult, long_context_copy, percentile, stream_chat  # noqa: E402
+from testing.procs import FrontendProc, start_frontend  # noqa: E402
+
+MODEL = "tiny"
+WORDS = ("river stone lantern copper meadow quiet harbor velvet signal orchard ember falcon granite "
+         "thimble compass saffron willow marble cinder pebble").split()
+
+
+@dataclass(eq=False)
+class Phase:
+    itls: list[float] = field(default_factory=list)
+    streams: int = 0
+    heavy_done: int = 0
+    heavy_failed: int = 0
+    seconds: float = 0.0
+
+    def p99_ms(self) -> float:
+        return percentile(self.itls, 0.99) * 1e3
+
+    def p50_ms(self) -> float:
+        return percentile(self.itls, 0.5) * 1e3
+
+
+def heavy_text(tok: Tokenizer, client: int, tokens: int) -> str:
+    """A text of about `tokens` tokens, different for every client."""
+    words = [f"client{client}"] + [WORDS[(i * 7 + client) % len(WORDS)] for i in range(tokens)]
+    text = " ".join(words)
+    while len(tok.encode(text, add_special_tokens=False)) > tokens - 16:
+        words = words[: int(len(words) * 0.97)]
+        text = " ".join(words)
+    return text
+
+
+async def run_phase(url: str, seconds: float, streams: int, heavy: list[str], stream_tokens: int) -> Phase:
+    phase = Phase()
+    stop = asyncio.Event()
+    limits = httpx.Limits(max_connections=streams + len(heavy) + 4, max_keepalive_connections=streams + len(heavy))
+    async with httpx.AsyncClient(timeout=300, limits=limits) as client:
+
+        async def streamer(i: int) -> None:
+            deadline = time.monotonic() + seconds
+            k = 0
+            while time.monotonic() < deadline:
+                body = {"model": MODEL, "messages": [{"role": "user", "content": f"stream {i} round {k}"}],
+                        "max_tokens": stream_tokens, "temperature": 0, "ignore_eos": True}
+                r: CallResult = await stream_chat(client, url, body)
+                if r.status != 200 or r.error or r.transport_error:
+                    raise RuntimeError(f"stream {i} failed: {r.status} {r.error} {r.transport_error}")
+                phase.itls += r.itls
+                phase.streams += 1
+                k += 1
+
+        async def heavy_client(text: str) -> None:
+            body = {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 1}
+            while not stop.is_set():
+                resp = await client.post(url, json=body)
+                if resp.status_code == 200:
+                    phase.heavy_done += 1
+                else:
+                    phase.heavy_failed += 1
+                    await asyncio.sleep(0.05)
+
+        start = time.monotonic()
+        heavies = [asyncio.ensure_future(heavy_client(t)) for t in heavy]
+        try:
+            await asyncio.gather(*(streamer(i) for i in range(streams)))
+        finally:
+            stop.set()
+            await asyncio.gather(*heavies, return_exceptions=True)
+        phase.seconds = time.monotonic() - start
+    return phase
+
+
+def report(name: str, phase: Phase, unloaded: Phase | None) -> None:
+    ratio = "" if unloaded is None else f"  ratio {phase.p99_ms() / unloaded.p99_ms():.2f}"
+    heavy = f"  heavy prompts {phase.heavy_done / phase.seconds:5.1f}/s" if phase.heavy_done else ""
+    print(f"{name:>34}: ITL p50 {phase.p50_ms():6.1f} ms  p99 {phase.p99_ms():6.1f} ms{ratio}"
+          f"  ({len(phase.itls)} gaps, {phase.streams} streams){heavy}", flush=True)
+
+
+def warm_up(url: str, heavy: list[str]) -> None:
+    """Every heavy prompt once (the prefill node caches its prefix, so measured repeats cost the nodes
+    little), then a short stream phase (threads, channels)."""
+    with httpx.Client(timeout=600) as client:
+        for text in heavy:
+            resp = client.post(url, json={"model": MODEL, "messages": [{"role": "user", "content": text}],
+                                          "max_tokens": 1})
+            resp.raise_for_status()
+    asyncio.run(run_phase(url, 1.0, 2, [], 8))
+
+
+def start_fe(tmp: Path, cluster: LocalCluster, model: Path, name: str, *extra: str) -> FrontendProc:
+    return start_frontend(name, tmp, cluster.etcd_endpoints, free_port(), "--cluster", cluster.cluster,
+                          "--model", f"{MODEL}={model}", "--request-log", "off", "--log-level", "warning", *extra)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seconds", type=float, default=20.0, help="length of each measured phase")
+    parser.add_argument("--streams", type=int, default=16)
+    parser.add_argument("--heavy", type=int, default=4, help="clients sending long prompts")
+    parser.add_argument("--prompt-tokens", type=int, default=8000)
+    parser.add_argument("--stream-tokens", type=int, default=200, help="max_tokens of each measured stream")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads per node")
+    parser.add_argument("--no-baseline", action="store_true", help="skip the tokenize-on-the-loop baseline")
+    args = parser.parse_args(argv)
+
+    with tempfile.TemporaryDirectory(prefix="tokenize-isolation-") as tmpdir:
+        tmp = Path(tmpdir)
+        model = long_context_copy(default_model_dir("llama"), tmp / "model", 16384)
+        tok = Tokenizer(model)
+        heavy = [heavy_text(tok, i, args.prompt_tokens) for i in range(args.heavy)]
+        lengths = [len(tok.encode_chat([{"role": "user", "content": t}])) for t in heavy]
+        print(f"heavy prompts: {min(lengths)}..{max(lengths)} tokens", flush=True)
+        node_args = ["--dtype", "float32", "--num-threads", str(args.threads), "--num-kv-blocks", "4096",
+                     "--block-size", "16", "--max-num-batched-tokens", "8192", "--model-name", MODEL]
+        with LocalCluster(tmp / "cluster", model, node_args=node_args) as cluster:
+            cluster.start(1, 1)
+            fe = start_fe(tmp, cluster, model, "frontend")
+            url = f"{fe.base_url}/v1/chat/completions"
+            try:
+                warm_up(url, heavy)
+                unloaded = asyncio.run(run_phase(url, args.seconds, args.streams, [], args.stream_tokens))
+                report("unloaded", unloaded, None)
+                loaded = asyncio.run(run_phase(url, args.seconds, args.streams, heavy, args.stream_tokens))
+                report(f"{args.heavy} clients x {args.prompt_tokens}-token prompts", loaded, unloaded)
+            finally:
+                fe.stop()
+            if not args.no_baseline:
+                fe = start_fe(tmp, cluster, model, "frontend-inline", "--prepare-inline-bytes", str(1 << 30))
+                url = f"{fe.base_url}/v1/chat/completions"
+                try:
+                    warm_up(url, heavy)
+                    base_unloaded = asyncio.run(run_phase(url, args.seconds, args.streams, [],
+                                                          args.stream_tokens))
+                    report("baseline (tokenize on the loop)", base_unloaded, None)
+                    base = asyncio.run(run_phase(url, args.seconds, args.streams, heavy, args.stream_tokens))
+                    report("baseline, loaded", base, base_unloaded)
+                finally:
+                    fe.stop()
+        ratio = loaded.p99_ms() / unloaded.p99_ms()
+        print(f"ITL p99 unloaded {unloaded.p99_ms():.1f} ms, loaded {loaded.p99_ms():.1f} ms: ratio {ratio:.2f} "
+              f"(target <= 1.20: {'met' if ratio <= 1.2 else 'NOT met'})", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
