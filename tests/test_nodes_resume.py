@@ -28,6 +28,9 @@ pytestmark = pytest.mark.timeout(300)
 NODE_ARGS = ["--dtype", "float32", "--num-threads", "1", "--num-kv-blocks", "512", "--block-size", "16"]
 DECODE_ARGS = ["--local-prefill-threshold", "32"]
 PROMPT_LEN = 80  # above the threshold: remote unless forced local
+REPREFILLS = "pdserve_decode_reprefills_total"
+CHECKSUM_FAILURES = "pdserve_decode_kv_checksum_failures_total"
+FALLBACKS = "pdserve_decode_local_prefill_fallbacks_total"
 
 
 @pytest.fixture(scope="module")
@@ -70,9 +73,12 @@ def resume(cluster: LocalCluster, reference: LLMEngine, full: GenerateResult, pr
     """Resumes `full` after its first k tokens on d0 and checks it yields exactly the rest of `full`."""
     done = full.token_ids[:k]
     chars = len(released_text(reference, prompt, done, params.stop))
+    troubles = [cluster.metric("d0", m) for m in (REPREFILLS, CHECKSUM_FAILURES, FALLBACKS)]
     res = cluster.generate("d0", prompt, params, prefill_node_id="" if local else "p0", force_local_prefill=local,
                            resume_token_ids=done, resume_text_chars=chars)
     assert not res.error, res.messages[-1]
+    # Healthy transfers land as they are: checksums agree, nothing is re-prefilled or falls back.
+    assert [cluster.metric("d0", m) for m in (REPREFILLS, CHECKSUM_FAILURES, FALLBACKS)] == troubles
     assert res.prefill_node_id == ("d0" if local else "p0")
     assert res.token_ids == full.token_ids[k:]
     assert full.text[:chars] + res.text == full.text
