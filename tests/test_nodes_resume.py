@@ -91,12 +91,17 @@ def resume(cluster: LocalCluster, reference: LLMEngine, full: GenerateResult, pr
 @pytest.mark.parametrize("local", [False, True], ids=["remote", "local"])
 def test_greedy_resume_yields_the_rest_of_the_run(cluster: LocalCluster, reference: LLMEngine, local: bool) -> None:
     params = SamplingParams(max_tokens=16, ignore_eos=True)
-    for k in (1, 9):
+    for k in (1, 9, 15):
         prompt = prompt_of(100 + 10 * k + local)
         full = cluster.generate("d1", prompt, params, prefill_node_id="p0")
         want = reference.generate([prompt], params)[0]
         assert full.token_ids == want.token_ids and full.text == want.text
+        sent = cluster.metric("p0", "pdserve_kv_transfer_bytes_total")
+        assert sent > 0  # the uninterrupted run was prefilled on p0
         resume(cluster, reference, full, prompt, params, k, local=local)
+        if k == params.max_tokens - 1 and not local:
+            # The prefill node's token is the last of max_tokens (the resumed ones count): nothing shipped.
+            assert cluster.metric("p0", "pdserve_kv_transfer_bytes_total") == sent
     cluster.wait_clean(timeout_s=10)
 
 
