@@ -11,10 +11,11 @@ The scheduler owns every sequence state and is the only code that sets one (`Seq
                  └───────────────────┘                          │
     reserve ──> RESERVED ──land──> WAITING (landed queue) ──────┘
                  │ append_first_token ends it / finish ──> FINISHED, held until release
+                 │ requeue (its K/V will not arrive) ──> WAITING, blocks freed, computed here
                  └ abort ──> FINISHED, blocks freed
 
 A RESERVED sequence holds blocks for a prompt whose K/V are written from outside (a KV transfer); it is
-never scheduled. Once the transfer landed, ``land`` commits those blocks and queues it for a running slot.
+never scheduled. ``land`` commits them once the transfer landed; ``requeue`` frees them if it failed.
 
 When the pool runs out of blocks for a running sequence, the newest running sequence is preempted
 (blocks freed, progress dropped, put back at the front of the waiting queue) and the allocation is
@@ -112,8 +113,7 @@ class Scheduler:
 
     def release(self, seq_id: str) -> Sequence | None:
         """Frees the blocks of a finished sequence that still holds them (a ``hold_blocks`` one after its
-        transfer, or a reserved one finished at its first token). Returns it, or None if none is held
-        under that id."""
+        transfer, or a reserved one finished at its first token). Returns it, or None if none is held."""
         seq = self._held.pop(seq_id, None)
         if seq is not None:
             self.block_manager.free(seq)
@@ -126,20 +126,13 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         """Queues a new request at the back of the waiting queue."""
         self._check_new(seq)
-        if seq.block_table or seq.num_computed_tokens:
-            raise ValueError(f"sequence {seq.seq_id} must arrive with no blocks and nothing computed")
-        seq.status = SequenceStatus.WAITING
-        self._waiting.append(seq)
-        self._seqs[seq.seq_id] = seq
+        self._enqueue(seq, front=False)
 
     def reserve(self, seq: Sequence) -> Reservation | None:
-        """Sets aside blocks for the prompt of a new sequence whose K/V will be written from outside (a
-        transfer), sharing prefix-cache hits (see ``BlockManager.reserve``). Returns None, changing
-        nothing, when the pool cannot fit it now; else the sequence is RESERVED until ``land``, ``finish``
-        or ``abort``."""
+        """Sets aside blocks for the tokens of a new sequence whose K/V will be written from outside (a
+        transfer), sharing prefix-cache hits (``BlockManager.reserve``). Returns None, changing nothing,
+        when the pool cannot fit it now; else it is RESERVED until ``land``, ``requeue``, ``finish``, ``abort``."""
         self._check_new(seq)
-        if seq.block_table or seq.num_computed_tokens:
-            raise ValueError(f"sequence {seq.seq_id} must arrive with no blocks and nothing computed")
         reservation = self.block_manager.reserve(seq, seq.num_tokens)
         if reservation is None:
             return None
@@ -148,12 +141,11 @@ class Scheduler:
         return reservation
 
     def append_first_token(self, seq_id: str, token_id: int) -> StopDecision | None:
-        """Appends the token the prefill node sampled to a RESERVED sequence and applies the stop
-        decision to it; a sequence it ends is FINISHED but keeps its blocks until ``release`` (a transfer
-        may still be writing them). Raises KeyError if none is reserved under ``seq_id``, ValueError if
-        it already has its first token."""
+        """Appends the token the prefill node sampled to a RESERVED sequence and applies the stop decision;
+        one it ends is FINISHED but keeps its blocks until ``release`` (a transfer may still write them).
+        Raises KeyError if none is reserved under ``seq_id``, ValueError if it has its first token."""
         seq = self._reserved[seq_id]
-        if seq.num_completion_tokens:
+        if seq.num_new_tokens:
             raise ValueError(f"sequence {seq_id} already has its first token")
         seq.token_ids.append(token_id)
         decision = self._stop_decision(seq)
@@ -162,12 +154,11 @@ class Scheduler:
         return decision
 
     def land(self, seq_id: str) -> Sequence:
-        """The transfer into a RESERVED sequence's blocks completed: marks its prompt K/V computed,
-        commits its full blocks to the prefix cache and queues it for a running slot, from which it goes
-        straight to decoding. Raises KeyError if none is reserved under ``seq_id``, ValueError if it has
-        no first token yet."""
+        """The transfer into a RESERVED sequence's blocks completed: marks its K/V computed, commits its full
+        blocks to the prefix cache and queues it for a running slot (straight to decoding). Raises
+        KeyError if none is reserved under ``seq_id``, ValueError if it has no first token yet."""
         seq = self._reserved[seq_id]
-        if not seq.num_completion_tokens:
+        if not seq.num_new_tokens:
             raise ValueError(f"sequence {seq_id} has no first token")
         self.block_manager.commit_filled(seq, seq.num_tokens - 1)
         del self._reserved[seq_id]
@@ -176,16 +167,21 @@ class Scheduler:
         self._seqs[seq_id] = seq
         return seq
 
+    def requeue(self, seq_id: str) -> Sequence:
+        """A RESERVED sequence whose K/V will not arrive is freed (prefix-cache hits stay cached) and
+        queued at the back, to be recomputed like a preempted one from every token it has (resumed ones
+        and a first token included). No transfer may still write its blocks. KeyError if not reserved."""
+        seq = self._reserved.pop(seq_id)
+        self._enqueue(seq, front=False)
+        return seq
+
     def abort(self, seq_id: str) -> Sequence | None:
         """Finishes an unfinished sequence in whatever state with finish_reason "abort", freeing its
         blocks (a held sequence's too). Returns it, or None if no sequence with that id is here."""
         held = self.release(seq_id)
-        if held is not None:
-            return held
-        seq = self.get(seq_id)
-        if seq is None:
-            return None
-        self.finish(seq, "abort")
+        seq = held or self.get(seq_id)
+        if held is None and seq is not None:
+            self.finish(seq, "abort")
         return seq
 
     def finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
@@ -272,7 +268,7 @@ class Scheduler:
             assert seq.num_computed_tokens == 0
         for seq_id, seq in self._reserved.items():
             assert seq.seq_id == seq_id and seq.status == SequenceStatus.RESERVED and bm.holds(seq)
-            assert seq.num_completion_tokens <= 1 and seq.num_computed_tokens < seq.num_tokens
+            assert seq.num_new_tokens <= 1 and seq.num_computed_tokens < seq.num_tokens
         for seq in self._landed:
             assert seq.status == SequenceStatus.WAITING and bm.holds(seq)
             assert seq.num_computed_tokens == seq.num_tokens - 1
@@ -292,6 +288,8 @@ class Scheduler:
             raise ValueError(f"sequence {seq.seq_id} is already finished")
         if self.knows(seq.seq_id):
             raise ValueError(f"a sequence with id {seq.seq_id} is already scheduled")
+        if seq.block_table or seq.num_computed_tokens:
+            raise ValueError(f"sequence {seq.seq_id} must arrive with no blocks and nothing computed")
 
     def _chunk_len(self, remaining: int, budget: int) -> int:
         n = min(remaining, budget)
@@ -328,14 +326,18 @@ class Scheduler:
     def _preempt(self, seq: Sequence, step: StepPlan) -> None:
         step.drop(seq)
         self._running.remove(seq)
-        self.block_manager.free(seq)
-        seq.num_computed_tokens = 0
-        seq.num_cached_tokens = 0
-        seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self._num_preemptions += 1
-        self._waiting.appendleft(seq)
+        self._enqueue(seq, front=True)
         step.preempted.append(seq)
+
+    def _enqueue(self, seq: Sequence, front: bool) -> None:
+        """Frees an unqueued sequence's blocks and progress (if any) and queues it to be computed."""
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = seq.num_cached_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        (self._waiting.appendleft if front else self._waiting.append)(seq)
+        self._seqs[seq.seq_id] = seq
 
     def _start_landed(self, step: StepPlan) -> None:
         while self._landed and len(self._running) < self.config.max_running and step.budget > 0:

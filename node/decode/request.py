@@ -3,12 +3,16 @@ state. The servicer's request table holds it from arrival until the engine let g
 
     local:   DECODING ───────────────────────────────────────────> ENDING ──> (dropped)
     remote:  RESERVING ──> PREFILLING ──(KV landed)──> DECODING ──> ENDING ──> (dropped)
-                              └──(failed before the first token: prefilled here, now local)──> DECODING
-                 └──────────────┴──(refused, failed, cancelled)──────> ENDING
+                              ├──(failed before the first token: prefilled here, now local)──> DECODING
+                              ├──(KV did not land after the first token: prompt + tokens so far
+                              │    re-prefilled here, now local)──────────────────────────> DECODING
+                 └────────────┴──(refused, cancelled, first token ended it)──> ENDING
 
 KV blocks by stage (decode side): RESERVING holds none (it may wait in the reservation queue);
-PREFILLING holds its reservation (the engine's RESERVED sequence, written by the transfer); DECODING is
-the engine scheduler's; ENDING holds what the engine has until the abort that ends it is done.
+PREFILLING holds its reservation (the engine's RESERVED sequence, written by the transfer, with the first
+token appended once it came); DECODING is the engine scheduler's; ENDING holds what the engine has until
+the abort that ends it is done. PREFILLING leaves for DECODING-here only once no receive can still write
+the reservation (the receive resolved, or none was posted), since the engine frees it then.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import grpc
 from engine.async_engine import RequestStream
 from engine.block_manager import Reservation
 from engine.sampling_params import SamplingParams
+from engine.sequence import Resume
 from kv_transfer import Channel, TransferHandle
 from protos import pdserve_pb2 as pb
 from registry import Member
@@ -52,10 +57,12 @@ class RemotePrefill:
     got_first: bool = False
     skipped: bool = False  # the prefill node shipped nothing (TransferDone ok + skipped)
     cached_tokens: int = 0  # the prefill node's prefix-cache hit
+    sent_checksum: tuple[str, int] | None = None  # TransferDone's (algorithm, digest) of the bytes P sent
     # The prefill node reported its part done (TransferDone ok): its leaving the registry no longer
     # concerns this request (a drained prefill node revokes its lease right after its last send).
     done: bool = False
-    # Why the prefill failed, for the fallback metric: unavailable, refused, error, timeout, lease_lost.
+    # Why the prefill or transfer failed (the first cause wins), for the fallback metric (before the
+    # first token: node.decode.metrics.FALLBACK_REASONS) or the re-prefill metric (REPREFILL_REASONS).
     failure: str = ""
 
 
@@ -74,9 +81,16 @@ class DecodeRequest:
     cancelled: bool = False  # the caller went away or aborted
     error: str | None = None  # why it failed, for the caller
     timing: pb.Timing = field(default_factory=pb.Timing)
+    # A resumed request (GenerateRequest.resume_token_ids): the completion tokens another node delivered.
+    resume: Resume | None = None
 
     def __post_init__(self) -> None:
         assert (self.stage == Stage.DECODING) == (self.remote is None), "local requests start decoding"
+
+    @property
+    def context(self) -> list[int]:
+        """What is prefilled: the prompt, followed by a resumed request's resumed tokens."""
+        return self.prompt + list(self.resume.token_ids) if self.resume is not None else self.prompt
 
     @property
     def prefill_id(self) -> str:

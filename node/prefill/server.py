@@ -26,9 +26,11 @@ from engine.async_engine import RequestStream
 from engine.llm_engine import EngineRequests, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.schedule import stop_decision
+from engine.sequence import Resume
 from kernels import get_kernel_ops
 from kernels.interface import KV_LAYOUT_VERSION
 from kv_transfer import Channel, ChannelError, KVSender, SendHandle
+from kv_transfer.checksum import CHECKSUM_ALGO
 from node.config import setup_logging
 from node.convert import logprob_to_proto, params_from_proto, transfer_start_to_proto
 from node.prefill.config import PrefillNodeConfig
@@ -79,7 +81,8 @@ class PrefillService(NodeService, pb_grpc.PrefillNodeServicer):
         assert isinstance(ctx.metrics, PrefillMetrics)
         self.metrics: PrefillMetrics = ctx.metrics
         self.requests: dict[str, PrefillRequest] = {}
-        self._sender = KVSender(get_kernel_ops(ctx.config.engine.kernel_backend, ctx.config.engine.device))
+        self._sender = KVSender(get_kernel_ops(ctx.config.engine.kernel_backend, ctx.config.engine.device),
+                                fault_corrupt=self.config.fault_corrupt_kv)
         engine = ctx.engine.engine
         self._eos = engine.tokenizer.eos_token_ids
         self._kv_dtype = str(engine.kv_cache.dtype).removeprefix("torch.")
@@ -119,14 +122,19 @@ class PrefillService(NodeService, pb_grpc.PrefillNodeServicer):
         self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.PrefillResponse]:
         params = await self._accept(request, context)
+        prompt, resume = self._split_resumed(request)
         req = PrefillRequest(request.request_id, request.decode_node_id, time.monotonic())
         self.requests[req.request_id] = req
         try:
-            # The decode node applies stop strings and max_tokens; here only the first token is sampled.
-            first_params = dataclasses.replace(params, max_tokens=1, stop=[])
+            # The decode node applies stop strings and max_tokens; here only the first token is sampled
+            # (the one after a resumed request's resumed tokens, which the engine counts as completion).
+            num_resumed = len(resume.token_ids) if resume is not None else 0
+            first_params = dataclasses.replace(params, max_tokens=num_resumed + 1, stop=[])
             try:
+                if num_resumed >= params.max_tokens:
+                    raise ValueError(f"{num_resumed} resumed tokens leave nothing of max_tokens ({params.max_tokens})")
                 stream = await self.ctx.engine.add_request(
-                    req.request_id, list(request.prompt_token_ids), first_params, hold_blocks=True)
+                    req.request_id, prompt, first_params, hold_blocks=True, resume=resume)
             except ValueError as err:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
             async for msg in self._serve(req, request, params, stream):
@@ -166,10 +174,12 @@ class PrefillService(NodeService, pb_grpc.PrefillNodeServicer):
             return
         token = out.new_token_ids[0]
         yield pb.PrefillResponse(first_token=self._first_token(req, out))
-        if stop_decision(params, self._eos, token, 1) is not None or not request.dst_block_ids:
+        if stop_decision(params, self._eos, token, out.num_completion_tokens) is not None or not request.dst_block_ids:
             # The decode node is done with this request (or already holds every block): nothing to ship.
             yield pb.PrefillResponse(transfer_done=pb.TransferDone(ok=True, skipped=True))
             return
+        if self.config.fault_send_delay_s:  # test fault injection: a window after the first token
+            await asyncio.sleep(self.config.fault_send_delay_s)
         seq = stream.seq
         assert seq is not None and seq.is_finished, "a prefill-only request finishes with its first token"
         start = request.num_skip_blocks
@@ -183,8 +193,14 @@ class PrefillService(NodeService, pb_grpc.PrefillNodeServicer):
         if req.released:
             yield pb.PrefillResponse(transfer_done=pb.TransferDone(ok=False, error=req.aborted or "released"))
             return
+        if self.config.fault_send_failed:  # test fault injection; a failed send breaks its channel, so this one's goes
+            if req.channel is not None:
+                req.channel.close("fault injection: send reported as failed")
+            yield pb.PrefillResponse(transfer_done=pb.TransferDone(ok=False, error="fault injection: send failed"))
+            return
         yield pb.PrefillResponse(transfer_done=pb.TransferDone(
             ok=result.ok, error=result.error or "", transfer_s=result.seconds,
+            kv_checksum=result.checksum or 0, kv_checksum_algo=CHECKSUM_ALGO if result.checksum is not None else "",
         ))
 
     def _first_token(self, req: PrefillRequest, out: RequestOutput) -> pb.FirstToken:
@@ -203,20 +219,40 @@ class PrefillService(NodeService, pb_grpc.PrefillNodeServicer):
         TransferDone saying why nothing is sent. No await: an Abort cannot slip in before the send."""
         if req.aborted:
             return pb.PrefillResponse(transfer_done=pb.TransferDone(ok=False, error=req.aborted))
+        stall = self.config.fault_send_stall_s
         try:
             channel = self.ctx.channels.channel_to(req.decode_id)
             handle = self._sender.send(
                 channel, self.ctx.engine.engine.kv_cache, src_blocks, request_id=req.request_id,
-                num_tokens=num_tokens, timeout_s=self.config.transfer_timeout_s,
+                num_tokens=num_tokens, timeout_s=self.config.transfer_timeout_s, layerwise=stall > 0,
             )
         except (ChannelError, ValueError) as err:
             self.metrics.transfer_done(None, f"send not queued: {err}")
             return pb.PrefillResponse(transfer_done=pb.TransferDone(ok=False, error=f"send not queued: {err}"))
         req.channel, req.handle = channel, handle
         req.advance(Stage.SENDING)
+        if stall:  # test fault injection: half the layers go now, the rest after the stall
+            num_layers = handle.meta.geometry[0]
+            for layer in range(num_layers // 2):
+                handle.layer_ready(layer)
+            self.ctx.spawn(self._release_stalled(handle, stall), f"fault-stall-{req.request_id}")
         return pb.PrefillResponse(transfer_start=transfer_start_to_proto(handle.meta, self.ctx.channels.kv_address))
 
     # -- helpers --------------------------------------------------------------------------------------
+
+    @staticmethod
+    async def _release_stalled(handle: SendHandle, stall_s: float) -> None:
+        """Test fault injection (`fault_send_stall_s`): the rest of a stalled send's layers, later."""
+        await asyncio.sleep(stall_s)
+        handle.all_layers_ready()
+
+    @staticmethod
+    def _split_resumed(request: pb.PrefillRequest) -> tuple[list[int], Resume | None]:
+        """The prompt and, for a resumed request (num_prompt_tokens set and short of the whole), the
+        completion tokens after it. `_check` has validated num_prompt_tokens."""
+        ids = list(request.prompt_token_ids)
+        n = request.num_prompt_tokens or len(ids)
+        return ids[:n], Resume(tuple(ids[n:])) if n < len(ids) else None
 
     def _check(self, request: pb.PrefillRequest, prompt: list[int]) -> str | None:
         cfg = self.config.engine
@@ -224,6 +260,8 @@ class PrefillService(NodeService, pb_grpc.PrefillNodeServicer):
             return "request_id is required"
         if not prompt:
             return "the prompt is empty"
+        if not 0 <= request.num_prompt_tokens <= len(prompt):
+            return f"num_prompt_tokens {request.num_prompt_tokens} is outside [0, {len(prompt)}]"
         if request.block_size != cfg.block_size:
             return f"block size {request.block_size} differs from this node's {cfg.block_size}"
         if request.model_fingerprint and request.model_fingerprint != self.ctx.fingerprint:
