@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -29,6 +30,8 @@ from types import TracebackType
 import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from node.convert import params_to_proto
 from node.ready import parse_ready_line
@@ -349,3 +352,14 @@ def with_suppressed(fn: Callable[[], object]) -> None:
         fn()
     except (ProcessLookupError, OSError):
         pass
+
+
+def random_prompt(n: int, seed: int, high: int = 4000) -> list[int]:
+    """`n` token ids in [5, high) drawn from `seed`: a fresh prompt no prefix cache holds."""
+    rng = random.Random(seed)
+    return [rng.randrange(5, high) for _ in range(n)]
+
+
+def reference_engine(model_dir: Path | str, num_kv_blocks: int = 512) -> LLMEngine:
+    """The single-process fp32 engine whose greedy tokens the cluster tests compare against."""
+    return LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=num_kv_blocks, num_threads=1))

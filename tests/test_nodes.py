@@ -16,10 +16,8 @@ import grpc
 import pytest
 import torch
 
-from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
-from engine.tiny import default_model_dir
 from node.convert import params_to_proto
 from protos import pdserve_pb2 as pb
 from testing.cluster import GenerateResult, LocalCluster
@@ -30,11 +28,6 @@ pytestmark = pytest.mark.timeout(400)
 BLOCK = 16
 THRESHOLD = 32  # decode nodes prefill locally below this many uncached prompt tokens
 NODE_ARGS = ["--dtype", "float32", "--num-threads", "1", "--num-kv-blocks", "512", "--block-size", str(BLOCK)]
-
-
-@pytest.fixture(scope="module")
-def model_dir() -> Path:
-    return default_model_dir("llama")
 
 
 @pytest.fixture(scope="module")
@@ -51,11 +44,6 @@ def _check_integrity_after_each_test(cluster: LocalCluster) -> Iterator[None]:
     """Every node's blocks, requests, streams and reservations agree after every test."""
     yield
     cluster.check_integrity()
-
-
-@pytest.fixture(scope="module")
-def reference(model_dir: Path) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=512, num_threads=1))
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ is counted by reason, and every node ends with zero used KV blocks and a clean i
 
 from __future__ import annotations
 
-import random
 import signal
 import time
 from collections.abc import Iterator
@@ -14,24 +13,17 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
-from engine.tiny import default_model_dir
-from testing.cluster import GenerateResult, LocalCluster
+from testing.cluster import GenerateResult, LocalCluster, random_prompt
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("check_integrity_after_each_test")]
 
 SHORT_LEN = 64  # p-short's context: longer prompts are refused there, while the decode nodes take them
 PREFILL_TIMEOUT_S = 1.0  # d1's bound on the wait for a first token; below the lease TTL
 NODE_ARGS = ["--dtype", "float32", "--num-threads", "1", "--num-kv-blocks", "512", "--block-size", "16"]
 DECODE_ARGS = ["--local-prefill-threshold", "32"]
 FALLBACKS = "pdserve_decode_local_prefill_fallbacks_total"
-
-
-@pytest.fixture(scope="module")
-def model_dir() -> Path:
-    return default_model_dir("llama")
 
 
 @pytest.fixture(scope="module")
@@ -49,20 +41,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterat
         c.wait_clean()
 
 
-@pytest.fixture(autouse=True)
-def _check_integrity_after_each_test(cluster: LocalCluster) -> Iterator[None]:
-    yield
-    cluster.check_integrity()
-
-
-@pytest.fixture(scope="module")
-def reference(model_dir: Path) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=512, num_threads=1))
-
-
 def prompt_of(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(5, 4000) for _ in range(n)]
+    return random_prompt(n, seed)
 
 
 def wait_until(predicate, timeout_s: float, what: str) -> None:

@@ -14,22 +14,19 @@ taken (`--fault-corrupt-kv`), which the decode node must catch and never serve."
 
 from __future__ import annotations
 
-import random
 import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
-from engine.tiny import default_model_dir
 from node.convert import params_to_proto
 from protos import pdserve_pb2 as pb
-from testing.cluster import LocalCluster
+from testing.cluster import LocalCluster, random_prompt
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("check_integrity_after_each_test")]
 
 NODE_ARGS = ["--dtype", "float32", "--num-threads", "1", "--num-kv-blocks", "512", "--block-size", "16"]
 RECEIVE_TIMEOUT_S = 3.0  # d0's bound on one receive; the tiny model's transfers take milliseconds
@@ -37,11 +34,6 @@ STALL_S = 30.0  # p-stall's held-back layers come far after d0's receive deadlin
 REPREFILLS = "pdserve_decode_reprefills_total"
 CHECKSUM_FAILURES = "pdserve_decode_kv_checksum_failures_total"
 FALLBACKS = "pdserve_decode_local_prefill_fallbacks_total"
-
-
-@pytest.fixture(scope="module")
-def model_dir() -> Path:
-    return default_model_dir("llama")
 
 
 @pytest.fixture(scope="module")
@@ -61,20 +53,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterat
         c.wait_clean()
 
 
-@pytest.fixture(autouse=True)
-def _check_integrity_after_each_test(cluster: LocalCluster) -> Iterator[None]:
-    yield
-    cluster.check_integrity()
-
-
-@pytest.fixture(scope="module")
-def reference(model_dir: Path) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=512, num_threads=1))
-
-
 def prompt_of(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(5, 4000) for _ in range(n)]
+    return random_prompt(n, seed)
 
 
 def generate_with_fault(cluster: LocalCluster, prefill: str, prompt: list[int], params: SamplingParams,

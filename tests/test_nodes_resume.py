@@ -16,14 +16,12 @@ from pathlib import Path
 import grpc
 import pytest
 
-from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
-from engine.tiny import default_model_dir
 from testing.cluster import GenerateResult, LocalCluster
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("check_integrity_after_each_test")]
 
 NODE_ARGS = ["--dtype", "float32", "--num-threads", "1", "--num-kv-blocks", "512", "--block-size", "16"]
 DECODE_ARGS = ["--local-prefill-threshold", "32"]
@@ -34,27 +32,11 @@ FALLBACKS = "pdserve_decode_local_prefill_fallbacks_total"
 
 
 @pytest.fixture(scope="module")
-def model_dir() -> Path:
-    return default_model_dir("llama")
-
-
-@pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[LocalCluster]:
     with LocalCluster(tmp_path_factory.mktemp("resume"), model_dir, node_args=NODE_ARGS) as c:
         c.start(num_prefill=1, num_decode=2, decode_args=DECODE_ARGS)
         yield c
         c.wait_clean()
-
-
-@pytest.fixture(autouse=True)
-def _check_integrity_after_each_test(cluster: LocalCluster) -> Iterator[None]:
-    yield
-    cluster.check_integrity()
-
-
-@pytest.fixture(scope="module")
-def reference(model_dir: Path) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=512, num_threads=1))
 
 
 def prompt_of(seed: int) -> list[int]:

@@ -18,7 +18,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
-from engine.tiny import default_model_dir
 from node.config import NodeConfig
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
@@ -31,11 +30,6 @@ NODE_ARGS = ["--num-threads", "1", "--num-kv-blocks", "256", "--block-size", "16
 DECODE_ARGS = ["--local-prefill-threshold", "8"]  # every test prompt is prefilled remotely
 PROMPT = list(range(40, 100))
 PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def model_dir() -> Path:
-    return default_model_dir("llama")
 
 
 @pytest.fixture(scope="module")
