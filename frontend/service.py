@@ -34,7 +34,7 @@ from frontend.render import (
 from frontend.request_log import RequestLog
 from frontend.routing import Router
 from frontend.tenants import Tenant, TenantTable
-from frontend.upstream import UpstreamCalls, UpstreamPool
+from frontend.upstream import PoolFailed, UpstreamCalls, UpstreamPool
 from protos import pdserve_pb2 as pb
 from registry.view import RegistryView, ViewChange
 
@@ -64,7 +64,7 @@ class Frontend:
         )
         self.upstream = UpstreamPool()
         self.admitter = Admitter(config, self.catalog, self.limiter, self.router, self.metrics)
-        self.calls = UpstreamCalls(config, self.router, self.upstream)
+        self.calls = UpstreamCalls(config, self.router, self.upstream, self.metrics)
         self.accounting = Accounting(config, self.metrics, self.request_log)
         self.inflight = 0
         self._addresses: dict[str, str] = {}
@@ -158,8 +158,20 @@ class Frontend:
         return job
 
     async def open(self, job: Job) -> list[pb.GenerateResponse]:
-        """Starts every choice's Generate call and returns each one's first message. Raises APIError."""
-        return await self.calls.open(job)
+        """Starts every choice's Generate call and returns each one's first message; when the model's pool
+        fails the job before anything was sent, the fallback model serves it (`Admitter.fall_back`).
+        Raises APIError."""
+        try:
+            return await self.calls.open(job)
+        except PoolFailed as failed:
+            pool = job.model.name
+            if not self.admitter.fall_back(job, failed.error.message):
+                raise failed.error from None
+        log.warning("request %s: model %s failed before the first token; %s", job.id, pool, job.fallback_reason)
+        try:
+            return await self.calls.open(job)
+        except PoolFailed as failed:
+            raise failed.error from None
 
     async def stream(self, job: Job, firsts: list[pb.GenerateResponse]) -> AsyncIterator[bytes]:
         """The SSE events of a streamed job; the first item also carries the chat role chunks."""
