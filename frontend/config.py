@@ -7,7 +7,8 @@ Models file (YAML or TOML, chosen by the file suffix)::
         path: /models/tiny-llama    # Hugging Face directory: tokenizer, chat template, config.json
         pool: tiny-llama            # model name the nodes register under in etcd (default: name)
         aliases: [gpt-4o-mini]      # more names for the same pool
-        fallback: tiny-qwen2        # served name used when this pool has no usable decode node
+        fallback: tiny-qwen2        # served name used when this pool has no usable decode node, or
+                                    # every decode node tried failed the request before a first token
         max_context: 2048           # default: the model's max_model_len
         max_output_tokens: 1024     # cap on max_tokens (default: no cap beyond the context)
         default_max_tokens: 256     # chat requests without max_tokens (default: the rest of the context)
