@@ -23,7 +23,7 @@ from typing import Generic, TypeVar
 from engine.block_manager import Reservation
 from engine.llm_engine import EngineLoad, LLMEngine, RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence, TokenLogprob
+from engine.sequence import Resume, Sequence, TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -147,13 +147,15 @@ class AsyncEngine:
         self._streams.pop(request_id, None)
 
     async def add_request(
-        self, request_id: str, prompt: list[int], params: SamplingParams, *, hold_blocks: bool = False
+        self, request_id: str, prompt: list[int], params: SamplingParams, *, hold_blocks: bool = False,
+        resume: Resume | None = None,
     ) -> RequestStream:
         """Queues a request in the engine and returns its output stream. Raises ValueError as
         `LLMEngine.add_request` does (no stream is left open then)."""
         stream = self.open_stream(request_id)
         try:
-            stream.seq = await self.call(lambda e: e.add_request(request_id, prompt, params, hold_blocks=hold_blocks))
+            stream.seq = await self.call(
+                lambda e: e.add_request(request_id, prompt, params, hold_blocks=hold_blocks, resume=resume))
         except asyncio.CancelledError:
             # The add still runs on the engine thread; the abort queued after it undoes it.
             self.close_stream(request_id)
@@ -174,9 +176,11 @@ class AsyncEngine:
         self._notify_finished()
         return found
 
-    async def reserve(self, request_id: str, prompt: list[int], params: SamplingParams) -> Reservation | None:
+    async def reserve(
+        self, request_id: str, prompt: list[int], params: SamplingParams, resume: Resume | None = None
+    ) -> Reservation | None:
         """`LLMEngine.reserve` on the engine thread."""
-        return await self.call(lambda e: e.reserve(request_id, prompt, params))
+        return await self.call(lambda e: e.reserve(request_id, prompt, params, resume))
 
     async def append_first_token(
         self, request_id: str, token_id: int, logprob: TokenLogprob | None

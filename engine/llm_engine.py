@@ -16,8 +16,8 @@ from engine.loader import load_model
 from engine.model_runner import ModelRunner, kv_block_bytes
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence, SequenceStatus, TokenLogprob
+from engine.scheduler import Scheduler, stop_decision
+from engine.sequence import Resume, Sequence, SequenceStatus, TokenLogprob
 from engine.tokenizer import Tokenizer
 from kernels import get_kernel_ops
 
@@ -102,6 +102,9 @@ class _Request:
     seq: Sequence
     detok: IncrementalDetokenizer
     logits: list[torch.Tensor] = field(default_factory=list)
+    # Text of a resumed request's resumed tokens that the node before did not deliver; it goes out with
+    # the request's next output.
+    pending_text: str = ""
 
 
 class LLMEngine:
@@ -138,35 +141,62 @@ class LLMEngine:
     # -- requests ---------------------------------------------------------------------------------
 
     def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams, *, hold_blocks: bool = False
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, *, hold_blocks: bool = False,
+        resume: Resume | None = None,
     ) -> Sequence:
         """Queues a request. Raises ValueError for an empty prompt, a duplicate id, or one that can't fit.
-        With ``hold_blocks`` the request keeps its blocks after finishing until ``release``."""
-        seq = self._new_sequence(request_id, prompt, params)
-        seq.hold_blocks = hold_blocks
-        self.scheduler.add(seq)
-        self._register(seq)
-        return seq
+        With ``hold_blocks`` the request keeps its blocks after finishing until ``release``. With
+        ``resume`` it continues after those completion tokens (see ``_new_request``)."""
+        request = self._new_request(request_id, prompt, params, resume)
+        request.seq.hold_blocks = hold_blocks
+        self.scheduler.add(request.seq)
+        self._requests[request_id] = request
+        return request.seq
 
-    def _new_sequence(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Sequence:
+    def _new_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, resume: Resume | None
+    ) -> _Request:
+        """Validates a request and builds its sequence and detokenizer; registers nothing. A resumed
+        request's context is prompt + ``resume.token_ids``, which count as completion tokens (max_tokens,
+        stop, penalties, the seeded sampler's position); it is prefilled like a preempted sequence. Its
+        detokenizer replays them, so text continues where it stopped: what it releases beyond
+        ``resume.text_chars`` is pending and goes out with the next output, and a held-back tail that a
+        stop string might still complete stays held here. Raises ValueError."""
         if request_id in self._requests or self.scheduler.knows(request_id):
             raise ValueError(f"request id {request_id!r} is already running")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise ValueError("the prompt is empty")
         vocab = self.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        resumed = list(resume.token_ids) if resume is not None else []
+        if any(not 0 <= t < vocab for t in ids) or any(not 0 <= t < vocab for t in resumed):
+            raise ValueError(f"prompt and resumed token ids must be in [0, {vocab})")
         if len(ids) + params.max_tokens > self.max_model_len:
             raise ValueError(
                 f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the context "
                 f"length of {self.max_model_len} tokens"
             )
-        return Sequence(request_id, ids, params, eos_token_ids=self.tokenizer.eos_token_ids)
-
-    def _register(self, seq: Sequence) -> None:
-        detok = IncrementalDetokenizer(self.tokenizer, seq.token_ids, seq.params.stop)
-        self._requests[seq.seq_id] = _Request(seq, detok)
+        if len(resumed) >= params.max_tokens:
+            raise ValueError(f"{len(resumed)} resumed tokens leave nothing of max_tokens ({params.max_tokens})")
+        eos = self.tokenizer.eos_token_ids
+        for i, token in enumerate(resumed):
+            if stop_decision(params, eos, token, i + 1) is not None:
+                raise ValueError(f"resumed token {i} ({token}) would have ended the request")
+        seq = Sequence(request_id, ids + resumed, params, eos_token_ids=eos, num_prompt_tokens=len(ids),
+                       num_resumed_tokens=len(resumed))
+        detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
+        request = _Request(seq, detok)
+        if resume is not None:
+            replay = detok.add(resumed)
+            if replay.stopped:
+                raise ValueError(f"the resumed tokens already complete the stop string {replay.stop_string!r}")
+            if resume.text_chars > len(replay.text):
+                raise ValueError(
+                    f"resume_text_chars ({resume.text_chars}) is more than the resumed tokens' releasable "
+                    f"text ({len(replay.text)} characters)"
+                )
+            request.pending_text = replay.text[resume.text_chars :]
+        return request
 
     def abort(self, request_id: str) -> bool:
         """Drops a request wherever it is (queued, running, held, reserved) and frees its blocks at once.
@@ -197,16 +227,18 @@ class LLMEngine:
         probe = Sequence("prefix-probe", list(prompt_ids), SamplingParams(max_tokens=1))
         return self.block_manager.num_prefix_hit_tokens(probe)
 
-    def reserve(self, request_id: str, prompt: list[int], params: SamplingParams) -> Reservation | None:
-        """Reserves blocks for a request whose prompt K/V will arrive by transfer (prefix-cache hits are
-        shared instead; see ``Scheduler.reserve``). Returns None, registering nothing, when the pool
-        cannot fit it now; raises ValueError like ``add_request``. Follow with ``append_first_token`` and
-        ``land``, or ``abort``."""
-        seq = self._new_sequence(request_id, prompt, params)
-        reservation = self.scheduler.reserve(seq)
+    def reserve(
+        self, request_id: str, prompt: list[int], params: SamplingParams, resume: Resume | None = None
+    ) -> Reservation | None:
+        """Reserves blocks for a request whose context K/V (prompt, and resumed tokens) will arrive by
+        transfer (prefix-cache hits are shared instead; see ``Scheduler.reserve``). Returns None,
+        registering nothing, when the pool cannot fit it now; raises ValueError like ``add_request``.
+        Follow with ``append_first_token`` and ``land``, ``prefill_here``, or ``abort``."""
+        request = self._new_request(request_id, prompt, params, resume)
+        reservation = self.scheduler.reserve(request.seq)
         if reservation is None:
             return None
-        self._register(seq)
+        self._requests[request_id] = request
         return reservation
 
     def append_first_token(self, request_id: str, token_id: int, logprob: TokenLogprob | None) -> RequestOutput:
@@ -227,18 +259,17 @@ class LLMEngine:
         self.scheduler.land(request_id)
 
     def prefill_here(self, request_id: str) -> Sequence:
-        """Turns a reserved request with no first token into an ordinary queued request (its remote
-        prefill failed): the reservation is freed, shared prefix-cache blocks staying cached for the
-        local prefill to find again, and a fresh sequence with the same prompt and params (seed
-        included) is queued under the same id. Raises KeyError if it is not reserved, ValueError if it
-        has its first token."""
+        """Turns a reserved request into an ordinary queued one (its K/V will not arrive by transfer):
+        the reservation is freed, shared prefix-cache blocks staying cached for the local prefill to
+        find again, and the same sequence (params, seed, detokenizer) is queued to be computed here from
+        its prompt plus every token it has, like a preempted sequence (``Scheduler.requeue``). Before the
+        first token that is the prompt (and resumed tokens); after it, the first token too, so the next
+        output continues the stream with neither gap nor repeat. The caller guarantees no transfer
+        still writes the reservation. Raises KeyError if it is not reserved."""
         seq = self.scheduler.get(request_id)
         if seq is None or seq.status != SequenceStatus.RESERVED:
             raise KeyError(request_id)
-        if seq.num_completion_tokens:
-            raise ValueError(f"request {request_id!r} already has its first token")
-        self.abort(request_id)
-        return self.add_request(request_id, seq.token_ids[: seq.num_prompt_tokens], seq.params)
+        return self.scheduler.requeue(request_id)
 
     def load(self) -> EngineLoad:
         """A snapshot of queues and pool occupancy. Changes nothing."""
@@ -299,12 +330,14 @@ class LLMEngine:
         return outputs
 
     def _emit(self, seq: Sequence, new_tokens: list[int], finished: bool) -> RequestOutput:
-        detok = self._requests[seq.seq_id].detok
+        request = self._requests[seq.seq_id]
+        detok = request.detok
         text_tokens = new_tokens
         if finished and seq.finish_reason == "stop" and isinstance(seq.stop_reason, int):
             text_tokens = []  # a stop token id ends the request without its text
         delta = detok.add(text_tokens) if text_tokens else None
-        text = delta.text if delta is not None else ""
+        text = request.pending_text + (delta.text if delta is not None else "")
+        request.pending_text = ""
         if delta is not None and delta.stopped and not seq.is_finished:
             self.scheduler.finish(seq, "stop", stop_reason=delta.stop_string)
             finished = True

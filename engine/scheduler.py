@@ -11,6 +11,7 @@ The scheduler owns every sequence state and is the only code that sets one (`Seq
                  └───────────────────┘                          │
     reserve ──> RESERVED ──land──> WAITING (landed queue) ──────┘
                  │ append_first_token ends it / finish ──> FINISHED, held until release
+                 │ requeue (its K/V will not arrive) ──> WAITING, blocks freed, computed here
                  └ abort ──> FINISHED, blocks freed
 
 A RESERVED sequence holds blocks for a prompt whose K/V are written from outside (a KV transfer); it is
@@ -153,7 +154,7 @@ class Scheduler:
         may still be writing them). Raises KeyError if none is reserved under ``seq_id``, ValueError if
         it already has its first token."""
         seq = self._reserved[seq_id]
-        if seq.num_completion_tokens:
+        if seq.num_new_tokens:
             raise ValueError(f"sequence {seq_id} already has its first token")
         seq.token_ids.append(token_id)
         decision = self._stop_decision(seq)
@@ -167,12 +168,28 @@ class Scheduler:
         straight to decoding. Raises KeyError if none is reserved under ``seq_id``, ValueError if it has
         no first token yet."""
         seq = self._reserved[seq_id]
-        if not seq.num_completion_tokens:
+        if not seq.num_new_tokens:
             raise ValueError(f"sequence {seq_id} has no first token")
         self.block_manager.commit_filled(seq, seq.num_tokens - 1)
         del self._reserved[seq_id]
         seq.status = SequenceStatus.WAITING
         self._landed.append(seq)
+        self._seqs[seq_id] = seq
+        return seq
+
+    def requeue(self, seq_id: str) -> Sequence:
+        """Turns a RESERVED sequence into a waiting one to be computed here (its K/V will not arrive):
+        frees the reservation (shared prefix-cache blocks stay cached, to be hit again) and queues it at
+        the back of the waiting queue, from where it is recomputed like a preempted sequence, from its
+        prompt plus every token it has (resumed ones and a first token from the prefill node included).
+        The caller guarantees no transfer still writes the blocks. Raises KeyError if none is reserved
+        under ``seq_id``."""
+        seq = self._reserved.pop(seq_id)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_cached_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self._waiting.append(seq)
         self._seqs[seq_id] = seq
         return seq
 
@@ -272,7 +289,7 @@ class Scheduler:
             assert seq.num_computed_tokens == 0
         for seq_id, seq in self._reserved.items():
             assert seq.seq_id == seq_id and seq.status == SequenceStatus.RESERVED and bm.holds(seq)
-            assert seq.num_completion_tokens <= 1 and seq.num_computed_tokens < seq.num_tokens
+            assert seq.num_new_tokens <= 1 and seq.num_computed_tokens < seq.num_tokens
         for seq in self._landed:
             assert seq.status == SequenceStatus.WAITING and bm.holds(seq)
             assert seq.num_computed_tokens == seq.num_tokens - 1

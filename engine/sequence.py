@@ -26,6 +26,21 @@ class TokenLogprob:
     top: list[tuple[int, float]]  # top-k alternatives (token id, logprob), best first
 
 
+@dataclass(frozen=True)
+class Resume:
+    """Where a resumed request continues: the completion tokens another node already delivered, and how
+    many characters of their text it delivered (text a stop string could still match was held back)."""
+
+    token_ids: tuple[int, ...]
+    text_chars: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            raise ValueError("a resume needs at least one token")
+        if self.text_chars < 0:
+            raise ValueError(f"resume text_chars must be >= 0, got {self.text_chars}")
+
+
 @dataclass(eq=False)
 class Sequence:
     seq_id: str
@@ -33,6 +48,10 @@ class Sequence:
     params: SamplingParams
     eos_token_ids: frozenset[int] = frozenset()
     num_prompt_tokens: int = 0  # 0 = all of token_ids at construction (a transferred seq passes its own)
+    # A resumed request: completion tokens delivered before this sequence was created (by another node);
+    # token_ids holds them after the prompt. They count as completion tokens (max_tokens, penalties, the
+    # seeded sampler's position) but were never sampled here.
+    num_resumed_tokens: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     block_table: list[int] = field(default_factory=list)  # physical block ids, in order
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
@@ -55,6 +74,8 @@ class Sequence:
             self.num_prompt_tokens = len(self.token_ids)
         if not 0 < self.num_prompt_tokens <= len(self.token_ids):
             raise ValueError("num_prompt_tokens must be in [1, len(token_ids)]")
+        if not 0 <= self.num_resumed_tokens <= self.num_completion_tokens:
+            raise ValueError("num_resumed_tokens must be in [0, num_completion_tokens]")
 
     @property
     def num_tokens(self) -> int:
@@ -63,6 +84,11 @@ class Sequence:
     @property
     def num_completion_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_new_tokens(self) -> int:
+        """Completion tokens generated for this sequence (the resumed ones excluded)."""
+        return len(self.token_ids) - self.num_prompt_tokens - self.num_resumed_tokens
 
     @property
     def completion_token_ids(self) -> list[int]:

@@ -240,11 +240,12 @@ class LocalCluster:
     def generate(
         self, decode_id: str, prompt: list[int], params: SamplingParams, *, request_id: str = "",
         prefill_node_id: str = "", force_local_prefill: bool = False, return_text: bool = True,
-        timeout_s: float = 120.0,
+        timeout_s: float = 120.0, resume_token_ids: Sequence[int] = (), resume_text_chars: int = 0,
     ) -> GenerateResult:
         request = pb.GenerateRequest(
             request_id=request_id, prompt_token_ids=prompt, params=params_to_proto(params),
             prefill_node_id=prefill_node_id, force_local_prefill=force_local_prefill, return_text=return_text,
+            resume_token_ids=resume_token_ids, resume_text_chars=resume_text_chars,
         )
         start = time.monotonic()
         messages: list[pb.GenerateResponse] = []

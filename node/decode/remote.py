@@ -143,8 +143,11 @@ class PrefillLink:
 
     async def _read_prefill(self, req: DecodeRequest, rem: RemotePrefill) -> None:
         assert req.reservation is not None
+        # A resumed request is prefilled from prompt + resumed tokens; num_prompt_tokens tells the prefill
+        # node where the completion starts (seeded position, penalties, the stop decision).
         msg = pb.PrefillRequest(
-            request_id=req.request_id, prompt_token_ids=req.prompt, params=params_to_proto(req.params),
+            request_id=req.request_id, prompt_token_ids=req.context, params=params_to_proto(req.params),
+            num_prompt_tokens=len(req.prompt) if req.resume is not None else 0,
             decode_node_id=self.config.node_id, num_skip_blocks=req.reservation.num_cached_blocks,
             dst_block_ids=list(req.reservation.fill_block_ids), block_size=self.config.engine.block_size,
             kv_dtype=self._kv_dtype, layout_version=KV_LAYOUT_VERSION, model_fingerprint=self.ctx.fingerprint,

@@ -21,6 +21,7 @@ import grpc
 from engine.async_engine import RequestStream
 from engine.block_manager import Reservation
 from engine.sampling_params import SamplingParams
+from engine.sequence import Resume
 from kv_transfer import Channel, TransferHandle
 from protos import pdserve_pb2 as pb
 from registry import Member
@@ -74,9 +75,16 @@ class DecodeRequest:
     cancelled: bool = False  # the caller went away or aborted
     error: str | None = None  # why it failed, for the caller
     timing: pb.Timing = field(default_factory=pb.Timing)
+    # A resumed request (GenerateRequest.resume_token_ids): the completion tokens another node delivered.
+    resume: Resume | None = None
 
     def __post_init__(self) -> None:
         assert (self.stage == Stage.DECODING) == (self.remote is None), "local requests start decoding"
+
+    @property
+    def context(self) -> list[int]:
+        """What is prefilled: the prompt, followed by a resumed request's resumed tokens."""
+        return self.prompt + list(self.resume.token_ids) if self.resume is not None else self.prompt
 
     @property
     def prefill_id(self) -> str:

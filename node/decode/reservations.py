@@ -45,10 +45,11 @@ class ReservationQueue:
         ReservationRefused, or ValueError for a request the engine rejects. A reservation made just as
         the caller gave up is left to the abort that ends the request."""
         engine = self._ctx.engine
-        if engine.engine.block_manager.blocks_needed(len(req.prompt) + 1) > engine.engine.num_blocks:
-            raise ReservationRefused(f"a {len(req.prompt)}-token prompt can never fit this node's KV pool")
+        num_tokens = len(req.context)
+        if engine.engine.block_manager.blocks_needed(num_tokens + 1) > engine.engine.num_blocks:
+            raise ReservationRefused(f"a {num_tokens}-token prompt can never fit this node's KV pool")
         if not self._queue:
-            reservation = await engine.reserve(req.request_id, req.prompt, req.params)
+            reservation = await engine.reserve(req.request_id, req.prompt, req.params, req.resume)
             if reservation is not None:
                 return reservation
         if len(self._queue) >= self._limit:
@@ -95,7 +96,7 @@ class ReservationQueue:
                     continue
                 req = waiter.request
                 try:
-                    reservation = await self._ctx.engine.reserve(req.request_id, req.prompt, req.params)
+                    reservation = await self._ctx.engine.reserve(req.request_id, req.prompt, req.params, req.resume)
                 except ValueError as err:
                     self._queue.popleft()
                     if not waiter.future.done():

@@ -10,6 +10,10 @@ Generate, per request:
   3. The prefill and the KV transfer (`node.decode.remote`), after which the request lands in the engine.
   4. Tokens are streamed, batched per message when several are waiting.
 
+A resumed request (resume_token_ids: completion tokens another decode node already delivered) follows
+the same steps with prompt + those tokens as its context; responses carry only the tokens after them,
+num_completion_tokens counts them too (`engine.sequence.Resume`).
+
 Every request is one `DecodeRequest` (`node.decode.request`) in `requests`, from arrival until the
 engine let go of it.
 """
@@ -26,7 +30,7 @@ import grpc
 
 from engine.async_engine import RequestStream, abort_output
 from engine.llm_engine import EngineRequests, RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sequence import Resume
 from node.config import setup_logging
 from node.convert import logprob_to_proto, params_from_proto
 from node.decode.config import DecodeNodeConfig
@@ -90,7 +94,7 @@ class DecodeService(NodeService, pb_grpc.DecodeNodeServicer):
     ) -> AsyncIterator[pb.GenerateResponse]:
         arrived = time.monotonic()
         req = await self._accept(request, context, arrived)
-        completion = 0
+        completion = len(req.resume.token_ids) if req.resume is not None else 0  # resumed ones count
         first = True
         try:
             while True:
@@ -123,16 +127,37 @@ class DecodeService(NodeService, pb_grpc.DecodeNodeServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         if not prompt or any(not 0 <= t < self._vocab for t in prompt):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"prompt must be non-empty ids in [0, {self._vocab})")
+        resume = self._resume(request)
+        if isinstance(resume, str):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, resume)
         if rid in self.requests:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {rid!r} is already running")
-        prefill = None if request.force_local_prefill else self._prefill_node(request.prefill_node_id, prompt)
+        # A resumed request is prefilled (here or remotely, by the usual rules) from prompt + resumed tokens.
+        ctx = prompt + list(resume.token_ids) if resume is not None else prompt
+        prefill = None if request.force_local_prefill else self._prefill_node(request.prefill_node_id, ctx)
         if prefill is not None:
-            hit = await self.ctx.engine.call(lambda e: e.prefix_hit_tokens(prompt))
-            if len(prompt) - hit < self.config.local_prefill_threshold:
+            hit = await self.ctx.engine.call(lambda e: e.prefix_hit_tokens(ctx))
+            if len(ctx) - hit < self.config.local_prefill_threshold:
                 prefill = None
         if prefill is None:
-            return await self._start_local(rid, prompt, params, arrived, context)
-        return await self._start_remote(rid, prompt, params, arrived, prefill, context)
+            req = DecodeRequest(rid, prompt, params, arrived, RequestStream(rid), Stage.DECODING, resume=resume)
+            return await self._start_local(req, context)
+        req = DecodeRequest(rid, prompt, params, arrived, RequestStream(rid), Stage.RESERVING, RemotePrefill(prefill),
+                            resume=resume)
+        return await self._start_remote(req, context)
+
+    @staticmethod
+    def _resume(request: pb.GenerateRequest) -> Resume | None | str:
+        """The request's resume point (None: a new request), or why it is malformed. The engine checks
+        the rest when it takes the request, as INVALID_ARGUMENT too (ids in the vocabulary, fewer than
+        max_tokens, the context length, a resumed token that would have ended it, text beyond what the
+        resumed tokens release)."""
+        if not request.resume_token_ids:
+            return "resume_text_chars without resume_token_ids" if request.resume_text_chars else None
+        try:
+            return Resume(tuple(request.resume_token_ids), request.resume_text_chars)
+        except ValueError as err:
+            return str(err)
 
     def _prefill_node(self, hint: str, prompt: list[int]) -> Member | None:
         """The hinted prefill node while it is usable (in this node's pool, not draining), else the one the
@@ -149,14 +174,13 @@ class DecodeService(NodeService, pb_grpc.DecodeNodeServicer):
         choice = choose_prefill(pool, prompt, outstanding)
         return by_id.get(choice.node_id)
 
-    async def _start_local(
-        self, rid: str, prompt: list[int], params: SamplingParams, arrived: float, context: grpc.aio.ServicerContext
-    ) -> DecodeRequest:
+    async def _start_local(self, req: DecodeRequest, context: grpc.aio.ServicerContext) -> DecodeRequest:
         if self.ctx.engine.load().waiting >= self.config.max_local_waiting:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "decode node queue is full")
-        req = self._register(DecodeRequest(rid, prompt, params, arrived, RequestStream(rid), Stage.DECODING))
+        self._register(req)
+        rid = req.request_id
         try:
-            req.stream = await self.ctx.engine.add_request(rid, prompt, params)
+            req.stream = await self.ctx.engine.add_request(rid, req.prompt, req.params, resume=req.resume)
         except ValueError as err:
             self._forget(req)  # the engine refused it: nothing to free
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
@@ -165,11 +189,8 @@ class DecodeService(NodeService, pb_grpc.DecodeNodeServicer):
             raise
         return req
 
-    async def _start_remote(
-        self, rid: str, prompt: list[int], params: SamplingParams, arrived: float, prefill: Member,
-        context: grpc.aio.ServicerContext,
-    ) -> DecodeRequest:
-        req = DecodeRequest(rid, prompt, params, arrived, RequestStream(rid), Stage.RESERVING, RemotePrefill(prefill))
+    async def _start_remote(self, req: DecodeRequest, context: grpc.aio.ServicerContext) -> DecodeRequest:
+        rid, arrived = req.request_id, req.arrived
         self._register(req)
         req.stream = self.ctx.engine.open_stream(rid)
         try:

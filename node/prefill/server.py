@@ -26,6 +26,7 @@ from engine.async_engine import RequestStream
 from engine.llm_engine import EngineRequests, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.schedule import stop_decision
+from engine.sequence import Resume
 from kernels import get_kernel_ops
 from kernels.interface import KV_LAYOUT_VERSION
 from kv_transfer import Channel, ChannelError, KVSender, SendHandle
@@ -119,14 +120,19 @@ class PrefillService(NodeService, pb_grpc.PrefillNodeServicer):
         self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.PrefillResponse]:
         params = await self._accept(request, context)
+        prompt, resume = self._split_resumed(request)
         req = PrefillRequest(request.request_id, request.decode_node_id, time.monotonic())
         self.requests[req.request_id] = req
         try:
-            # The decode node applies stop strings and max_tokens; here only the first token is sampled.
-            first_params = dataclasses.replace(params, max_tokens=1, stop=[])
+            # The decode node applies stop strings and max_tokens; here only the first token is sampled
+            # (the one after a resumed request's resumed tokens, which the engine counts as completion).
+            num_resumed = len(resume.token_ids) if resume is not None else 0
+            first_params = dataclasses.replace(params, max_tokens=num_resumed + 1, stop=[])
             try:
+                if num_resumed >= params.max_tokens:
+                    raise ValueError(f"{num_resumed} resumed tokens leave nothing of max_tokens ({params.max_tokens})")
                 stream = await self.ctx.engine.add_request(
-                    req.request_id, list(request.prompt_token_ids), first_params, hold_blocks=True)
+                    req.request_id, prompt, first_params, hold_blocks=True, resume=resume)
             except ValueError as err:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
             async for msg in self._serve(req, request, params, stream):
@@ -166,7 +172,7 @@ class PrefillService(NodeService, pb_grpc.PrefillNodeServicer):
             return
         token = out.new_token_ids[0]
         yield pb.PrefillResponse(first_token=self._first_token(req, out))
-        if stop_decision(params, self._eos, token, 1) is not None or not request.dst_block_ids:
+        if stop_decision(params, self._eos, token, out.num_completion_tokens) is not None or not request.dst_block_ids:
             # The decode node is done with this request (or already holds every block): nothing to ship.
             yield pb.PrefillResponse(transfer_done=pb.TransferDone(ok=True, skipped=True))
             return
@@ -218,12 +224,22 @@ class PrefillService(NodeService, pb_grpc.PrefillNodeServicer):
 
     # -- helpers --------------------------------------------------------------------------------------
 
+    @staticmethod
+    def _split_resumed(request: pb.PrefillRequest) -> tuple[list[int], Resume | None]:
+        """The prompt and, for a resumed request (num_prompt_tokens set and short of the whole), the
+        completion tokens after it. `_check` has validated num_prompt_tokens."""
+        ids = list(request.prompt_token_ids)
+        n = request.num_prompt_tokens or len(ids)
+        return ids[:n], Resume(tuple(ids[n:])) if n < len(ids) else None
+
     def _check(self, request: pb.PrefillRequest, prompt: list[int]) -> str | None:
         cfg = self.config.engine
         if not request.request_id:
             return "request_id is required"
         if not prompt:
             return "the prompt is empty"
+        if not 0 <= request.num_prompt_tokens <= len(prompt):
+            return f"num_prompt_tokens {request.num_prompt_tokens} is outside [0, {len(prompt)}]"
         if request.block_size != cfg.block_size:
             return f"block size {request.block_size} differs from this node's {cfg.block_size}"
         if request.model_fingerprint and request.model_fingerprint != self.ctx.fingerprint:
