@@ -110,11 +110,11 @@ class UpstreamPool:
 
 
 def _finish_error(c: Choice, msg: pb.GenerateResponse) -> APIError:
+    node = msg.decode_node_id or c.decision.decode_id  # the node serving the choice now
     if msg.finish_reason == "abort":
-        return APIError(502, f"decode node {c.decode_node or c.decision.decode_id} aborted the request",
-                        type=SERVER, code="upstream_aborted")
-    return APIError(502, f"generation failed on decode node {c.decode_node or c.decision.decode_id}: "
-                    f"{msg.error or msg.finish_reason}", type=SERVER, code="upstream_error")
+        return APIError(502, f"decode node {node} aborted the request", type=SERVER, code="upstream_aborted")
+    return APIError(502, f"generation failed on decode node {node}: {msg.error or msg.finish_reason}", type=SERVER,
+                    code="upstream_error")
 
 
 def _gave_up(c: Choice, broken: Broken, why: str) -> APIError:
@@ -238,12 +238,19 @@ class UpstreamCalls:
                                          code="upstream_error"))
         return msg
 
-    def _reroute(self, job: Job, c: Choice) -> bool:
-        """Moves the choice's route (and lease) to a decode node it has not tried; False when none is left."""
-        try:
-            fresh = self._router.route(job.model.pool, c.prompt_ids, c.max_tokens, job.session_key,
-                                       exclude=frozenset(c.tried))
-        except NoRoute:
+    def _reroute(self, job: Job, c: Choice, retry_tried: bool = False) -> bool:
+        """Moves the choice's route (and lease) to a decode node it has not tried, or, with `retry_tried`
+        and none left, to any node but the one that just failed (a node that failed an earlier attempt may
+        serve again; the router avoids it while it cools down). False when there is none."""
+        pool, current = job.model.pool, c.decision.decode_id
+        excludes = [frozenset(c.tried)] + ([frozenset({current})] if retry_tried else [])
+        for exclude in excludes:
+            try:
+                fresh = self._router.route(pool, c.prompt_ids, c.max_tokens, job.session_key, exclude=exclude)
+            except NoRoute:
+                continue
+            break
+        else:
             return False
         c.lease.release()
         c.decision, c.lease = fresh, self._router.lease(fresh)
@@ -257,7 +264,7 @@ class UpstreamCalls:
             failed = c.decision.decode_id
             if c.migrations >= self._config.max_migrations:
                 raise UpstreamError(_gave_up(c, broken, f"{c.migrations} migration(s) already"))
-            if not self._reroute(job, c):
+            if not self._reroute(job, c, retry_tried=True):
                 raise UpstreamError(_gave_up(c, broken, "no other decode node can take it"))
             c.migrations += 1
             self._metrics.migrations.labels(*self._metrics.labels(job.model.name), broken.reason).inc()

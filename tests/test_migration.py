@@ -53,6 +53,7 @@ class Env:
     request_log: Path
     tmp: Path
     extra_frontends: list[FrontendProc] = field(default_factory=list)
+    pool: list[str] = field(default_factory=lambda: ["d0", "d1"])  # the live decode nodes of MODEL
 
     def client(self, frontend: FrontendProc | None = None) -> openai.OpenAI:
         fe = frontend or self.frontend
@@ -79,18 +80,20 @@ class Env:
         """The decode node of the pool with a request in flight (waits for one)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            for node_id in ("d0", "d1"):
+            for node_id in self.pool:
                 if self.cluster.nodes[node_id].alive and self.cluster.get_load(node_id).in_flight:
                     return node_id
             time.sleep(0.01)
         raise AssertionError("no decode node is serving the request")
 
-    def restart(self, node_id: str) -> None:
-        """Starts a killed node again (same id and arguments) and waits until the registry lists it."""
-        extra = DECODE_ARGS if node_id in ("d0", "d1") else FALLBACK_POOL_ARGS
-        node = self.cluster.spawn_node("decode", node_id, extra)
-        self.cluster.wait_ready([node])
-        self.cluster.wait_registry(lambda m: node_id in m, 30, f"{node_id} registered")
+    def replace(self, node_id: str) -> None:
+        """Starts a new decode node of MODEL in place of a stopped one, under a new id (a restart under the
+        same id before the old lease lapses would find the prefill node's pair channel to the dead
+        process), and waits until the registry lists the new one and no longer the old one."""
+        new_id = f"{node_id}r"
+        self.pool = [n for n in self.pool if n != node_id] + [new_id]
+        self.cluster.wait_ready([self.cluster.spawn_node("decode", new_id, DECODE_ARGS)])
+        self.cluster.wait_registry(lambda m: new_id in m and node_id not in m, 30, f"{new_id} in place of {node_id}")
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +104,10 @@ def env(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: Path) -> Itera
         {"name": MODEL, "path": str(tiny_llama_dir)},
         {"name": "primary", "path": str(tiny_llama_dir), "pool": "primary", "fallback": MODEL},
     ]}))
-    with LocalCluster(tmp / "cluster", tiny_llama_dir, node_args=NODE_ARGS) as cluster:
+    # A lease long enough that a starved CPU does not make nodes leave the registry now and then (a killed
+    # node is noticed by its broken connection, not by its lease), and that the fallback test's killed
+    # node stays registered while its request is admitted.
+    with LocalCluster(tmp / "cluster", tiny_llama_dir, node_args=NODE_ARGS, lease_ttl_s=10) as cluster:
         cluster.start(1, 2, decode_args=DECODE_ARGS)
         cluster.wait_ready([cluster.spawn_node("decode", "dx", FALLBACK_POOL_ARGS)])
         request_log = tmp / "requests.jsonl"
@@ -179,6 +185,7 @@ def test_sigkill_of_the_serving_decode_node_mid_stream(env: Env, sampling: str) 
     reference = stream_completion(client, prompt, 300, **params)
     assert reference.error is None and reference.finish == ["length"] and reference.completion_tokens == 300
     before = env.metric("pdserve_frontend_migrations_total", model=MODEL)
+    unavailable = env.metric("pdserve_frontend_migrations_total", model=MODEL, reason="unavailable")
     on_chunk, killed = kill_after(env, 10)
     got = stream_completion(client, prompt, 300, on_chunk=on_chunk, **params)
     assert killed, "the stream ended before the node was killed"
@@ -186,11 +193,12 @@ def test_sigkill_of_the_serving_decode_node_mid_stream(env: Env, sampling: str) 
     assert got.text == reference.text, "the migrated stream differs from the uninterrupted run"
     assert got.finish == ["length"] and got.completion_tokens == 300  # every token counted once
     assert env.metric("pdserve_frontend_migrations_total", model=MODEL) - before == 1
+    assert env.metric("pdserve_frontend_migrations_total", model=MODEL, reason="unavailable") - unavailable == 1
     rec = env.record_for(got.request_id)
     assert rec["status"] == 200 and rec["completion_tokens"] == 300 and rec["finish_reasons"] == ["length"]
     route = rec["routes"][0]
     assert route["migrations"] == 1 and route["tried"][0] == killed[0] and route["served_by"]["decode"] != killed[0]
-    env.restart(killed[0])
+    env.replace(killed[0])
 
 
 def test_migration_bound_exceeded_gives_an_openai_error_event(env: Env) -> None:
@@ -209,7 +217,7 @@ def test_migration_bound_exceeded_gives_an_openai_error_event(env: Env) -> None:
     assert "could not be moved to another decode node (0 migration(s) already)" in body["message"]
     assert got.finish == [] and got.completion_tokens is None  # no finish, no usage after the error
     assert env.metric("pdserve_frontend_migrations_total", frontend=fe) == 0
-    env.restart(killed[0])
+    env.replace(killed[0])
 
 
 def test_drain_hands_running_requests_over_to_the_other_node(env: Env) -> None:
@@ -217,18 +225,18 @@ def test_drain_hands_running_requests_over_to_the_other_node(env: Env) -> None:
     drain grace, so it hands them over and exits."""
     client = env.client()
     prompts = [f"Request number {i} tells a long story about" for i in range(4)]
-    references = [stream_completion(client, p, 400) for p in prompts]
-    assert all(r.error is None and r.completion_tokens == 400 for r in references)
+    references = [stream_completion(client, p, 400, temperature=0.0) for p in prompts]
+    assert all(r.error is None and r.completion_tokens == 400 for r in references), [(r.error, r.completion_tokens) for r in references]
     before = env.metric("pdserve_frontend_migrations_total", model=MODEL, reason="handover")
     started = threading.Barrier(len(prompts) + 1)
 
     def run(prompt: str) -> Streamed:
-        return stream_completion(client, prompt, 400, on_chunk=lambda n: n == 3 and started.wait(60))
+        return stream_completion(client, prompt, 400, temperature=0.0, on_chunk=lambda n: n == 3 and started.wait(60))
 
     with ThreadPoolExecutor(len(prompts)) as pool:
         futures = [pool.submit(run, p) for p in prompts]
         started.wait(60)  # every stream is under way
-        on_node = {n: env.cluster.get_load(n).in_flight for n in ("d0", "d1")}
+        on_node = {n: env.cluster.get_load(n).in_flight for n in env.pool}
         drained = max(on_node, key=lambda n: on_node[n])
         assert on_node[drained] >= 1, on_node
         t0 = time.monotonic()
@@ -249,7 +257,7 @@ def test_drain_hands_running_requests_over_to_the_other_node(env: Env) -> None:
                               if r["routes"][0]["migrations"])
     assert env.metric("pdserve_frontend_migrations_total", model=MODEL, reason="handover") - before == moved
     env.cluster.wait_clean()  # the other nodes hold nothing of the handed-over requests
-    env.restart(drained)
+    env.replace(drained)
 
 
 def test_runtime_fallback_when_the_pool_fails_at_open(env: Env) -> None:
@@ -264,4 +272,4 @@ def test_runtime_fallback_when_the_pool_fails_at_open(env: Env) -> None:
     rec = env.record_for(raw.headers["x-request-id"])
     assert rec["requested_model"] == "primary" and rec["model"] == MODEL and rec["status"] == 200
     assert "pool 'primary' failed the request" in rec["fallback"], rec["fallback"]
-    assert rec["routes"][0]["decode_node"] in ("d0", "d1")
+    assert rec["routes"][0]["decode_node"] in env.pool
