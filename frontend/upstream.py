@@ -275,6 +275,8 @@ class UpstreamCalls:
                 return await self._open(job, c)
             except Broken as again:
                 broken = again
+            except APIError as err:  # the new node rejected the request itself: the response has started
+                raise UpstreamError(err) from None
 
     async def _follow(self, job: Job, c: Choice, msg: pb.GenerateResponse) -> AsyncIterator[pb.GenerateResponse]:
         """The choice's messages from `msg` (its first) to the finished one, across migrations: a stream

@@ -572,8 +572,21 @@ def test_handed_over_stream_continues_on_the_other_node(env: Env) -> None:
             assert route["migrations"] == (1 if seed == HANDOVER_SEED else 0)
         assert texts[0] == texts[1] and len(texts[0]) > 0
         assert usages == [12, 12]
+    # Two choices (choice k samples with seed + k): only choice 0 is handed over; both streams stay whole.
+    texts2 = []
+    for seed in (HANDOVER_SEED, same_text_seed):
+        chunks = list(client.chat.completions.create(model="tiny-llama", messages=user("x"), max_tokens=12, n=2,
+                                                     temperature=0.7, seed=seed, stream=True,
+                                                     stream_options={"include_usage": True}))
+        by_choice = ["", ""]
+        for c in chunks:
+            for ch in c.choices:
+                by_choice[ch.index] += ch.delta.content or ""
+        texts2.append(by_choice)
+        assert chunks[-1].usage.completion_tokens == 24
+    assert texts2[0] == texts2[1] and texts2[0][0] == texts[0] and texts2[0][0] != texts2[0][1]
     after = frontend_metric(env, "pdserve_frontend_migrations_total", model="tiny-llama", reason="handover")
-    assert after - before == 2
+    assert after - before == 3
     assert_conformant(env, transport)
 
 
