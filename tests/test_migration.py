@@ -137,6 +137,11 @@ class Streamed:
     completion_tokens: int | None = None
     request_id: str = ""
     error: openai.APIError | None = None
+    arrivals: list[float] = field(default_factory=list)  # monotonic time of each chunk
+
+    @property
+    def longest_gap_s(self) -> float:
+        return max((b - a for a, b in zip(self.arrivals, self.arrivals[1:], strict=False)), default=0.0)
 
 
 def stream_completion(client: openai.OpenAI, prompt: str, max_tokens: int, *, on_chunk: Any = None,
@@ -156,6 +161,7 @@ def stream_completion(client: openai.OpenAI, prompt: str, max_tokens: int, *, on
                 if ch.finish_reason:
                     out.finish.append(ch.finish_reason)
             out.chunks += 1
+            out.arrivals.append(time.monotonic())
             if on_chunk is not None:
                 on_chunk(out.chunks)
     except openai.APIError as err:
@@ -194,6 +200,8 @@ def test_sigkill_of_the_serving_decode_node_mid_stream(env: Env, sampling: str) 
     assert got.finish == ["length"] and got.completion_tokens == 300  # every token counted once
     assert env.metric("pdserve_frontend_migrations_total", model=MODEL) - before == 1
     assert env.metric("pdserve_frontend_migrations_total", model=MODEL, reason="unavailable") - unavailable == 1
+    print(f"{sampling}: longest gap between chunks {got.longest_gap_s * 1e3:.0f} ms (the migration), "
+          f"uninterrupted {reference.longest_gap_s * 1e3:.0f} ms")
     rec = env.record_for(got.request_id)
     assert rec["status"] == 200 and rec["completion_tokens"] == 300 and rec["finish_reasons"] == ["length"]
     route = rec["routes"][0]
@@ -246,6 +254,8 @@ def test_drain_hands_running_requests_over_to_the_other_node(env: Env) -> None:
     node = env.cluster.nodes[drained]
     assert node.proc.returncode == 0, node.log_tail()
     assert drain_s >= DRAIN_GRACE_S
+    print(f"drain of {drained} with {on_node[drained]} request(s): exited after {drain_s:.2f} s; longest gap "
+          f"in the moved streams {max(r.longest_gap_s for r in results) * 1e3:.0f} ms")
     assert "handed" in node.log_tail(20000) and "request(s) over" in node.log_tail(20000)
     for got, ref in zip(results, references, strict=True):
         assert got.error is None, got.error
