@@ -256,7 +256,9 @@ def test_drain_hands_running_requests_over_to_the_other_node(env: Env) -> None:
     assert drain_s >= DRAIN_GRACE_S
     print(f"drain of {drained} with {on_node[drained]} request(s): exited after {drain_s:.2f} s; longest gap "
           f"in the moved streams {max(r.longest_gap_s for r in results) * 1e3:.0f} ms")
-    assert "handed" in node.log_tail(20000) and "request(s) over" in node.log_tail(20000)
+    log = node.log_tail(20000)
+    assert "handed" in log and "request(s) over" in log
+    assert f"node {drained}: drained" in log  # nothing in flight when it exited: the hand-over freed all
     for got, ref in zip(results, references, strict=True):
         assert got.error is None, got.error
         assert got.text == ref.text and got.finish == ["length"] and got.completion_tokens == 400

@@ -14,6 +14,10 @@ A resumed request (resume_token_ids: completion tokens another decode node alrea
 the same steps with prompt + those tokens as its context; responses carry only the tokens after them,
 num_completion_tokens counts them too (`engine.sequence.Resume`).
 
+Drain: once the drain's grace (`--drain-grace`) is over, `hand_over` ends every request still here with
+finish_reason "migrate" (after the tokens it produced) and frees its blocks; the frontend resumes it on
+another decode node.
+
 Every request is one `DecodeRequest` (`node.decode.request`) in `requests`, from arrival until the
 engine let go of it.
 """
