@@ -9,6 +9,11 @@ from dataclasses import dataclass
 from node.metrics import LATENCY_BUCKETS, SIZE_BUCKETS, MetricLabels, NodeMetrics, StepRecord
 
 FALLBACK_REASONS = ("unavailable", "refused", "error", "timeout", "lease_lost")
+# Why the K/V of a request that already streamed its first token did not land (`PrefillLink._prefill_here`):
+# the prefill call failed (unavailable, error), the prefill node left the registry (lease_lost), it
+# reported a failed send (send_failed), the receive failed or its channel closed (receive_failed) or ran
+# past its deadline (timeout), or the bytes failed their checksum (checksum).
+REPREFILL_REASONS = ("unavailable", "error", "timeout", "lease_lost", "send_failed", "receive_failed", "checksum")
 
 
 @dataclass
@@ -35,6 +40,11 @@ class DecodeMetrics(NodeMetrics):
                                       ["reason"])
         for reason in FALLBACK_REASONS:  # every series exists from the start, at zero
             self.fallbacks.labels(**labels.values(), reason=reason)
+        self.reprefills = self.counter("pdserve_decode_reprefills",
+                                       "Requests whose KV transfer failed after the first token, re-prefilled here "
+                                       "(prompt + tokens so far)", ["reason"])
+        for reason in REPREFILL_REASONS:
+            self.reprefills.labels(**labels.values(), reason=reason)
         self._lock = threading.Lock()
         self._timings: dict[str, _Timing] = {}
 
@@ -76,6 +86,10 @@ class DecodeMetrics(NodeMetrics):
     def local_prefill_fallback(self, reason: str) -> None:
         """Counts a remote prefill that failed before its first token and is done here instead."""
         self.fallbacks.labels(**self.labels.values(), reason=reason).inc()
+
+    def reprefill(self, reason: str) -> None:
+        """Counts a request re-prefilled here after its first token (its KV transfer failed)."""
+        self.reprefills.labels(**self.labels.values(), reason=reason).inc()
 
     def first_step_seconds(self, request_id: str) -> float | None:
         """Landing to the end of the first decode step, once that step ran (None before)."""

@@ -11,9 +11,14 @@ and keeps reading the Prefill stream to its end, discarding a transfer that was 
 A prefill node that leaves the registry (lease gone) has its calls cancelled and its channel closed,
 which resolves posted receives at once; the reservations are then freed.
 
-A prefill that fails before the first token (the node died, refused, errored, gave no first token within
-`--prefill-timeout`, or lost its lease) is not the caller's problem: `_fall_back` frees the reservation
-and the request is prefilled here, as an ordinary local request (`pdserve_decode_local_prefill_fallbacks_total`).
+A prefill or transfer that fails is not the caller's problem either (`_prefill_here` decides, once the
+Prefill call is over and no receive can still write the reservation): before the first token (the node
+died, refused, errored, gave no first token within `--prefill-timeout`, or lost its lease) the request is
+prefilled here as an ordinary local request (`pdserve_decode_local_prefill_fallbacks_total`); after it
+(the node died or left the registry, the channel failed or closed, TransferDone said the send failed,
+the receive timed out, the bytes failed their checksum) the prompt plus the tokens so far are prefilled
+here and decoding continues after the last streamed token, with neither gap nor repeat
+(`pdserve_decode_reprefills_total`). Only a cancelled request ends.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import grpc
 from engine.async_engine import abort_output
 from kernels import get_kernel_ops
 from kernels.interface import KV_LAYOUT_VERSION
-from kv_transfer import ChannelError, KVReceiver
+from kv_transfer import ChannelError, KVReceiver, TransferHandle, TransferResult
 from node.convert import logprob_from_proto, params_to_proto, transfer_meta_from_proto
 from node.decode.config import DecodeNodeConfig
 from node.decode.metrics import DecodeMetrics
@@ -76,17 +81,15 @@ class PrefillLink:
         return entry[1]
 
     async def drive(self, req: DecodeRequest) -> None:
-        """Runs one request's prefill and transfer, then lands it in the engine, prefills it here (a
-        failure before the first token, `_fall_back`) or ends it. Owns the reservation from PREFILLING
-        until the request decodes or ends."""
+        """Runs one request's prefill and transfer, then lands it in the engine, prefills it here (the
+        prefill or transfer failed, `_prefill_here`) or ends it (cancelled). Owns the reservation from
+        PREFILLING until the request decodes or ends."""
         rem = req.remote
         assert rem is not None and req.stage == Stage.PREFILLING
         await self._run_prefill(req, rem)
-        if await self._fall_back(req, rem):
-            return
-        if (req.error is not None or req.cancelled) and not req.stream.finished:
+        if req.cancelled and not req.stream.finished:
             # Tell the caller now: a receive already posted may take until its deadline to resolve.
-            req.stream.push(abort_output(req.request_id, "abort" if req.cancelled else "error"))
+            req.stream.push(abort_output(req.request_id, "abort"))
         if await self._kv_in_place(req, rem):
             req.advance(Stage.DECODING)  # before `land` is queued, so a later cancel aborts in the engine
             try:
@@ -95,6 +98,8 @@ class PrefillLink:
                 return
             except (KeyError, ValueError) as err:
                 req.error = f"landing after the transfer failed: {err}"
+        elif await self._prefill_here(req, rem):
+            return
         await self._end(req)
 
     async def _run_prefill(self, req: DecodeRequest, rem: RemotePrefill) -> None:
@@ -104,6 +109,7 @@ class PrefillLink:
         except grpc.aio.AioRpcError as err:
             rem.failure = rem.failure or failure_reason(err.code())
             req.error = req.error or f"prefill node {rem.prefill.node_id}: {err.code().name}: {err.details()}"
+            self._close_channel(rem, req.error)
         except asyncio.CancelledError:
             # Our own cancel of the call (lease lost, first token late) lands here as well.
             task = asyncio.current_task()
@@ -117,21 +123,29 @@ class PrefillLink:
             rem.failure = rem.failure or "error"
             req.error = req.error or f"{type(err).__name__}: {err}"
 
-    async def _fall_back(self, req: DecodeRequest, rem: RemotePrefill) -> bool:
-        """The one place that decides "fall back or fail" once the Prefill call is over. A remote prefill
-        that failed before the first token (node dead, refusing, erroring, late, or its lease lost) no
-        longer fails the request: nothing reached the caller and no receive can write the reservation,
-        so the reservation is freed and the engine queues the request as an ordinary local one, keeping
-        its id, stream, params and seed; the caller only sees a later first token. From then on it is a
-        local request (`remote` None, so responses name this node as its prefill node). Returns False,
-        changing nothing, after the first token (a failed transfer still fails the request), for a
-        cancelled request, and when the prefill simply succeeded."""
-        if rem.got_first or rem.recv is not None or req.cancelled or req.stream.finished:
+    async def _prefill_here(self, req: DecodeRequest, rem: RemotePrefill) -> bool:
+        """The one place that decides "go on here or end" for a request whose K/V did not land, once
+        the Prefill call is over and no receive can still write the reservation. Unless the caller
+        cancelled (or the stream already ended, e.g. at a first token that ended the request), the
+        reservation is freed and the engine queues the request as a local one (`LLMEngine.prefill_here`),
+        keeping its id, stream, params, seed and detokenizer: before the first token (the prefill
+        failed: node dead, refusing, erroring, late, or its lease lost) from the prompt, counted as a
+        fallback; after it (the node died or left, the channel failed, the send failed, the receive timed
+        out or failed its checksum) from the prompt plus the tokens already streamed, counted as a
+        re-prefill, so the next token follows the last one the caller got. From then on it is a local
+        request (`remote` None, so later responses name this node as its prefill node). Returns False,
+        changing nothing, when the request is to end."""
+        if req.cancelled or req.stream.finished:
             return False
-        reason = rem.failure or "error"  # a call that ended without a first token counts as an error
-        log.warning("request %s: prefill on %s failed before its first token (%s: %s); prefilling here",
-                    req.request_id, rem.prefill.node_id, reason, req.error)
-        self.metrics.local_prefill_fallback(reason)
+        reason = rem.failure or "error"  # a call that ended without a reason of its own counts as an error
+        if rem.got_first:
+            log.warning("request %s: KV from %s did not land after the first token (%s: %s); re-prefilling here",
+                        req.request_id, rem.prefill.node_id, reason, req.error)
+            self.metrics.reprefill(reason)
+        else:
+            log.warning("request %s: prefill on %s failed before its first token (%s: %s); prefilling here",
+                        req.request_id, rem.prefill.node_id, reason, req.error)
+            self.metrics.local_prefill_fallback(reason)
         req.error, req.remote, req.reservation = None, None, None
         req.advance(Stage.DECODING)  # before the engine hears of it, so a later cancel aborts in the engine
         try:
@@ -140,6 +154,13 @@ class PrefillLink:
             req.error = f"local prefill after the remote one failed: {err}"
             await self._end(req)
         return True
+
+    @staticmethod
+    def _close_channel(rem: RemotePrefill, why: str) -> None:
+        """Closes the pair channel under a receive still posted, so it resolves now instead of at its
+        deadline (the prefill node closes its side too when its call ends mid-send)."""
+        if rem.recv is not None and not rem.recv.done() and rem.channel is not None:
+            rem.channel.close(why)
 
     async def _read_prefill(self, req: DecodeRequest, rem: RemotePrefill) -> None:
         assert req.reservation is not None
@@ -196,6 +217,7 @@ class PrefillLink:
         try:
             channel = self.ctx.channels.channel_from(rem.prefill.node_id, address, meta.epoch)
         except ChannelError as err:
+            rem.failure = rem.failure or "receive_failed"
             req.error = req.error or f"cannot open the KV channel: {err}"
             return
         rem.channel = channel
@@ -203,30 +225,46 @@ class PrefillLink:
         if req.cancelled or req.stream.finished or req.error is not None:
             # Nobody wants these blocks any more; consuming the bytes keeps later transfers in step.
             rem.recv = self._receiver.discard(channel, meta, timeout_s=timeout)
-        else:
-            rem.recv = self._receiver.recv(channel, self.ctx.engine.engine.kv_cache,
-                                           list(req.reservation.fill_block_ids), meta, timeout_s=timeout)
+            return
+        recv = self._receiver.recv(channel, self.ctx.engine.engine.kv_cache, list(req.reservation.fill_block_ids),
+                                   meta, timeout_s=timeout)
+        rem.recv = recv
+        loop = asyncio.get_running_loop()
+        recv.future.add_done_callback(lambda _: loop.call_soon_threadsafe(self._on_received, req, rem, recv))
+
+    def _on_received(self, req: DecodeRequest, rem: RemotePrefill, recv: TransferHandle) -> None:
+        """A receive resolved (event loop). A failed one ends the Prefill call at once, so the request
+        is re-prefilled here without waiting for the prefill node's own verdict on its send."""
+        result = recv.result()
+        if result.ok or rem.call is None or rem.call.done():
+            return
+        self._receive_failed(req, rem, result)
+        rem.call.cancel()
 
     @staticmethod
-    def _on_transfer_done(req: DecodeRequest, rem: RemotePrefill, done: pb.TransferDone) -> None:
+    def _receive_failed(req: DecodeRequest, rem: RemotePrefill, result: TransferResult) -> None:
+        rem.failure = rem.failure or ("timeout" if (result.error or "").startswith("timeout") else "receive_failed")
+        req.error = req.error or f"KV receive failed: {result.error}"
+
+    def _on_transfer_done(self, req: DecodeRequest, rem: RemotePrefill, done: pb.TransferDone) -> None:
         rem.skipped = done.ok and done.skipped
         if done.ok:
             rem.done = True
             req.timing.transfer_s = done.transfer_s
             return
+        rem.failure = rem.failure or "send_failed"
         req.error = req.error or f"prefill node {rem.prefill.node_id}: {done.error}"
-        if rem.recv is not None and not rem.recv.done() and rem.channel is not None:
-            rem.channel.close(f"prefill node reported a failed send: {done.error}")
+        self._close_channel(rem, f"prefill node reported a failed send: {done.error}")
 
     async def _kv_in_place(self, req: DecodeRequest, rem: RemotePrefill) -> bool:
         """Waits out a posted receive; whether the prompt K/V are in the reserved blocks and the request
-        still wants them."""
+        still wants them. Once it returns no receive can write the reservation."""
         landed = rem.skipped
         if rem.recv is not None:
             result = await rem.recv.wait()
             landed = result.ok and not req.cancelled and not req.stream.finished
             if not result.ok:
-                req.error = req.error or f"KV receive failed: {result.error}"
+                self._receive_failed(req, rem, result)
         usable = rem.got_first and not req.cancelled and req.error is None and not req.stream.finished
         return usable and landed
 

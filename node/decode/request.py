@@ -3,12 +3,16 @@ state. The servicer's request table holds it from arrival until the engine let g
 
     local:   DECODING ───────────────────────────────────────────> ENDING ──> (dropped)
     remote:  RESERVING ──> PREFILLING ──(KV landed)──> DECODING ──> ENDING ──> (dropped)
-                              └──(failed before the first token: prefilled here, now local)──> DECODING
-                 └──────────────┴──(refused, failed, cancelled)──────> ENDING
+                              ├──(failed before the first token: prefilled here, now local)──> DECODING
+                              ├──(KV did not land after the first token: prompt + tokens so far
+                              │    re-prefilled here, now local)──────────────────────────> DECODING
+                 └────────────┴──(refused, cancelled, first token ended it)──> ENDING
 
 KV blocks by stage (decode side): RESERVING holds none (it may wait in the reservation queue);
-PREFILLING holds its reservation (the engine's RESERVED sequence, written by the transfer); DECODING is
-the engine scheduler's; ENDING holds what the engine has until the abort that ends it is done.
+PREFILLING holds its reservation (the engine's RESERVED sequence, written by the transfer, with the first
+token appended once it came); DECODING is the engine scheduler's; ENDING holds what the engine has until
+the abort that ends it is done. PREFILLING leaves for DECODING-here only once no receive can still write
+the reservation (the receive resolved, or none was posted), since the engine frees it then.
 """
 
 from __future__ import annotations
@@ -56,7 +60,8 @@ class RemotePrefill:
     # The prefill node reported its part done (TransferDone ok): its leaving the registry no longer
     # concerns this request (a drained prefill node revokes its lease right after its last send).
     done: bool = False
-    # Why the prefill failed, for the fallback metric: unavailable, refused, error, timeout, lease_lost.
+    # Why the prefill or transfer failed (the first cause wins), for the fallback metric (before the
+    # first token: node.decode.metrics.FALLBACK_REASONS) or the re-prefill metric (REPREFILL_REASONS).
     failure: str = ""
 
 

@@ -176,6 +176,8 @@ class PrefillService(NodeService, pb_grpc.PrefillNodeServicer):
             # The decode node is done with this request (or already holds every block): nothing to ship.
             yield pb.PrefillResponse(transfer_done=pb.TransferDone(ok=True, skipped=True))
             return
+        if self.config.fault_send_delay_s:  # test fault injection: a window after the first token
+            await asyncio.sleep(self.config.fault_send_delay_s)
         seq = stream.seq
         assert seq is not None and seq.is_finished, "a prefill-only request finishes with its first token"
         start = request.num_skip_blocks
@@ -188,6 +190,9 @@ class PrefillService(NodeService, pb_grpc.PrefillNodeServicer):
         self.metrics.transfer_done(result, (req.aborted or "released") if req.released else None)
         if req.released:
             yield pb.PrefillResponse(transfer_done=pb.TransferDone(ok=False, error=req.aborted or "released"))
+            return
+        if self.config.fault_send_failed:  # test fault injection
+            yield pb.PrefillResponse(transfer_done=pb.TransferDone(ok=False, error="fault injection: send failed"))
             return
         yield pb.PrefillResponse(transfer_done=pb.TransferDone(
             ok=result.ok, error=result.error or "", transfer_s=result.seconds,
@@ -209,20 +214,32 @@ class PrefillService(NodeService, pb_grpc.PrefillNodeServicer):
         TransferDone saying why nothing is sent. No await: an Abort cannot slip in before the send."""
         if req.aborted:
             return pb.PrefillResponse(transfer_done=pb.TransferDone(ok=False, error=req.aborted))
+        stall = self.config.fault_send_stall_s
         try:
             channel = self.ctx.channels.channel_to(req.decode_id)
             handle = self._sender.send(
                 channel, self.ctx.engine.engine.kv_cache, src_blocks, request_id=req.request_id,
-                num_tokens=num_tokens, timeout_s=self.config.transfer_timeout_s,
+                num_tokens=num_tokens, timeout_s=self.config.transfer_timeout_s, layerwise=stall > 0,
             )
         except (ChannelError, ValueError) as err:
             self.metrics.transfer_done(None, f"send not queued: {err}")
             return pb.PrefillResponse(transfer_done=pb.TransferDone(ok=False, error=f"send not queued: {err}"))
         req.channel, req.handle = channel, handle
         req.advance(Stage.SENDING)
+        if stall:  # test fault injection: half the layers go now, the rest after the stall
+            num_layers = handle.meta.geometry[0]
+            for layer in range(num_layers // 2):
+                handle.layer_ready(layer)
+            self.ctx.spawn(self._release_stalled(handle, stall), f"fault-stall-{req.request_id}")
         return pb.PrefillResponse(transfer_start=transfer_start_to_proto(handle.meta, self.ctx.channels.kv_address))
 
     # -- helpers --------------------------------------------------------------------------------------
+
+    @staticmethod
+    async def _release_stalled(handle: SendHandle, stall_s: float) -> None:
+        """Test fault injection (`fault_send_stall_s`): the rest of a stalled send's layers, later."""
+        await asyncio.sleep(stall_s)
+        handle.all_layers_ready()
 
     @staticmethod
     def _split_resumed(request: pb.PrefillRequest) -> tuple[list[int], Resume | None]:
