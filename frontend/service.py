@@ -68,7 +68,7 @@ class Frontend:
         self.accounting = Accounting(config, self.metrics, self.request_log)
         self.inflight = 0
         self._addresses: dict[str, str] = {}
-        self._background: set[asyncio.Task[None]] = set()
+        self._background: set[asyncio.Task[object]] = set()
         unknown = self.tenants.check_models(self.catalog.served_names)
         if unknown:
             log.warning("tenants file allows models that are not served: %s", unknown)
@@ -98,9 +98,10 @@ class Frontend:
             self._addresses[change.node_id] = change.member.record.grpc_address
         elif change.kind == "left" and change.node_id in self._addresses:
             address = self._addresses.pop(change.node_id)
-            task = asyncio.get_running_loop().create_task(self._drop_later(address))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
+            for coro in (self._drop_later(address), self.calls.node_left(change.node_id)):
+                task = asyncio.get_running_loop().create_task(coro)
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
 
     async def _drop_later(self, address: str) -> None:
         # Late: requests still streaming from a node that just left may finish; and a node that comes

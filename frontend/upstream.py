@@ -21,9 +21,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import weakref
 from collections.abc import AsyncIterator
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from frontend.config import FrontendConfig
 from frontend.errors import OVERLOADED, SERVER, APIError
@@ -58,7 +60,12 @@ MIGRATABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, 
 # The finish_reason a draining decode node ends a request's stream with (protos/pdserve.proto): the
 # request is not done, another node continues it.
 HANDOVER = "migrate"
-# Finish reasons that end a stream without ending the choice -> the migration metric's reason label.
+# How long a decode node that left the registry has to answer a health check before the calls streaming
+# from it count as broken (a draining node answers; a hung one does not).
+PROBE_TIMEOUT_S = 2.0
+# Finish reasons that end a stream without ending the choice -> the migration metric's reason label
+# (the others: a status code's name, "eof", and "node_left" for a call cancelled here because its node
+# left the registry and stopped answering, or its channel was closed).
 _BROKEN_FINISH = {HANDOVER: "handover", "error": "node_error"}
 
 
@@ -96,6 +103,11 @@ class UpstreamPool:
             self._channels[address] = channel
             stub = self._stubs[address] = pbg.DecodeNodeStub(channel)
         return stub
+
+    def health(self, address: str) -> health_pb2_grpc.HealthStub:
+        """A grpc.health.v1 stub on the node's channel (the one its calls use)."""
+        self.stub(address)
+        return health_pb2_grpc.HealthStub(self._channels[address])
 
     async def drop(self, address: str) -> None:
         """Closes the channel to a node that left the cluster (calls in flight on it are cancelled)."""
@@ -165,6 +177,7 @@ class UpstreamCalls:
 
     def __init__(self, config: FrontendConfig, router: Router, pool: UpstreamPool, metrics: FrontendMetrics) -> None:
         self._config, self._router, self._pool, self._metrics = config, router, pool, metrics
+        self._live: weakref.WeakSet[Choice] = weakref.WeakSet()  # choices whose call was started
 
     async def open(self, job: Job) -> list[pb.GenerateResponse]:
         """Starts every choice's Generate call and returns each one's first message. Raises PoolFailed
@@ -211,6 +224,7 @@ class UpstreamCalls:
             c.dispatched_at = time.perf_counter()
         left = self._config.request_timeout_s - (time.perf_counter() - job.arrived)
         c.call = self._pool.stub(d.decode_address).Generate(request, timeout=max(1.0, left))
+        self._live.add(c)
         try:
             msg = await self._read(c, opening=True)
         except UpstreamError as err:
@@ -225,6 +239,14 @@ class UpstreamCalls:
         node = c.decision.decode_id
         try:
             msg = await c.call.read()
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # the job itself is cancelled (the client went away): no failure
+            # Only the call was cancelled, here: its node stopped answering (`node_left`) or its channel closed.
+            self._router.mark_unavailable(node)
+            raise Broken("node_left", APIError(502, f"decode node {node} left the cluster and stopped answering",
+                                               type=SERVER, code="upstream_error")) from None
         except grpc.aio.AioRpcError as err:
             code = err.code()
             if code in MIGRATABLE or (opening and code in RETRYABLE):
@@ -237,6 +259,29 @@ class UpstreamCalls:
                                          f"{'without a response' if opening else 'early'}", type=SERVER,
                                          code="upstream_error"))
         return msg
+
+    async def node_left(self, node_id: str) -> int:
+        """A decode node left the registry. When it does not answer a health check within
+        PROBE_TIMEOUT_S (hung, or gone without a connection reset), the calls streaming from it are
+        cancelled, so their choices migrate; a node that answers (a draining one) ends its requests itself.
+        Returns how many calls were cancelled."""
+        calls = [c for c in self._live
+                 if c.decision.decode_id == node_id and c.finish_reason is None and c.call is not None and not c.call.done()]
+        if not calls:
+            return 0
+        try:
+            await self._pool.health(calls[0].decision.decode_address).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=PROBE_TIMEOUT_S)
+            return 0
+        except grpc.aio.AioRpcError as err:
+            log.warning("decode node %s left the registry and does not answer (%s): moving %d stream(s) off it",
+                        node_id, err.code().name, len(calls))
+        cancelled = 0
+        for c in calls:
+            if c.decision.decode_id == node_id and c.call is not None and not c.call.done():
+                c.call.cancel()
+                cancelled += 1
+        return cancelled
 
     def _reroute(self, job: Job, c: Choice, retry_tried: bool = False) -> bool:
         """Moves the choice's route (and lease) to a decode node it has not tried, or, with `retry_tried`

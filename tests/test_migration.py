@@ -6,11 +6,12 @@ Each test names the failure it injects:
 1. SIGKILL of the decode node serving a stream: the stream continues on the other node with the text of
    an uninterrupted run (greedy, and seeded sampling with temperature > 0), usage counts every token
    once, and the migration metric counts it;
-2. the same with `--max-migrations 0`: the client gets an OpenAI-shaped error event;
-3. SIGTERM (drain) of a decode node running long requests: after the drain grace they are handed over
+2. SIGSTOP of the serving decode node: the channel keepalive notices it and the stream moves on;
+3. the same kill with `--max-migrations 0`: the client gets an OpenAI-shaped error event;
+4. SIGTERM (drain) of a decode node running long requests: after the drain grace they are handed over
    and complete on the other node with identical text, none cancelled; the node exits; every block is
    accounted for;
-4. the only decode node of a pool killed just before a request for its model: the model's fallback
+5. the only decode node of a pool killed just before a request for its model: the model's fallback
    serves the request.
 """
 
@@ -207,6 +208,23 @@ def test_sigkill_of_the_serving_decode_node_mid_stream(env: Env, sampling: str) 
     route = rec["routes"][0]
     assert route["migrations"] == 1 and route["tried"][0] == killed[0] and route["served_by"]["decode"] != killed[0]
     env.replace(killed[0])
+
+
+def test_hung_decode_node_mid_stream(env: Env) -> None:
+    """Injects: SIGSTOP of the decode node a stream is served from (no connection reset: the frontend's
+    channel keepalive notices the silent node)."""
+    client = env.client()
+    params: dict[str, Any] = {"temperature": 0.0}
+    prompt = "A node that stops answering"
+    reference = stream_completion(client, prompt, 300, **params)
+    on_chunk, stopped = kill_after(env, 10, signal.SIGSTOP)
+    got = stream_completion(client, prompt, 300, on_chunk=on_chunk, **params)
+    assert stopped and got.error is None, got.error
+    assert got.text == reference.text and got.completion_tokens == 300
+    print(f"hung node: the stream stalled {got.longest_gap_s:.1f} s before it moved")
+    assert got.longest_gap_s < 40
+    env.cluster.kill(stopped[0], signal.SIGKILL)
+    env.replace(stopped[0])
 
 
 def test_migration_bound_exceeded_gives_an_openai_error_event(env: Env) -> None:
