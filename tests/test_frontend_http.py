@@ -612,6 +612,26 @@ def test_runtime_fallback_when_every_node_of_the_pool_fails_at_open(env: Env) ->
     assert_conformant(env, transport)
 
 
+def test_deadline_mid_stream_is_not_migrated(env: Env, tmp_path: Path) -> None:
+    """Injects: the request's deadline (--request-timeout 1) passing while the slow node streams. A deadline
+    is the request's own end, not a node failure: the client gets the timeout error, nothing moves."""
+    fe = start_frontend("frontend-deadline", tmp_path, env.etcd.endpoints, free_port(), "--models",
+                        str(env.request_log.parent / "models.yaml"),
+                        "--request-timeout", "1", "--request-log", "off", "--log-level", "warning")
+    try:
+        client = openai.OpenAI(base_url=f"{fe.base_url}/v1", api_key="any", max_retries=0)
+        got = []
+        with pytest.raises(openai.APIError) as timed_out:
+            for chunk in client.chat.completions.create(model="slow-llama", messages=user("x"), max_tokens=1000,
+                                                        stream=True):
+                got.append(chunk)
+        assert got and timed_out.value.code == "timeout" and "timed out" in timed_out.value.message
+        metrics = httpx.get(f"{fe.base_url}/metrics").text
+        assert "pdserve_frontend_migrations_total{" not in metrics
+    finally:
+        assert_clean_exit(fe)
+
+
 # --- operations -----------------------------------------------------------------------------------
 
 
