@@ -15,7 +15,7 @@ The scheduler owns every sequence state and is the only code that sets one (`Seq
                  └ abort ──> FINISHED, blocks freed
 
 A RESERVED sequence holds blocks for a prompt whose K/V are written from outside (a KV transfer); it is
-never scheduled. Once the transfer landed, ``land`` commits those blocks and queues it for a running slot.
+never scheduled. ``land`` commits them once the transfer landed; ``requeue`` frees them if it failed.
 
 When the pool runs out of blocks for a running sequence, the newest running sequence is preempted
 (blocks freed, progress dropped, put back at the front of the waiting queue) and the allocation is
@@ -113,8 +113,7 @@ class Scheduler:
 
     def release(self, seq_id: str) -> Sequence | None:
         """Frees the blocks of a finished sequence that still holds them (a ``hold_blocks`` one after its
-        transfer, or a reserved one finished at its first token). Returns it, or None if none is held
-        under that id."""
+        transfer, or a reserved one finished at its first token). Returns it, or None if none is held."""
         seq = self._held.pop(seq_id, None)
         if seq is not None:
             self.block_manager.free(seq)
@@ -127,20 +126,13 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         """Queues a new request at the back of the waiting queue."""
         self._check_new(seq)
-        if seq.block_table or seq.num_computed_tokens:
-            raise ValueError(f"sequence {seq.seq_id} must arrive with no blocks and nothing computed")
-        seq.status = SequenceStatus.WAITING
-        self._waiting.append(seq)
-        self._seqs[seq.seq_id] = seq
+        self._enqueue(seq, front=False)
 
     def reserve(self, seq: Sequence) -> Reservation | None:
-        """Sets aside blocks for the prompt of a new sequence whose K/V will be written from outside (a
-        transfer), sharing prefix-cache hits (see ``BlockManager.reserve``). Returns None, changing
-        nothing, when the pool cannot fit it now; else the sequence is RESERVED until ``land``, ``finish``
-        or ``abort``."""
+        """Sets aside blocks for the tokens of a new sequence whose K/V will be written from outside (a
+        transfer), sharing prefix-cache hits (``BlockManager.reserve``). Returns None, changing nothing,
+        when the pool cannot fit it now; else it is RESERVED until ``land``, ``requeue``, ``finish``, ``abort``."""
         self._check_new(seq)
-        if seq.block_table or seq.num_computed_tokens:
-            raise ValueError(f"sequence {seq.seq_id} must arrive with no blocks and nothing computed")
         reservation = self.block_manager.reserve(seq, seq.num_tokens)
         if reservation is None:
             return None
@@ -149,10 +141,9 @@ class Scheduler:
         return reservation
 
     def append_first_token(self, seq_id: str, token_id: int) -> StopDecision | None:
-        """Appends the token the prefill node sampled to a RESERVED sequence and applies the stop
-        decision to it; a sequence it ends is FINISHED but keeps its blocks until ``release`` (a transfer
-        may still be writing them). Raises KeyError if none is reserved under ``seq_id``, ValueError if
-        it already has its first token."""
+        """Appends the token the prefill node sampled to a RESERVED sequence and applies the stop decision;
+        one it ends is FINISHED but keeps its blocks until ``release`` (a transfer may still write them).
+        Raises KeyError if none is reserved under ``seq_id``, ValueError if it has its first token."""
         seq = self._reserved[seq_id]
         if seq.num_new_tokens:
             raise ValueError(f"sequence {seq_id} already has its first token")
@@ -163,10 +154,9 @@ class Scheduler:
         return decision
 
     def land(self, seq_id: str) -> Sequence:
-        """The transfer into a RESERVED sequence's blocks completed: marks its prompt K/V computed,
-        commits its full blocks to the prefix cache and queues it for a running slot, from which it goes
-        straight to decoding. Raises KeyError if none is reserved under ``seq_id``, ValueError if it has
-        no first token yet."""
+        """The transfer into a RESERVED sequence's blocks completed: marks its K/V computed, commits its full
+        blocks to the prefix cache and queues it for a running slot (straight to decoding). Raises
+        KeyError if none is reserved under ``seq_id``, ValueError if it has no first token yet."""
         seq = self._reserved[seq_id]
         if not seq.num_new_tokens:
             raise ValueError(f"sequence {seq_id} has no first token")
@@ -178,31 +168,20 @@ class Scheduler:
         return seq
 
     def requeue(self, seq_id: str) -> Sequence:
-        """Turns a RESERVED sequence into a waiting one to be computed here (its K/V will not arrive):
-        frees the reservation (shared prefix-cache blocks stay cached, to be hit again) and queues it at
-        the back of the waiting queue, from where it is recomputed like a preempted sequence, from its
-        prompt plus every token it has (resumed ones and a first token from the prefill node included).
-        The caller guarantees no transfer still writes the blocks. Raises KeyError if none is reserved
-        under ``seq_id``."""
+        """A RESERVED sequence whose K/V will not arrive is freed (prefix-cache hits stay cached) and
+        queued at the back, to be recomputed like a preempted one from every token it has (resumed ones
+        and a first token included). No transfer may still write its blocks. KeyError if not reserved."""
         seq = self._reserved.pop(seq_id)
-        self.block_manager.free(seq)
-        seq.num_computed_tokens = 0
-        seq.num_cached_tokens = 0
-        seq.status = SequenceStatus.WAITING
-        self._waiting.append(seq)
-        self._seqs[seq_id] = seq
+        self._enqueue(seq, front=False)
         return seq
 
     def abort(self, seq_id: str) -> Sequence | None:
         """Finishes an unfinished sequence in whatever state with finish_reason "abort", freeing its
         blocks (a held sequence's too). Returns it, or None if no sequence with that id is here."""
         held = self.release(seq_id)
-        if held is not None:
-            return held
-        seq = self.get(seq_id)
-        if seq is None:
-            return None
-        self.finish(seq, "abort")
+        seq = held or self.get(seq_id)
+        if held is None and seq is not None:
+            self.finish(seq, "abort")
         return seq
 
     def finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
@@ -309,6 +288,8 @@ class Scheduler:
             raise ValueError(f"sequence {seq.seq_id} is already finished")
         if self.knows(seq.seq_id):
             raise ValueError(f"a sequence with id {seq.seq_id} is already scheduled")
+        if seq.block_table or seq.num_computed_tokens:
+            raise ValueError(f"sequence {seq.seq_id} must arrive with no blocks and nothing computed")
 
     def _chunk_len(self, remaining: int, budget: int) -> int:
         n = min(remaining, budget)
@@ -345,14 +326,18 @@ class Scheduler:
     def _preempt(self, seq: Sequence, step: StepPlan) -> None:
         step.drop(seq)
         self._running.remove(seq)
-        self.block_manager.free(seq)
-        seq.num_computed_tokens = 0
-        seq.num_cached_tokens = 0
-        seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self._num_preemptions += 1
-        self._waiting.appendleft(seq)
+        self._enqueue(seq, front=True)
         step.preempted.append(seq)
+
+    def _enqueue(self, seq: Sequence, front: bool) -> None:
+        """Frees an unqueued sequence's blocks and progress (if any) and queues it to be computed."""
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = seq.num_cached_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        (self._waiting.appendleft if front else self._waiting.append)(seq)
+        self._seqs[seq.seq_id] = seq
 
     def _start_landed(self, step: StepPlan) -> None:
         while self._landed and len(self._running) < self.config.max_running and step.budget > 0:

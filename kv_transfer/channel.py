@@ -61,6 +61,7 @@ class ChannelJob(ABC):
         self._done = False
         # Set by jobs that consume their messages but must still report failure (a rejected receive).
         self.rejection: str | None = None
+        self.checksum: int | None = None  # set by `execute` once every message was digested
 
     @abstractmethod
     def execute(self, ctx: WorkerContext) -> int:
@@ -83,7 +84,7 @@ class ChannelJob(ABC):
             return JobOutcome(self.failure(self.rejection, start), True)
         result = TransferResult(
             ok=True, bytes=nbytes, seconds=time.monotonic() - start, request_id=self.request_id,
-            seq_no=self.seq_no, queued_seconds=start - self.submitted,
+            seq_no=self.seq_no, queued_seconds=start - self.submitted, checksum=self.checksum,
         )
         return JobOutcome(result, True)
 

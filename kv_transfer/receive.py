@@ -14,6 +14,7 @@ from kernels.interface import KV_LAYOUT_VERSION, KernelOps
 from kv_transfer import hostcopy
 from kv_transfer.backend import PendingOp
 from kv_transfer.channel import Channel, ChannelJob, WorkerContext
+from kv_transfer.checksum import KVDigest
 from kv_transfer.staging import StagingBuffers, StagingSlot
 from kv_transfer.transfer import (
     TAG_SPACE,
@@ -50,6 +51,7 @@ class _RecvJob(ChannelJob):
         self._ranges = message_ranges(meta.geometry[0], meta.layers_per_message, meta.num_blocks)
         self._slot_base = 0
         self._preposted: tuple[StagingSlot, PendingOp, int, int] | None = None
+        self._digest = KVDigest()  # over the received messages, in order, before they are unpacked
         self._host_ids: np.ndarray | None = None  # [n] int64, set when the pool takes hostcopy.scatter
         if kv_cache is not None and ids is not None and hostcopy.supported(kv_cache):
             self._host_ids = ids.numpy()
@@ -90,6 +92,7 @@ class _RecvJob(ChannelJob):
             total += slot.wire.numel() * slot.wire.element_size()
             if self._kv is None:
                 continue
+            self._digest.update(slot.wire)
             if slot.mirrored:
                 slot.compute.copy_(slot.wire, non_blocking=True)
             self._unpack(slot, l0, l1)
@@ -97,6 +100,8 @@ class _RecvJob(ChannelJob):
             if self._on_layer is not None:
                 for layer in range(l0, l1):
                     self._on_layer(layer)
+        if self._kv is not None:
+            self.checksum = self._digest.value()
         return total
 
     def _unpack(self, slot: StagingSlot, l0: int, l1: int) -> None:

@@ -15,6 +15,7 @@ from kernels.interface import KV_LAYOUT_VERSION, KernelOps
 from kv_transfer import hostcopy
 from kv_transfer.backend import PendingOp, TransferTimeout
 from kv_transfer.channel import Channel, ChannelJob, WorkerContext
+from kv_transfer.checksum import KVDigest, flip_one_byte
 from kv_transfer.staging import StagingBuffers, StagingSlot
 from kv_transfer.transfer import (
     TAG_SPACE,
@@ -103,9 +104,11 @@ class _SendJob(ChannelJob):
 
     def __init__(
         self, meta: TransferMeta, ops: KernelOps, kv_cache: torch.Tensor, ids: torch.Tensor,
-        gate: _LayerGate, timeout_s: float,
+        gate: _LayerGate, timeout_s: float, corrupt: bool = False,
     ) -> None:
         super().__init__(meta.request_id, timeout_s)
+        self._digest = KVDigest()  # over the staged messages, in order (`_fill` runs in message order)
+        self._corrupt = corrupt  # test fault injection: flip a byte of message 0 after digesting it
         self.meta = meta
         self._ops = ops
         self._kv = kv_cache  # [L, 2, NB, BS, Hkv, D]
@@ -136,6 +139,9 @@ class _SendJob(ChannelJob):
         if slot.mirrored:
             slot.wire.copy_(slot.compute, non_blocking=True)
             sync_device(ctx)  # gloo reads the pinned mirror from the host
+        self._digest.update(slot.wire)
+        if self._corrupt and i == 0:
+            flip_one_byte(slot.wire)
 
     def presend(self, ctx: WorkerContext, slot_base: int) -> None:
         """Packs and posts this job's first message while the previous job's last one is still on
@@ -176,6 +182,7 @@ class _SendJob(ChannelJob):
             nxt.presend(ctx, (self._slot_base + len(self._ranges)) % StagingBuffers.NUM_SLOTS)
         for op in in_flight:
             op.wait(self.deadline)
+        self.checksum = self._digest.value()
         return total
 
     def _pack(self, slot: StagingSlot, l0: int, l1: int) -> None:
@@ -190,11 +197,14 @@ class _SendJob(ChannelJob):
 class KVSender:
     """Prefill side: ships KV blocks from the local pool over a channel (rank 0)."""
 
-    def __init__(self, ops: KernelOps, message_bytes: int | None = 1 << 20) -> None:
+    def __init__(self, ops: KernelOps, message_bytes: int | None = 1 << 20, *, fault_corrupt: bool = False) -> None:
         # message_bytes: target size of a whole-request message (at least one layer each);
         # None sends a whole request as a single message.
         self._ops = ops
         self._message_bytes = message_bytes
+        # Test fault injection, off by default: every send flips one byte of its first staged message
+        # after the checksum was taken, so the receiver's checksum differs.
+        self._fault_corrupt = fault_corrupt
 
     def layers_per_message(self, num_layers: int, layer_bytes: int, layerwise: bool) -> int:
         if layerwise:
@@ -239,7 +249,7 @@ class KVSender:
                 dtype=dtype_name(kv_cache.dtype), geometry=(num_layers, bs, h, d),
                 layers_per_message=self.layers_per_message(num_layers, layer_bytes, layerwise),
             )
-            return _SendJob(meta, self._ops, kv_cache, ids, gate, timeout_s)
+            return _SendJob(meta, self._ops, kv_cache, ids, gate, timeout_s, self._fault_corrupt)
 
         job = channel.submit_next(make)
         assert isinstance(job, _SendJob)

@@ -9,6 +9,13 @@ message i+1 while message i is on the wire, the receiver posts the receive of me
 unpacking message i, and both reach into the next queued transfer for its first message, so
 back-to-back transfers stream without a gap. A transfer of zero blocks sends no message.
 
+Integrity: the wire carries only the packed bytes. Each side digests the messages in order as they sit
+in its staging slot (`kv_transfer.checksum`: the sender after packing, before the send; the receiver on
+arrival, before unpacking) and reports the digest in its `TransferResult.checksum`. The sender's digest
+goes to the decode node out of band, in the control plane's TransferDone (`kv_checksum`,
+`kv_checksum_algo`); the decode node lets the blocks count as landed only when it equals the receiver's.
+A mismatch (or a missing digest) fails the transfer: the blocks are never served.
+
 Ordering contract with the control plane:
   1. prefill: ``handle = sender.send(channel, kv, src_ids, ...)`` assigns ``handle.meta`` (with
      epoch and seq_no); the prefill node forwards ``handle.meta`` to the decode node.

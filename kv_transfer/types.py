@@ -154,6 +154,9 @@ class TransferResult:
     request_id: str = ""
     seq_no: int = -1
     queued_seconds: float = 0.0
+    # Digest of the transfer's bytes as staged on this side (`kv_transfer.checksum`): after packing on
+    # the sender, on arrival on the receiver. None when nothing was digested (a failure, a discard).
+    checksum: int | None = None
 
     @property
     def gib_per_s(self) -> float:

@@ -191,16 +191,20 @@ class TransferStart(_message.Message):
     def __init__(self, channel_epoch: _Optional[int] = ..., seq_no: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_tokens: _Optional[int] = ..., layout_version: _Optional[int] = ..., dtype: _Optional[str] = ..., geometry: _Optional[_Iterable[int]] = ..., layers_per_message: _Optional[int] = ..., prefill_kv_address: _Optional[str] = ...) -> None: ...
 
 class TransferDone(_message.Message):
-    __slots__ = ("ok", "error", "transfer_s", "skipped")
+    __slots__ = ("ok", "error", "transfer_s", "skipped", "kv_checksum", "kv_checksum_algo")
     OK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
     SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    KV_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    KV_CHECKSUM_ALGO_FIELD_NUMBER: _ClassVar[int]
     ok: bool
     error: str
     transfer_s: float
     skipped: bool
-    def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ..., transfer_s: _Optional[float] = ..., skipped: _Optional[bool] = ...) -> None: ...
+    kv_checksum: int
+    kv_checksum_algo: str
+    def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ..., transfer_s: _Optional[float] = ..., skipped: _Optional[bool] = ..., kv_checksum: _Optional[int] = ..., kv_checksum_algo: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token", "transfer_start", "transfer_done")

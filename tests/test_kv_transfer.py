@@ -35,6 +35,7 @@ from kv_transfer import (
     TransferResult,
     message_ranges,
 )
+from kv_transfer.checksum import KVDigest
 
 GEOMETRY = (4, 16, 2, 64)  # (L, BS, Hkv, D): the tiny model
 PREFILL_BLOCKS = 64
@@ -255,6 +256,10 @@ def test_whole_request_lands_in_different_block_ids(cluster: Cluster) -> None:
     assert sent.ok and got.ok, (sent, got)
     layer_bytes = 2 * 20 * 16 * 2 * 64 * 4
     assert sent.bytes == got.bytes == GEOMETRY[0] * layer_bytes
+    # Both sides digest the messages in order: the digest of the whole v1 buffer [L, 2, n, BS, H, D].
+    whole = KVDigest()
+    whole.update(c.kv[:, :, src].contiguous())
+    assert sent.checksum == got.checksum == whole.value()
     _expect_blocks(c, "d0", src, dst)
     untouched = sorted(set(range(DECODE_BLOCKS)) - set(dst))[:5]
     assert torch.count_nonzero(c.peer.read("d0", untouched)) == 0
@@ -280,7 +285,31 @@ def test_layer_by_layer_overlaps_with_compute(cluster: Cluster) -> None:
     h.layer_ready(num_layers - 1)
     got = c.peer.wait(["lbl"])["lbl"]
     assert h.result(20).ok and got.ok, (h.result(), got)
+    assert got.checksum is not None and h.result().checksum == got.checksum
     _expect_blocks(c, "d1", src, dst)
+
+
+@pytest.mark.timeout(60)
+def test_a_byte_corrupted_after_the_checksum_is_detected(cluster: Cluster) -> None:
+    """Test fault injection on the sender flips one staged byte after digesting it: the transfer itself
+    completes, but the receiver's digest differs from the sender's (the decode node then fails it)."""
+    c = cluster
+    corrupting = KVSender(get_kernel_ops("torch"), message_bytes=640 << 10, fault_corrupt=True)
+    src = _shuffled_ids(10, PREFILL_BLOCKS, seed=21)
+    dst = _shuffled_ids(10, DECODE_BLOCKS, seed=22)
+    h = corrupting.send(c.prefill.channel_to("d0"), c.kv, src, request_id="flip", num_tokens=160, timeout_s=20.0)
+    c.peer.recv([_item(c, h, "flip", dst)])
+    got = c.peer.wait(["flip"])["flip"]
+    sent = h.result(20)
+    assert sent.ok and got.ok and sent.checksum is not None and got.checksum is not None
+    assert sent.checksum != got.checksum
+    diff = c.peer.read("d0", dst).view(torch.uint8) != c.kv[:, :, src].contiguous().view(torch.uint8)
+    assert int(diff.sum()) == 1  # exactly the one byte flipped in flight
+    # The channel stays in step: the next (honest) transfer's digests agree again.
+    h2 = c.sender.send(c.prefill.channel_to("d0"), c.kv, src, request_id="after", num_tokens=160, timeout_s=20.0)
+    c.peer.recv([_item(c, h2, "after", dst)])
+    assert c.peer.wait(["after"])["after"].checksum == h2.result(20).checksum
+    _expect_blocks(c, "d0", src, dst)
 
 
 @pytest.mark.timeout(60)

@@ -43,7 +43,8 @@ EXPECTED = {
                          "pdserve_prefill_tokens", "pdserve_kv_transfer_seconds", "pdserve_kv_transfer_bytes",
                          "pdserve_kv_transfer_failures"},
     "decode": COMMON | {"pdserve_decode_first_step_seconds", "pdserve_decode_itl_seconds", "pdserve_decode_batch_size",
-                        "pdserve_decode_tokens", "pdserve_decode_local_prefill_fallbacks", "pdserve_decode_reprefills"},
+                        "pdserve_decode_tokens", "pdserve_decode_local_prefill_fallbacks", "pdserve_decode_reprefills",
+                        "pdserve_decode_kv_checksum_failures"},
 }
 
 

@@ -1,4 +1,4 @@
-"""A KV transfer that fails after the first token was streamed is invisible to the caller (real etcd, four
+"""A KV transfer that fails after the first token was streamed is invisible to the caller (real etcd, five
 prefill node processes with test fault injection, one decode node, on loopback): the decode node waits
 until no receive can write the reservation, frees it, prefills prompt + first token itself and goes on
 decoding, so the stream has neither gap nor repeat and its text equals the uninterrupted run's; the
@@ -7,8 +7,9 @@ node ends with zero used KV blocks and a clean integrity check.
 
 Injected failures, one per test: the prefill node SIGKILLed after its first token (its send held back by
 `--fault-send-delay`), SIGSTOPped there until its lease lapses (it leaves the registry), reporting its
-send as failed (`--fault-send-failed`), and stalling half-way through the send past the decode node's
-receive timeout (`--fault-send-stall`)."""
+send as failed (`--fault-send-failed`), stalling half-way through the send past the decode node's
+receive timeout (`--fault-send-stall`), and flipping one byte of the staged KV after its checksum was
+taken (`--fault-corrupt-kv`), which the decode node must catch and never serve."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ NODE_ARGS = ["--dtype", "float32", "--num-threads", "1", "--num-kv-blocks", "512
 RECEIVE_TIMEOUT_S = 3.0  # d0's bound on one receive; the tiny model's transfers take milliseconds
 STALL_S = 30.0  # p-stall's held-back layers come far after d0's receive deadline
 REPREFILLS = "pdserve_decode_reprefills_total"
+CHECKSUM_FAILURES = "pdserve_decode_kv_checksum_failures_total"
 FALLBACKS = "pdserve_decode_local_prefill_fallbacks_total"
 
 
@@ -50,6 +52,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterat
             c.spawn_node("prefill", "p-stop", ["--fault-send-delay", "60"]),
             c.spawn_node("prefill", "p-fail", ["--fault-send-failed"]),
             c.spawn_node("prefill", "p-stall", ["--fault-send-stall", str(STALL_S)]),
+            c.spawn_node("prefill", "p-corrupt", ["--fault-corrupt-kv"]),
             c.spawn_node("decode", "d0", ["--local-prefill-threshold", "32", "--transfer-timeout", str(RECEIVE_TIMEOUT_S)]),
         ])
         yield c
@@ -150,3 +153,16 @@ def test_receive_timeout_mid_transfer(cluster: LocalCluster, reference: LLMEngin
     messages = generate_with_fault(cluster, "p-stall", prompt, params)
     assert_reprefilled(cluster, reference, prompt, params, messages, "timeout", before)
     cluster.wait_clean(["p-stall"], timeout_s=STALL_S + 10)
+
+
+def test_corrupted_byte_in_flight_is_caught_and_never_served(cluster: LocalCluster, reference: LLMEngine) -> None:
+    """One byte of the staged KV flipped after the prefill node's checksum: the decode node's digest of
+    what arrived differs, the transfer fails (checksum), the blocks are never served, and the request
+    still ends with the uninterrupted run's greedy text."""
+    prompt, params = prompt_of(220, seed=5), SamplingParams(max_tokens=12, ignore_eos=True)
+    before = counters(cluster, "checksum")
+    failures = cluster.metric("d0", CHECKSUM_FAILURES)
+    messages = generate_with_fault(cluster, "p-corrupt", prompt, params)
+    assert cluster.metric("d0", CHECKSUM_FAILURES) == failures + 1
+    assert_reprefilled(cluster, reference, prompt, params, messages, "checksum", before)
+    cluster.wait_clean(["p-corrupt"], timeout_s=10)

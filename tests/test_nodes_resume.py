@@ -28,6 +28,9 @@ pytestmark = pytest.mark.timeout(300)
 NODE_ARGS = ["--dtype", "float32", "--num-threads", "1", "--num-kv-blocks", "512", "--block-size", "16"]
 DECODE_ARGS = ["--local-prefill-threshold", "32"]
 PROMPT_LEN = 80  # above the threshold: remote unless forced local
+REPREFILLS = "pdserve_decode_reprefills_total"
+CHECKSUM_FAILURES = "pdserve_decode_kv_checksum_failures_total"
+FALLBACKS = "pdserve_decode_local_prefill_fallbacks_total"
 
 
 @pytest.fixture(scope="module")
@@ -70,9 +73,12 @@ def resume(cluster: LocalCluster, reference: LLMEngine, full: GenerateResult, pr
     """Resumes `full` after its first k tokens on d0 and checks it yields exactly the rest of `full`."""
     done = full.token_ids[:k]
     chars = len(released_text(reference, prompt, done, params.stop))
+    troubles = [cluster.metric("d0", m) for m in (REPREFILLS, CHECKSUM_FAILURES, FALLBACKS)]
     res = cluster.generate("d0", prompt, params, prefill_node_id="" if local else "p0", force_local_prefill=local,
                            resume_token_ids=done, resume_text_chars=chars)
     assert not res.error, res.messages[-1]
+    # Healthy transfers land as they are: checksums agree, nothing is re-prefilled or falls back.
+    assert [cluster.metric("d0", m) for m in (REPREFILLS, CHECKSUM_FAILURES, FALLBACKS)] == troubles
     assert res.prefill_node_id == ("d0" if local else "p0")
     assert res.token_ids == full.token_ids[k:]
     assert full.text[:chars] + res.text == full.text
@@ -85,12 +91,17 @@ def resume(cluster: LocalCluster, reference: LLMEngine, full: GenerateResult, pr
 @pytest.mark.parametrize("local", [False, True], ids=["remote", "local"])
 def test_greedy_resume_yields_the_rest_of_the_run(cluster: LocalCluster, reference: LLMEngine, local: bool) -> None:
     params = SamplingParams(max_tokens=16, ignore_eos=True)
-    for k in (1, 9):
+    for k in (1, 9, 15):
         prompt = prompt_of(100 + 10 * k + local)
         full = cluster.generate("d1", prompt, params, prefill_node_id="p0")
         want = reference.generate([prompt], params)[0]
         assert full.token_ids == want.token_ids and full.text == want.text
+        sent = cluster.metric("p0", "pdserve_kv_transfer_bytes_total")
+        assert sent > 0  # the uninterrupted run was prefilled on p0
         resume(cluster, reference, full, prompt, params, k, local=local)
+        if k == params.max_tokens - 1 and not local:
+            # The prefill node's token is the last of max_tokens (the resumed ones count): nothing shipped.
+            assert cluster.metric("p0", "pdserve_kv_transfer_bytes_total") == sent
     cluster.wait_clean(timeout_s=10)
 
 

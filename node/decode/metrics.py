@@ -45,6 +45,8 @@ class DecodeMetrics(NodeMetrics):
                                        "(prompt + tokens so far)", ["reason"])
         for reason in REPREFILL_REASONS:
             self.reprefills.labels(**labels.values(), reason=reason)
+        self.checksum_failures = self.counter("pdserve_decode_kv_checksum_failures",
+                                              "KV transfers whose received bytes failed their checksum (never served)")
         self._lock = threading.Lock()
         self._timings: dict[str, _Timing] = {}
 
@@ -90,6 +92,10 @@ class DecodeMetrics(NodeMetrics):
     def reprefill(self, reason: str) -> None:
         """Counts a request re-prefilled here after its first token (its KV transfer failed)."""
         self.reprefills.labels(**self.labels.values(), reason=reason).inc()
+
+    def kv_checksum_failure(self) -> None:
+        """Counts a transfer whose bytes did not match the prefill node's checksum."""
+        self.checksum_failures.inc()
 
     def first_step_seconds(self, request_id: str) -> float | None:
         """Landing to the end of the first decode step, once that step ran (None before)."""

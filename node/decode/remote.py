@@ -33,6 +33,7 @@ from engine.async_engine import abort_output
 from kernels import get_kernel_ops
 from kernels.interface import KV_LAYOUT_VERSION
 from kv_transfer import ChannelError, KVReceiver, TransferHandle, TransferResult
+from kv_transfer.checksum import CHECKSUM_ALGO
 from node.convert import logprob_from_proto, params_to_proto, transfer_meta_from_proto
 from node.decode.config import DecodeNodeConfig
 from node.decode.metrics import DecodeMetrics
@@ -241,6 +242,22 @@ class PrefillLink:
         self._receive_failed(req, rem, result)
         rem.call.cancel()
 
+    def _intact(self, req: DecodeRequest, rem: RemotePrefill, result: TransferResult) -> bool:
+        """Whether a completed receive's bytes are the ones the prefill node sent: its digest (from
+        TransferDone ok) equals ours, same algorithm. Fails closed: a send that was not reported done
+        lands nothing, and a mismatch (or a missing digest) is counted and fails the transfer."""
+        if not rem.done:
+            rem.failure = rem.failure or "error"
+            req.error = req.error or "the prefill node did not report its send done"
+            return False
+        if rem.sent_checksum == (CHECKSUM_ALGO, result.checksum):
+            return True
+        self.metrics.kv_checksum_failure()
+        rem.failure = rem.failure or "checksum"
+        req.error = req.error or (f"KV checksum mismatch: sent {rem.sent_checksum}, received "
+                                  f"{(CHECKSUM_ALGO, result.checksum)}")
+        return False
+
     @staticmethod
     def _receive_failed(req: DecodeRequest, rem: RemotePrefill, result: TransferResult) -> None:
         rem.failure = rem.failure or ("timeout" if (result.error or "").startswith("timeout") else "receive_failed")
@@ -251,20 +268,25 @@ class PrefillLink:
         if done.ok:
             rem.done = True
             req.timing.transfer_s = done.transfer_s
+            if done.kv_checksum_algo:
+                rem.sent_checksum = (done.kv_checksum_algo, done.kv_checksum)
             return
         rem.failure = rem.failure or "send_failed"
         req.error = req.error or f"prefill node {rem.prefill.node_id}: {done.error}"
         self._close_channel(rem, f"prefill node reported a failed send: {done.error}")
 
     async def _kv_in_place(self, req: DecodeRequest, rem: RemotePrefill) -> bool:
-        """Waits out a posted receive; whether the prompt K/V are in the reserved blocks and the request
-        still wants them. Once it returns no receive can write the reservation."""
+        """Waits out a posted receive; whether the prompt K/V are in the reserved blocks, intact, and the
+        request still wants them. Once it returns no receive can write the reservation."""
         landed = rem.skipped
         if rem.recv is not None:
             result = await rem.recv.wait()
-            landed = result.ok and not req.cancelled and not req.stream.finished
             if not result.ok:
                 self._receive_failed(req, rem, result)
+            # Only a receive into the reservation is checked: one posted for a request already cancelled,
+            # finished or failed discarded its bytes (the conditions stay true once set).
+            wanted = not req.cancelled and not req.stream.finished and req.error is None
+            landed = result.ok and wanted and self._intact(req, rem, result)
         usable = rem.got_first and not req.cancelled and req.error is None and not req.stream.finished
         return usable and landed
 

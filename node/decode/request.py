@@ -57,6 +57,7 @@ class RemotePrefill:
     got_first: bool = False
     skipped: bool = False  # the prefill node shipped nothing (TransferDone ok + skipped)
     cached_tokens: int = 0  # the prefill node's prefix-cache hit
+    sent_checksum: tuple[str, int] | None = None  # TransferDone's (algorithm, digest) of the bytes P sent
     # The prefill node reported its part done (TransferDone ok): its leaving the registry no longer
     # concerns this request (a drained prefill node revokes its lease right after its last send).
     done: bool = False

@@ -30,6 +30,7 @@ from engine.sequence import Resume
 from kernels import get_kernel_ops
 from kernels.interface import KV_LAYOUT_VERSION
 from kv_transfer import Channel, ChannelError, KVSender, SendHandle
+from kv_transfer.checksum import CHECKSUM_ALGO
 from node.config import setup_logging
 from node.convert import logprob_to_proto, params_from_proto, transfer_start_to_proto
 from node.prefill.config import PrefillNodeConfig
@@ -80,7 +81,8 @@ class PrefillService(NodeService, pb_grpc.PrefillNodeServicer):
         assert isinstance(ctx.metrics, PrefillMetrics)
         self.metrics: PrefillMetrics = ctx.metrics
         self.requests: dict[str, PrefillRequest] = {}
-        self._sender = KVSender(get_kernel_ops(ctx.config.engine.kernel_backend, ctx.config.engine.device))
+        self._sender = KVSender(get_kernel_ops(ctx.config.engine.kernel_backend, ctx.config.engine.device),
+                                fault_corrupt=self.config.fault_corrupt_kv)
         engine = ctx.engine.engine
         self._eos = engine.tokenizer.eos_token_ids
         self._kv_dtype = str(engine.kv_cache.dtype).removeprefix("torch.")
@@ -191,11 +193,14 @@ class PrefillService(NodeService, pb_grpc.PrefillNodeServicer):
         if req.released:
             yield pb.PrefillResponse(transfer_done=pb.TransferDone(ok=False, error=req.aborted or "released"))
             return
-        if self.config.fault_send_failed:  # test fault injection
+        if self.config.fault_send_failed:  # test fault injection; a failed send breaks its channel, so this one's goes
+            if req.channel is not None:
+                req.channel.close("fault injection: send reported as failed")
             yield pb.PrefillResponse(transfer_done=pb.TransferDone(ok=False, error="fault injection: send failed"))
             return
         yield pb.PrefillResponse(transfer_done=pb.TransferDone(
             ok=result.ok, error=result.error or "", transfer_s=result.seconds,
+            kv_checksum=result.checksum or 0, kv_checksum_algo=CHECKSUM_ALGO if result.checksum is not None else "",
         ))
 
     def _first_token(self, req: PrefillRequest, out: RequestOutput) -> pb.FirstToken:
