@@ -17,6 +17,7 @@ from typing import Any
 
 from frontend.accounting import Accounting
 from frontend.admission import Admitter
+from frontend.channels import UpstreamPool
 from frontend.config import FrontendConfig
 from frontend.errors import OVERLOADED, APIError
 from frontend.job import CHAT, COMPLETION, Job, UpstreamError, client_request_id, usage
@@ -34,7 +35,7 @@ from frontend.render import (
 from frontend.request_log import RequestLog
 from frontend.routing import Router
 from frontend.tenants import Tenant, TenantTable
-from frontend.upstream import PoolFailed, UpstreamCalls, UpstreamPool
+from frontend.upstream import PoolFailed, UpstreamCalls
 from protos import pdserve_pb2 as pb
 from registry.view import RegistryView, ViewChange
 
