@@ -1,4 +1,4 @@
-"""A KV transfer that fails after the first token was streamed is invisible to the caller (real etcd, five
+"""A KV transfer that fails after the first token was streamed is invisible to the caller (real etcd, six
 prefill node processes with test fault injection, one decode node, on loopback): the decode node waits
 until no receive can write the reservation, frees it, prefills prompt + first token itself and goes on
 decoding, so the stream has neither gap nor repeat and its text equals the uninterrupted run's; the
@@ -6,7 +6,8 @@ re-prefill is counted by reason, the fallback counter (failures before the first
 node ends with zero used KV blocks and a clean integrity check.
 
 Injected failures, one per test: the prefill node SIGKILLed after its first token (its send held back by
-`--fault-send-delay`), SIGSTOPped there until its lease lapses (it leaves the registry), reporting its
+`--fault-send-delay`), SIGKILLed with its send announced and half of it shipped (`--fault-send-stall`),
+SIGSTOPped after its first token until its lease lapses (it leaves the registry), reporting its
 send as failed (`--fault-send-failed`), stalling half-way through the send past the decode node's
 receive timeout (`--fault-send-stall`), and flipping one byte of the staged KV after its checksum was
 taken (`--fault-corrupt-kv`), which the decode node must catch and never serve."""
@@ -50,6 +51,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterat
         c.wait_ready([
             c.spawn_node("prefill", "p-kill", ["--fault-send-delay", "60"]),
             c.spawn_node("prefill", "p-stop", ["--fault-send-delay", "60"]),
+            c.spawn_node("prefill", "p-kill-mid", ["--fault-send-stall", "60"]),
             c.spawn_node("prefill", "p-fail", ["--fault-send-failed"]),
             c.spawn_node("prefill", "p-stall", ["--fault-send-stall", str(STALL_S)]),
             c.spawn_node("prefill", "p-corrupt", ["--fault-corrupt-kv"]),
@@ -117,6 +119,21 @@ def test_prefill_node_killed_after_its_first_token(cluster: LocalCluster, refere
     finally:
         cluster.kill("p-kill", signal.SIGKILL)
     assert_reprefilled(cluster, reference, prompt, params, messages, "unavailable", before)
+
+
+def test_prefill_node_killed_in_the_middle_of_its_send(cluster: LocalCluster, reference: LLMEngine) -> None:
+    """SIGKILL while the send is announced and half shipped (its other layers held back): whichever the
+    decode node notices first, the failed call (unavailable) or the dead peer under the posted receive
+    (receive_failed), the receive resolves before the reservation is freed and the request goes on."""
+    prompt, params = prompt_of(280, seed=6), SamplingParams(max_tokens=12, ignore_eos=True)
+    before = {**counters(cluster, "unavailable"), "receive_failed": cluster.metric("d0", REPREFILLS, reason="receive_failed")}
+    try:
+        messages = generate_with_fault(cluster, "p-kill-mid", prompt, params,
+                                       lambda: cluster.kill("p-kill-mid", signal.SIGKILL))
+    finally:
+        cluster.kill("p-kill-mid", signal.SIGKILL)
+    reason = next(r for r in ("unavailable", "receive_failed") if cluster.metric("d0", REPREFILLS, reason=r) > before[r])
+    assert_reprefilled(cluster, reference, prompt, params, messages, reason, before)
 
 
 def test_prefill_node_leaving_the_registry_after_its_first_token(cluster: LocalCluster, reference: LLMEngine) -> None:
