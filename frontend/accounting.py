@@ -173,6 +173,7 @@ def _route_record(c: Choice) -> dict[str, Any]:
         "prefill_reason": d.prefill_reason,
         "prefix_key": d.prefix_key or None,
         "tried": c.tried,
+        "migrations": c.migrations,
         "served_by": {"prefill": c.prefill_node or None, "decode": c.decode_node or None},
         "tokens": c.tokens,
         "cached_tokens": c.cached_tokens,

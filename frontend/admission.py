@@ -8,7 +8,10 @@ for a body over `prepare_inline_bytes`, so a long prompt does not stall the even
 other requests' tokens; a small body is cheaper to do inline than to hand over. They are pure functions of
 the body and the model; everything that reads or changes shared state (catalog, router, limiter) runs on
 the event loop.
-"""
+
+Fallback (`Admitter._fallback`, the one rule): a model with a configured fallback is served by it when its
+own pool has no usable decode node at admission, or (`Admitter.fall_back`) when every decode node tried
+failed the request before anything was sent to the client."""
 
 from __future__ import annotations
 
@@ -160,11 +163,14 @@ class Admitter:
                   fallback_reason=picked.fallback_reason)
         if self.config.log_prompts:
             job.prompt_log = req.messages if kind == CHAT else req.prompts
-        lbl = self.metrics.labels(model.name)
+        self._count_routes(job)
+        return job
+
+    def _count_routes(self, job: Job) -> None:
+        lbl = self.metrics.labels(job.model.name)
         for c in job.choices:
             self.metrics.routes.labels(*lbl, "prefill", c.decision.prefill_rule).inc()
             self.metrics.routes.labels(*lbl, "decode", c.decision.decode_rule).inc()
-        return job
 
     def _limited(self, tenant: Tenant, check: Callable[[], T]) -> T:
         """Runs a tenant-limit check, counting a refusal in the metrics before re-raising it."""
@@ -235,15 +241,48 @@ class Admitter:
     def _pick_model(self, tenant: Tenant, model: ServedModel) -> ModelChoice:
         """The requested model, or its fallback when the requested pool has no usable decode node."""
         status = self.router.status(model.pool)
-        if status.usable_decode or model.spec.fallback is None:
-            return ModelChoice(model, "")
-        fallback = self.catalog.get(model.spec.fallback)
-        if fallback is None or not tenant.may_use(*self.catalog.names_of(fallback)):
-            return ModelChoice(model, "")
-        if not self.router.status(fallback.pool).usable_decode:
+        if status.usable_decode:
             return ModelChoice(model, "")
         why = "overloaded" if status.decode else "has no decode node"
-        return ModelChoice(fallback, f"pool {model.pool!r} {why}; served by fallback {fallback.name!r}")
+        return self._fallback(tenant, model, f"pool {model.pool!r} {why}") or ModelChoice(model, "")
+
+    def _fallback(self, tenant: Tenant, model: ServedModel, why: str) -> ModelChoice | None:
+        """The one fallback rule (admission and run time): the model's configured fallback, if the tenant
+        may use it and its pool has a usable decode node; None otherwise. Fallbacks do not chain."""
+        if model.spec.fallback is None:
+            return None
+        fallback = self.catalog.get(model.spec.fallback)
+        if fallback is None or not tenant.may_use(*self.catalog.names_of(fallback)):
+            return None
+        if not self.router.status(fallback.pool).usable_decode:
+            return None
+        return ModelChoice(fallback, f"{why}; served by fallback {fallback.name!r}")
+
+    async def fall_back(self, job: Job, why: str) -> bool:
+        """Moves a job whose pool failed it before anything was sent to the fallback model (`_fallback`):
+        re-tokenized, re-routed, new choices with new leases (the old leases are released; their calls
+        must be over). Returns False, changing nothing, when there is no usable fallback, the job is
+        already on one, or the fallback cannot take the request."""
+        if job.fallback_reason:
+            return False
+        picked = self._fallback(job.tenant, job.model, f"pool {job.model.pool!r} failed the request ({why})")
+        if picked is None:
+            return False
+        model, req = picked.model, job.req
+        try:
+            # The fallback model's tokenizer, off the loop as in `prepare` (the whole prompt is re-tokenized).
+            tokenized = await self.workers.run(tokenize, req, model)
+            per_prompt_max = [self._max_tokens(req, job.tenant, model, len(p)).max_tokens for p in tokenized.prompts]
+            decisions = self._route(req, model, tokenized.prompts, per_prompt_max, job.session_key)
+        except APIError:
+            return False
+        for c in job.choices:
+            c.lease.release()
+        job.model, job.prompts, job.echo_texts = model, tokenized.prompts, tokenized.echo_texts
+        job.choices = self._choices(job.id, req, tokenized.prompts, per_prompt_max, decisions)
+        job.fallback_reason = picked.fallback_reason
+        self._count_routes(job)
+        return True
 
     def _max_tokens(self, req: GenerationRequest, tenant: Tenant, model: ServedModel, prompt_len: int) -> OutputBudget:
         """The output budget of one choice; 400 APIError when the request cannot fit the context."""

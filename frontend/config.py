@@ -7,7 +7,8 @@ Models file (YAML or TOML, chosen by the file suffix)::
         path: /models/tiny-llama    # Hugging Face directory: tokenizer, chat template, config.json
         pool: tiny-llama            # model name the nodes register under in etcd (default: name)
         aliases: [gpt-4o-mini]      # more names for the same pool
-        fallback: tiny-qwen2        # served name used when this pool has no usable decode node
+        fallback: tiny-qwen2        # served name used when this pool has no usable decode node, or
+                                    # every decode node tried failed the request before a first token
         max_context: 2048           # default: the model's max_model_len
         max_output_tokens: 1024     # cap on max_tokens (default: no cap beyond the context)
         default_max_tokens: 256     # chat requests without max_tokens (default: the rest of the context)
@@ -188,6 +189,9 @@ class FrontendConfig:
     load_factor: float = 1.25  # bounded-load factor of the consistent-hash rings (> 1)
     decode_max_queue: int = 64  # a decode node with this many queued requests counts as overloaded
     upstream_attempts: int = 2  # decode nodes tried before the first token, when one is unreachable
+    # Times one choice may move to another decode node after its stream broke mid-way (node died,
+    # drained or failed the request); the new node resumes after the tokens already delivered.
+    max_migrations: int = 2
     request_timeout_s: float = 600.0
     registry_sync_timeout_s: float = 10.0
     ttft_slo_s: float = 2.0
@@ -222,6 +226,7 @@ class FrontendConfig:
             (self.load_factor > 1.0, f"load_factor must be > 1, got {self.load_factor}"),
             (self.decode_max_queue >= 1, f"decode_max_queue must be >= 1, got {self.decode_max_queue}"),
             (self.upstream_attempts >= 1, f"upstream_attempts must be >= 1, got {self.upstream_attempts}"),
+            (self.max_migrations >= 0, f"max_migrations must be >= 0, got {self.max_migrations}"),
             (self.request_timeout_s > 0, "request_timeout_s must be > 0"),
             (self.ttft_slo_s > 0 and self.tpot_slo_s > 0, "SLO thresholds must be > 0"),
         ]
@@ -265,6 +270,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--load-factor", type=float, default=1.25)
     p.add_argument("--decode-max-queue", type=int, default=64)
     p.add_argument("--upstream-attempts", type=int, default=2)
+    p.add_argument("--max-migrations", type=int, default=2,
+                   help="times a choice whose decode node fails mid-stream moves to another node (0: never)")
     p.add_argument("--request-timeout", type=float, default=600.0)
     p.add_argument("--ttft-slo", type=float, default=2.0)
     p.add_argument("--tpot-slo", type=float, default=0.2)
@@ -349,6 +356,7 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         load_factor=args.load_factor,
         decode_max_queue=args.decode_max_queue,
         upstream_attempts=args.upstream_attempts,
+        max_migrations=args.max_migrations,
         request_timeout_s=args.request_timeout,
         ttft_slo_s=args.ttft_slo,
         tpot_slo_s=args.tpot_slo,

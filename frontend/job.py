@@ -43,6 +43,11 @@ class Choice:
     call: Any = None  # the grpc.aio call while it runs
     echo_pending: bool = False  # streamed completions with echo: the prompt text still goes first
     tried: list[str] = field(default_factory=list)  # decode nodes tried, in order
+    # What the client was given so far (completion token ids and characters of completion text): a
+    # migrated choice resumes after them on its next decode node.
+    delivered_ids: list[int] = field(default_factory=list)
+    delivered_chars: int = 0
+    migrations: int = 0  # times the choice moved to another decode node mid-stream
     text: list[str] = field(default_factory=list)
     logprobs: list[pb.TokenLogprob] = field(default_factory=list)
     text_offset: int = 0  # legacy completions logprobs: offset of the next token in the text

@@ -50,6 +50,9 @@ class FrontendMetrics:
                               [*base, "role", "rule"], registry=r)
         self.disconnects = Counter("pdserve_frontend_client_disconnects_total", "Requests aborted by a client disconnect",
                                    base, registry=r)
+        self.migrations = Counter("pdserve_frontend_migrations_total",
+                                  "Choices moved to another decode node mid-stream, by what broke the stream",
+                                  [*base, "reason"], registry=r)
         self.goodput_tokens = Counter("pdserve_frontend_goodput_tokens_total",
                                       "Completion tokens of requests that met both the TTFT and TPOT targets",
                                       base, registry=r)

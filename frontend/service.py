@@ -17,6 +17,7 @@ from typing import Any
 
 from frontend.accounting import Accounting
 from frontend.admission import Admitter
+from frontend.channels import UpstreamPool
 from frontend.config import FrontendConfig
 from frontend.errors import OVERLOADED, APIError
 from frontend.job import CHAT, COMPLETION, Job, UpstreamError, client_request_id, usage
@@ -35,7 +36,7 @@ from frontend.request_log import RequestLog
 from frontend.routing import Router
 from frontend.tenants import Tenant, TenantTable
 from frontend.ttft import TTFTEstimator
-from frontend.upstream import UpstreamCalls, UpstreamPool
+from frontend.upstream import PoolFailed, UpstreamCalls
 from frontend.workers import PrepareWorkers
 from protos import pdserve_pb2 as pb
 from registry.view import RegistryView, ViewChange
@@ -70,11 +71,11 @@ class Frontend:
         self.router.on_first_token = self.ttft.observe_lease
         self.admitter = Admitter(config, self.catalog, self.limiter, self.router, self.metrics, self.workers,
                                  self.ttft)
-        self.calls = UpstreamCalls(config, self.router, self.upstream)
+        self.calls = UpstreamCalls(config, self.router, self.upstream, self.metrics)
         self.accounting = Accounting(config, self.metrics, self.request_log)
         self.inflight = 0
         self._addresses: dict[str, str] = {}
-        self._background: set[asyncio.Task[None]] = set()
+        self._background: set[asyncio.Task[object]] = set()
         unknown = self.tenants.check_models(self.catalog.served_names)
         if unknown:
             log.warning("tenants file allows models that are not served: %s", unknown)
@@ -110,9 +111,10 @@ class Frontend:
             self._addresses[change.node_id] = change.member.record.grpc_address
         elif change.kind == "left" and change.node_id in self._addresses:
             address = self._addresses.pop(change.node_id)
-            task = asyncio.get_running_loop().create_task(self._drop_later(address))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
+            for coro in (self._drop_later(address), self.calls.node_left(change.node_id)):
+                task = asyncio.get_running_loop().create_task(coro)
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
 
     async def _drop_later(self, address: str) -> None:
         # Late: requests still streaming from a node that just left may finish; and a node that comes
@@ -170,8 +172,20 @@ class Frontend:
         return job
 
     async def open(self, job: Job) -> list[pb.GenerateResponse]:
-        """Starts every choice's Generate call and returns each one's first message. Raises APIError."""
-        return await self.calls.open(job)
+        """Starts every choice's Generate call and returns each one's first message; when the model's pool
+        fails the job before anything was sent, the fallback model serves it (`Admitter.fall_back`).
+        Raises APIError."""
+        try:
+            return await self.calls.open(job)
+        except PoolFailed as failed:
+            pool = job.model.name
+            if not await self.admitter.fall_back(job, failed.error.message):
+                raise failed.error from None
+        log.warning("request %s: model %s failed before the first token; %s", job.id, pool, job.fallback_reason)
+        try:
+            return await self.calls.open(job)
+        except PoolFailed as failed:
+            raise failed.error from None
 
     async def stream(self, job: Job, firsts: list[pb.GenerateResponse]) -> AsyncIterator[bytes]:
         """The SSE events of a streamed job; the first item also carries the chat role chunks."""

@@ -1,6 +1,15 @@
-"""gRPC client side of the control plane: one channel per decode node, the Generate request message, and
+"""gRPC client side of the control plane (channels: `frontend.channels`): the Generate request message, and
 the upstream calls of a job (`UpstreamCalls`): one Generate call per choice, retried on another decode
-node while nothing was sent to the client, and the merged stream of their messages.
+node while nothing was sent to the client, moved to another decode node when its stream breaks later,
+and the merged stream of their messages.
+
+Migration: a choice whose stream breaks mid-way for a reason of the node (the node died or became
+unreachable, ended the stream without finishing, failed the request, or handed it over while draining)
+is re-issued on another decode node of the pool with `resume_token_ids` / `resume_text_chars` = the
+completion tokens and characters the client already has; that node continues after them, so the client
+sees one uninterrupted stream (greedy and seeded output equal to a run without the failure). At most
+`max_migrations` moves per choice; then the client gets the error. Client errors (INVALID_ARGUMENT) and
+the deadline are not migrated.
 
 Cancelling a Generate call (what the frontend does when the client goes away) resets the HTTP/2
 stream at once; the decode node aborts the request, cancels its Prefill call on the prefill node, and
@@ -12,35 +21,40 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import weakref
 from collections.abc import AsyncIterator
 
 import grpc
+from grpc_health.v1 import health_pb2
 
+from frontend.channels import UpstreamPool
 from frontend.config import FrontendConfig
 from frontend.errors import OVERLOADED, SERVER, APIError
 from frontend.job import Choice, Job, UpstreamError
+from frontend.metrics import FrontendMetrics
 from frontend.protocol import SamplingOptions
 from frontend.routing import NoRoute, Router
 from protos import pdserve_pb2 as pb
-from protos import pdserve_pb2_grpc as pbg
-from rpc import RpcSecurity
 
 log = logging.getLogger(__name__)
 
-_CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", 64 << 20),
-    ("grpc.keepalive_time_ms", 20_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
-    # A restarted node should be reachable again within a fraction of a second, not after gRPC's
-    # default reconnect backoff (which grows to two minutes).
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 2_000),
-    ("grpc.enable_retries", 0),
-]
-
 # Errors before the first token that mean "this node cannot take the request now": try another node.
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED})
+# Errors that break a running stream for a reason of the node, not of the request: the choice moves to
+# another decode node. CANCELLED reaches the frontend only from the peer's side (the frontend's own
+# cancel raises asyncio.CancelledError instead).
+MIGRATABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL,
+                        grpc.StatusCode.UNKNOWN})
+# The finish_reason a draining decode node ends a request's stream with (protos/pdserve.proto): the
+# request is not done, another node continues it.
+HANDOVER = "migrate"
+# How long a decode node that left the registry has to answer a health check before the calls streaming
+# from it count as broken (a draining node answers; a hung one does not).
+PROBE_TIMEOUT_S = 2.0
+# Finish reasons that end a stream without ending the choice -> the migration metric's reason label
+# (the others: a status code's name, "eof", and "node_left" for a call cancelled here because its node
+# left the registry and stopped answering, or its channel was closed).
+_BROKEN_FINISH = {HANDOVER: "handover", "error": "node_error"}
 
 
 def sampling_message(opts: SamplingOptions, max_tokens: int, seed: int | None) -> pb.SamplingParams:
@@ -63,40 +77,18 @@ def sampling_message(opts: SamplingOptions, max_tokens: int, seed: int | None) -
     return params
 
 
-class UpstreamPool:
-    """gRPC channels to decode nodes by address, opened on first use (changed by `stub` and `drop`)."""
-
-    def __init__(self, security: RpcSecurity) -> None:
-        self._security = security
-        self._stubs: dict[str, pbg.DecodeNodeStub] = {}
-        self._channels: dict[str, grpc.aio.Channel] = {}
-
-    def stub(self, address: str) -> pbg.DecodeNodeStub:
-        stub = self._stubs.get(address)
-        if stub is None:
-            channel = self._security.aio_channel(address, options=_CHANNEL_OPTIONS)
-            self._channels[address] = channel
-            stub = self._stubs[address] = pbg.DecodeNodeStub(channel)
-        return stub
-
-    async def drop(self, address: str) -> None:
-        """Closes the channel to a node that left the cluster (calls in flight on it are cancelled)."""
-        self._stubs.pop(address, None)
-        channel = self._channels.pop(address, None)
-        if channel is not None:
-            await channel.close(grace=1.0)
-
-    async def close(self) -> None:
-        for address in list(self._channels):
-            await self.drop(address)
-
-
 def _finish_error(c: Choice, msg: pb.GenerateResponse) -> APIError:
+    node = msg.decode_node_id or c.decision.decode_id  # the node serving the choice now
     if msg.finish_reason == "abort":
-        return APIError(502, f"decode node {c.decode_node or c.decision.decode_id} aborted the request",
-                        type=SERVER, code="upstream_aborted")
-    return APIError(502, f"generation failed on decode node {c.decode_node or c.decision.decode_id}: "
-                    f"{msg.error or msg.finish_reason}", type=SERVER, code="upstream_error")
+        return APIError(502, f"decode node {node} aborted the request", type=SERVER, code="upstream_aborted")
+    return APIError(502, f"generation failed on decode node {node}: {msg.error or msg.finish_reason}", type=SERVER,
+                    code="upstream_error")
+
+
+def _gave_up(c: Choice, broken: Broken, why: str) -> APIError:
+    """The error of a choice that broke and could not be moved (again)."""
+    return APIError(502, f"The request failed and could not be moved to another decode node ({why}): "
+                    f"{broken.error.message}", type=SERVER, code=broken.error.code or "upstream_error")
 
 
 def _rpc_error(err: grpc.aio.AioRpcError, node: str, started: bool) -> APIError:
@@ -112,15 +104,40 @@ def _rpc_error(err: grpc.aio.AioRpcError, node: str, started: bool) -> APIError:
                     code="upstream_error")
 
 
-class UpstreamCalls:
-    """Starts and reads the Generate calls of jobs (changes each choice's call, decision, lease and
-    progress fields; marks refusing nodes in the router)."""
+class PoolFailed(Exception):
+    """No decode node of the pool could start a choice (each one tried refused, was unreachable or
+    failed before a first message); nothing was sent to the client. Carries the APIError to report."""
 
-    def __init__(self, config: FrontendConfig, router: Router, pool: UpstreamPool) -> None:
-        self._config, self._router, self._pool = config, router, pool
+    def __init__(self, error: APIError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+class Broken(Exception):
+    """A choice's stream broke (or its call could not start) for a reason of the decode node, which
+    another node of the pool can work around."""
+
+    def __init__(self, reason: str, error: APIError) -> None:
+        super().__init__(error.message)
+        self.reason = reason  # a bounded metric label: a status code name, "eof", "handover", "node_error"
+        self.error = error  # what the client gets when no other node can take over
+
+
+def _has_output(msg: pb.GenerateResponse) -> bool:
+    return bool(msg.token_ids or msg.text or msg.logprobs)
+
+
+class UpstreamCalls:
+    """Starts and reads the Generate calls of jobs (changes each choice's call, decision, lease, delivery
+    and progress fields; marks failing nodes in the router; counts migrations)."""
+
+    def __init__(self, config: FrontendConfig, router: Router, pool: UpstreamPool, metrics: FrontendMetrics) -> None:
+        self._config, self._router, self._pool, self._metrics = config, router, pool, metrics
+        self._live: weakref.WeakSet[Choice] = weakref.WeakSet()  # choices whose call was started
 
     async def open(self, job: Job) -> list[pb.GenerateResponse]:
-        """Starts every choice's Generate call and returns each one's first message. Raises APIError."""
+        """Starts every choice's Generate call and returns each one's first message. Raises PoolFailed
+        (every call it started is cancelled then) or APIError."""
         if len(job.choices) == 1:
             return [await self._start(job, job.choices[0])]
         tasks = [asyncio.ensure_future(self._start(job, c)) for c in job.choices]
@@ -129,74 +146,183 @@ class UpstreamCalls:
         except BaseException:
             for t in tasks:
                 t.cancel()
+            for c in job.choices:
+                if c.call is not None:
+                    c.call.cancel()
             raise
 
     async def _start(self, job: Job, c: Choice) -> pb.GenerateResponse:
+        """The choice's first message, trying other decode nodes (up to `upstream_attempts` in all) while
+        nodes refuse, cannot be reached or fail before a first message. Raises PoolFailed, or APIError
+        for the request's own errors."""
         while True:
-            d = c.decision
-            c.tried.append(d.decode_id)
-            request = pb.GenerateRequest(request_id=c.request_id, prompt_token_ids=c.prompt_ids,
-                                         params=c.params, prefill_node_id=d.prefill_id, return_text=True)
-            c.dispatched_at = time.perf_counter()
-            c.call = self._pool.stub(d.decode_address).Generate(request, timeout=self._config.request_timeout_s)
             try:
-                msg = await c.call.read()
-            except grpc.aio.AioRpcError as err:
-                if err.code() in RETRYABLE:
-                    self._router.mark_unavailable(d.decode_id)
-                if err.code() in RETRYABLE and len(c.tried) < self._config.upstream_attempts:
-                    try:
-                        fresh = self._router.route(job.model.pool, c.prompt_ids, c.max_tokens, job.session_key,
-                                                  exclude=frozenset(c.tried))
-                    except NoRoute:
-                        raise _rpc_error(err, d.decode_id, started=False) from None
-                    log.warning("request %s: decode node %s unavailable (%s); retrying on %s", c.request_id,
-                                d.decode_id, err.details(), fresh.decode_id)
-                    c.lease.release()
-                    c.decision, c.lease = fresh, self._router.lease(fresh)
-                    continue
-                raise _rpc_error(err, d.decode_id, started=False) from None
-            if msg is grpc.aio.EOF:
-                raise APIError(502, f"decode node {d.decode_id} ended the stream without a response", type=SERVER,
-                               code="upstream_error")
-            if msg.finished and msg.finish_reason not in ("stop", "length"):
-                raise _finish_error(c, msg)
-            return msg
+                return await self._open(job, c)
+            except Broken as broken:
+                failed = c.decision.decode_id
+                if len(c.tried) >= self._config.upstream_attempts or not self._reroute(job, c):
+                    raise PoolFailed(broken.error) from None
+                log.warning("request %s: decode node %s failed before the first token (%s); retrying on %s",
+                            c.request_id, failed, broken.error.message, c.decision.decode_id)
 
-    @staticmethod
-    async def _next(c: Choice) -> pb.GenerateResponse:
-        """The choice's next upstream message; UpstreamError when the node fails or ends the stream early."""
+    async def _open(self, job: Job, c: Choice) -> pb.GenerateResponse:
+        """Sends the choice's Generate request to its current decode node (resuming after what was
+        delivered) and returns the first message. Raises Broken when the node cannot serve it (refused,
+        unreachable, or failed it before any output), APIError for the request's own errors."""
+        d = c.decision
+        c.tried.append(d.decode_id)
+        request = pb.GenerateRequest(
+            request_id=c.request_id if not c.migrations else f"{c.request_id}-m{c.migrations}",
+            prompt_token_ids=c.prompt_ids, params=c.params, prefill_node_id=d.prefill_id, return_text=True,
+            resume_token_ids=c.delivered_ids, resume_text_chars=c.delivered_chars,
+        )
+        if c.first_at is None:  # the TTFT breakdown's frontend part ends at the last dispatch before it
+            c.dispatched_at = time.perf_counter()
+        left = self._config.request_timeout_s - (time.perf_counter() - job.arrived)
+        c.call = self._pool.stub(d.decode_address).Generate(request, timeout=max(1.0, left))
+        self._live.add(c)
         try:
-            msg = await c.call.read()
-        except grpc.aio.AioRpcError as err:
-            raise UpstreamError(_rpc_error(err, c.decision.decode_id, started=True)) from None
-        if msg is grpc.aio.EOF:
-            raise UpstreamError(APIError(502, f"decode node {c.decision.decode_id} ended the stream early",
-                                         type=SERVER, code="upstream_error"))
+            msg = await self._read(c, opening=True)
+        except UpstreamError as err:
+            raise err.error from None
+        if msg.finished and msg.finish_reason in _BROKEN_FINISH and not _has_output(msg):
+            raise Broken(_BROKEN_FINISH[msg.finish_reason], _finish_error(c, msg))
         return msg
 
+    async def _read(self, c: Choice, opening: bool) -> pb.GenerateResponse:
+        """The next message of the choice's call. Raises Broken for failures another node can work
+        around (the node is avoided for a while), UpstreamError for the others."""
+        node = c.decision.decode_id
+        try:
+            msg = await c.call.read()
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # the job itself is cancelled (the client went away): no failure
+            # Only the call was cancelled, here: its node stopped answering (`node_left`) or its channel closed.
+            self._router.mark_unavailable(node)
+            raise Broken("node_left", APIError(502, f"decode node {node} left the cluster and stopped answering",
+                                               type=SERVER, code="upstream_error")) from None
+        except grpc.aio.AioRpcError as err:
+            code = err.code()
+            if code in MIGRATABLE or (opening and code in RETRYABLE):
+                self._router.mark_unavailable(node)
+                raise Broken(code.name.lower(), _rpc_error(err, node, started=not opening)) from None
+            raise UpstreamError(_rpc_error(err, node, started=True)) from None
+        if msg is grpc.aio.EOF:
+            self._router.mark_unavailable(node)
+            raise Broken("eof", APIError(502, f"decode node {node} ended the stream "
+                                         f"{'without a response' if opening else 'early'}", type=SERVER,
+                                         code="upstream_error"))
+        return msg
+
+    async def node_left(self, node_id: str) -> int:
+        """A decode node left the registry. When it does not answer a health check within
+        PROBE_TIMEOUT_S (hung, or gone without a connection reset), the calls streaming from it are
+        cancelled, so their choices migrate; a node that answers (a draining one) ends its requests itself.
+        Returns how many calls were cancelled."""
+        calls = [c for c in self._live
+                 if c.decision.decode_id == node_id and c.finish_reason is None and c.call is not None and not c.call.done()]
+        if not calls:
+            return 0
+        try:
+            await self._pool.health(calls[0].decision.decode_address).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=PROBE_TIMEOUT_S)
+            return 0
+        except grpc.aio.AioRpcError as err:
+            log.warning("decode node %s left the registry and does not answer (%s): moving %d stream(s) off it",
+                        node_id, err.code().name, len(calls))
+        cancelled = 0
+        for c in calls:
+            if c.decision.decode_id == node_id and c.call is not None and not c.call.done():
+                c.call.cancel()
+                cancelled += 1
+        return cancelled
+
+    def _reroute(self, job: Job, c: Choice, retry_tried: bool = False) -> bool:
+        """Moves the choice's route (and lease) to a decode node it has not tried, or, with `retry_tried`
+        and none left, to any node but the one that just failed (a node that failed an earlier attempt may
+        serve again; the router avoids it while it cools down). False when there is none."""
+        pool, current = job.model.pool, c.decision.decode_id
+        excludes = [frozenset(c.tried)] + ([frozenset({current})] if retry_tried else [])
+        for exclude in excludes:
+            try:
+                fresh = self._router.route(pool, c.prompt_ids, c.max_tokens, job.session_key, exclude=exclude)
+            except NoRoute:
+                continue
+            break
+        else:
+            return False
+        c.lease.release()
+        c.decision, c.lease = fresh, self._router.lease(fresh)
+        return True
+
+    async def _migrate(self, job: Job, c: Choice, broken: Broken) -> pb.GenerateResponse:
+        """Re-issues a broken choice on another decode node, resuming after what was delivered, and
+        returns the new call's first message. Raises UpstreamError (with the last failure) once
+        `max_migrations` moves are spent or no untried node is left."""
+        while True:
+            failed = c.decision.decode_id
+            if c.migrations >= self._config.max_migrations:
+                raise UpstreamError(_gave_up(c, broken, f"{c.migrations} migration(s) already"))
+            if not self._reroute(job, c, retry_tried=True):
+                raise UpstreamError(_gave_up(c, broken, "no other decode node can take it"))
+            c.migrations += 1
+            self._metrics.migrations.labels(*self._metrics.labels(job.model.name), broken.reason).inc()
+            log.warning("request %s: stream from decode node %s broke (%s: %s) after %d token(s); moving it to %s",
+                        c.request_id, failed, broken.reason, broken.error.message, len(c.delivered_ids),
+                        c.decision.decode_id)
+            try:
+                return await self._open(job, c)
+            except Broken as again:
+                broken = again
+            except APIError as err:  # the new node rejected the request itself: the response has started
+                raise UpstreamError(err) from None
+
+    async def _follow(self, job: Job, c: Choice, msg: pb.GenerateResponse) -> AsyncIterator[pb.GenerateResponse]:
+        """The choice's messages from `msg` (its first) to the finished one, across migrations: a stream
+        that breaks continues on another node, and a hand-over or failure message gives its output (if
+        any) as an unfinished message. Records what is delivered. Raises UpstreamError."""
+        while True:
+            if msg.finished and msg.finish_reason in _BROKEN_FINISH:
+                broken = Broken(_BROKEN_FINISH[msg.finish_reason], _finish_error(c, msg))
+                if _has_output(msg):
+                    part = pb.GenerateResponse(request_id=msg.request_id, token_ids=msg.token_ids, text=msg.text,
+                                               logprobs=msg.logprobs)
+                    self._delivered(c, part)
+                    yield part
+                msg = await self._migrate(job, c, broken)
+                continue
+            self._delivered(c, msg)
+            yield msg
+            if msg.finished:
+                return
+            try:
+                msg = await self._read(c, opening=False)
+            except Broken as broken:
+                msg = await self._migrate(job, c, broken)
+
+    @staticmethod
+    def _delivered(c: Choice, msg: pb.GenerateResponse) -> None:
+        c.delivered_ids.extend(msg.token_ids)
+        c.delivered_chars += len(msg.text)
+
     async def messages(self, job: Job, firsts: list[pb.GenerateResponse]
-                        ) -> AsyncIterator[tuple[Choice, pb.GenerateResponse]]:
-        """Every upstream message of the job as it arrives, tagged with its choice."""
+                       ) -> AsyncIterator[tuple[Choice, pb.GenerateResponse]]:
+        """Every upstream message of the job as it arrives, tagged with its choice (migrations hidden)."""
         if len(job.choices) == 1:  # the common case, without the queue
-            c, msg = job.choices[0], firsts[0]
-            while True:
+            c = job.choices[0]
+            async for msg in self._follow(job, c, firsts[0]):
                 yield c, msg
-                if msg.finished:
-                    return
-                msg = await self._next(c)
+            return
         queue: asyncio.Queue[tuple[Choice, pb.GenerateResponse | UpstreamError]] = asyncio.Queue()
 
-        async def pump(c: Choice, msg: pb.GenerateResponse) -> None:
-            while True:
-                queue.put_nowait((c, msg))
-                if msg.finished:
-                    return
-                try:
-                    msg = await self._next(c)
-                except UpstreamError as err:
-                    queue.put_nowait((c, err))
-                    return
+        async def pump(c: Choice, first: pb.GenerateResponse) -> None:
+            try:
+                async for msg in self._follow(job, c, first):
+                    queue.put_nowait((c, msg))
+            except UpstreamError as err:
+                queue.put_nowait((c, err))
 
         tasks = [asyncio.ensure_future(pump(c, f)) for c, f in zip(job.choices, firsts, strict=True)]
         remaining = len(tasks)
@@ -216,9 +342,9 @@ class UpstreamCalls:
     def progress(c: Choice, msg: pb.GenerateResponse, now: float) -> None:
         n = len(msg.token_ids)
         if n:
+            c.lease.prefill_done()  # the current node's prefill (a migrated choice's too) is done
             if c.first_at is None:
                 c.first_at = now
-                c.lease.prefill_done()
             elif c.last_at is not None:
                 c.itls.append(now - c.last_at)
             c.last_at = now
@@ -235,7 +361,7 @@ class UpstreamCalls:
             c.cached_prefill = msg.num_cached_tokens_prefill
             c.cached_decode = msg.num_cached_tokens_decode
             if msg.num_completion_tokens:
-                c.tokens = msg.num_completion_tokens
+                c.tokens = msg.num_completion_tokens  # a resumed node counts the tokens before it too
             if msg.prefill_node_id:
                 c.prefill_node = msg.prefill_node_id
             if msg.decode_node_id:

@@ -1,8 +1,10 @@
 """Drain (SIGTERM, SIGINT, or the ``pdserve.v1.NodeControl/Drain`` call of ``pdserve drain``): the node turns
 NOT_SERVING, stops taking new work (UNAVAILABLE), waits until no request depends on a peer seeing it in
 the registry, revokes its lease, and lets the requests it still runs finish, all within
-``--drain-timeout``. After a signal the node then exits; after a Drain call it idles until signalled. A
-second signal skips what is left of the drain.
+``--drain-timeout``. A decode node lets them run for ``--drain-grace`` only, then hands the rest over
+(`NodeService.hand_over`): each stream ends with finish_reason "migrate", which the frontend answers by
+resuming the request on another decode node. After a signal the node then exits; after a Drain call it
+idles until signalled. A second signal skips what is left of the drain.
 
 Also here: the rest of the NodeControl service (CheckIntegrity, what tests call after every cluster test).
 """
@@ -57,12 +59,22 @@ class Drainer:
         service, node_id = self._service, self._service.ctx.config.node_id
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._timeout_s
-        log.info("node %s: draining (timeout %gs)", node_id, self._timeout_s)
+        grace = service.handover_after_s
+        handover_at = deadline if grace is None else min(deadline, loop.time() + grace)
+        log.info("node %s: draining (timeout %gs, hand-over after %s)", node_id, self._timeout_s,
+                 "never" if grace is None else f"{grace:g}s")
         service.draining = True
         await self._health.set(self._service_name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        await service.quiesce(deadline)
+        await service.quiesce(handover_at)
+        if grace is not None and loop.time() >= handover_at:
+            self._hand_over()  # requests still waiting on a peer end now; their peers let go of them
+            await service.quiesce(deadline)
         service.accepting = False
         await asyncio.shield(self.deregister())
+        while service.in_flight() and loop.time() < handover_at:
+            await asyncio.sleep(_POLL_S)
+        if grace is not None and service.in_flight():
+            self._hand_over()
         while service.in_flight() and loop.time() < deadline:
             await asyncio.sleep(_POLL_S)
         left = service.in_flight()
@@ -71,6 +83,11 @@ class Drainer:
         else:
             log.info("node %s: drained", node_id)
         return left == 0
+
+    def _hand_over(self) -> None:
+        moved = self._service.hand_over()
+        if moved:
+            log.info("node %s: drain grace over; handed %d request(s) over", self._service.ctx.config.node_id, moved)
 
 
 class NodeControlServicer(pb_grpc.NodeControlServicer):

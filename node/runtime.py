@@ -191,6 +191,7 @@ async def _shutdown(node: _Node) -> None:
     await node.health.enter_graceful_shutdown()
     # Leave the registry first so routers stop sending work, then end the work in flight.
     await node.drainer.deregister()
+    node.service.hand_over()  # what still runs moves elsewhere; the server's grace sends the signal out
     await node.server.stop(grace=1.0)
     await node.service.close()
     await node.ctx.engine.close()

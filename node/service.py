@@ -64,6 +64,8 @@ class NodeService(ABC):
         self.ctx = ctx
         self.accepting = True  # False once a drain stops new work: new calls get UNAVAILABLE
         self.draining = False  # published in the load record, so peers stop choosing this node
+        # Seconds a drain lets requests run before `hand_over`; None: this kind never hands over.
+        self.handover_after_s: float | None = None
 
     @abstractmethod
     def add_to_server(self, server: grpc.aio.Server) -> None:
@@ -87,6 +89,12 @@ class NodeService(ABC):
         """First part of a drain: stops taking new work (sets `accepting` False) and returns once no
         request of this node needs a peer to still see it registered, or at `deadline` (loop time).
         Peers drop the work they share with a node whose lease goes, so the lease waits for this."""
+
+    def hand_over(self) -> int:
+        """Ends the requests still running here so that their callers continue them elsewhere (a drain's
+        grace is over, or the node stops), freeing what they hold. Returns how many. Kinds whose requests
+        cannot move do nothing."""
+        return 0
 
     @abstractmethod
     async def close(self) -> None:

@@ -10,8 +10,11 @@ or one token per word without one), one token per message, `--token-interval-ms`
 `--first-token-ms`; it finishes with "stop" after the reply (unless ignore_eos) or "length" at
 max_tokens, applies stop strings to the text (holding back text that could still become one), returns
 deterministic logprobs when asked, and rotates the reply by the seed when sampling (temperature > 0), so
-seeded choices differ. A request whose seed equals `--fail-seed` fails after two tokens with finish
-reason "error". With `--reject` every Generate call is refused with UNAVAILABLE. KV blocks are
+seeded choices differ. A call whose seed equals `--fail-seed` fails after its second token with finish
+reason "error". A request whose seed equals `--handover-seed` is handed over after its first two tokens
+(finish reason "migrate", as a draining node does). A resumed call (`resume_token_ids`, which must be
+the script's own tokens) continues the script after them. With `--reject` every Generate call is
+refused with UNAVAILABLE. KV blocks are
 accounted as a node would (prompt + generated tokens, in blocks) and freed when a request ends or is
 cancelled, so the load records show what a disconnect frees.
 
@@ -86,6 +89,7 @@ class ScriptConfig:
     first_token_s: float
     token_interval_s: float
     fail_seed: int | None
+    handover_seed: int | None
     reject: bool
     block_size: int
     num_kv_blocks: int
@@ -150,6 +154,13 @@ class ScriptedDecodeNode(pbg.DecodeNodeServicer):
         self.counters.generate_calls += 1
         if self.cfg.reject:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"scripted node {self.node_id} rejects requests")
+        p = request.params
+        offset = (p.seed if p.HasField("seed") else 0) % len(self.script.token_ids) if p.temperature > 0 else 0
+        ids = self.script.token_ids
+        expected = [ids[(offset + j) % len(ids)] for j in range(len(request.resume_token_ids))]
+        if list(request.resume_token_ids) != expected:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"resume_token_ids {list(request.resume_token_ids)} "
+                                f"are not the script's {expected}")
         rid = request.request_id
         entry = Active(len(request.prompt_token_ids), task=asyncio.current_task())
         self.active[rid] = entry
@@ -173,12 +184,15 @@ class ScriptedDecodeNode(pbg.DecodeNodeServicer):
         k = p.logprobs if p.HasField("logprobs") else None
         stops = list(p.stop)
         natural = self.cfg.reply_tokens
-        text, released = "", 0
+        start = len(request.resume_token_ids)  # a resumed call continues the script after these
+        text = "".join(pieces[(offset + j) % len(ids)] for j in range(start))
+        released = request.resume_text_chars
+        seed = p.seed if p.HasField("seed") else None
         t0 = time.perf_counter()
         if self.cfg.first_token_s:
             await asyncio.sleep(self.cfg.first_token_s)
-        for i in range(p.max_tokens):
-            if i and self.cfg.token_interval_s:
+        for i in range(start, p.max_tokens):
+            if i > start and self.cfg.token_interval_s:
                 await asyncio.sleep(self.cfg.token_interval_s)
             pos = (offset + i) % len(ids)
             tid = ids[pos]
@@ -187,7 +201,7 @@ class ScriptedDecodeNode(pbg.DecodeNodeServicer):
             msg = pb.GenerateResponse(request_id=request.request_id, token_ids=[tid])
             if k is not None:
                 msg.logprobs.append(self._logprob(tid, pos, k))
-            if i == 0:
+            if i == start:
                 msg.timing.CopyFrom(pb.Timing(prefill_s=time.perf_counter() - t0))
                 msg.prefill_node_id = request.prefill_node_id or self.node_id
                 msg.decode_node_id = self.node_id
@@ -198,7 +212,7 @@ class ScriptedDecodeNode(pbg.DecodeNodeServicer):
             if hits:
                 at, stop_reason = min(hits)
                 text, reason = text[:at], "stop"
-            elif self.cfg.fail_seed is not None and p.HasField("seed") and p.seed == self.cfg.fail_seed and i == 1:
+            elif self.cfg.fail_seed is not None and seed == self.cfg.fail_seed and i == start + 1:
                 msg.finished, msg.finish_reason, msg.error = True, "error", "scripted failure"
                 yield msg
                 return
@@ -206,7 +220,10 @@ class ScriptedDecodeNode(pbg.DecodeNodeServicer):
                 reason, stop_reason = "stop", "<eos>"
             elif i + 1 >= p.max_tokens:
                 reason = "length"
-            end = len(text) if reason else len(text) - _hold_back(text[released:], stops)
+            elif self.cfg.handover_seed is not None and seed == self.cfg.handover_seed and start == 0 and i == 1:
+                reason = "migrate"  # the drain hand-over: this token is delivered, the rest comes elsewhere
+            held = 0 if reason in ("stop", "length") else _hold_back(text[released:], stops)
+            end = len(text) - held
             msg.text, released = text[released:end], max(released, end)
             if reason:
                 msg.finished, msg.finish_reason, msg.stop_reason = True, reason, stop_reason
@@ -327,7 +344,7 @@ async def run(args: argparse.Namespace) -> None:
     script = Script.build(args.reply, args.tokenizer)
     cfg = ScriptConfig(reply_tokens=args.reply_tokens or len(script.token_ids),
                        first_token_s=args.first_token_ms / 1e3, token_interval_s=args.token_interval_ms / 1e3,
-                       fail_seed=args.fail_seed, reject=args.reject, block_size=args.block_size,
+                       fail_seed=args.fail_seed, handover_seed=args.handover_seed, reject=args.reject, block_size=args.block_size,
                        num_kv_blocks=args.kv_blocks)
     state = Running()
     addresses = []
@@ -393,6 +410,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--first-token-ms", type=float, default=0.0)
     p.add_argument("--token-interval-ms", type=float, default=0.0)
     p.add_argument("--fail-seed", type=int, default=None)
+    p.add_argument("--handover-seed", type=int, default=None)
     p.add_argument("--reject", action="store_true", help="refuse every Generate call with UNAVAILABLE")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--prefix-hash-seed", type=int, default=0)

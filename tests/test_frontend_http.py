@@ -19,6 +19,7 @@ import openai
 import orjson
 import pytest
 import tokenizers
+from prometheus_client.parser import text_string_to_metric_families
 
 from frontend.tenants import hash_key
 from protos import pdserve_pb2 as pb
@@ -34,6 +35,7 @@ pytestmark = pytest.mark.timeout(180)
 
 REPLY = "The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs."
 FAIL_SEED = 4242
+HANDOVER_SEED = 7
 KEYS = {t: f"sk-{t}-{'x' * 24}" for t in ("alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta")}
 
 
@@ -90,6 +92,7 @@ def write_configs(tmp: Path, model_dir: Path) -> tuple[Path, Path]:
         {"name": "flaky-llama", "path": str(model_dir), "pool": "flaky"},
         {"name": "lonely", "path": str(model_dir), "pool": "lonely-pool", "fallback": "tiny-llama"},
         {"name": "orphan", "path": str(model_dir), "pool": "orphan-pool"},
+        {"name": "fragile", "path": str(model_dir), "pool": "fragile-pool", "fallback": "tiny-llama"},
     ]
     models.write_bytes(orjson.dumps({"models": entries}))
     return tenants, models
@@ -106,12 +109,14 @@ def env(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: Path) -> Itera
         try:
             nodes["main"] = start_scripted_node("scripted-main", tmp, etcd.endpoints, *common, "--model", "tiny-llama",
                                                 "--node-id", "d", "--num-nodes", "2", "--prefill-ids", "p0,p1",
-                                                "--fail-seed", str(FAIL_SEED))
+                                                "--fail-seed", str(FAIL_SEED), "--handover-seed", str(HANDOVER_SEED))
             nodes["slow"] = start_scripted_node("scripted-slow", tmp, etcd.endpoints, *common, "--model", "slow-llama",
                                                 "--node-id", "slow", "--token-interval-ms", "40", "--reply-tokens",
                                                 "100000", "--first-token-ms", "5")
             nodes["reject"] = start_scripted_node("scripted-reject", tmp, etcd.endpoints, *common, "--model", "flaky",
                                                   "--node-id", "a-reject", "--reject")
+            nodes["fragile"] = start_scripted_node("scripted-fragile", tmp, etcd.endpoints, *common, "--model",
+                                                   "fragile-pool", "--node-id", "fragile", "--reject")
             nodes["good"] = start_scripted_node("scripted-good", tmp, etcd.endpoints, *common, "--model", "flaky",
                                                 "--node-id", "b-good")
             request_log = tmp / "requests.jsonl"
@@ -311,6 +316,12 @@ def test_sdk_raises_the_right_exception_classes(env: Env) -> None:
     with pytest.raises(openai.InternalServerError) as failed:
         client.completions.create(model="tiny-llama", prompt="x", max_tokens=10, seed=FAIL_SEED, temperature=0.5)
     assert failed.value.status_code == 502 and failed.value.code == "upstream_error"
+    # Each failure moved the choice to the pool's other node, which failed it too, until the bound
+    # (--max-migrations, default 2) was spent.
+    assert "could not be moved to another decode node (2 migration(s) already)" in failed.value.message
+    route = env.record_for(failed.value.response.headers["x-request-id"])["routes"][0]
+    assert route["migrations"] == 2 and len(route["tried"]) == 3 and set(route["tried"]) == {"d-0", "d-1"}
+    assert route["tried"][0] != route["tried"][1] != route["tried"][2]
     assert_conformant(env, transport, gamma_transport, eps_transport)
 
 
@@ -573,6 +584,105 @@ def test_unreachable_node_is_retried_and_fallback_model_serves(env: Env) -> None
     rec = env.record_for(raw.headers["x-request-id"])
     assert rec["requested_model"] == "lonely" and "fallback" in rec["fallback"]
     assert_conformant(env, transport)
+
+
+def frontend_metric(env: Env, sample: str, **labels: str) -> float:
+    text = httpx.get(f"{env.frontend.base_url}/metrics").text
+    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
+               if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+def test_handed_over_stream_continues_on_the_other_node(env: Env) -> None:
+    """Injects the drain hand-over: the decode node ends the stream after two tokens with finish_reason
+    "migrate". The frontend resumes the choice on the other node (resume_token_ids checked by that node)
+    and the client sees the text of an uninterrupted run, one finish and usage counting every token once."""
+    client, transport = sdk(env)
+    before = frontend_metric(env, "pdserve_frontend_migrations_total", model="tiny-llama", reason="handover")
+    # The scripted reply is rotated by seed mod its length: this seed gives the same text, never handed over.
+    same_text_seed = HANDOVER_SEED + len(env.reply_ids)
+    for endpoint in ("chat", "completions"):
+        texts, usages = [], []
+        for seed in (HANDOVER_SEED, same_text_seed):
+            if endpoint == "chat":
+                chunks = list(client.chat.completions.create(
+                    model="tiny-llama", messages=user("x"), max_tokens=12, temperature=0.7, seed=seed, stream=True,
+                    stream_options={"include_usage": True}))
+                texts.append("".join(c.choices[0].delta.content or "" for c in chunks if c.choices))
+                assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == \
+                    ["length"]
+                usages.append(chunks[-1].usage.completion_tokens)
+                request_id = chunks[0].id
+            else:
+                raw = client.completions.with_raw_response.create(model="tiny-llama", prompt="x", max_tokens=12,
+                                                                  temperature=0.7, seed=seed)
+                resp = raw.parse()
+                texts.append(resp.choices[0].text)
+                assert resp.choices[0].finish_reason == "length"
+                usages.append(resp.usage.completion_tokens)
+                request_id = raw.headers["x-request-id"]
+            route = env.record_for(request_id)["routes"][0]
+            assert len(route["tried"]) == (2 if seed == HANDOVER_SEED else 1), route
+            assert route["migrations"] == (1 if seed == HANDOVER_SEED else 0)
+        assert texts[0] == texts[1] and len(texts[0]) > 0
+        assert usages == [12, 12]
+    # Two choices (choice k samples with seed + k): only choice 0 is handed over; both streams stay whole.
+    texts2 = []
+    for seed in (HANDOVER_SEED, same_text_seed):
+        chunks = list(client.chat.completions.create(model="tiny-llama", messages=user("x"), max_tokens=12, n=2,
+                                                     temperature=0.7, seed=seed, stream=True,
+                                                     stream_options={"include_usage": True}))
+        by_choice = ["", ""]
+        for c in chunks:
+            for ch in c.choices:
+                by_choice[ch.index] += ch.delta.content or ""
+        texts2.append(by_choice)
+        assert chunks[-1].usage.completion_tokens == 24
+    assert texts2[0] == texts2[1] and texts2[0][0] == texts[0] and texts2[0][0] != texts2[0][1]
+    after = frontend_metric(env, "pdserve_frontend_migrations_total", model="tiny-llama", reason="handover")
+    assert after - before == 3
+    assert_conformant(env, transport)
+
+
+def test_runtime_fallback_when_every_node_of_the_pool_fails_at_open(env: Env) -> None:
+    """Injects a pool whose only decode node refuses every Generate call (UNAVAILABLE) although it is
+    registered and unloaded, so admission routes to it: the fallback model serves the request."""
+    client, transport = sdk(env)
+    for stream in (False, True):
+        raw = client.chat.completions.with_raw_response.create(model="fragile", messages=user("x"), max_tokens=3,
+                                                               stream=stream)
+        assert raw.headers["x-pdserve-model"] == "tiny-llama"
+        if stream:
+            text = "".join(c.choices[0].delta.content or "" for c in raw.parse() if c.choices)
+        else:
+            resp = raw.parse()
+            assert resp.model == "tiny-llama"
+            text = resp.choices[0].message.content
+        assert text == env.reply_text(3)
+        rec = env.record_for(raw.headers["x-request-id"])
+        assert rec["requested_model"] == "fragile" and rec["model"] == "tiny-llama"
+        assert "failed the request" in rec["fallback"] and "fallback 'tiny-llama'" in rec["fallback"]
+        assert rec["routes"][0]["decode_node"] in ("d-0", "d-1")
+    assert_conformant(env, transport)
+
+
+def test_deadline_mid_stream_is_not_migrated(env: Env, tmp_path: Path) -> None:
+    """Injects: the request's deadline (--request-timeout 1) passing while the slow node streams. A deadline
+    is the request's own end, not a node failure: the client gets the timeout error, nothing moves."""
+    fe = start_frontend("frontend-deadline", tmp_path, env.etcd.endpoints, free_port(), "--models",
+                        str(env.request_log.parent / "models.yaml"),
+                        "--request-timeout", "1", "--request-log", "off", "--log-level", "warning")
+    try:
+        client = openai.OpenAI(base_url=f"{fe.base_url}/v1", api_key="any", max_retries=0)
+        got = []
+        with pytest.raises(openai.APIError) as timed_out:
+            for chunk in client.chat.completions.create(model="slow-llama", messages=user("x"), max_tokens=1000,
+                                                        stream=True):
+                got.append(chunk)
+        assert got and timed_out.value.code == "timeout" and "timed out" in timed_out.value.message
+        metrics = httpx.get(f"{fe.base_url}/metrics").text
+        assert "pdserve_frontend_migrations_total{" not in metrics
+    finally:
+        assert_clean_exit(fe)
 
 
 # --- operations -----------------------------------------------------------------------------------

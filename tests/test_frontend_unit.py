@@ -468,6 +468,9 @@ def test_config_validation(tmp_path: Path, tiny_llama_dir: Path) -> None:
         FrontendConfig(etcd_endpoints=("h:1",), models=(specs[0],))
     with pytest.raises(ConfigError, match="etcd"):
         FrontendConfig(etcd_endpoints=(), models=tuple(specs))
+    assert FrontendConfig(etcd_endpoints=("h:1",), models=tuple(specs), max_migrations=0).max_migrations == 0
+    with pytest.raises(ConfigError, match="max_migrations"):
+        FrontendConfig(etcd_endpoints=("h:1",), models=tuple(specs), max_migrations=-1)
     with pytest.raises(ConfigError, match="not a directory"):
         ModelSpec(name="z", path=str(tmp_path / "missing"))
     models.write_text("models:\n  - name: a\n    path: /x\n    colour: red\n")

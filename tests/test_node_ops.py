@@ -1,7 +1,8 @@
 """Node operations on a real cluster (etcd, one prefill and one decode node process): /metrics with the
 catalogue's names, labels and buckets and values that match the requests served; the TTFT stage times
-in the Generate stream; gRPC health; drain with `pdserve drain` (running request finished, node out of
-the registry, new work refused) and graceful exit on SIGTERM leaving no registry key."""
+in the Generate stream; gRPC health; drain with `pdserve drain` (a request that ends within the drain grace
+finishes, a longer one is handed over with finish_reason "migrate" and its blocks freed, node out of the
+registry, new work refused) and graceful exit on SIGTERM leaving no registry key."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ pytestmark = pytest.mark.timeout(300)
 NUM_BLOCKS = 256
 NODE_ARGS = ["--dtype", "float32", "--num-threads", "1", "--num-kv-blocks", str(NUM_BLOCKS), "--block-size", "16",
              "--model-name", "tiny", "--load-interval", "0.5"]
+DRAIN_GRACE_S = 1.0
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -49,7 +51,7 @@ EXPECTED = {
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     with LocalCluster(tmp_path_factory.mktemp("ops"), default_model_dir("llama"), node_args=NODE_ARGS) as c:
-        c.start(1, 1, decode_args=["--local-prefill-threshold", "8"])
+        c.start(1, 1, decode_args=["--local-prefill-threshold", "8", "--drain-grace", str(DRAIN_GRACE_S)])
         yield c
 
 
@@ -123,31 +125,46 @@ def test_health_drain_and_graceful_exit(cluster: LocalCluster) -> None:
         assert health(cluster, node_id, "") == SERVING
         assert health(cluster, node_id, service) == SERVING
 
-    # A long request is decoding on d0 when the drain starts; the drain waits for it to finish.
-    request = pb.GenerateRequest(request_id="long", prompt_token_ids=list(range(200, 260)),
-                                 params=params_to_proto(SamplingParams(max_tokens=1500, ignore_eos=True)))
-    stream = cluster.decode_stub("d0").Generate(request, timeout=120)
-    tokens: list[int] = []
-    finished_at: list[float] = []
-    tokens.extend(next(stream).token_ids)
+    # Two requests are decoding on d0 when the drain starts: a short one ends within the drain's grace and
+    # finishes; a long one is still running when the grace is over and is handed over (its stream ends
+    # with finish_reason "migrate", for the frontend to continue it elsewhere), and its blocks are freed.
+    streams = {}
+    for rid, max_tokens in (("short", 30), ("long", 4000)):
+        request = pb.GenerateRequest(request_id=rid, prompt_token_ids=list(range(200, 260)),
+                                     params=params_to_proto(SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
+        streams[rid] = cluster.decode_stub("d0").Generate(request, timeout=120)
+    tokens: dict[str, list[int]] = {rid: [] for rid in streams}
+    last: dict[str, pb.GenerateResponse] = {}
+    finished_at: dict[str, float] = {}
+    for rid, stream in streams.items():
+        msg = next(stream)
+        tokens[rid].extend(msg.token_ids)
+        last[rid] = msg
 
-    def read_rest() -> None:
-        for msg in stream:
-            tokens.extend(msg.token_ids)
-        finished_at.append(time.monotonic())
+    def read_rest(rid: str) -> None:
+        for msg in streams[rid]:
+            tokens[rid].extend(msg.token_ids)
+            last[rid] = msg
+        finished_at[rid] = time.monotonic()
 
-    reader = start_thread(read_rest)
+    readers = [start_thread(read_rest, rid) for rid in streams]
     drain_started = time.monotonic()
     drain = subprocess.run(
         [sys.executable, "-m", "deploy", "drain", "--grpc", cluster.nodes["d0"].grpc_address, "--timeout", "90"],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
     )
     drain_ended = time.monotonic()
-    reader.result(timeout=60)
+    for reader in readers:
+        reader.result(timeout=60)
     assert drain.returncode == 0, drain.stderr
     assert "0 request(s) in flight" in drain.stdout
-    assert len(tokens) == 1500, "the running request finished"
-    assert drain_started < finished_at[0] <= drain_ended, "the drain returned once the request was done"
+    assert len(tokens["short"]) == 30 and last["short"].finish_reason == "length", "the short request finished"
+    assert last["long"].finished and last["long"].finish_reason == "migrate", last["long"]
+    assert 0 < len(tokens["long"]) < 4000 and last["long"].num_completion_tokens in (0, len(tokens["long"]))
+    assert finished_at["long"] - drain_started >= DRAIN_GRACE_S, "the long request ran for the drain's grace"
+    assert drain_started < finished_at["long"] <= drain_ended, "the drain returned once the request was handed over"
+    load = cluster.get_load("d0")
+    assert load.in_flight == 0 and load.kv_blocks_used == 0 and load.running == 0, load
 
     assert health(cluster, "d0", "pdserve.v1.DecodeNode") == NOT_SERVING
     assert health(cluster, "d0", "") == SERVING  # still alive: liveness holds while drained

@@ -19,6 +19,9 @@ class DecodeNodeConfig(NodeConfig):
     # A remote prefill with no first token after this many seconds is cancelled and done here instead
     # (0: no bound; a hung prefill node is then noticed when its registry lease lapses).
     prefill_timeout_s: float = 0.0
+    # A drain lets running requests finish for this long, then hands the rest over: each stream ends with
+    # finish_reason "migrate" (the caller continues it on another node) and its blocks are freed.
+    drain_grace_s: float = 5.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -28,6 +31,7 @@ class DecodeNodeConfig(NodeConfig):
             (self.reservation_timeout_s > 0, "reservation_timeout_s must be > 0"),
             (self.max_local_waiting >= 1, "max_local_waiting must be >= 1"),
             (self.prefill_timeout_s >= 0, "prefill_timeout_s must be >= 0"),
+            (self.drain_grace_s >= 0, "drain_grace_s must be >= 0"),
         ]
         for ok, msg in checks:
             if not ok:
@@ -45,6 +49,9 @@ class DecodeNodeConfig(NodeConfig):
         parser.add_argument("--max-local-waiting", type=int, default=256)
         parser.add_argument("--prefill-timeout", type=float, default=0.0,
                             help="seconds to wait for a remote prefill's first token before prefilling here (0: no bound)")
+        parser.add_argument("--drain-grace", type=float, default=5.0,
+                            help="seconds a drain lets running requests finish before handing them over to other "
+                                 "decode nodes (via the frontend)")
         args = parser.parse_args(argv)
         config = cls(
             **node_kwargs(args),  # type: ignore[arg-type]
@@ -53,5 +60,6 @@ class DecodeNodeConfig(NodeConfig):
             reservation_timeout_s=args.reservation_timeout,
             max_local_waiting=args.max_local_waiting,
             prefill_timeout_s=args.prefill_timeout,
+            drain_grace_s=args.drain_grace,
         )
         return config, args.log_level

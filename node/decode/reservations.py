@@ -71,6 +71,16 @@ class ReservationQueue:
             with contextlib.suppress(ValueError):
                 self._queue.remove(waiter)
 
+    def refuse_all(self, reason: str) -> int:
+        """Refuses every request waiting in the queue (its `reserve` raises ReservationRefused); returns
+        how many. A reservation being made for the head is given back by the pump."""
+        refused = 0
+        for waiter in self._queue:
+            if not waiter.future.done():
+                waiter.future.set_exception(ReservationRefused(reason))
+                refused += 1
+        return refused
+
     def kick(self) -> None:
         """Retries the head of the queue (blocks may have been freed)."""
         if self._queue and not self._pumping:

@@ -14,6 +14,10 @@ A resumed request (resume_token_ids: completion tokens another decode node alrea
 the same steps with prompt + those tokens as its context; responses carry only the tokens after them,
 num_completion_tokens counts them too (`engine.sequence.Resume`).
 
+Drain: once the drain's grace (`--drain-grace`) is over, `hand_over` ends every request still here with
+finish_reason "migrate" (after the tokens it produced) and frees its blocks; the frontend resumes it on
+another decode node.
+
 Every request is one `DecodeRequest` (`node.decode.request`) in `requests`, from arrival until the
 engine let go of it.
 """
@@ -47,6 +51,10 @@ from registry import Member
 
 log = logging.getLogger(__name__)
 
+# The finish_reason that ends a stream whose request this node hands over (protos/pdserve.proto): the
+# caller continues the request on another decode node.
+HANDOVER = "migrate"
+
 
 class DecodeService(NodeService, pb_grpc.DecodeNodeServicer):
     def __init__(self, ctx: NodeContext) -> None:
@@ -60,6 +68,7 @@ class DecodeService(NodeService, pb_grpc.DecodeNodeServicer):
                                              self.config.reservation_timeout_s)
         self.link = PrefillLink(ctx, self.config, self.metrics, self._end)
         self._vocab = ctx.engine.engine.model_config.vocab_size
+        self.handover_after_s = self.config.drain_grace_s
         ctx.engine.on_blocks_freed(self.reservations.kick)
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
@@ -320,6 +329,24 @@ class DecodeService(NodeService, pb_grpc.DecodeNodeServicer):
         waiting = (Stage.RESERVING, Stage.PREFILLING)
         while loop.time() < deadline and any(r.stage in waiting for r in self.requests.values()):
             await asyncio.sleep(0.02)
+
+    def hand_over(self) -> int:
+        """Ends every request still here so that its caller continues it on another node, and frees its
+        blocks: a decoding or prefilling request's stream ends with finish_reason HANDOVER after the
+        tokens already produced (the engine aborts a decoding one; a prefilling one's driver cancels its
+        prefill and frees its reservation); a request still waiting for a reservation is refused (it has
+        streamed nothing; its caller tries another node). Returns how many requests were handed over."""
+        moved = self.reservations.refuse_all("the decode node is draining")
+        for req in list(self.requests.values()):
+            if req.stage not in (Stage.DECODING, Stage.PREFILLING) or req.stream.finished:
+                continue
+            req.stream.push(abort_output(req.request_id, HANDOVER))
+            if req.stage == Stage.DECODING:
+                self._end_later(req)
+            else:
+                self.link.cancel(req)
+            moved += 1
+        return moved
 
     async def close(self) -> None:
         for req in list(self.requests.values()):
