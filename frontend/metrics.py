@@ -53,6 +53,9 @@ class FrontendMetrics:
         self.migrations = Counter("pdserve_frontend_migrations_total",
                                   "Choices moved to another decode node mid-stream, by what broke the stream",
                                   [*base, "reason"], registry=r)
+        self.retries = Counter("pdserve_frontend_upstream_retries_total",
+                               "Choices started again on another decode node before their first token, by what failed",
+                               [*base, "reason"], registry=r)
         self.goodput_tokens = Counter("pdserve_frontend_goodput_tokens_total",
                                       "Completion tokens of requests that met both the TTFT and TPOT targets",
                                       base, registry=r)

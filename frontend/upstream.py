@@ -162,6 +162,7 @@ class UpstreamCalls:
                 failed = c.decision.decode_id
                 if len(c.tried) >= self._config.upstream_attempts or not self._reroute(job, c):
                     raise PoolFailed(broken.error) from None
+                self._metrics.retries.labels(*self._metrics.labels(job.model.name), broken.reason).inc()
                 log.warning("request %s: decode node %s failed before the first token (%s); retrying on %s",
                             c.request_id, failed, broken.error.message, c.decision.decode_id)
 

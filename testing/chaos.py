@@ -321,11 +321,13 @@ class ChaosRun:
         # Every kind once first (a short run covers them all), then random kills.
         pending = [*kinds, *(["sigstop"] if cfg.sigstop else []), *(["etcd_restart"] if cfg.etcd_restart else [])]
         while not self._stop.wait(self.rng.uniform(*cfg.fault_interval_s)):
-            kind = pending[0] if pending else self.rng.choice(kinds)
-            if self._inject(kind):
-                if pending and pending[0] == kind:
-                    pending.pop(0)
-                self.report.faults[kind] = self.report.faults.get(kind, 0) + 1
+            # The first pending kind that can be injected now (its pool has every node up), else a kill.
+            for kind in [*pending, self.rng.choice(kinds)] if pending else [self.rng.choice(kinds)]:
+                if self._inject(kind):
+                    if kind in pending:
+                        pending.remove(kind)
+                    self.report.faults[kind] = self.report.faults.get(kind, 0) + 1
+                    break
         assert self.cluster is not None
         self.cluster.wait_ready([n for n in self.cluster.nodes.values()], timeout_s=180)
 
@@ -345,8 +347,12 @@ class ChaosRun:
             time.sleep(self.rng.uniform(*cfg.down_s))  # the outage's length
             cluster.etcd.start()
             return True
-        if kind == "sigstop":
-            role = self.rng.choice(["prefill", "decode"])
+        if kind == "sigstop":  # a node of a pool that has every node up
+            roles = [r for r in ("prefill", "decode")
+                     if all(self._up(n) for n, node in cluster.nodes.items() if node.role == r)]
+            if not roles:
+                return False
+            role = self.rng.choice(roles)
         else:
             role = "prefill" if kind == "kill_prefill" else "decode"
         pool = [n for n, node in cluster.nodes.items() if node.role == role]

@@ -569,6 +569,7 @@ def test_prefix_affinity_session_affinity_and_spread(env: Env) -> None:
 
 def test_unreachable_node_is_retried_and_fallback_model_serves(env: Env) -> None:
     client, transport = sdk(env)
+    retries = frontend_metric(env, "pdserve_frontend_upstream_retries_total", model="flaky-llama")
     tried = []
     for _ in range(2):  # idle nodes take turns, so one of two requests goes to the refusing node first
         raw = client.chat.completions.with_raw_response.create(model="flaky-llama", messages=user("x"), max_tokens=3)
@@ -577,6 +578,8 @@ def test_unreachable_node_is_retried_and_fallback_model_serves(env: Env) -> None
         assert rec["routes"][0]["decode_node"] == "b-good"
         tried.append(rec["routes"][0]["tried"])
     assert ["a-reject", "b-good"] in tried
+    assert frontend_metric(env, "pdserve_frontend_upstream_retries_total", model="flaky-llama") - retries == \
+        sum(len(t) - 1 for t in tried)  # one retry counted per node that failed a choice before its first token
 
     raw = client.chat.completions.with_raw_response.create(model="lonely", messages=user("x"), max_tokens=3)
     resp = raw.parse()
