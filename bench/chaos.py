@@ -5,7 +5,7 @@ mismatches with tokens lost or duplicated, the recoveries (retried, re-prefilled
 used on every node at the end, the integrity check and, with --memory, every process's RSS growth.
 Targets: 0 failed, 0 duplicated, 0 lost, 0 leaked; RSS growth under 5% (long version).
 
-    .venv/bin/python bench/chaos.py [--duration 600] [--clients 16] [--seed 0] [--memory]
+    .venv/bin/python bench/chaos.py [--duration 600] [--clients 16] [--seed 0] [--memory] [--fault-interval 3,6]
 
 The suite runs a one-minute version (tests/test_chaos.py).
 """
@@ -33,14 +33,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--memory", action="store_true", help="sample RSS and report growth (long runs)")
+    parser.add_argument("--fault-interval", default="3,6", metavar="MIN,MAX",
+                        help="seconds between two faults, drawn uniformly (default 3,6)")
     parser.add_argument("--json", type=Path, help="also write the report here")
     parser.add_argument("--workdir", type=Path, help="logs and etcd data (default: a temporary directory)")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="pdserve-chaos-") as tmp:
         workdir = args.workdir or Path(tmp)
         started = time.monotonic()
+        low, high = (float(x) for x in args.fault_interval.split(","))
         report = run_chaos(ChaosConfig(workdir=workdir, duration_s=args.duration, clients=args.clients,
-                                       seed=args.seed, sample_memory=args.memory),
+                                       seed=args.seed, sample_memory=args.memory, fault_interval_s=(low, high)),
                            log=lambda line: print(f"[{time.monotonic() - started:7.1f}s] {line}", flush=True))
     print()
     for line in report.lines():
