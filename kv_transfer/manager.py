@@ -98,6 +98,16 @@ class ChannelManager:
             key = ChannelKey(prefill_id, self.config.node_id, epoch)
             return self._open(prefill_id, key, DECODE_RANK, NodeAddress.parse(prefill_kv_address))
 
+    def close_peer(self, peer: str, why: str) -> bool:
+        """Closes the channel with `peer` (its process was replaced: the pair group on the other end is
+        gone), failing what is queued on it; the next transfer opens a fresh epoch. False if none."""
+        with self._lock:
+            ch = self._channels.pop(peer, None)
+        if ch is None:
+            return False
+        ch.close(why)
+        return True
+
     def _lookup(self, peer: str) -> Channel | None:
         ch = self._channels.get(peer)
         if ch is None:

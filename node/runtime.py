@@ -146,10 +146,28 @@ async def _join(node: _Node) -> int | None:
     try:
         await ctx.view.start(sync_timeout_s=config.join_timeout_s)
 
+        incarnations: dict[str, tuple[str, int, float]] = {}  # peer -> (hostname, pid, started_at) last seen
+
         def on_change(change: ViewChange) -> None:
+            peer = change.node_id
+            if peer == config.node_id:
+                return
             # A disconnected view reports no departures; a resync after an outage reports real ones.
-            if change.kind == "left" and change.node_id != config.node_id and ctx.view.connected:
-                node.service.on_member_left(change.node_id)
+            if change.kind == "left" and ctx.view.connected:
+                incarnations.pop(peer, None)
+                node.service.on_member_left(peer)
+                ctx.channels.close_peer(peer, f"node {peer} left the registry")
+            elif change.kind in ("joined", "updated") and change.member is not None:
+                rec = change.member.record
+                seen, now = incarnations.get(peer), (rec.hostname, rec.pid, rec.started_at)
+                incarnations[peer] = now
+                if seen is not None and seen != now:
+                    # Restarted under the same id before its old lease lapsed (so no "left" came): what
+                    # was shared with the old process is gone, its KV channel included.
+                    log.warning("node %s restarted (pid %s -> %s): dropping what was shared with it", peer,
+                                seen[1], now[1])
+                    node.service.on_member_left(peer)
+                    ctx.channels.close_peer(peer, f"node {peer} restarted")
 
         ctx.view.subscribe(on_change)
         registration = NodeRegistration(
