@@ -16,6 +16,7 @@ take well under a second.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
@@ -81,8 +82,15 @@ def load_extension() -> ModuleType:
             from torch.utils.cpp_extension import load
 
             build.mkdir(parents=True, exist_ok=True)
-            _loaded = load(name=name, sources=[str(SOURCE)], extra_cflags=list(CFLAGS),
-                           extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=False)
+            # torch's own build lock is a plain file its waiters poll: a builder killed mid-build (a node
+            # SIGKILLed, Ctrl-C during the first start) leaves it behind and every later start waits
+            # forever. An flock, which the kernel releases with its holder, guards the build instead,
+            # and under it a leftover torch lock can only be a dead builder's.
+            with open(build / "pdserve-build.lock", "w") as guard:
+                fcntl.flock(guard, fcntl.LOCK_EX)
+                (build / "lock").unlink(missing_ok=True)
+                _loaded = load(name=name, sources=[str(SOURCE)], extra_cflags=list(CFLAGS),
+                               extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=False)
         except Exception as e:  # noqa: BLE001 - any build failure means "not here"; keep the reason
             _error = ExtensionUnavailable(f"the CPU attention extension could not be built in {build}: "
                                           f"{type(e).__name__}: {str(e)[-600:]}")

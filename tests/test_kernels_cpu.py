@@ -84,3 +84,20 @@ def test_auto_backend_on_cpu_is_the_extension() -> None:
     assert get_kernel_ops().name == "cpu"
     assert get_kernel_ops("cpu", "cpu").name == "cpu"
     assert get_kernel_ops("torch").name == "torch"
+
+
+def test_a_builder_killed_mid_build_does_not_block_later_starts() -> None:
+    """Injects torch's build lock as a SIGKILLed builder leaves it: a new process still loads the
+    extension (the build is guarded by an flock the kernel released with the dead builder)."""
+    import subprocess
+    import sys
+
+    from kernels.cpu_ops import extension_dir
+
+    builds = [p for p in extension_dir().glob("pdserve_cpu_attention_*") if (p / "build.ninja").exists()]
+    assert builds, "the module loaded the extension above"
+    for build in builds:
+        (build / "lock").touch()
+    code = "from kernels.cpu_ops import load_extension; load_extension(); print('loaded')"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "loaded", out.stderr[-2000:]
