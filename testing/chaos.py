@@ -84,6 +84,7 @@ class ChaosReport:
     kv_blocks_used: dict[str, int] = field(default_factory=dict)  # node -> used blocks at the end
     integrity: str = "ok"
     memory_growth: dict[str, float] = field(default_factory=dict)  # process -> RSS growth ratio
+    memory_mib: dict[str, tuple[float, float, float]] = field(default_factory=dict)  # process -> (base, max, last)
     errors: list[str] = field(default_factory=list)  # distinct client errors (first few)
 
     def problems(self) -> list[str]:
@@ -114,8 +115,10 @@ class ChaosReport:
         out.append(f"{'KV blocks used at the end':<{w}}"
                    + ", ".join(f"{n} {b}" for n, b in sorted(self.kv_blocks_used.items())))
         out.append(f"{'integrity':<{w}}{self.integrity}")
-        if self.memory_growth:
-            out.append(f"{'RSS growth':<{w}}" + ", ".join(f"{n} {g:+.1%}" for n, g in sorted(self.memory_growth.items())))
+        for name, growth in sorted(self.memory_growth.items()):
+            base, peak, last = self.memory_mib[name]
+            out.append(f"{'RSS ' + name:<{w}}{growth:+.1%} (after warm-up {base:.0f} MiB, max {peak:.0f}, "
+                       f"last {last:.0f})")
         if self.errors:
             out += [f"{'client error':<{w}}{e}" for e in self.errors[:5]]
         return out
@@ -270,7 +273,7 @@ class ChaosRun:
         for label, name in {**NODE_COUNTERS, **FRONTEND_COUNTERS}.items():
             r.counters[label] = self.book.total(name)
         if self.config.sample_memory:
-            r.memory_growth = self._memory_growth()
+            r.memory_growth, r.memory_mib = self._memory_growth()
 
     # -- clients --------------------------------------------------------------------------------------
 
@@ -403,18 +406,20 @@ class ChaosRun:
         if self.config.sample_memory:
             self._rss.setdefault(f"{node_id}/{node.proc.pid}", []).append(rss_bytes(node.proc.pid))
 
-    def _memory_growth(self) -> dict[str, float]:
+    def _memory_growth(self) -> tuple[dict[str, float], dict[str, tuple[float, float, float]]]:
         """RSS growth of each process over its life after a warm-up (the first quarter of its samples,
-        at least 30): last sample against the median of the samples just after the warm-up."""
-        out = {}
+        at least 30): last sample against the median of the samples just after the warm-up; and the
+        (base, max, last) RSS in MiB behind it."""
+        growth, mib = {}, {}
         for name, samples in self._rss.items():
             samples = [s for s in samples if s]
             if len(samples) < 60:
                 continue  # too short a life to say anything
             warm = samples[max(30, len(samples) // 4):]
             base = sorted(warm[:10])[len(warm[:10]) // 2]
-            out[name] = samples[-1] / base - 1.0
-        return out
+            growth[name] = samples[-1] / base - 1.0
+            mib[name] = (base / 2**20, max(warm) / 2**20, samples[-1] / 2**20)
+        return growth, mib
 
 
 def _token_diff(expected: list[int], got: list[int]) -> tuple[int, int]:
