@@ -352,13 +352,15 @@ class PrefillService(NodeService, pb_grpc.PrefillNodeServicer):
         if not handles:
             return None
         self.metrics.layerwise_queued(len(handles))
+        # Test fault injection: the second half of the layers goes `fault_send_stall_s` after the step.
+        return _LayerSends(handles, self._stall_later if self.config.fault_send_stall_s else None)
+
+    def _stall_later(self, handle: SendHandle) -> None:
+        """Test fault injection (`fault_send_stall_s`), engine thread: the rest of a layer-wise send's
+        layers are marked that long from now, from the event loop."""
         stall = self.config.fault_send_stall_s
-        release = None
-        if stall:  # test fault injection: the second half of the layers goes `stall` seconds after the step
-            def release(handle: SendHandle) -> None:
-                self._loop.call_soon_threadsafe(
-                    lambda: self.ctx.spawn(self._release_stalled(handle, stall), f"fault-stall-{handle.meta.request_id}"))
-        return _LayerSends(handles, release)
+        self._loop.call_soon_threadsafe(
+            lambda: self.ctx.spawn(self._release_stalled(handle, stall), f"fault-stall-{handle.meta.request_id}"))
 
     # -- helpers --------------------------------------------------------------------------------------
 
