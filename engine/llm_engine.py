@@ -18,6 +18,7 @@ from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, stop_decision
 from engine.sequence import Resume, Sequence, SequenceStatus, TokenLogprob
+from engine.step_hook import PrefillWatcher
 from engine.tokenizer import Tokenizer
 from kernels import get_kernel_ops
 
@@ -135,6 +136,7 @@ class LLMEngine:
         self._requests: dict[str, _Request] = {}  # every request whose finished output is still to come
         self.num_blocks = num_blocks
         self.last_step = StepStats()
+        self.prefill_watcher: PrefillWatcher | None = None  # see engine.step_hook; set before requests arrive
         log.info("engine ready: %s, %d KV blocks of %d tokens (%.1f MiB)", mc.arch, num_blocks,
                  cfg.block_size, num_blocks * block_bytes / 2**20)
 
@@ -316,7 +318,21 @@ class LLMEngine:
         self.last_step = StepStats(len(out.decode_seqs), sum(out.prefill_chunk_lens), len(out.preempted))
         if not out.decode_seqs and not out.prefill_seqs:
             return [self._emit(seq, [], True) for seq in out.rejected]
-        res = self.runner.run(out)
+        watcher = self.prefill_watcher
+        hook = None
+        if watcher is not None:
+            completing = [s for s, n in zip(out.prefill_seqs, out.prefill_chunk_lens, strict=True)
+                          if s.num_computed_tokens + n == s.num_tokens]
+            hook = watcher(completing) if completing else None
+        if hook is None:
+            res = self.runner.run(out)
+        else:
+            try:
+                res = self.runner.run(out, hook.layer_done)
+            except BaseException:
+                hook.step_done(False)
+                raise
+            hook.step_done(True)
         for seq_id, lp in res.logprobs.items():
             self._requests[seq_id].seq.logprobs.append(lp)
         if res.logits is not None:

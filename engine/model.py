@@ -214,13 +214,17 @@ class CausalLM(nn.Module):
         positions: torch.Tensor,  # [T] int64
         meta: AttentionMetadata,
         kv_cache: torch.Tensor,  # [L, 2, NB, BS, Hkv, D]
+        on_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:  # [T, hidden]
         """Runs the T packed tokens of one step. Changes only the kv_cache slots in meta.slot_mapping
-        (and may grow the RoPE table when a position is past it)."""
+        (and may grow the RoPE table when a position is past it). `on_layer(i)` is called after layer i's
+        ops were issued (engine.step_hook says what that means on CUDA)."""
         cos, sin = self._rope(positions)
         h = F.embedding(input_ids, self.embed_weight).float()  # [T, hidden] float32 residual stream (fresh)
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, meta, kv_cache[i])
+            if on_layer is not None:
+                on_layer(i)
         return self.norm.forward_float32(h)
 
     @torch.no_grad()

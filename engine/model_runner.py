@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -89,9 +90,10 @@ class ModelRunner:
         return self._tensor(ids, torch.int64), self._tensor(pos, torch.int64), meta, sample_rows, sample_seqs
 
     @torch.inference_mode()
-    def run(self, out: SchedulerOutput) -> StepResult:
+    def run(self, out: SchedulerOutput, on_layer: Callable[[int], None] | None = None) -> StepResult:
+        """Runs the step; `on_layer(i)` is called after layer i's ops were issued (engine.step_hook)."""
         input_ids, positions, meta, rows, seqs = self.prepare(out)
-        hidden = self.model(input_ids, positions, meta, self.kv_cache)  # [T, hidden]
+        hidden = self.model(input_ids, positions, meta, self.kv_cache, on_layer)  # [T, hidden]
         if not rows:
             return StepResult({}, {}, int(input_ids.shape[0]))
         if len(rows) < hidden.shape[0]:  # rows ascend, so all of them means every row in order

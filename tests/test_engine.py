@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -139,3 +140,76 @@ def test_prefill_here_turns_a_reservation_into_a_local_request(engine):
     assert outs[-1].finished and "".join(o.new_text for o in outs) == want and seq.num_completion_tokens == 16
     with pytest.raises(KeyError):
         engine.prefill_here("r")
+
+
+class _Recorder:
+    """A prefill watcher that snapshots, at each layer_done, every layer's K/V of the watched blocks."""
+
+    def __init__(self, engine: LLMEngine, fail_at: int | None = None) -> None:
+        self.engine = engine
+        self.fail_at = fail_at
+        self.calls: list[tuple[int, list[str]]] = []  # (engine step index, completing seq ids)
+        self.events: list[object] = []  # layer indices, then ("done", ok)
+        self.snapshots: list[torch.Tensor] = []  # per layer_done: [L, 2, n, BS, Hkv, D]
+        self.blocks: list[int] = []
+        self.step_index = 0
+
+    def __call__(self, seqs):
+        self.calls.append((self.step_index, [s.seq_id for s in seqs]))
+        self.blocks = [b for s in seqs for b in s.block_table]
+        return self
+
+    def layer_done(self, layer: int) -> None:
+        if layer == self.fail_at:
+            raise RuntimeError("injected failure in the forward")
+        self.events.append(layer)
+        self.snapshots.append(self.engine.kv_cache[:, :, self.blocks].clone())
+
+    def step_done(self, ok: bool) -> None:
+        self.events.append(("done", ok))
+
+
+@pytest.fixture(scope="module")
+def chunked_engine() -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(default_model_dir("llama")), dtype="float32", num_kv_blocks=256,
+                                  max_num_batched_tokens=32))
+
+
+def test_prefill_watcher_sees_each_layer_of_the_completing_step(chunked_engine):
+    """A prompt in three chunks: the watcher is called once, in the step of the last chunk, with that
+    sequence; layer l's K/V are final when layer_done(l) runs and the next layers' are not yet."""
+    engine = chunked_engine
+    num_layers = engine.model_config.num_layers
+    rec = _Recorder(engine)
+    engine.prefill_watcher = rec
+    try:
+        engine.add_request("w0", list(range(10, 80)), SamplingParams(max_tokens=2, ignore_eos=True))
+        while engine.has_unfinished():
+            engine.step()
+            rec.step_index += 1
+    finally:
+        engine.prefill_watcher = None
+    assert engine.block_manager.num_used_blocks == 0
+    assert rec.calls == [(2, ["w0"])]  # 70 prompt tokens in chunks of 32: the third step completes them
+    assert rec.events == [*range(num_layers), ("done", True)]
+    final = rec.snapshots[-1]
+    for layer, snap in enumerate(rec.snapshots):
+        assert torch.equal(snap[: layer + 1], final[: layer + 1]), f"layers up to {layer} final at layer_done({layer})"
+        if layer + 1 < num_layers:
+            assert not torch.equal(snap[layer + 1], final[layer + 1]), f"layer {layer + 1} written before its time"
+
+
+def test_prefill_watcher_hears_of_a_failed_step(chunked_engine):
+    engine = chunked_engine
+    rec = _Recorder(engine, fail_at=1)
+    engine.prefill_watcher = rec
+    try:
+        engine.add_request("w1", list(range(10, 30)), SamplingParams(max_tokens=2, ignore_eos=True))
+        with pytest.raises(RuntimeError, match="injected failure"):
+            engine.step()
+    finally:
+        engine.prefill_watcher = None
+        engine.abort("w1")
+    assert rec.events == [0, ("done", False)]
+    engine.scheduler.check_integrity()
+    assert engine.block_manager.num_used_blocks == 0

@@ -1,6 +1,9 @@
 """Prefill and decode nodes as real processes (etcd, 2 prefill + 2 decode nodes, a gRPC client) on loopback:
 greedy parity with the single-process engine and transformers, prefix-cache hits on both sides, the
-conditional local prefill, and cancellation at every stage ending with every KV block given back."""
+conditional local prefill, and cancellation at every stage ending with every KV block given back.
+p0 sends KV layer by layer during the prefill (the default), p1 after the first token
+(--no-layerwise-send), so both paths carry the parity tests; cancellation goes through p1, whose send
+follows the first token (cancelling a layer-wise send: tests/test_nodes_layerwise.py)."""
 
 from __future__ import annotations
 
@@ -33,7 +36,11 @@ NODE_ARGS = ["--dtype", "float32", "--num-threads", "1", "--num-kv-blocks", "512
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[LocalCluster]:
     with LocalCluster(tmp_path_factory.mktemp("cluster"), model_dir, node_args=NODE_ARGS) as c:
-        c.start(2, 2, decode_args=["--local-prefill-threshold", str(THRESHOLD)])
+        decode_args = ["--local-prefill-threshold", str(THRESHOLD)]
+        c.start_etcd()
+        nodes = [c.spawn_node("prefill", "p0"), c.spawn_node("prefill", "p1", ["--no-layerwise-send"]),
+                 c.spawn_node("decode", "d0", decode_args), c.spawn_node("decode", "d1", decode_args)]
+        c.wait_ready(nodes)
         yield c
         # Every test leaves both kinds of node with no request and no used block.
         c.wait_clean()
@@ -179,9 +186,9 @@ def wait_until(predicate, timeout_s: float) -> bool:
 
 
 def cancel_at(cluster: LocalCluster, stage: str, prompt: list[int]) -> bool:
-    """Starts a request over p0->d0 and cancels it at `stage`; returns whether the cancel really came
+    """Starts a request over p1->d0 and cancels it at `stage`; returns whether the cancel really came
     at that stage (checked from the nodes' own loads and what the client had received)."""
-    call = start_stream(cluster, "d0", "p0", prompt, max_tokens=1000 if stage == "decode" else 4)
+    call = start_stream(cluster, "d0", "p1", prompt, max_tokens=1000 if stage == "decode" else 4)
     received: list[pb.GenerateResponse] = []
     first = threading.Event()
 
@@ -196,8 +203,8 @@ def cancel_at(cluster: LocalCluster, stage: str, prompt: list[int]) -> bool:
     reader = start_thread(read)
     hit = False
     if stage == "prefill":
-        # p0 has the request and the client has no token yet.
-        ok = wait_until(lambda: cluster.get_load("p0").in_flight > 0, 10)
+        # p1 has the request and the client has no token yet.
+        ok = wait_until(lambda: cluster.get_load("p1").in_flight > 0, 10)
         hit = ok and not first.is_set()
         call.cancel()
         hit = hit and not received
@@ -212,7 +219,7 @@ def cancel_at(cluster: LocalCluster, stage: str, prompt: list[int]) -> bool:
         hit = load.running == 1 and load.kv_blocks_reserved == 0
         call.cancel()
     reader.result(timeout=30)  # re-raises the reader's failure
-    loads = cluster.wait_clean(["p0", "d0"], timeout_s=20)
+    loads = cluster.wait_clean(["p1", "d0"], timeout_s=20)
     for load in loads.values():
         assert load.kv_blocks_used == 0 and load.in_flight == 0
     return hit

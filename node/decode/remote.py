@@ -2,8 +2,12 @@
 
 The driver calls PrefillNode.Prefill with the reserved block ids. FirstToken is appended and detokenized
 here and goes to the caller at once; TransferStart posts the receive into the reserved blocks; when the
-receive lands the request joins the running batch (`land`) and decodes. Otherwise the request ends and
-its reservation is freed, only once no receive can still write the reserved blocks.
+receive lands the request joins the running batch (`land`) and decodes. TransferStart may come before
+FirstToken (a layer-wise send is announced while the prefill still runs): the receive is posted all the
+same, and the request lands only once it has its first token, the receive completed and TransferDone
+vouched for the bytes, whatever their order. Otherwise the request ends and its reservation is freed,
+only once no receive can still write the reserved blocks (a request that ends at its first token waits
+out a receive already posted).
 
 Cancellation and failures: the caller cancelling marks the request; the driver calls PrefillNode.Abort
 and keeps reading the Prefill stream to its end, discarding a transfer that was already announced
@@ -199,6 +203,8 @@ class PrefillLink:
             return
         rem.failure = rem.failure or "timeout"
         req.error = req.error or f"no first token from {rem.prefill.node_id} in {self.config.prefill_timeout_s:g}s"
+        # A layer-wise send may have been announced before the first token: its receive resolves now.
+        self._close_channel(rem, req.error)
         rem.call.cancel()
 
     async def _on_first_token(self, req: DecodeRequest, rem: RemotePrefill, first: pb.FirstToken) -> None:

@@ -51,6 +51,10 @@ class PrefillMetrics(NodeMetrics):
                                             "One request's KV transfer, send start to the receiver's acknowledgement",
                                             LATENCY_BUCKETS)
         self.transfer_bytes = self.counter("pdserve_kv_transfer_bytes", "KV bytes sent")
+        self.layerwise_sends = self.counter(
+            "pdserve_prefill_layerwise_sends", "KV sends queued layer by layer during their prefill's last step")
+        self.layerwise_steps = self.counter(
+            "pdserve_prefill_layerwise_steps", "Engine steps that queued at least one layer-wise KV send")
         failures = self.counter("pdserve_kv_transfer_failures", "KV transfers that did not complete", ["reason"])
         # Every reason exists from the start, so a failure-rate query reads 0 rather than nothing.
         self.transfer_failures = {r: failures.labels(**labels.values(), reason=r) for r in FAILURE_REASONS}
@@ -71,6 +75,11 @@ class PrefillMetrics(NodeMetrics):
             for out in step.outputs:
                 if out.new_token_ids:
                     self._progress.setdefault(out.request_id, _Progress()).finished = step.ended
+
+    def layerwise_queued(self, num_sends: int) -> None:
+        """One engine step queued `num_sends` (> 0) layer-wise sends."""
+        self.layerwise_steps.inc()
+        self.layerwise_sends.inc(num_sends)
 
     # -- servicer -----------------------------------------------------------------------------------
 

@@ -2,12 +2,23 @@
 
 A Prefill call queues a prefill-only request in the engine (sampling params of the caller, one token,
 blocks held after it finishes); the engine's scheduler batches every queued prefill under its token
-budget and uses the prefix cache. As soon as the first token is sampled it goes out as FirstToken; the
-send of the request's blocks (all of its prompt blocks except the ones the decode node already caches)
-is queued on the pair channel and announced with TransferStart; TransferDone follows once the send
-completes. Blocks are released when the send resolves, when the request is aborted before any send
-was queued, or when the decode node's registry lease disappears (which closes the pair channel, so a
-send blocked on a dead peer resolves at once instead of at the transfer timeout).
+budget and uses the prefix cache. The send of the request's blocks (all of its prompt blocks except the
+ones the decode node already caches) goes over the pair channel, announced with TransferStart;
+TransferDone follows once the send completes.
+
+Layer-wise sends (the default; `--no-layerwise-send` turns them off): in the engine step that computes
+the request's last prompt chunk, before its forward runs, the engine thread queues the send layer by
+layer and announces it (`_LayerSends`, through the engine's prefill watcher, engine.step_hook); each
+layer is released to the channel as the forward finishes it, so the transfer overlaps the prefill's
+compute. The first token goes out as FirstToken as soon as it is sampled, after TransferStart. A request
+whose first token must end it (max_tokens) ships nothing; one that turns out to end at its first token
+(EOS, a stop token) had its send announced already and completes it (the decode node discards it).
+Without layer-wise sends (and under `--fault-send-delay`, which models a send after the first token)
+the send is queued after FirstToken went out.
+
+Blocks are released when the send resolves, when the request is aborted before any send was queued,
+or when the decode node's registry lease disappears (which closes the pair channel, so a send blocked on
+a dead peer resolves at once instead of at the transfer timeout).
 """
 
 from __future__ import annotations
@@ -16,8 +27,9 @@ import asyncio
 import dataclasses
 import enum
 import logging
+import threading
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 
 import grpc
@@ -26,7 +38,8 @@ from engine.async_engine import RequestStream
 from engine.llm_engine import EngineRequests, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.schedule import stop_decision
-from engine.sequence import Resume
+from engine.sequence import Resume, Sequence
+from engine.step_hook import LayerHook
 from kernels import get_kernel_ops
 from kernels.interface import KV_LAYOUT_VERSION
 from kv_transfer import Channel, ChannelError, KVSender, SendHandle
@@ -52,6 +65,16 @@ class Stage(enum.Enum):
 _NEXT = {Stage.PREFILLING: {Stage.SENDING, Stage.ENDING}, Stage.SENDING: {Stage.ENDING}, Stage.ENDING: set()}
 
 
+@dataclass(frozen=True)
+class EarlySend:
+    """What the engine thread needs to queue a request's layer-wise send: the source blocks are
+    block_table[skip : skip + count] of the request's sequence."""
+
+    skip: int
+    count: int
+    num_tokens: int
+
+
 @dataclass(eq=False)
 class PrefillRequest:
     """One Prefill call on this node, from arrival until the engine let go of its blocks."""
@@ -66,6 +89,10 @@ class PrefillRequest:
     # The blocks were given back although the send had not resolved (the decode node's lease lapsed):
     # whatever the send still ships is reported as failed, so the decode node never uses it.
     released: bool = False
+    # Set when the send is to be queued by the engine thread in the step of the last prompt chunk.
+    early: EarlySend | None = None
+    # Set (on the event loop) once the engine thread queued the early send.
+    announced: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
 
     def advance(self, stage: Stage) -> None:
         """Moves to `stage`; asserts the move is allowed."""
@@ -86,6 +113,12 @@ class PrefillService(NodeService, pb_grpc.PrefillNodeServicer):
         engine = ctx.engine.engine
         self._eos = engine.tokenizer.eos_token_ids
         self._kv_dtype = str(engine.kv_cache.dtype).removeprefix("torch.")
+        # Serialises the moves of a request's send state (handle, channel, stage, aborted) between the
+        # event loop and the engine thread, which queues layer-wise sends.
+        self._send_lock = threading.Lock()
+        self._loop = asyncio.get_running_loop()
+        if self.config.layerwise_send:
+            ctx.engine.post(lambda e: setattr(e, "prefill_watcher", self._prefills_completing))
 
     def request_stages(self) -> Mapping[str, str]:
         return {rid: req.stage.value for rid, req in list(self.requests.items())}
@@ -100,6 +133,8 @@ class PrefillService(NodeService, pb_grpc.PrefillNodeServicer):
             if req.stage == Stage.SENDING:
                 assert req.handle is not None and req.channel is not None
         # A prefill still in the engine belongs to a call that is prefilling, or ending and about to abort it.
+        # A layer-wise send is queued in the step that completes its prefill, so between steps (when this
+        # runs) no request whose send is queued is still scheduled either.
         early = engine.scheduled - {rid for rid, stage in before.items() if stage != Stage.SENDING.value}
         assert not early, f"engine computes prefills whose send is already queued: {sorted(early)}"
 
@@ -124,12 +159,13 @@ class PrefillService(NodeService, pb_grpc.PrefillNodeServicer):
         params = await self._accept(request, context)
         prompt, resume = self._split_resumed(request)
         req = PrefillRequest(request.request_id, request.decode_node_id, time.monotonic())
+        # The decode node applies stop strings and max_tokens; here only the first token is sampled
+        # (the one after a resumed request's resumed tokens, which the engine counts as completion).
+        num_resumed = len(resume.token_ids) if resume is not None else 0
+        first_params = dataclasses.replace(params, max_tokens=num_resumed + 1, stop=[])
+        req.early = self._early_send(request, params, num_resumed)
         self.requests[req.request_id] = req
         try:
-            # The decode node applies stop strings and max_tokens; here only the first token is sampled
-            # (the one after a resumed request's resumed tokens, which the engine counts as completion).
-            num_resumed = len(resume.token_ids) if resume is not None else 0
-            first_params = dataclasses.replace(params, max_tokens=num_resumed + 1, stop=[])
             try:
                 if num_resumed >= params.max_tokens:
                     raise ValueError(f"{num_resumed} resumed tokens leave nothing of max_tokens ({params.max_tokens})")
@@ -142,9 +178,10 @@ class PrefillService(NodeService, pb_grpc.PrefillNodeServicer):
         finally:
             # Also reached when the caller's stream is cancelled (its process died or it gave up):
             # blocks are handed back once no send can still be reading them.
+            with self._send_lock:  # from here on the engine thread queues no send for it
+                req.advance(Stage.ENDING)
             if req.handle is not None and not req.handle.done() and req.channel is not None:
                 req.channel.close(f"Prefill call for {req.request_id} ended while its send was in flight")
-            req.advance(Stage.ENDING)
             self.ctx.spawn(self._finish(req), f"prefill-finish-{req.request_id}")
 
     async def _accept(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> SamplingParams:
@@ -164,30 +201,69 @@ class PrefillService(NodeService, pb_grpc.PrefillNodeServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "prefill queue is full")
         return params
 
+    def _early_send(self, request: pb.PrefillRequest, params: SamplingParams, num_resumed: int) -> EarlySend | None:
+        """Whether the request's send is queued layer by layer in the step of its last prompt chunk
+        (see the module docstring), and what it ships; None: after the first token, if at all."""
+        cfg = self.config
+        if not cfg.layerwise_send or cfg.fault_send_delay_s or not request.dst_block_ids:
+            return None
+        if num_resumed + 1 >= params.max_tokens:
+            return None  # the first token is the last one: nothing will be shipped
+        return EarlySend(request.num_skip_blocks, len(request.dst_block_ids), len(request.prompt_token_ids))
+
+    async def _first_output(self, req: PrefillRequest, stream: RequestStream) -> AsyncIterator[
+            pb.PrefillResponse | list[RequestOutput]]:
+        """Yields TransferStart as soon as the engine thread queued an early send (before or while the
+        step runs), then the request's first batch of outputs. The announcement is handed to the loop
+        before the step's outputs, so a queued send is always announced before the first token."""
+        outputs = asyncio.ensure_future(stream.next_batch())
+        try:
+            if req.early is not None:
+                announced = asyncio.ensure_future(req.announced.wait())
+                try:
+                    await asyncio.wait({outputs, announced}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    announced.cancel()
+            if req.handle is not None:
+                yield pb.PrefillResponse(transfer_start=self._transfer_start(req.handle))
+            yield await outputs
+        finally:
+            outputs.cancel()
+
     async def _serve(
         self, req: PrefillRequest, request: pb.PrefillRequest, params: SamplingParams, stream: RequestStream,
     ) -> AsyncIterator[pb.PrefillResponse]:
-        batch = await stream.next_batch()
+        batch: list[RequestOutput] = []
+        async for item in self._first_output(req, stream):
+            if isinstance(item, list):
+                batch = item
+            else:
+                yield item
         out = batch[-1]
-        if not out.new_token_ids or req.aborted:
+        if not out.new_token_ids or (req.aborted and req.handle is None):
+            if req.handle is not None:
+                # An announced send whose step failed (or the node is closing): its bytes are drained by
+                # the decode node, which keeps the pair channel in step, and reported failed.
+                await req.handle.wait()
             yield pb.PrefillResponse(transfer_done=pb.TransferDone(ok=False, error=req.aborted or "aborted"))
             return
         token = out.new_token_ids[0]
         yield pb.PrefillResponse(first_token=self._first_token(req, out))
-        if stop_decision(params, self._eos, token, out.num_completion_tokens) is not None or not request.dst_block_ids:
-            # The decode node is done with this request (or already holds every block): nothing to ship.
-            yield pb.PrefillResponse(transfer_done=pb.TransferDone(ok=True, skipped=True))
-            return
-        if self.config.fault_send_delay_s:  # test fault injection: a window after the first token
-            await asyncio.sleep(self.config.fault_send_delay_s)
-        seq = stream.seq
-        assert seq is not None and seq.is_finished, "a prefill-only request finishes with its first token"
-        start = request.num_skip_blocks
-        started = self._start_send(req, seq.block_table[start : start + len(request.dst_block_ids)],
-                                   len(request.prompt_token_ids))
-        yield started
         if req.handle is None:
-            return  # `started` said why nothing is sent
+            if stop_decision(params, self._eos, token, out.num_completion_tokens) is not None or not request.dst_block_ids:
+                # The decode node is done with this request (or already holds every block): nothing to ship.
+                yield pb.PrefillResponse(transfer_done=pb.TransferDone(ok=True, skipped=True))
+                return
+            if self.config.fault_send_delay_s:  # test fault injection: a window after the first token
+                await asyncio.sleep(self.config.fault_send_delay_s)
+            seq = stream.seq
+            assert seq is not None and seq.is_finished, "a prefill-only request finishes with its first token"
+            start = request.num_skip_blocks
+            started = self._start_send(req, seq.block_table[start : start + len(request.dst_block_ids)],
+                                       len(request.prompt_token_ids))
+            yield started
+            if req.handle is None:
+                return  # `started` said why nothing is sent
         result = await req.handle.wait()
         self.metrics.transfer_done(result, (req.aborted or "released") if req.released else None)
         if req.released:
@@ -214,29 +290,77 @@ class PrefillService(NodeService, pb_grpc.PrefillNodeServicer):
             first.logprob.CopyFrom(logprob_to_proto(out.new_logprobs[0]))
         return first
 
+    def _transfer_start(self, handle: SendHandle) -> pb.TransferStart:
+        return transfer_start_to_proto(handle.meta, self.ctx.channels.kv_address)
+
+    def _queue_send(self, req: PrefillRequest, src_blocks: list[int], num_tokens: int, layerwise: bool) -> str | None:
+        """The one place a send is queued: under the send lock, unless the request was aborted or its
+        call ended, queues the send of `src_blocks` and moves the request to SENDING (its blocks are held
+        until the send resolves). Any thread. Returns why nothing was queued, or None."""
+        with self._send_lock:
+            if req.aborted or req.stage != Stage.PREFILLING:
+                return req.aborted or "the Prefill call ended"
+            try:
+                channel = self.ctx.channels.channel_to(req.decode_id)
+                handle = self._sender.send(
+                    channel, self.ctx.engine.engine.kv_cache, src_blocks, request_id=req.request_id,
+                    num_tokens=num_tokens, timeout_s=self.config.transfer_timeout_s, layerwise=layerwise,
+                )
+            except (ChannelError, ValueError) as err:
+                return f"send not queued: {err}"
+            req.channel, req.handle = channel, handle
+            req.advance(Stage.SENDING)
+        return None
+
     def _start_send(self, req: PrefillRequest, src_blocks: list[int], num_tokens: int) -> pb.PrefillResponse:
-        """Queues the send of `src_blocks` (SENDING from then on) and returns its TransferStart, or the
-        TransferDone saying why nothing is sent. No await: an Abort cannot slip in before the send."""
-        if req.aborted:
-            return pb.PrefillResponse(transfer_done=pb.TransferDone(ok=False, error=req.aborted))
+        """Queues the send of `src_blocks` after the first token went out (SENDING from then on) and
+        returns its TransferStart, or the TransferDone saying why nothing is sent. No await: an Abort
+        cannot slip in before the send."""
         stall = self.config.fault_send_stall_s
-        try:
-            channel = self.ctx.channels.channel_to(req.decode_id)
-            handle = self._sender.send(
-                channel, self.ctx.engine.engine.kv_cache, src_blocks, request_id=req.request_id,
-                num_tokens=num_tokens, timeout_s=self.config.transfer_timeout_s, layerwise=stall > 0,
-            )
-        except (ChannelError, ValueError) as err:
-            self.metrics.transfer_done(None, f"send not queued: {err}")
-            return pb.PrefillResponse(transfer_done=pb.TransferDone(ok=False, error=f"send not queued: {err}"))
-        req.channel, req.handle = channel, handle
-        req.advance(Stage.SENDING)
+        error = self._queue_send(req, src_blocks, num_tokens, layerwise=stall > 0)
+        if error is not None:
+            if error.startswith("send not queued"):
+                self.metrics.transfer_done(None, error)
+            return pb.PrefillResponse(transfer_done=pb.TransferDone(ok=False, error=error))
+        handle = req.handle
+        assert handle is not None
         if stall:  # test fault injection: half the layers go now, the rest after the stall
             num_layers = handle.meta.geometry[0]
             for layer in range(num_layers // 2):
                 handle.layer_ready(layer)
             self.ctx.spawn(self._release_stalled(handle, stall), f"fault-stall-{req.request_id}")
-        return pb.PrefillResponse(transfer_start=transfer_start_to_proto(handle.meta, self.ctx.channels.kv_address))
+        return pb.PrefillResponse(transfer_start=self._transfer_start(handle))
+
+    # -- the engine thread ----------------------------------------------------------------------------
+
+    def _prefills_completing(self, seqs: list[Sequence]) -> LayerHook | None:
+        """The engine's prefill watcher (engine thread, before the forward of the step that computes the
+        last prompt chunk of `seqs`): queues the layer-wise send of every such request that wants one
+        and tells the loop to announce it. A send that cannot be queued is left to the path after the
+        first token, which tries again and reports why."""
+        handles: list[SendHandle] = []
+        for seq in seqs:
+            req = self.requests.get(seq.seq_id)
+            early = req.early if req is not None else None
+            if req is None or early is None:
+                continue
+            src = seq.block_table[early.skip : early.skip + early.count]
+            if self._queue_send(req, src, early.num_tokens, layerwise=True) is None:
+                assert req.handle is not None
+                handles.append(req.handle)
+                self._loop.call_soon_threadsafe(req.announced.set)
+        if not handles:
+            return None
+        self.metrics.layerwise_queued(len(handles))
+        # Test fault injection: the second half of the layers goes `fault_send_stall_s` after the step.
+        return _LayerSends(handles, self._stall_later if self.config.fault_send_stall_s else None)
+
+    def _stall_later(self, handle: SendHandle) -> None:
+        """Test fault injection (`fault_send_stall_s`), engine thread: the rest of a layer-wise send's
+        layers are marked that long from now, from the event loop."""
+        stall = self.config.fault_send_stall_s
+        self._loop.call_soon_threadsafe(
+            lambda: self.ctx.spawn(self._release_stalled(handle, stall), f"fault-stall-{handle.meta.request_id}"))
 
     # -- helpers --------------------------------------------------------------------------------------
 
@@ -283,9 +407,11 @@ class PrefillService(NodeService, pb_grpc.PrefillNodeServicer):
     def _abort(self, st: PrefillRequest, reason: str) -> None:
         """Marks the request aborted. Before its send is queued the engine drops it (freeing its blocks);
         a queued send is left to finish or fail, since the decode node drains or discards it."""
-        if st.aborted is None:
-            st.aborted = reason
-        if st.handle is None:
+        with self._send_lock:  # no send is queued after this unless it already was
+            if st.aborted is None:
+                st.aborted = reason
+            queued = st.handle is not None
+        if not queued:
             self.ctx.spawn(self.ctx.engine.abort(st.request_id), f"prefill-abort-{st.request_id}")
 
     async def _finish(self, st: PrefillRequest) -> None:
@@ -335,6 +461,32 @@ class PrefillService(NodeService, pb_grpc.PrefillNodeServicer):
         deadline = time.monotonic() + 5.0
         while self.requests and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
+
+
+class _LayerSends:
+    """One engine step's layer-wise sends (`LayerHook`, engine thread): each layer goes to the channel
+    as the forward finishes it; on CUDA `layer_ready` records an event on the engine thread's stream,
+    which the channel's stream waits for. At the end every layer is marked, also when the forward
+    failed: the send then ships whatever the blocks hold and the Prefill call reports it failed
+    (TransferDone ok false), so the decode node drains the bytes and never uses them."""
+
+    def __init__(self, handles: list[SendHandle], stalled: Callable[[SendHandle], None] | None = None) -> None:
+        self._handles = handles
+        # Test fault injection (`fault_send_stall_s`): only the first half of the layers is marked as the
+        # forward computes them; `stalled(handle)` marks the rest later.
+        self._stalled = stalled
+
+    def layer_done(self, layer: int) -> None:
+        for handle in self._handles:
+            if self._stalled is None or layer < handle.meta.geometry[0] // 2:
+                handle.layer_ready(layer)
+
+    def step_done(self, ok: bool) -> None:
+        for handle in self._handles:
+            if self._stalled is None or not ok:
+                handle.all_layers_ready()
+            else:
+                self._stalled(handle)
 
 
 def main(argv: list[str] | None = None) -> int:
