@@ -1,0 +1,192 @@
+"""The capacity planner: the simulator against known answers (queueing theory, closed-form batches,
+saturation at the cost model's capacity, colocated against disaggregated TPOT), the profile file, the
+`pdserve profile` / `pdserve plan` commands, the values file they write (rendered by deploy/k8s), and
+`pdserve plan --check` against a real small cluster. No timing assertions on this machine: simulated time
+only."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from loadgen.metrics import parse_slos
+from planner.profile_model import EngineFacts, Linear, Profile, fit_linear, load_profile
+from planner.sim import NodeSettings, Shape, SimRequest, simulate
+from planner.traffic import Traffic
+
+
+def synthetic(decode: Linear = Linear(0.01), prefill: Linear = Linear(0.01), transfer: Linear = Linear(0.0),
+              blocks: int = 100_000, budget: int = 2048, seqs: int = 128, threshold: int = 64) -> Profile:
+    """A hand-made cost model: every coefficient is what the test says."""
+    return Profile(prefill, decode, transfer, EngineFacts(16, blocks, 1000, budget, seqs, threshold),
+                   machine={"synthetic": True})
+
+
+# ---------------------------------------------------------------------------------------- known answers
+
+
+def test_one_token_requests_on_one_node_queue_like_md1() -> None:
+    """One node serving one request a step (max_num_seqs=1) of constant time s, Poisson arrivals: M/D/1,
+    whose mean wait is rho / (2 mu (1 - rho)); TTFT = wait + s."""
+    s, rho = 0.01, 0.7
+    rate = rho / s
+    prof = synthetic(decode=Linear(s), prefill=Linear(s), seqs=1)
+    reqs = Traffic.parse("1", "1", seed=3).requests(rate, 40_000)
+    res = simulate(prof, Shape(0, 1), reqs)
+    ttfts = [r.ttft_s for r in res.records if r.ttft_s is not None]
+    assert len(ttfts) == 40_000
+    mean_wait = sum(ttfts) / len(ttfts) - s
+    expected = rho / (2 * (1 / s) * (1 - rho))
+    assert mean_wait == pytest.approx(expected, rel=0.05)
+    # Deterministic service: nobody waits less than zero, nobody is served faster than s.
+    assert min(ttfts) == pytest.approx(s)
+
+
+def test_simultaneous_identical_requests_finish_together_as_the_model_says() -> None:
+    """N identical requests at once on one colocated node: one prefill step for all N prompts, then K-1
+    decode steps of batch N whose context grows by N tokens a step."""
+    n, prompt, out = 8, 100, 10
+    prof = synthetic(decode=Linear(0.01, 1e-3, 1e-5), prefill=Linear(0.02, 1e-4, 1e-6))
+    reqs = [SimRequest(i, 0.0, prompt, out) for i in range(n)]
+    res = simulate(prof, Shape(0, 1), reqs)
+    t1 = 0.02 + 1e-4 * n * prompt + 1e-6 * n * prompt * prompt
+    decode = sum(0.01 + 1e-3 * n + 1e-5 * n * (prompt + i) for i in range(1, out))
+    for rec in res.records:
+        assert rec.ok and rec.output_tokens == out
+        assert rec.ttft_s == pytest.approx(t1)
+        assert rec.e2e_s == pytest.approx(t1 + decode)
+        assert len(rec.itl_s) == out - 1
+
+
+def test_remote_prefill_adds_the_transfer_and_decodes_on_the_decode_node() -> None:
+    prompt, out = 500, 6
+    prof = synthetic(decode=Linear(0.01, 1e-3, 1e-5), prefill=Linear(0.02, 1e-4, 1e-6),
+                     transfer=Linear(0.003, 1e-8))
+    res = simulate(prof, Shape(1, 1), [SimRequest(0, 0.0, prompt, out)])
+    rec = res.records[0]
+    ttft = 0.02 + 1e-4 * prompt + 1e-6 * prompt * prompt
+    transfer = 0.003 + 1e-8 * prompt * 1000
+    decode = sum(0.01 + 1e-3 + 1e-5 * (prompt + i) for i in range(1, out))
+    assert rec.ttft_s == pytest.approx(ttft)
+    assert rec.e2e_s == pytest.approx(ttft + transfer + decode)
+    # A prompt under the local-prefill threshold never leaves the decode node: no transfer.
+    short = simulate(prof, Shape(1, 1), [SimRequest(0, 0.0, 10, 2)]).records[0]
+    assert short.ttft_s == pytest.approx(0.02 + 1e-4 * 10 + 1e-6 * 100)
+    assert short.e2e_s == pytest.approx(short.ttft_s + 0.01 + 1e-3 + 1e-5 * 11)
+
+
+def test_throughput_saturates_at_the_profile_capacity() -> None:
+    """Decode-bound traffic on one node of batch 8: at most 8 tokens a step of a + 8b seconds."""
+    a, b, batch, out = 0.01, 1e-3, 8, 64
+    prof = synthetic(decode=Linear(a, b), prefill=Linear(a, b), seqs=batch)
+    capacity = batch / (a + b * batch)  # tokens/s
+    traffic = Traffic.parse("1", str(out), seed=1)
+    over = simulate(prof, Shape(0, 1), traffic.requests(10 * capacity / out, 400)).summary
+    assert over.output_token_rate == pytest.approx(capacity, rel=0.05)
+    under_rate = 0.3 * capacity / out
+    under = simulate(prof, Shape(0, 1), traffic.requests(under_rate, 400)).summary
+    assert under.request_rate == pytest.approx(under_rate, rel=0.15)
+    assert under.latency["ttft"].p50 < over.latency["ttft"].p50
+
+
+def test_colocated_tpot_spikes_on_long_prompts_and_disaggregated_does_not() -> None:
+    """Prefill chunks of long prompts share a colocated node's steps with its decodes; on a decode node
+    they run elsewhere."""
+    prof = synthetic(decode=Linear(0.01, 2e-4, 1e-7), prefill=Linear(0.01, 1e-4, 1e-8),
+                     transfer=Linear(0.002, 1e-9), threshold=64)
+    p99: dict[tuple[str, str], float] = {}
+    for prompts in ("uniform:100:200", "uniform:2000:4000"):
+        reqs = Traffic.parse(prompts, "64", seed=2).requests(2.0, 300)
+        for shape in (Shape(0, 2), Shape(1, 1)):
+            p99[(prompts, shape.label)] = simulate(prof, shape, reqs).summary.latency["tpot"].p99
+    short, long_ = "uniform:100:200", "uniform:2000:4000"
+    assert p99[(long_, "2C")] > 2 * p99[(short, "2C")]
+    assert p99[(long_, "1P:1D")] < 1.5 * p99[(short, "1P:1D")]
+    assert p99[(long_, "2C")] > 2 * p99[(long_, "1P:1D")]
+
+
+def test_kv_capacity_makes_admission_wait_and_preempts() -> None:
+    """A pool of 20 blocks (320 tokens) and requests of 100 + 100 tokens: they cannot all run together,
+    so some wait for blocks or are preempted, and every block is free at the end (checked by the run)."""
+    prof = synthetic(decode=Linear(0.01), prefill=Linear(0.01), blocks=20)
+    reqs = [SimRequest(i, 0.0, 100, 100) for i in range(6)]
+    big = simulate(synthetic(decode=Linear(0.01), prefill=Linear(0.01)), Shape(0, 1), reqs)
+    small = simulate(prof, Shape(0, 1), reqs)
+    assert all(r.ok for r in small.records)
+    assert small.preemptions > 0
+    assert small.summary.duration_s > big.summary.duration_s
+    # A prompt the whole pool cannot hold fails like the scheduler's rejection.
+    res = simulate(prof, Shape(1, 1), [SimRequest(0, 0.0, 1000, 4), SimRequest(1, 0.0, 10, 4)])
+    assert [r.ok for r in res.records] == [False, True]
+    assert res.records[0].error == "abort"
+
+
+def test_simulation_is_deterministic_for_a_seed() -> None:
+    prof = synthetic(decode=Linear(0.01, 1e-4, 1e-7), prefill=Linear(0.01, 1e-4, 1e-8))
+    run = [simulate(prof, Shape(1, 2), Traffic.parse("uniform:10:800", "uniform:1:50", seed=s).requests(20, 200))
+           for s in (5, 5, 6)]
+    assert [r.e2e_s for r in run[0].records] == [r.e2e_s for r in run[1].records]
+    assert [r.e2e_s for r in run[0].records] != [r.e2e_s for r in run[2].records]
+
+
+def test_slo_summary_uses_loadgen_definitions() -> None:
+    prof = synthetic(decode=Linear(0.01), prefill=Linear(0.01))
+    reqs = [SimRequest(i, 0.0, 10, 5) for i in range(4)]
+    res = simulate(prof, Shape(0, 1), reqs, parse_slos("ttft_p90=5ms"), 0.9)
+    assert res.summary.attainment == 0.0 and not res.summary.meets_target  # TTFT is one 10 ms step
+    res = simulate(prof, Shape(0, 1), reqs, parse_slos("ttft_p90=15ms,tpot_p99=15ms"), 0.9)
+    assert res.summary.attainment == 1.0 and res.summary.meets_target
+    assert res.summary.goodput_rate == pytest.approx(4 / 0.05)
+
+
+# ---------------------------------------------------------------------------------------- profile file
+
+
+def test_fit_recovers_known_coefficients() -> None:
+    rows = [(float(x1), float(x2)) for x1 in (1, 4, 16, 64) for x2 in (10, 300, 5000)]
+    ys = [0.003 + 2e-4 * x1 + 5e-7 * x2 for x1, x2 in rows]
+    fit = fit_linear(rows, ys)
+    assert fit.a == pytest.approx(0.003, rel=1e-4)
+    assert fit.b == pytest.approx(2e-4, rel=1e-4)
+    assert fit.c == pytest.approx(5e-7, rel=1e-4)
+    assert fit.rmse < 1e-9
+    # A feature that never varies gets no coefficient (instead of a singular system).
+    flat = fit_linear([(float(x), 0.0) for x in range(1, 6)], [1 + 2 * x for x in range(1, 6)])
+    assert (flat.a, flat.b, flat.c) == pytest.approx((1.0, 2.0, 0.0), abs=1e-6)
+
+
+def test_profile_round_trips_and_refuses_other_schema_versions(tmp_path: Path) -> None:
+    prof = synthetic(decode=Linear(0.01, 1e-3, 1e-6, 1e-4))
+    prof.points = {"decode": [{"batch": 1, "context": 10, "seconds": 0.011}]}
+    path = tmp_path / "p.json"
+    prof.save(path)
+    back = load_profile(path)
+    assert back.to_dict() == prof.to_dict()
+    data = json.loads(path.read_text())
+    data["schema_version"] = 99
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="schema_version"):
+        load_profile(path)
+
+
+def test_node_settings_override_the_profile() -> None:
+    s = NodeSettings.of(synthetic(), max_num_seqs=4, local_prefill_threshold=None)
+    assert (s.max_num_seqs, s.local_prefill_threshold) == (4, 64)
+    with pytest.raises(ValueError):
+        Shape(1, 0)
+    assert Shape(0, 3).label == "3C" and Shape(2, 3).label == "2P:3D" and not math.isnan(Shape(2, 3).nodes)
+
+
+def test_the_planner_needs_no_torch() -> None:
+    """`pdserve plan` runs where torch is not installed: only `planner.measure` imports the engine."""
+    import subprocess
+    import sys
+
+    code = ("import sys, planner.sim, planner.traffic, planner.profile_model\n"
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1],
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
