@@ -190,3 +190,114 @@ def test_the_planner_needs_no_torch() -> None:
     out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1],
                          capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+# ---------------------------------------------------------------------------------------- plan
+
+
+def _plan_args(*argv: str) -> list[str]:
+    return ["plan", *argv]
+
+
+def _run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    from deploy.cli import build_parser
+
+    args = build_parser().parse_args(argv)
+    rc = args.fn(args)
+    return rc, capsys.readouterr().out
+
+
+def _long_prompt_profile(tmp_path: Path) -> Path:
+    path = tmp_path / "profile.json"
+    synthetic(decode=Linear(0.01, 2e-4, 1e-7), prefill=Linear(0.01, 1e-4, 1e-8), transfer=Linear(0.002, 1e-9),
+              blocks=4000).save(path)
+    return path
+
+
+def test_plan_recommends_the_cheapest_fitting_shape(tmp_path: Path) -> None:
+    """The recommendation is the fewest nodes that fit; every cheaper shape misses the SLOs, and the
+    recommended one meets them in its own simulation."""
+    from planner.plan import PlanConfig, Planner
+
+    prof = load_profile(_long_prompt_profile(tmp_path))
+    cfg = PlanConfig(prof, parse_slos("ttft_p90=1s,tpot_p99=18ms"), 0.9, 5, rate=4.0,
+                     traffic=Traffic.parse("uniform:100:3000", "64"), requests=300)
+    plan = Planner(cfg).run()
+    rec = plan.recommended
+    assert rec is not None and rec.fits and rec.best is not None and rec.best.summary.meets_target
+    assert all(not r.fits for r in plan.results if r.shape.nodes < rec.shape.nodes)
+    assert len(plan.results) == 5 + sum(n - 1 for n in range(2, 6))
+    # A tight TPOT SLO with long prompts: colocated nodes cannot hold it at this size, split ones can.
+    assert not rec.shape.colocated
+    same_size_colocated = next(r for r in plan.results if r.shape == Shape(0, rec.shape.nodes))
+    assert not same_size_colocated.fits
+
+
+def test_sweep_brackets_each_shapes_highest_rate(tmp_path: Path) -> None:
+    from planner.plan import SWEEP_RESOLUTION, PlanConfig, Planner
+
+    prof = synthetic(decode=Linear(0.01, 1e-3), prefill=Linear(0.01, 1e-4), seqs=16)
+    cfg = PlanConfig(prof, parse_slos("ttft_p90=500ms"), 0.9, 2, sweep=True, traffic=Traffic.parse("32", "32"),
+                     requests=200)
+    planner = Planner(cfg)
+    plan = planner.run()
+    by = {r.shape.label: r for r in plan.results}
+    for r in plan.results:
+        assert r.max_rate is not None and r.at_max is not None and r.at_max.summary.meets_target
+        above = [run for run in r.curve if run.rate and run.rate > r.max_rate]
+        assert above and not min(above, key=lambda x: x.rate or 0).summary.meets_target
+        assert min(x.rate or 0 for x in above) <= r.max_rate * SWEEP_RESOLUTION * 1.0001
+    assert by["2C"].max_rate > 1.5 * by["1C"].max_rate  # two nodes: about twice the rate
+
+
+def test_plan_cli_prints_json_and_writes_a_values_file_the_render_accepts(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from deploy.k8s.render import load_values, render_objects
+
+    values = tmp_path / "values.yaml"
+    rc, out = _run_cli(_plan_args("--profile", str(_long_prompt_profile(tmp_path)), "--workload",
+                                  "prompt=uniform:100:3000,output=64", "--rate", "4", "--slo",
+                                  "ttft_p90=1s,tpot_p99=18ms", "--max-nodes", "4", "--requests", "300",
+                                  "--values-out", str(values), "--json"), capsys)
+    assert rc == 0
+    result = json.loads(out)
+    rec = result["recommended"]
+    assert rec["run"]["meets_target"] and rec["prefill"] >= 1
+    objs = render_objects(load_values([values]))
+    replicas = {d["metadata"]["labels"]["app.kubernetes.io/component"]: d["spec"]["replicas"]
+                for d in objs if d["kind"] == "Deployment"}
+    assert (replicas["prefill"], replicas["decode"]) == (rec["prefill"], rec["decode"])
+
+
+def test_plan_with_no_fitting_shape_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    values = tmp_path / "values.yaml"
+    rc, out = _run_cli(_plan_args("--profile", str(_long_prompt_profile(tmp_path)), "--workload",
+                                  "prompt=3000,output=8", "--rate", "50", "--slo", "ttft_p90=10ms",
+                                  "--max-nodes", "2", "--requests", "50", "--values-out", str(values)), capsys)
+    assert rc == 1 and "no shape of at most 2 nodes" in out
+    assert not values.exists()
+
+
+def test_plan_replays_a_trace_at_its_own_rate(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps({"arrival_s": i * 0.5, "prompt_tokens": 50 + i, "output_tokens": 8}) + "\n"
+                             for i in range(40)) + json.dumps({"arrival_s": 20.0, "prompt": "a b c",
+                                                               "output_tokens": 4}) + "\n")
+    plot = tmp_path / "plan.png"
+    rc, out = _run_cli(_plan_args("--profile", str(_long_prompt_profile(tmp_path)), "--trace", str(trace),
+                                  "--slo", "ttft_p90=1s", "--max-nodes", "2", "--plot", str(plot), "--json"), capsys)
+    assert rc == 0
+    result = json.loads(out)
+    assert result["target_rate"] == pytest.approx(40 / 20.0)
+    assert result["recommended"]["shape"] == "1C"  # light traffic: one node is enough
+    assert plot.stat().st_size > 0
+
+
+def test_workload_spec_errors_are_clear() -> None:
+    from planner.cli import parse_workload
+
+    t = parse_workload("prompt=uniform:1:9,output=7,prefix=5")
+    assert (str(t.prompt_tokens), str(t.output_tokens), t.shared_prefix_tokens) == ("uniform:1:9", "7", 5)
+    for bad in ("prompt", "foo=1", "prefix=x", "prompt=uniform:9:1"):
+        with pytest.raises(ValueError):
+            parse_workload(bad)
