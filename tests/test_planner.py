@@ -301,3 +301,44 @@ def test_workload_spec_errors_are_clear() -> None:
     for bad in ("prompt", "foo=1", "prefix=x", "prompt=uniform:9:1"):
         with pytest.raises(ValueError):
             parse_workload(bad)
+
+
+def test_fit_drops_a_slope_that_noise_makes_negative() -> None:
+    rows = [(1.0, 10.0), (2.0, 10.0), (4.0, 10.0), (8.0, 20.0)]
+    ys = [0.010, 0.009, 0.008, 0.012]  # a falling cost per sequence is noise, not physics
+    fit = fit_linear(rows, ys)
+    assert fit.b == 0.0 and fit.c >= 0.0
+
+
+# ---------------------------------------------------------------------------------------- smoke
+
+
+def test_profile_quick_then_plan_on_it(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """`pdserve profile --quick` on the tiny model writes a valid profile; `pdserve plan` on it prints a
+    recommendation and writes a values file. No assertion on the timings themselves."""
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    prof_path, values = tmp_path / "profile.json", tmp_path / "values.yaml"
+    out = subprocess.run([sys.executable, "-m", "deploy", "profile", "--model", str(tiny_llama_dir), "--quick",
+                          "--num-threads", "1", "--out", str(prof_path), "--no-progress"],
+                         cwd=repo, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "decode_step_s" in out.stdout
+    prof = load_profile(prof_path)
+    data = json.loads(prof_path.read_text())
+    assert data["schema_version"] == 1 and len(data["model"]["fingerprint"]) == 64
+    assert data["machine"]["cpu_count"] >= 1 and prof.engine.num_kv_blocks > 0
+    assert {"prefill", "decode", "transfer"} <= data["points"].keys()
+    assert any(p["cached"] > 0 for p in data["points"]["prefill"])  # the prefix-hit points
+    assert all(p["seconds"] > 0 for pts in data["points"].values() for p in pts)
+    for fit in (prof.prefill, prof.decode, prof.transfer):
+        assert fit.b >= 0 and fit.c >= 0
+    out = subprocess.run([sys.executable, "-m", "deploy", "plan", "--profile", str(prof_path), "--workload",
+                          "prompt=uniform:16:256,output=16", "--rate", "1", "--slo", "ttft_p90=30s",
+                          "--max-nodes", "2", "--requests", "50", "--values-out", str(values)],
+                         cwd=repo, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "recommended:" in out.stdout
+    assert "replicas" in values.read_text()
