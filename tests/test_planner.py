@@ -342,3 +342,56 @@ def test_profile_quick_then_plan_on_it(tiny_llama_dir: Path, tmp_path: Path) -> 
     assert out.returncode == 0, out.stderr[-3000:]
     assert "recommended:" in out.stdout
     assert "replicas" in values.read_text()
+
+
+# ---------------------------------------------------------------------------------------- --check
+
+
+def test_check_reads_a_live_cluster_and_judges_its_shape(tiny_llama_dir: Path, tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """A real 1P:1D cluster with a frontend serves a few requests; `plan --check` reads the frontend's and
+    the nodes' /metrics: the request count and token totals equal what the responses reported, the
+    shape is 1P:1D, and the verdict follows the SLO (lenient: fits; impossible: does not, nothing does)."""
+    import httpx
+
+    from registry.etcd_server import free_port
+    from testing.cluster import LocalCluster
+    from testing.procs import start_frontend
+
+    node_args = ["--dtype", "float32", "--num-threads", "1", "--num-kv-blocks", "256", "--model-name", "tiny"]
+    prof_path = _long_prompt_profile(tmp_path)
+    with LocalCluster(tmp_path / "cluster", tiny_llama_dir, node_args=node_args) as cluster:
+        cluster.start(1, 1, decode_args=["--local-prefill-threshold", "0"])
+        fe = start_frontend("frontend", tmp_path, cluster.etcd_endpoints, free_port(), "--cluster", cluster.cluster,
+                            "--model", f"tiny={tiny_llama_dir}", "--log-level", "warning")
+        try:
+            usage = []
+            with httpx.Client(base_url=fe.base_url, timeout=60) as client:
+                for i in range(5):
+                    r = client.post("/v1/completions", json={"model": "tiny", "prompt": "the cat " * (3 + i),
+                                                             "max_tokens": 4 + i})
+                    assert r.status_code == 200, r.text
+                    usage.append(r.json()["usage"])
+            cluster.wait_clean()
+            urls = ["--metrics-url", f"{fe.base_url}/metrics"]
+            for node in ("p0", "d0"):
+                urls += ["--node-metrics-url", f"http://{cluster.nodes[node].info['metrics_address']}/metrics"]
+            base = ["plan", "--check", "--profile", str(prof_path), *urls, "--window", "0", "--max-nodes", "3",
+                    "--requests", "50", "--json"]
+            rc, out = _run_cli([*base, "--slo", "ttft_p90=60s"], capsys)
+            res = json.loads(out)
+            obs = res["observed"]
+            assert obs["requests"] == 5
+            assert obs["prompt_tokens"] == sum(u["prompt_tokens"] for u in usage)
+            assert obs["completion_tokens"] == sum(u["completion_tokens"] for u in usage)
+            assert (obs["prefill_nodes"], obs["decode_nodes"]) == (1, 1)
+            assert obs["window_s"] > 0 and obs["rate"] > 0
+            assert rc == 0 and res["current_fits"] is True and res["recommended"] is not None
+            rc, out = _run_cli([*base, "--slo", "ttft_p90=1us"], capsys)
+            res = json.loads(out)
+            assert rc == 1 and res["current_fits"] is False and res["recommended"] is None
+            rc, out = _run_cli([*base[:-1], "--slo", "ttft_p90=1us"], capsys)
+            assert "current 1P:1D: does NOT fit" in out
+        finally:
+            assert fe.stop() in (0, -15), fe.proc.tail()
+        cluster.check_integrity()
