@@ -6,7 +6,8 @@ Torch-free except `measure` (which runs the engine to time it).
     measure.py        `pdserve profile`: times the real engine on this machine, fits the cost model
     sim.py            discrete-event simulation of a cluster shape under a workload
     traffic.py        loadgen's workloads and traces as simulated requests
-    plan.py           `pdserve plan`: searches P:D and colocated shapes, the k8s values file, the plot
+    plan.py           the shape search (at a rate or swept), the recommendation, the k8s values file
+    cli.py            `pdserve plan`: options, progress, the tables, the plot, JSON
     check.py          `pdserve plan --check`: a live cluster's traffic from its metrics, re-planned
 """
 
