@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -392,6 +393,72 @@ def test_check_reads_a_live_cluster_and_judges_its_shape(tiny_llama_dir: Path, t
             assert rc == 1 and res["current_fits"] is False and res["recommended"] is None
             rc, out = _run_cli([*base[:-1], "--slo", "ttft_p90=1us"], capsys)
             assert "current 1P:1D: does NOT fit" in out
+            _check_through_prometheus(cluster, fe.base_url, tmp_path, prof_path, capsys)
         finally:
             assert fe.stop() in (0, -15), fe.proc.tail()
         cluster.check_integrity()
+
+
+def _check_through_prometheus(cluster: Any, frontend_url: str, tmp_path: Path, prof_path: Path,
+                              capsys: pytest.CaptureFixture[str]) -> None:
+    """The same cluster scraped by a real Prometheus: `--check --prometheus` sees its shape and the
+    traffic sent after the series existed (`increase` counts only what happened between samples, and
+    extrapolates to the window's edges, hence the tolerance)."""
+    import subprocess
+    import time
+
+    import httpx
+    import yaml
+
+    from deploy.metrics_render import query
+    from registry.etcd_server import free_port
+    from tests.test_prometheus_live import prometheus_binary
+
+    targets = [frontend_url.removeprefix("http://")]
+    targets += [str(cluster.nodes[n].info["metrics_address"]) for n in ("p0", "d0")]
+    config = {"global": {"scrape_interval": "1s", "scrape_timeout": "1s"},
+              "scrape_configs": [{"job_name": "pdserve", "honor_labels": True,
+                                  "static_configs": [{"targets": targets}]}]}
+    (tmp_path / "prom.yml").write_text(yaml.safe_dump(config))
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with open(tmp_path / "prom.log", "wb") as log:
+        proc = subprocess.Popen([prometheus_binary(), f"--config.file={tmp_path / 'prom.yml'}",
+                                 f"--storage.tsdb.path={tmp_path / 'prom-data'}",
+                                 f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
+                                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+
+    def wait_for(expr: str, want: float) -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, (tmp_path / "prom.log").read_text()[-2000:]
+            try:
+                if [v for _, v in query(url, expr)] == [want]:
+                    return
+            except OSError:
+                pass  # not listening yet
+            time.sleep(0.2)
+        raise AssertionError(f"Prometheus never saw {expr} == {want}")
+
+    try:
+        wait_for('sum(pdserve_frontend_requests_total{status="200"})', 5)
+        wait_for('count(count by (node) (pdserve_kv_blocks))', 2)
+        prompt_tokens = completion_tokens = 0
+        with httpx.Client(base_url=frontend_url, timeout=60) as client:
+            for _ in range(6):
+                r = client.post("/v1/completions", json={"model": "tiny", "prompt": "a dog " * 10, "max_tokens": 6})
+                assert r.status_code == 200, r.text
+                prompt_tokens += r.json()["usage"]["prompt_tokens"]
+                completion_tokens += r.json()["usage"]["completion_tokens"]
+        wait_for('sum(pdserve_frontend_requests_total{status="200"})', 11)
+        cluster.wait_clean()
+        rc, out = _run_cli(["plan", "--check", "--profile", str(prof_path), "--prometheus", url, "--window", "600",
+                            "--max-nodes", "3", "--requests", "50", "--slo", "ttft_p90=60s", "--json"], capsys)
+        obs = json.loads(out)["observed"]
+        assert rc == 0 and (obs["prefill_nodes"], obs["decode_nodes"]) == (1, 1)
+        assert 6 <= obs["requests"] <= 6 * 1.5
+        assert obs["mean_prompt"] == pytest.approx(prompt_tokens / 6, rel=0.2)
+        assert obs["mean_output"] == pytest.approx(completion_tokens / 6, rel=0.2)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
