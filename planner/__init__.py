@@ -5,9 +5,11 @@ Torch-free except `measure` (which runs the engine to time it).
     profile_model.py  the cost model (step, prefill, transfer fits; KV capacity) and its JSON file
     measure.py        `pdserve profile`: times the real engine on this machine, fits the cost model
     sim.py            discrete-event simulation of a cluster shape under a workload
+    sim_nodes.py      the simulated prefill and decode nodes and a request's state there
     traffic.py        loadgen's workloads and traces as simulated requests
     plan.py           the shape search (at a rate or swept), the recommendation, the k8s values file
-    cli.py            `pdserve plan`: options, progress, the tables, the plot, JSON
+    args.py           the `pdserve profile` / `pdserve plan` options (argparse only)
+    cli.py            `pdserve plan`: options -> config, progress, the tables, the plot, JSON
     check.py          `pdserve plan --check`: a live cluster's traffic from its metrics, re-planned
 """
 

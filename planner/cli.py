@@ -1,5 +1,5 @@
-"""`pdserve plan`: the options (defined in deploy/cli.py, so that building the `pdserve` parser imports
-nothing of this package) -> a PlanConfig -> the search, its tables, the values file, the plot, JSON."""
+"""`pdserve plan`: the options (defined in planner/args.py, argparse only, so that building the `pdserve`
+parser imports nothing else of this package) -> a PlanConfig -> the search, its tables, the values file, the plot, JSON."""
 
 from __future__ import annotations
 
