@@ -213,14 +213,14 @@ class Planner:
 
     def _start_rate(self) -> float:
         """A first guess at one node's capacity: a batch of decodes at the profile's cost, per request."""
-        prof, cfg = self.cfg.profile, self.cfg
+        prof = self.cfg.profile
         sample = self.requests_at(1.0)
         out = sum(r.output_tokens for r in sample) / len(sample)
         prompt = sum(r.prompt_tokens for r in sample) / len(sample)
         batch = min(prof.engine.max_num_seqs, 32)
         step = prof.step_s(batch, int(batch * (prompt + out / 2)), 0, 0.0)
         per_request = out * step / batch + prof.prefill_s(int(prompt))
-        return max(1.0 / max(per_request, 1e-6), 1e-3) if cfg.sweep else 1.0
+        return max(1.0 / max(per_request, 1e-6), 1e-3)
 
 
 def values_document(shape: Shape, header: str) -> str:

@@ -49,10 +49,9 @@ class Traffic:
         return f"prompt {self.prompt_tokens}{prefix}, output {self.output_tokens}"
 
 
-def trace_requests(path: str | Path, tokenizer: str | None = None, speedup: float = 1.0) -> list[SimRequest]:
-    """The requests of a `pdserve bench --trace` file; a line's text prompt is counted with `tokenizer`
-    (else ~1 token a word, as loadgen approximates). `speedup` > 1 compresses the arrivals (a higher
-    rate of the same traffic). Raises TraceError."""
+def trace_requests(path: str | Path, tokenizer: str | None = None) -> list[SimRequest]:
+    """The requests of a `pdserve bench --trace` file, sorted by arrival; a line's text prompt is counted
+    with `tokenizer` (else ~1 token a word, as loadgen approximates). Raises TraceError."""
     maker = TextMaker(tokenizer)
     out = []
     for i, e in enumerate(read_trace(path)):
@@ -60,5 +59,5 @@ def trace_requests(path: str | Path, tokenizer: str | None = None, speedup: floa
         if n is None:
             assert e.prompt is not None
             n = maker.count(e.prompt) or len(e.prompt.split())
-        out.append(SimRequest(i, e.arrival_s / speedup, max(1, n), e.output_tokens))
+        out.append(SimRequest(i, e.arrival_s, max(1, n), e.output_tokens))
     return out

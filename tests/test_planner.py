@@ -186,7 +186,9 @@ def test_the_planner_needs_no_torch() -> None:
     import subprocess
     import sys
 
-    code = ("import sys, planner.sim, planner.traffic, planner.profile_model\n"
+    code = ("import sys, planner.sim, planner.traffic, planner.profile_model, planner.plan, planner.cli, "
+            "planner.check, deploy.cli\n"
+            "deploy.cli.build_parser()\n"
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
     out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1],
                          capture_output=True, text=True, check=True)
