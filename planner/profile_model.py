@@ -115,27 +115,28 @@ def load_profile(path: str | Path) -> Profile:
 
 
 def fit_linear(rows: list[tuple[float, float]], ys: list[float]) -> Linear:
-    """Least squares y = a + b*x1 + c*x2 over `rows` of (x1, x2), with b, c >= 0: a cost never falls as
-    work grows, so a slope that noise makes negative is dropped and the rest refitted. By the normal
+    """Least squares y = a + b*x1 + c*x2 over `rows` of (x1, x2), with a, b, c >= 0: a cost never falls as
+    work grows, so a coefficient that noise makes negative is dropped and the rest refitted. By the normal
     equations with a tiny ridge, so that a feature that never varies (e.g. a context never measured) gets
     a zero coefficient instead of a singular system."""
     if len(rows) != len(ys) or not rows:
         raise ValueError("fit_linear needs as many rows as values, at least one")
-    use = [True, True]
+    use = [True, True, True]  # intercept, x1, x2
     while True:
-        a, b, c = _least_squares([(r[0] if use[0] else 0.0, r[1] if use[1] else 0.0) for r in rows], ys)
-        negative = [i for i, v in enumerate((b, c)) if v < 0 and use[i]]
+        a, b, c = _least_squares([(r[0] if use[1] else 0.0, r[1] if use[2] else 0.0) for r in rows], ys, use[0])
+        negative = [i for i, v in enumerate((a, b, c)) if v < 0 and use[i]]
         if not negative:
             break
-        use[min(negative, key=lambda i: (b, c)[i])] = False
+        use[min(negative, key=lambda i: (a, b, c)[i])] = False
     resid = [y - (a + b * r[0] + c * r[1]) for r, y in zip(rows, ys, strict=True)]
     return Linear(a, b, c, math.sqrt(sum(e * e for e in resid) / len(resid)))
 
 
-def _least_squares(rows: list[tuple[float, float]], ys: list[float]) -> tuple[float, float, float]:
+def _least_squares(rows: list[tuple[float, float]], ys: list[float],
+                   intercept: bool) -> tuple[float, float, float]:
     # Scale the features so that the ridge term is the same size for each.
     scale = [max((abs(r[i]) for r in rows), default=1.0) or 1.0 for i in range(2)]
-    feats = [(1.0, r[0] / scale[0], r[1] / scale[1]) for r in rows]
+    feats = [(1.0 if intercept else 0.0, r[0] / scale[0], r[1] / scale[1]) for r in rows]
     m = [[sum(f[i] * f[j] for f in feats) + (1e-9 if i == j else 0.0) for j in range(3)] for i in range(3)]
     v = [sum(f[i] * y for f, y in zip(feats, ys, strict=True)) for i in range(3)]
     a, b, c = _solve3(m, v)

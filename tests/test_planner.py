@@ -311,6 +311,9 @@ def test_fit_drops_a_slope_that_noise_makes_negative() -> None:
     ys = [0.010, 0.009, 0.008, 0.012]  # a falling cost per sequence is noise, not physics
     fit = fit_linear(rows, ys)
     assert fit.b == 0.0 and fit.c >= 0.0
+    # Likewise a negative fixed cost: the line goes through the origin instead.
+    through = fit_linear([(1.0, 0.0), (2.0, 0.0), (3.0, 0.0)], [0.5, 1.5, 2.5])
+    assert through.a == 0.0 and through.b > 0
 
 
 # ---------------------------------------------------------------------------------------- smoke
@@ -337,7 +340,7 @@ def test_profile_quick_then_plan_on_it(tiny_llama_dir: Path, tmp_path: Path) -> 
     assert any(p["cached"] > 0 for p in data["points"]["prefill"])  # the prefix-hit points
     assert all(p["seconds"] > 0 for pts in data["points"].values() for p in pts)
     for fit in (prof.prefill, prof.decode, prof.transfer):
-        assert fit.b >= 0 and fit.c >= 0
+        assert fit.a >= 0 and fit.b >= 0 and fit.c >= 0
     out = subprocess.run([sys.executable, "-m", "deploy", "plan", "--profile", str(prof_path), "--workload",
                           "prompt=uniform:16:256,output=16", "--rate", "1", "--slo", "ttft_p90=30s",
                           "--max-nodes", "2", "--requests", "50", "--values-out", str(values)],
