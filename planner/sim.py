@@ -157,8 +157,11 @@ class Simulation:
             seq.end_s = t
 
     def fail(self, seq: Seq, node: DecodeNode, error: str) -> None:
-        """A request the pool can never fit ends with an error (as the scheduler rejects it)."""
-        seq.error, seq.end_s = error, self.events.now
+        """A request the pool can never fit ends as the scheduler rejects it: with an error before its first
+        token, else cut short (finish_reason "length": the client has a response)."""
+        if not seq.generated:
+            seq.error = error
+        seq.end_s = self.events.now
         node.outstanding -= 1
 
     def _arrive(self, req: SimRequest) -> None:

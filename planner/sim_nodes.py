@@ -39,6 +39,7 @@ class Stepper:
     def __init__(self, sim: Simulation, index: int) -> None:
         self.sim, self.index = sim, index
         self.busy = False
+        self.retry = False  # the last plan preempted and started nothing: plan again at once
         self.outstanding = 0  # requests routed here and not done with this node (routing's load)
 
     def kick(self) -> None:
@@ -52,6 +53,9 @@ class Stepper:
         plan = self.plan()
         if not plan:
             self.busy = False
+            if self.retry:  # as the engine loop: an empty step that preempted is followed by another
+                self.retry = False
+                self.kick()
             return
         t = self.sim.profile.step_s(*self.step_cost(plan))
         self.sim.events.at(self.sim.events.now + t, lambda: self._end(plan))
@@ -220,6 +224,7 @@ class DecodeNode(Stepper):
                     plan.append((seq, 1))
                     budget -= 1
         if self.sim.preemptions != preempted:  # blocks just ran short: start nothing new
+            self.retry = not plan
             return plan
         while self.waiting and len(self.running) < cfg.max_num_seqs and budget > 0:
             seq = self.waiting[0]

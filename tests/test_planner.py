@@ -123,6 +123,13 @@ def test_kv_capacity_makes_admission_wait_and_preempts() -> None:
     res = simulate(prof, Shape(1, 1), [SimRequest(0, 0.0, 1000, 4), SimRequest(1, 0.0, 10, 4)])
     assert [r.ok for r in res.records] == [False, True]
     assert res.records[0].error == "abort"
+    # One that outgrows the whole pool while generating: preempted, then cut short ("length").
+    res = simulate(prof, Shape(0, 1), [SimRequest(0, 0.0, 100, 400)])
+    (rec,) = res.records
+    # It runs until its 320 computed tokens fill the pool; the token sampled last makes 321, which no
+    # longer fits, so it ends with 321 - 100 completion tokens, as the engine's rejection would.
+    assert rec.ok and rec.output_tokens == 320 + 1 - 100
+    assert res.preemptions >= 1
 
 
 def test_simulation_is_deterministic_for_a_seed() -> None:
