@@ -165,6 +165,18 @@ def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(fn=_cmd_bench)
 
 
+def _cmd_profile(args: argparse.Namespace) -> int:
+    from planner.measure import main as profile_main
+
+    return profile_main(args)
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from planner.cli import main as plan_main
+
+    return plan_main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving")
     p.add_argument("--log-level", default="WARNING")
@@ -173,6 +185,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_up_parser(sub)
     _add_status_parser(sub)
     _add_bench_parser(sub)
+    from planner.args import add_plan_parser, add_profile_parser  # argparse only: imports no planner code
+
+    add_profile_parser(sub, MODEL_HELP).set_defaults(fn=_cmd_profile)
+    add_plan_parser(sub).set_defaults(fn=_cmd_plan)
     for name, (_, help_text) in _SERVERS.items():
         sub.add_parser(name, help=f"{help_text} (flags: pdserve {name} --help)", add_help=False)
     _add_drain_parser(sub)

@@ -141,6 +141,13 @@ class WorkloadConfig:
     tokenizer: str | None = None
 
 
+def draw_lengths(cfg: WorkloadConfig, rng: random.Random) -> tuple[int, int]:
+    """Request lengths (prompt tokens without the shared prefix, output tokens); advances `rng`. The
+    `i`-th request draws from `random.Random(f"{seed}-{i}")`, so the simulator (`planner`) sees the
+    lengths `pdserve bench` sends."""
+    return cfg.prompt_tokens.sample(rng), cfg.output_tokens.sample(rng)
+
+
 class Workload:
     """Draws request `i` deterministically from the seed (so a sweep's rates see the same requests)."""
 
@@ -154,7 +161,7 @@ class Workload:
     def spec(self, i: int) -> RequestSpec:
         """The `i`-th request; changes nothing."""
         rng = random.Random(f"{self.cfg.seed}-{i}")
-        n_prompt, n_out = self.cfg.prompt_tokens.sample(rng), self.cfg.output_tokens.sample(rng)
+        n_prompt, n_out = draw_lengths(self.cfg, rng)
         group = i % len(self.prefixes) if self.prefixes else None
         return self._finish(RequestSpec(i, self.maker.make(n_prompt, rng), n_out, group=group))
 

@@ -1,0 +1,75 @@
+"""The `pdserve profile` and `pdserve plan` options. argparse only, so that building the `pdserve` parser
+imports nothing else of the planner (nor torch); deploy/cli.py attaches the commands."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_profile_parser(sub: argparse._SubParsersAction, model_help: str) -> argparse.ArgumentParser:
+    """`pdserve profile`: time the engine on this machine for the planner."""
+    p = sub.add_parser("profile", help="time the engine on this machine (prefill, decode steps, KV transfer, "
+                                       "KV capacity) and fit the planner's cost model",
+                       description="Runs the engine in-process (no cluster) and writes a versioned JSON profile: "
+                                   "machine facts, the model's fingerprint, raw timings and fitted coefficients. "
+                                   "`pdserve plan --profile` reads it.")
+    p.add_argument("--model", default=None, help=model_help)
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--kv-memory", type=int, default=512, metavar="MIB", help="KV cache budget per node (MiB), "
+                                                                             "as `pdserve up --kv-memory`")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="the nodes' token budget per step")
+    p.add_argument("--max-num-seqs", type=int, default=128, help="the nodes' sequences per step")
+    p.add_argument("--local-prefill-threshold", type=int, default=64, help="the decode nodes' threshold")
+    p.add_argument("--num-threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--out", default="profile.json", help="where to write the profile (default profile.json)")
+    p.add_argument("--quick", action="store_true", help="few, small points (seconds on a tiny model): a smoke test")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    return p
+
+
+def add_plan_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """`pdserve plan`: the cheapest P:D (or colocated) shape meeting SLOs, by simulation."""
+    p = sub.add_parser("plan", help="is disaggregation worth it, and how many prefill and decode nodes: "
+                                    "simulates shapes under a traffic and SLOs",
+                       description="Simulates every P:D and colocated shape up to --max-nodes under the traffic "
+                                   "(a discrete-event model timed by a `pdserve profile`), prints the cheapest shape "
+                                   "meeting the SLOs and the alternatives, writes a deploy/k8s values file.")
+    p.add_argument("--profile", required=True, metavar="PROFILE.json", help="from `pdserve profile`")
+    w = p.add_argument_group("traffic (one of --workload, --trace)")
+    w.add_argument("--workload", default=None, metavar="SPEC",
+                   help="prompt=DIST,output=DIST[,prefix=N]; DIST as `pdserve bench`: N, uniform:LO:HI, "
+                        "normal:MEAN:STD (default prompt=256,output=128)")
+    w.add_argument("--trace", default=None, metavar="FILE.jsonl", help="a `pdserve bench --trace` file; its "
+                                                                        "arrivals are rescaled to --rate")
+    w.add_argument("--tokenizer", default=None, metavar="DIR", help="counts a trace's text prompts exactly")
+    w.add_argument("--rate", type=float, default=None, help="the request rate to plan for (req/s; a trace: its own)")
+    w.add_argument("--sweep", action="store_true", help="find each shape's highest rate within the SLOs")
+    w.add_argument("--requests", type=int, default=400, help="simulated requests per run (default 400)")
+    w.add_argument("--seed", type=int, default=0)
+    g = p.add_argument_group("goal and search")
+    g.add_argument("--slo", default=None, metavar="ttft_p90=1s,tpot_p99=50ms",
+                   help="as `pdserve bench --slo`: per-request thresholds, judged at the _pNN percentile")
+    g.add_argument("--attainment", type=float, default=0.9, help="target fraction of good requests (0.9)")
+    g.add_argument("--max-nodes", type=int, default=8, help="node budget: shapes up to this many nodes (8)")
+    n = p.add_argument_group("node settings (default: the profile's)")
+    n.add_argument("--local-prefill-threshold", type=int, default=None)
+    n.add_argument("--max-num-seqs", type=int, default=None)
+    n.add_argument("--max-num-batched-tokens", type=int, default=None)
+    n.add_argument("--num-kv-blocks", type=int, default=None)
+    o = p.add_argument_group("output")
+    o.add_argument("--values-out", default=None, metavar="FILE.yaml",
+                   help="write the recommended replica counts (prefill.replicas, decode.replicas) for deploy/k8s")
+    o.add_argument("--plot", default=None, metavar="FILE.png", help="goodput against rate (needs matplotlib)")
+    o.add_argument("--json", action="store_true", help="print the plan as JSON instead of tables")
+    c = p.add_argument_group("check a live cluster (--check)")
+    c.add_argument("--check", action="store_true", help="derive the traffic from a live cluster's metrics and say "
+                                                        "whether its P:D still fits")
+    c.add_argument("--metrics-url", action="append", default=[], metavar="URL",
+                   help="a frontend's /metrics (repeatable: every frontend of the cluster)")
+    c.add_argument("--node-metrics-url", action="append", default=[], metavar="URL",
+                   help="a prefill or decode node's /metrics (repeatable): counts the current shape")
+    c.add_argument("--prometheus", default=None, metavar="URL", help="a Prometheus server instead of /metrics URLs")
+    c.add_argument("--window", type=float, default=300.0,
+                   help="seconds of traffic to average: scrape twice this far apart (/metrics), or the "
+                        "query range (Prometheus); 0 with /metrics: since the frontend started")
+    return p

@@ -1,0 +1,219 @@
+"""`pdserve plan --check`: a live cluster's traffic, read from its metrics, against its current shape.
+
+What the metrics give (deploy/prometheus/README.md has the catalogue):
+- arrival rate: finished requests (`pdserve_frontend_requests_total`, status 200) over the window;
+- mean prompt and output lengths: `pdserve_frontend_tokens_total{kind=prompt|completion}` per request.
+  The metrics hold no per-request length histograms, so the simulated traffic uses these means as fixed
+  lengths (a wide length spread makes the real tail worse than predicted);
+- the current shape: the nodes whose /metrics (or Prometheus series `pdserve_kv_blocks`) say `pool`
+  prefill or decode.
+From /metrics URLs the window is two scrapes `--window` seconds apart (0: everything since each counter
+was created); from Prometheus, `increase(...[window])`. Then the current shape is simulated at the
+observed rate, and the plan searched as `pdserve plan --rate` would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+import urllib.parse
+import urllib.request
+from dataclasses import asdict, dataclass
+
+from prometheus_client.parser import text_string_to_metric_families
+from rich.console import Console
+
+from loadgen.metrics import parse_slos
+from planner.plan import PlanConfig, Planner
+from planner.profile_model import load_profile
+from planner.sim import NodeSettings, Shape
+from planner.traffic import Traffic
+
+
+@dataclass
+class Observed:
+    """The traffic and shape a live cluster shows."""
+
+    requests: float  # finished requests in the window
+    prompt_tokens: float
+    completion_tokens: float
+    window_s: float
+    prefill_nodes: int | None = None  # None: not known (no node metrics given)
+    decode_nodes: int | None = None
+
+    @property
+    def rate(self) -> float:
+        return self.requests / self.window_s if self.window_s > 0 else 0.0
+
+    @property
+    def mean_prompt(self) -> float:
+        return self.prompt_tokens / self.requests if self.requests else 0.0
+
+    @property
+    def mean_output(self) -> float:
+        return self.completion_tokens / self.requests if self.requests else 0.0
+
+    @property
+    def shape(self) -> Shape | None:
+        if not self.decode_nodes:
+            return None
+        return Shape(self.prefill_nodes or 0, self.decode_nodes)
+
+
+@dataclass
+class _Counters:
+    requests: float = 0.0
+    prompt: float = 0.0
+    completion: float = 0.0
+    created: float = math.inf  # earliest counter creation (unix s)
+
+
+def _get(url: str, timeout: float = 10.0) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310 (operator-given URL)
+        return resp.read().decode("utf-8")
+
+
+def _frontend_counters(text: str) -> _Counters:
+    c = _Counters()
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == "pdserve_frontend_requests_total" and s.labels.get("status") == "200":
+                c.requests += s.value
+            elif s.name == "pdserve_frontend_tokens_total":
+                if s.labels.get("kind") == "prompt":
+                    c.prompt += s.value
+                elif s.labels.get("kind") == "completion":
+                    c.completion += s.value
+            elif s.name in ("pdserve_frontend_requests_total_created", "pdserve_frontend_requests_created"):
+                c.created = min(c.created, s.value)
+    return c
+
+
+def _node_pool(text: str) -> str | None:
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.labels.get("pool") in ("prefill", "decode"):
+                return s.labels["pool"]
+    return None
+
+
+def observe_metrics(frontend_urls: list[str], node_urls: list[str], window_s: float) -> Observed:
+    """Reads the frontends' /metrics (twice, `window_s` apart; once with 0) and the nodes' pools."""
+    first = [_frontend_counters(_get(u)) for u in frontend_urls]
+    if window_s > 0:
+        started = time.monotonic()
+        time.sleep(window_s)  # the observation window itself, not a synchronisation
+        second = [_frontend_counters(_get(u)) for u in frontend_urls]
+        window = time.monotonic() - started
+        delta = [(b.requests - a.requests, b.prompt - a.prompt, b.completion - a.completion)
+                 for a, b in zip(first, second, strict=True)]
+    else:
+        created = min((c.created for c in first), default=math.inf)
+        window = time.time() - created if math.isfinite(created) else 0.0
+        delta = [(c.requests, c.prompt, c.completion) for c in first]
+    pools = [_node_pool(_get(u)) for u in node_urls]
+    obs = Observed(sum(d[0] for d in delta), sum(d[1] for d in delta), sum(d[2] for d in delta), window)
+    if node_urls:
+        obs.prefill_nodes, obs.decode_nodes = pools.count("prefill"), pools.count("decode")
+    return obs
+
+
+def _prom_scalar(base: str, query: str) -> float:
+    url = f"{base.rstrip('/')}/api/v1/query?{urllib.parse.urlencode({'query': query})}"
+    data = json.loads(_get(url))
+    if data.get("status") != "success":
+        raise ValueError(f"Prometheus query {query!r} failed: {data.get('error', data)}")
+    result = data["data"]["result"]
+    return float(result[0]["value"][1]) if result else 0.0
+
+
+def observe_prometheus(base: str, window_s: float) -> Observed:
+    """The same figures from a Prometheus server's query API over the last `window_s` seconds."""
+    w = f"{max(int(window_s), 1)}s"
+    req = _prom_scalar(base, f'sum(increase(pdserve_frontend_requests_total{{status="200"}}[{w}]))')
+    prompt = _prom_scalar(base, f'sum(increase(pdserve_frontend_tokens_total{{kind="prompt"}}[{w}]))')
+    completion = _prom_scalar(base, f'sum(increase(pdserve_frontend_tokens_total{{kind="completion"}}[{w}]))')
+    prefill = _prom_scalar(base, 'count(count by (node) (pdserve_kv_blocks{pool="prefill"}))')
+    decode = _prom_scalar(base, 'count(count by (node) (pdserve_kv_blocks{pool="decode"}))')
+    return Observed(req, prompt, completion, float(max(int(window_s), 1)), int(prefill), int(decode))
+
+
+@dataclass
+class CheckResult:
+    """The observation, whether the current shape fits it, and the plan's recommendation."""
+
+    observed: Observed
+    current_fits: bool | None  # None: current shape unknown
+    current_attainment: float | None
+    recommended: str | None
+    recommended_prefill: int | None
+    recommended_decode: int | None
+
+    def verdict(self) -> str:
+        o = self.observed
+        head = (f"observed: {o.rate:.3g} req/s over {o.window_s:.0f} s ({o.requests:.0f} requests), "
+                f"mean prompt {o.mean_prompt:.0f} tokens, mean output {o.mean_output:.0f} tokens")
+        shape = o.shape
+        if shape is None:
+            now = "current shape unknown (give --node-metrics-url for each node)"
+        else:
+            att = f" (SLO attainment {100 * (self.current_attainment or 0):.1f}% predicted)"
+            now = f"current {shape.label}: {'still fits' if self.current_fits else 'does NOT fit'}{att}"
+        if self.recommended is None:
+            rec = "no shape within --max-nodes fits this traffic"
+        elif shape is not None and self.recommended == shape.label:
+            rec = f"recommended: keep {shape.label}"
+        else:
+            rec = f"recommended: {self.recommended}"
+        return f"{head}\n{now}\n{rec}"
+
+
+def check(args: argparse.Namespace) -> CheckResult:
+    """Observes the cluster, simulates its current shape and searches the plan. Raises ValueError."""
+    if not args.metrics_url and not args.prometheus:
+        raise ValueError("--check needs --metrics-url (each frontend's /metrics) or --prometheus URL")
+    if args.metrics_url and args.prometheus:
+        raise ValueError("give --metrics-url or --prometheus, not both")
+    obs = (observe_prometheus(args.prometheus, args.window) if args.prometheus
+           else observe_metrics(args.metrics_url, args.node_metrics_url, args.window))
+    if obs.requests < 1 or obs.rate <= 0:
+        raise ValueError("the cluster finished no request in the window: nothing to plan for")
+    profile = load_profile(args.profile)
+    traffic = Traffic.parse(str(max(1, round(obs.mean_prompt))), str(max(1, round(obs.mean_output))), 0, args.seed)
+    settings = NodeSettings.of(profile, local_prefill_threshold=args.local_prefill_threshold,
+                               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                               num_kv_blocks=args.num_kv_blocks)
+    cfg = PlanConfig(profile, parse_slos(args.slo), args.attainment, args.max_nodes, rate=obs.rate,
+                     traffic=traffic, requests=args.requests, settings=settings)
+    planner = Planner(cfg)
+    current = planner.simulate(obs.shape, obs.rate).summary if obs.shape is not None else None
+    plan = planner.run()
+    rec = plan.recommended
+    return CheckResult(obs, None if current is None else current.meets_target,
+                       None if current is None else current.attainment,
+                       None if rec is None else rec.shape.label, None if rec is None else rec.shape.prefill,
+                       None if rec is None else rec.shape.decode)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Prints the check; 0 when the current shape fits (or, unknown, when some shape does), else 1."""
+    res = check(args)
+    if args.json:
+        d = asdict(res)
+        d["observed"].update(rate=res.observed.rate, mean_prompt=res.observed.mean_prompt,
+                             mean_output=res.observed.mean_output)
+        print(json.dumps(d, indent=1))
+    else:
+        Console(width=160).print(res.verdict(), highlight=False)
+    if args.values_out and res.recommended_decode is not None:
+        from planner.plan import write_values
+
+        shape = Shape(res.recommended_prefill or 0, res.recommended_decode)
+        write_values(args.values_out, shape, "pdserve plan --check: " + res.verdict())
+        print(f"wrote {args.values_out}", file=sys.stderr)
+    if res.current_fits is not None:
+        return 0 if res.current_fits else 1
+    return 0 if res.recommended is not None else 1
