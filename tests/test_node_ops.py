@@ -41,7 +41,7 @@ COMMON = {"pdserve_prefix_cache_queries", "pdserve_prefix_cache_hits", "pdserve_
 EXPECTED = {
     "prefill": COMMON | {"pdserve_prefill_queue_seconds", "pdserve_prefill_time_seconds", "pdserve_prefill_batch_tokens",
                          "pdserve_prefill_tokens", "pdserve_kv_transfer_seconds", "pdserve_kv_transfer_bytes",
-                         "pdserve_kv_transfer_failures"},
+                         "pdserve_kv_transfer_failures", "pdserve_prefill_layerwise_sends", "pdserve_prefill_layerwise_steps"},
     "decode": COMMON | {"pdserve_decode_first_step_seconds", "pdserve_decode_itl_seconds", "pdserve_decode_batch_size",
                         "pdserve_decode_tokens", "pdserve_decode_local_prefill_fallbacks", "pdserve_decode_reprefills",
                         "pdserve_decode_kv_checksum_failures"},
