@@ -8,7 +8,8 @@ The heavy clients send `max_tokens: 1` and each repeats its own prompt, so the p
 its prefix cache and the nodes stay lightly loaded: the load lands on the frontend, which renders and
 tokenizes ~8k tokens per request. The same loaded run against a frontend started with
 `--prepare-inline-bytes` above every body (tokenizing on the event loop, as it used to) is the baseline.
-ITL is measured at the client between chunks carrying text.
+ITL is measured at the client between chunks carrying text; the heavy clients run in a process of their
+own, so their sends do not delay the measuring loop's reads.
 
     .venv/bin/python bench/tokenize_isolation.py [--seconds 20] [--streams 16] [--heavy 4] [--prompt-tokens 8000]
 """
@@ -17,11 +18,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import multiprocessing
 import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -66,10 +69,32 @@ def heavy_text(tok: Tokenizer, client: int, tokens: int) -> str:
     return text
 
 
+def _heavy_process(url: str, texts: list[str], stop: Any, counts: Any) -> None:
+    """The heavy clients, in a process of their own: their JSON encoding and sends must not delay the
+    measuring loop's reads (the ITL is taken at the client)."""
+
+    async def main() -> None:
+        async with httpx.AsyncClient(timeout=300) as client:
+
+            async def one(text: str) -> None:
+                body = {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 1}
+                while not stop.is_set():
+                    resp = await client.post(url, json=body)
+                    with counts.get_lock():
+                        counts[0 if resp.status_code == 200 else 1] += 1
+                    if resp.status_code != 200:
+                        await asyncio.sleep(0.05)
+
+            await asyncio.gather(*(one(t) for t in texts))
+
+    asyncio.run(main())
+
+
 async def run_phase(url: str, seconds: float, streams: int, heavy: list[str], stream_tokens: int) -> Phase:
     phase = Phase()
-    stop = asyncio.Event()
-    limits = httpx.Limits(max_connections=streams + len(heavy) + 4, max_keepalive_connections=streams + len(heavy))
+    limits = httpx.Limits(max_connections=streams + 4, max_keepalive_connections=streams)
+    ctx = multiprocessing.get_context("spawn")
+    stop, counts = ctx.Event(), ctx.Array("l", 2)
     async with httpx.AsyncClient(timeout=300, limits=limits) as client:
 
         async def streamer(i: int) -> None:
@@ -85,24 +110,18 @@ async def run_phase(url: str, seconds: float, streams: int, heavy: list[str], st
                 phase.streams += 1
                 k += 1
 
-        async def heavy_client(text: str) -> None:
-            body = {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 1}
-            while not stop.is_set():
-                resp = await client.post(url, json=body)
-                if resp.status_code == 200:
-                    phase.heavy_done += 1
-                else:
-                    phase.heavy_failed += 1
-                    await asyncio.sleep(0.05)
-
         start = time.monotonic()
-        heavies = [asyncio.ensure_future(heavy_client(t)) for t in heavy]
+        proc = ctx.Process(target=_heavy_process, args=(url, heavy, stop, counts), daemon=True) if heavy else None
+        if proc is not None:
+            proc.start()
         try:
             await asyncio.gather(*(streamer(i) for i in range(streams)))
         finally:
             stop.set()
-            await asyncio.gather(*heavies, return_exceptions=True)
+            if proc is not None:
+                await asyncio.to_thread(proc.join, 120)
         phase.seconds = time.monotonic() - start
+        phase.heavy_done, phase.heavy_failed = counts[0], counts[1]
     return phase
 
 

@@ -134,10 +134,20 @@ def start_frontend(name: str, log_dir: Path, etcd: list[str], port: int, *args: 
     return fp
 
 
-# Command-line marks of the processes a test may start: node and frontend processes, the scripted
-# decode node, etcd, `pdserve up` and its children. Other children (a compiler, a tokenizer pool) are
-# not the harness's business.
-_CLUSTER_MARKS = ("node.prefill", "node.decode", "-m frontend", SCRIPTED_NODE, "etcd", "pdserve", "prometheus")
+# The processes a test may start: `python -m` of these modules, these executables, and `pdserve` (the
+# launcher). Other children (a compiler, multiprocessing's helpers) are not the harness's business.
+_CLUSTER_MODULES = ("node.prefill", "node.decode", "frontend", SCRIPTED_NODE, "deploy")
+_CLUSTER_EXECUTABLES = ("etcd", "prometheus", "pdserve")
+
+
+def _is_cluster_process(argv: list[str]) -> bool:
+    """Whether a command line (argv) is one of the processes above; judged by the module or executable
+    it runs, never by a path that merely contains such a name."""
+    if "-m" in argv[:-1]:
+        module = argv[argv.index("-m") + 1]
+        return any(module == m or module.startswith(m + ".") for m in _CLUSTER_MODULES)
+    names = [Path(a).name for a in argv[:2]]  # the executable, or the script an interpreter runs
+    return any(n in _CLUSTER_EXECUTABLES for n in names)
 
 
 def _children(pid: int) -> list[int]:
@@ -163,9 +173,10 @@ def reap_cluster_processes(pid: int | None = None) -> list[str]:
             argv = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        command = " ".join(a.decode(errors="replace") for a in argv if a)
-        if not any(mark in command for mark in _CLUSTER_MARKS):
+        args = [a.decode(errors="replace") for a in argv if a]
+        if not args or not _is_cluster_process(args):
             continue
+        command = " ".join(args)
         found.append(f"pid {child}: {command[:200]}")
         try:
             os.kill(child, signal.SIGKILL)

