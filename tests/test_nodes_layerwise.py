@@ -16,15 +16,13 @@ from pathlib import Path
 import grpc
 import pytest
 
-from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
-from engine.tiny import default_model_dir
 from node.convert import params_to_proto
 from protos import pdserve_pb2 as pb
-from testing.cluster import GenerateResult, LocalCluster
+from testing.cluster import GenerateResult, LocalCluster, reference_engine
 
-pytestmark = pytest.mark.timeout(400)
+pytestmark = [pytest.mark.timeout(400), pytest.mark.usefixtures("check_integrity_after_each_test")]
 
 BLOCK = 16
 BUDGET = 128  # the prefill nodes' max_num_batched_tokens: longer prompts are prefilled in chunks
@@ -34,11 +32,6 @@ SENDS = "pdserve_prefill_layerwise_sends_total"
 STEPS = "pdserve_prefill_layerwise_steps_total"
 REPREFILLS = "pdserve_decode_reprefills_total"
 FALLBACKS = "pdserve_decode_local_prefill_fallbacks_total"
-
-
-@pytest.fixture(scope="module")
-def model_dir() -> Path:
-    return default_model_dir("llama")
 
 
 @pytest.fixture(scope="module")
@@ -55,15 +48,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterat
         c.wait_clean()
 
 
-@pytest.fixture(autouse=True)
-def _check_integrity_after_each_test(cluster: LocalCluster) -> Iterator[None]:
-    yield
-    cluster.check_integrity()
-
-
 @pytest.fixture(scope="module")
 def reference(model_dir: Path) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=768, num_threads=1))
+    return reference_engine(model_dir, num_kv_blocks=768)
 
 
 def rand_tokens(rng: random.Random, n: int) -> list[int]:
