@@ -180,6 +180,11 @@ class LocalCluster:
         started = [self.spawn_node("prefill", f"p{i}", prefill_args) for i in range(num_prefill)]
         started += [self.spawn_node("decode", f"d{i}", decode_args) for i in range(num_decode)]
         self.wait_ready(started)
+        # Ready means registered; a node learns of its peers through its registry watch a moment later,
+        # so a request sent at once could find its decode node not yet knowing the prefill nodes.
+        ids = {n.node_id for n in started}
+        self.wait_registry(lambda m: ids <= m.keys(), timeout_s=30, what="every node in the registry")
+        time.sleep(0.2)  # the watch delivery to each node (no RPC reports a node's view; bounded margin)
 
     def is_stopped(self, node_id: str) -> bool:
         """Whether the node was sent SIGSTOP (and no SIGCONT since)."""
