@@ -1,15 +1,23 @@
 """Does tokenizing long prompts stall other requests' streams? Inter-token latency (ITL) p99 of 16
 streams, alone and while 4 other clients keep sending 8k-token chat prompts, through one frontend in
 front of a real local cluster (etcd, one prefill and one decode node running the tiny llama with its
-declared context raised to 16k positions; the tokenizer, the chat template and the frontend are what is
-measured). Target: loaded p99 within 20% of the unloaded p99.
+declared context raised to 16k positions). Target: loaded p99 within 20% of the unloaded p99.
 
-The heavy clients send `max_tokens: 1` and each repeats its own prompt, so the prefill node answers from
-its prefix cache and the nodes stay lightly loaded: the load lands on the frontend, which renders and
-tokenizes ~8k tokens per request. The same loaded run against a frontend started with
-`--prepare-inline-bytes` above every body (tokenizing on the event loop, as it used to) is the baseline.
-ITL is measured at the client between chunks carrying text; the heavy clients run in a process of their
-own, so their sends do not delay the measuring loop's reads.
+What is measured is the frontend: its event loop relays every stream's tokens while its prepare workers
+parse, render and tokenize the long prompts. So by default (`--heavy-mode refused`) the heavy clients
+ask for `max_tokens` equal to the whole context: the frontend does all of a request's preparation (the
+body, the chat template, ~8k tokens) and then answers 400 context_length_exceeded, and the nodes see
+nothing of them. Each of the 4 clients sends its next prompt as soon as the last is answered, which makes
+far more tokenization than 4 clients of a serving cluster could cause (~80-100 prompts/s here).
+`--heavy-mode served` serves them instead (`max_tokens: 1`, each client repeating its prompt so the
+prefill node answers from its prefix cache); on this machine the nodes then share the same two cores with
+the heavy requests' prefill and transfer work, which a deployment runs on other hosts, so that figure
+measures CPU sharing between nodes rather than the frontend.
+
+The heavy clients run in a process of their own at nice 19, standing for clients on other machines: their
+JSON encoding and sends must neither delay the measuring loop's reads (ITL is taken at the client) nor
+take CPU from the cluster. The same loaded run against a frontend started with `--prepare-inline-bytes`
+above every body (tokenizing on the event loop, as it used to) is the baseline.
 
     .venv/bin/python bench/tokenize_isolation.py [--seconds 20] [--streams 16] [--heavy 4] [--prompt-tokens 8000]
 """
@@ -19,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing
+import os
 import sys
 import tempfile
 import time
@@ -40,6 +49,7 @@ from testing.http_load import CallResult, long_context_copy, percentile, stream_
 from testing.procs import FrontendProc, start_frontend  # noqa: E402
 
 MODEL = "tiny"
+CONTEXT = 16384  # the tiny llama's declared context, raised to fit the heavy prompts
 WORDS = ("river stone lantern copper meadow quiet harbor velvet signal orchard ember falcon granite "
          "thimble compass saffron willow marble cinder pebble").split()
 
@@ -69,20 +79,22 @@ def heavy_text(tok: Tokenizer, client: int, tokens: int) -> str:
     return text
 
 
-def _heavy_process(url: str, texts: list[str], stop: Any, counts: Any) -> None:
+def _heavy_process(url: str, texts: list[str], max_tokens: int, stop: Any, counts: Any) -> None:
     """The heavy clients, in a process of their own: their JSON encoding and sends must not delay the
     measuring loop's reads (the ITL is taken at the client)."""
+    os.nice(19)
 
     async def main() -> None:
         async with httpx.AsyncClient(timeout=300) as client:
 
             async def one(text: str) -> None:
-                body = {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 1}
+                body = {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens}
                 while not stop.is_set():
                     resp = await client.post(url, json=body)
+                    expected = resp.status_code == 200 if max_tokens == 1 else _too_long(resp)
                     with counts.get_lock():
-                        counts[0 if resp.status_code == 200 else 1] += 1
-                    if resp.status_code != 200:
+                        counts[0 if expected else 1] += 1
+                    if not expected:
                         await asyncio.sleep(0.05)
 
             await asyncio.gather(*(one(t) for t in texts))
@@ -90,7 +102,13 @@ def _heavy_process(url: str, texts: list[str], stop: Any, counts: Any) -> None:
     asyncio.run(main())
 
 
-async def run_phase(url: str, seconds: float, streams: int, heavy: list[str], stream_tokens: int) -> Phase:
+def _too_long(resp: httpx.Response) -> bool:
+    """A 400 context_length_exceeded: the frontend parsed, templated and tokenized the whole prompt."""
+    return resp.status_code == 400 and resp.json().get("error", {}).get("code") == "context_length_exceeded"
+
+
+async def run_phase(url: str, seconds: float, streams: int, heavy: list[str], stream_tokens: int,
+                    heavy_max_tokens: int = 1) -> Phase:
     phase = Phase()
     limits = httpx.Limits(max_connections=streams + 4, max_keepalive_connections=streams)
     ctx = multiprocessing.get_context("spawn")
@@ -111,7 +129,7 @@ async def run_phase(url: str, seconds: float, streams: int, heavy: list[str], st
                 k += 1
 
         start = time.monotonic()
-        proc = ctx.Process(target=_heavy_process, args=(url, heavy, stop, counts), daemon=True) if heavy else None
+        proc = ctx.Process(target=_heavy_process, args=(url, heavy, heavy_max_tokens, stop, counts), daemon=True) if heavy else None
         if proc is not None:
             proc.start()
         try:
@@ -157,15 +175,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stream-tokens", type=int, default=200, help="max_tokens of each measured stream")
     parser.add_argument("--threads", type=int, default=2, help="torch threads per node")
     parser.add_argument("--no-baseline", action="store_true", help="skip the tokenize-on-the-loop baseline")
+    parser.add_argument("--heavy-mode", choices=("refused", "served"), default="refused",
+                        help="refused: the heavy prompts are tokenized and then refused as too long for the "
+                        "context (the frontend's work alone); served: they are served with max_tokens 1")
     args = parser.parse_args(argv)
+    heavy_max_tokens = 1 if args.heavy_mode == "served" else CONTEXT
 
     with tempfile.TemporaryDirectory(prefix="tokenize-isolation-") as tmpdir:
         tmp = Path(tmpdir)
-        model = long_context_copy(default_model_dir("llama"), tmp / "model", 16384)
+        model = long_context_copy(default_model_dir("llama"), tmp / "model", CONTEXT)
         tok = Tokenizer(model)
         heavy = [heavy_text(tok, i, args.prompt_tokens) for i in range(args.heavy)]
         lengths = [len(tok.encode_chat([{"role": "user", "content": t}])) for t in heavy]
-        print(f"heavy prompts: {min(lengths)}..{max(lengths)} tokens", flush=True)
+        if lengths:
+            print(f"heavy prompts: {min(lengths)}..{max(lengths)} tokens", flush=True)
         node_args = ["--dtype", "float32", "--num-threads", str(args.threads), "--num-kv-blocks", "4096",
                      "--block-size", "16", "--max-num-batched-tokens", "8192", "--model-name", MODEL]
         with LocalCluster(tmp / "cluster", model, node_args=node_args) as cluster:
@@ -176,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
                 warm_up(url, heavy)
                 unloaded = asyncio.run(run_phase(url, args.seconds, args.streams, [], args.stream_tokens))
                 report("unloaded", unloaded, None)
-                loaded = asyncio.run(run_phase(url, args.seconds, args.streams, heavy, args.stream_tokens))
+                loaded = asyncio.run(run_phase(url, args.seconds, args.streams, heavy, args.stream_tokens,
+                                               heavy_max_tokens))
                 report(f"{args.heavy} clients x {args.prompt_tokens}-token prompts", loaded, unloaded)
             finally:
                 fe.stop()
@@ -188,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
                     base_unloaded = asyncio.run(run_phase(url, args.seconds, args.streams, [],
                                                           args.stream_tokens))
                     report("baseline (tokenize on the loop)", base_unloaded, None)
-                    base = asyncio.run(run_phase(url, args.seconds, args.streams, heavy, args.stream_tokens))
+                    base = asyncio.run(run_phase(url, args.seconds, args.streams, heavy, args.stream_tokens,
+                                                heavy_max_tokens))
                     report("baseline, loaded", base, base_unloaded)
                 finally:
                     fe.stop()

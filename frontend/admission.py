@@ -3,11 +3,11 @@ caller's): body validation, model resolution and fallback, permissions, tokeniza
 routing every choice, and the tenant's limits. The result is a `Job` holding a tenant admission and route
 leases, which `frontend.accounting` releases when the job ends.
 
-The CPU-heavy steps (parsing the body, chat templating, tokenization) run on `frontend.workers` threads
-for a body over `prepare_inline_bytes`, so a long prompt does not stall the event loop that streams
-other requests' tokens; a small body is cheaper to do inline than to hand over. They are pure functions of
-the body and the model; everything that reads or changes shared state (catalog, router, limiter) runs on
-the event loop.
+The CPU-heavy steps (`frontend.prepare`: parsing the body, chat templating, tokenization) run in
+`frontend.workers` processes for a body over `prepare_inline_bytes`, so a long prompt does not stall the
+event loop that streams other requests' tokens; a small body is cheaper to do inline than to hand over.
+They are pure functions of the body and the model; everything that reads or changes shared state
+(catalog, router, limiter) runs on the event loop.
 
 Fallback (`Admitter._fallback`, the one rule): a model with a configured fallback is served by it when its
 own pool has no usable decode node at admission, or (`Admitter.fall_back`) when every decode node tried
@@ -28,15 +28,8 @@ from frontend.job import CHAT, Choice, Job, client_request_id
 from frontend.limits import TenantLimiter
 from frontend.metrics import FrontendMetrics
 from frontend.models import ModelCatalog, ServedModel
-from frontend.protocol import (
-    INT64_MAX,
-    SEED_MIN,
-    GenerationRequest,
-    RequestLimits,
-    parse_chat_request,
-    parse_completion_request,
-    parse_json_body,
-)
+from frontend.prepare import parse_request, tokenize
+from frontend.protocol import INT64_MAX, SEED_MIN, GenerationRequest
 from frontend.routing import NoRoute, RouteDecision, Router
 from frontend.tenants import Tenant
 from frontend.ttft import TTFTEstimator
@@ -65,12 +58,6 @@ class OutputBudget:
     estimated: bool
 
 
-@dataclass(frozen=True)
-class Tokenized:
-    prompts: list[list[int]]  # token ids per prompt
-    echo_texts: list[str]  # per prompt: the text `echo` puts in front ("" without echo)
-
-
 def ttft_budget_ms(tenant: Tenant, headers: Mapping[str, str]) -> float | None:
     """The request's TTFT budget: its `x-pdserve-ttft-budget-ms` header, else the tenant's
     `ttft_budget_ms`, else None (no early rejection). 400 APIError for a malformed header."""
@@ -88,36 +75,6 @@ def ttft_budget_ms(tenant: Tenant, headers: Mapping[str, str]) -> float | None:
     return value
 
 
-def parse_request(kind: str, body: bytes, limits: RequestLimits) -> GenerationRequest:
-    """The validated request of a body. Pure: safe on a worker thread. Raises APIError (400)."""
-    obj = parse_json_body(body)
-    return parse_chat_request(obj, limits) if kind == CHAT else parse_completion_request(obj, limits)
-
-
-def tokenize(req: GenerationRequest, model: ServedModel) -> Tokenized:
-    """Token ids and echo texts of every prompt (chat: the rendered template). Pure: safe on a worker
-    thread. Raises APIError (400)."""
-    if req.kind == CHAT:
-        assert req.messages is not None
-        return Tokenized([model.encode_chat(req.messages)], [""])
-    prompts: list[list[int]] = []
-    echoes: list[str] = []
-    assert req.prompts is not None
-    single = len(req.prompts) == 1
-    for i, p in enumerate(req.prompts):
-        if isinstance(p, str):
-            ids = model.encode(p)
-            echoes.append(p if req.echo else "")
-        else:
-            model.check_token_ids(p, "prompt" if single else f"prompt[{i}]")
-            ids = list(p)
-            echoes.append(model.tokenizer.decode(ids) if req.echo else "")
-        if not ids:
-            raise APIError(400, "The prompt is empty after tokenization.", param="prompt", code="empty_prompt")
-        prompts.append(ids)
-    return Tokenized(prompts, echoes)
-
-
 class Admitter:
     """Turns a request body into an admitted `Job` (reads the catalog, router and limiter; takes route
     leases and a tenant admission, which the job's end releases)."""
@@ -133,7 +90,7 @@ class Admitter:
         budget_ms = ttft_budget_ms(tenant, headers)
         offload = len(body) > self.config.prepare_inline_bytes
         limits = self.config.request_limits
-        req = await self.workers.run(parse_request, kind, body, limits) if offload else parse_request(kind, body, limits)
+        req = await self.workers.parse(kind, body, limits) if offload else parse_request(kind, body, limits)
         model = self.catalog.resolve(req.model)
         if not tenant.may_use(*self.catalog.names_of(model)):
             raise APIError(403, f"Tenant {tenant.name!r} may not use model `{req.model}`.", type="permission_error",
@@ -141,7 +98,7 @@ class Admitter:
         self._limited(tenant, lambda: self.limiter.precheck(tenant))
         picked = self._pick_model(tenant, model)
         model = picked.model
-        tokenized = await self.workers.run(tokenize, req, model) if offload else tokenize(req, model)
+        tokenized = await self.workers.tokenize(req, model) if offload else tokenize(req, model)
         prompts = tokenized.prompts
         budgets = [self._max_tokens(req, tenant, model, len(p)) for p in prompts]
         per_prompt_max = [b.max_tokens for b in budgets]
@@ -271,7 +228,7 @@ class Admitter:
         model, req = picked.model, job.req
         try:
             # The fallback model's tokenizer, off the loop as in `prepare` (the whole prompt is re-tokenized).
-            tokenized = await self.workers.run(tokenize, req, model)
+            tokenized = await self.workers.tokenize(req, model)
             per_prompt_max = [self._max_tokens(req, job.tenant, model, len(p)).max_tokens for p in tokenized.prompts]
             decisions = self._route(req, model, tokenized.prompts, per_prompt_max, job.session_key)
         except APIError:

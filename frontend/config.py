@@ -173,9 +173,10 @@ class FrontendConfig:
     max_stop_chars: int = 256
     max_prompt_chars: int = 1 << 20  # message content characters, or prompt characters + token ids
     max_inflight: int = 2048  # requests in flight in this process before new ones get 503
-    # Admission's CPU work (parse, chat template, tokenize) for bodies over prepare_inline_bytes runs on
-    # prepare_workers threads, with at most prepare_queue requests waiting for one (then 503).
-    prepare_workers: int = field(default_factory=lambda: max(2, min(8, os.cpu_count() or 1)))
+    # Admission's CPU work (parse, chat template, tokenize) for bodies over prepare_inline_bytes runs in
+    # prepare_workers processes, with at most prepare_queue requests waiting for one (then 503).
+    # One core fewer than the process may use (the event loop keeps one), 1..4.
+    prepare_workers: int = field(default_factory=lambda: max(1, min(4, len(os.sched_getaffinity(0)) - 1)))
     prepare_queue: int = 256
     prepare_inline_bytes: int = 16384
     # A request with a TTFT budget is refused when its predicted TTFT exceeds ttft_headroom x budget: the
@@ -300,9 +301,9 @@ def _add_admission_flags(p: argparse.ArgumentParser) -> None:
                    help="characters of a request's messages or prompts (token ids count one each)")
     p.add_argument("--max-inflight", type=int, default=2048)
     p.add_argument("--prepare-workers", type=int, default=None,
-                   help="threads for parsing, chat templating and tokenization (default: CPUs, 2..8)")
+                   help="processes for parsing, chat templating and tokenization of large bodies (default: usable CPUs - 1, 1..4)")
     p.add_argument("--prepare-queue", type=int, default=256,
-                   help="requests that may wait for a prepare thread before new ones get 503")
+                   help="requests that may wait for a prepare worker before new ones get 503")
     p.add_argument("--prepare-inline-bytes", type=int, default=16384,
                    help="bodies up to this size are parsed and tokenized on the event loop (cheaper than a hand-over)")
     p.add_argument("--ttft-headroom", type=float, default=0.7,

@@ -21,6 +21,11 @@ SERVER = "server_error"
 OVERLOADED = "overloaded_error"
 
 
+def _rebuild_api_error(status: int, message: str, type: str, param: str | None, code: str | None,  # noqa: A002
+                       headers: dict[str, str], limit: str | None) -> APIError:
+    return APIError(status, message, type=type, param=param, code=code, headers=headers, limit=limit)
+
+
 class APIError(Exception):
     """A request failure with its HTTP status and OpenAI error fields (`param`, `code`: str or None)."""
 
@@ -43,6 +48,12 @@ class APIError(Exception):
         self.param = param
         self.code = code
         self.headers: dict[str, str] = dict(headers or {})
+
+    def __reduce__(self) -> tuple[object, ...]:
+        # Raised in `frontend.workers` processes and pickled back; Exception's default would call
+        # APIError(message) alone.
+        return (_rebuild_api_error, (self.status, self.message, self.type, self.param, self.code, self.headers,
+                                     self.limit))
 
     def to_dict(self) -> dict[str, dict[str, str | None]]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}

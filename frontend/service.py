@@ -66,7 +66,7 @@ class Frontend:
             decode_max_queue=config.decode_max_queue,
         )
         self.upstream = UpstreamPool(config.rpc)
-        self.workers = PrepareWorkers(config.prepare_workers, config.prepare_queue)
+        self.workers = PrepareWorkers(config.prepare_workers, config.prepare_queue, config.models)
         self.ttft = TTFTEstimator()
         self.router.on_first_token = self.ttft.observe_lease
         self.admitter = Admitter(config, self.catalog, self.limiter, self.router, self.metrics, self.workers,
@@ -88,7 +88,9 @@ class Frontend:
     # --- lifecycle -------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Starts the registry watch; waits up to registry_sync_timeout_s for the first snapshot."""
+        """Starts the prepare workers and the registry watch; waits up to registry_sync_timeout_s for the
+        first snapshot."""
+        workers = asyncio.ensure_future(self.workers.start())
         self.view.subscribe(self._on_view_change)
         await self.view.start(sync_timeout_s=None)
         deadline = time.monotonic() + self.config.registry_sync_timeout_s
@@ -97,6 +99,7 @@ class Frontend:
         if self.view.last_sync is None:
             log.error("no registry snapshot from etcd %s within %.0fs; serving 503 until it arrives",
                       ",".join(self.config.etcd_endpoints), self.config.registry_sync_timeout_s)
+        await workers
 
     async def close(self) -> None:
         for task in list(self._background):

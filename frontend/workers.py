@@ -1,64 +1,134 @@
-"""A bounded pool of threads for the CPU work of admission: parsing large bodies, chat templating and
-tokenization, so the event loop keeps streaming other requests' tokens meanwhile.
+"""A bounded pool of worker processes for the CPU work of admission (`frontend.prepare`: parsing large
+bodies, chat templating, tokenization), so the event loop keeps streaming other requests' tokens meanwhile.
 
-Threads, not processes: the tokenizer releases the GIL while it encodes (`engine.tokenizer.Tokenizer.encode`
-goes through `encode_batch` for that reason), and the pure-Python parts (JSON validation, jinja rendering)
-hold it at most one switch interval (5 ms) at a time, so the loop keeps its turns; a process pool would
-add a copy of every tokenizer per worker and pickle every request and prompt both ways. The pool is
-bounded: at most `threads` run and `queue_limit` wait; beyond that `run` answers 503 at once.
+Processes, not threads. Chat templating and the Python side of tokenization hold the GIL, and a thread
+holding it stalls the event loop however the OS schedules them: a low-priority thread that is preempted
+while it holds the GIL keeps the loop waiting (priority inversion). Each worker process holds its own
+copy of every served model's tokenizer (`ModelCatalog`, no weights) and gets the body or the validated
+request pickled in; token ids come back. The copies cost a few tens of MB per worker and the pickling
+about as much time as reading the body; a small body is cheaper to do inline (`prepare_inline_bytes`).
 
-The threads run at a lower CPU priority (nice +WORKER_NICE) than the event loop: when the cores are
-busy, the loop that streams tokens to clients runs first and a long prompt's preparation waits, since an
-inter-token gap is felt by every stream and a slower admission only by the request it belongs to.
+The workers run at a lower CPU priority (nice +WORKER_NICE) than the rest of the frontend and the nodes on
+the same host: when the cores are busy, the work that streams tokens runs first and a long prompt's
+preparation waits, since an inter-token gap is felt by every stream and a slower admission only by the
+request it belongs to. The pool is bounded: at most `processes` jobs run and `queue_limit` wait; beyond
+that `run` answers 503 at once. A worker that dies (killed, out of memory) fails only the jobs it held,
+with 503, and the pool is started afresh.
 """
 
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import os
+import signal
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from multiprocessing.connection import wait
 from typing import TypeVar
 
+from frontend.config import ModelSpec
 from frontend.errors import OVERLOADED, APIError
+from frontend.models import ModelCatalog, ServedModel
+from frontend.prepare import Tokenized, parse_request, tokenize
+from frontend.protocol import GenerationRequest, RequestLimits
 
 T = TypeVar("T")
 
-WORKER_NICE = 5
+WORKER_NICE = 19
 
 
-def _lower_priority() -> None:
-    """Thread initializer: raise this thread's nice value (Linux schedules threads one by one)."""
+class _Worker:
+    """The state of one worker process: the served models, loaded once when the process starts."""
+
+    catalog: ModelCatalog | None = None
+
+
+def _exit_with_parent() -> None:
+    """Ends this worker when the frontend process ends, however it ends. A worker holds both ends of the
+    pool's job pipe, so it would never see end-of-file and would wait for jobs forever."""
+    parent = multiprocessing.parent_process()
+    assert parent is not None
+    wait([parent.sentinel])
+    os._exit(0)
+
+
+def _start_worker(models: tuple[ModelSpec, ...], nice: int) -> None:
+    """Worker process initializer."""
+    threading.Thread(target=_exit_with_parent, name="parent-watch", daemon=True).start()
+    # Ctrl-C reaches the whole process group; the frontend decides when its workers stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + WORKER_NICE)
-    except (OSError, AttributeError):  # not Linux, or not allowed: the threads keep the process's priority
+        os.nice(nice)
+    except OSError:  # not allowed: the workers keep the frontend's priority
         pass
+    _Worker.catalog = ModelCatalog(models) if models else None
+
+
+def _tokenize_by_name(req: GenerationRequest, model_name: str) -> Tokenized:
+    """`tokenize` in a worker, with the worker's own copy of the model's tokenizer."""
+    assert _Worker.catalog is not None, "the prepare workers were started without models"
+    return tokenize(req, _Worker.catalog.resolve(model_name))
+
+
+def _ready() -> int:
+    return os.getpid()
 
 
 class PrepareWorkers:
-    """Runs admission's CPU work off the event loop (changes only its own pending count)."""
+    """Runs admission's CPU work in worker processes (changes only its own pending count, and its pool
+    when a worker died)."""
 
-    def __init__(self, threads: int, queue_limit: int) -> None:
-        assert threads >= 1 and queue_limit >= 0, (threads, queue_limit)
-        self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="prepare",
-                                            initializer=_lower_priority)
-        self._capacity = threads + queue_limit
-        self.pending = 0  # jobs running or waiting for a thread
+    def __init__(self, processes: int, queue_limit: int, models: tuple[ModelSpec, ...] = (),
+                 nice: int = WORKER_NICE) -> None:
+        assert processes >= 1 and queue_limit >= 0, (processes, queue_limit)
+        self._processes, self._models, self._nice = processes, models, nice
+        self._capacity = processes + queue_limit
+        self._executor = self._new_pool()
+        self.pending = 0  # jobs running or waiting for a worker
+        self.restarts = 0  # pools started afresh after a worker died
+
+    def _new_pool(self) -> ProcessPoolExecutor:
+        # spawn, not fork: the frontend has threads (gRPC, the registry watch) that fork would copy mid-state.
+        return ProcessPoolExecutor(max_workers=self._processes, mp_context=multiprocessing.get_context("spawn"),
+                                   initializer=_start_worker, initargs=(self._models, self._nice))
+
+    async def start(self) -> None:
+        """Starts every worker now and waits until each has loaded the models, so the first long prompts
+        do not wait for a process to start."""
+        loop = asyncio.get_running_loop()
+        await asyncio.gather(*(loop.run_in_executor(self._executor, _ready) for _ in range(self._processes)))
+
+    async def parse(self, kind: str, body: bytes, limits: RequestLimits) -> GenerationRequest:
+        """`frontend.prepare.parse_request` in a worker."""
+        return await self.run(parse_request, kind, body, limits)
+
+    async def tokenize(self, req: GenerationRequest, model: ServedModel) -> Tokenized:
+        """`frontend.prepare.tokenize` in a worker (which holds its own copy of `model`'s tokenizer)."""
+        return await self.run(_tokenize_by_name, req, model.name)
 
     async def run(self, fn: Callable[..., T], *args: object) -> T:
-        """`fn(*args)` on a worker thread; its exceptions (APIError included) propagate. 503 APIError with
-        Retry-After when the pool is full."""
+        """`fn(*args)` in a worker process (`fn` and the arguments are pickled); its exceptions (APIError
+        included) propagate. 503 APIError with Retry-After when the pool is full or a worker died."""
         if self.pending >= self._capacity:
             raise APIError(503, "This frontend's request preparation queue is full; retry shortly.",
                            type=OVERLOADED, code="overloaded", headers={"retry-after": "1"})
         self.pending += 1
+        executor = self._executor
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+            return await asyncio.get_running_loop().run_in_executor(executor, fn, *args)
+        except BrokenProcessPool:
+            if executor is self._executor:  # the first job to notice starts the pool afresh
+                executor.shutdown(wait=False, cancel_futures=True)
+                self._executor = self._new_pool()
+                self.restarts += 1
+            raise APIError(503, "A request preparation worker of this frontend stopped; retry shortly.",
+                           type=OVERLOADED, code="overloaded", headers={"retry-after": "1"}) from None
         finally:
             self.pending -= 1
 
     def close(self) -> None:
-        """Stops the threads once their current job is done; queued jobs are dropped."""
+        """Stops the workers once their current job is done; queued jobs are dropped."""
         self._executor.shutdown(wait=False, cancel_futures=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -632,20 +633,18 @@ def test_ttft_backlog_estimate_and_budget_header() -> None:
 
 def test_prepare_workers_are_bounded_and_refuse_at_once() -> None:
     import asyncio
-    import threading
+    import time
 
     from frontend.workers import PrepareWorkers
 
-    workers = PrepareWorkers(threads=1, queue_limit=1)
-    release = threading.Event()
+    workers = PrepareWorkers(processes=1, queue_limit=1)
 
     async def scenario() -> list[object]:
-        running = [asyncio.ensure_future(workers.run(release.wait, 10)) for _ in range(2)]  # one runs, one waits
+        await workers.start()
+        running = [asyncio.ensure_future(workers.run(time.sleep, 0.5)) for _ in range(2)]  # one runs, one waits
         await asyncio.sleep(0)
         assert workers.pending == 2
-        refused = api_error_async(workers.run(release.wait, 10))
-        err = await refused
-        release.set()
+        err = await api_error_async(workers.run(time.sleep, 0.5))
         return [err, *(await asyncio.gather(*running))]
 
     async def api_error_async(coro: Any) -> APIError:
@@ -660,4 +659,48 @@ def test_prepare_workers_are_bounded_and_refuse_at_once() -> None:
     finally:
         workers.close()
     assert isinstance(err, APIError) and err.status == 503 and err.headers["retry-after"] == "1"
-    assert results == [True, True] and workers.pending == 0
+    assert results == [None, None] and workers.pending == 0
+
+
+def test_prepare_worker_errors_and_deaths(tiny_llama_dir: Path) -> None:
+    """An APIError raised in a worker reaches the caller whole; a worker that dies fails its job with 503
+    and the pool serves the next job from fresh processes."""
+    import asyncio
+    import signal
+
+    from frontend.prepare import parse_request, tokenize
+    from frontend.protocol import RequestLimits
+    from frontend.workers import PrepareWorkers
+
+    spec = ModelSpec("m", str(tiny_llama_dir))
+    workers = PrepareWorkers(processes=1, queue_limit=4, models=(spec,))
+    catalog = ModelCatalog((spec,))
+    limits = RequestLimits()
+    good = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hello there"}]})
+
+    async def scenario() -> tuple[APIError, APIError, list[int], list[int]]:
+        await workers.start()
+        bad = await api_error_async(workers.parse("chat", b'{"model": "m", "messages": [', limits))
+        req = await workers.parse("chat", good, limits)
+        ids = (await workers.tokenize(req, catalog.resolve("m"))).prompts[0]
+        pid = await workers.run(os.getpid)
+        died = await api_error_async(workers.run(os.kill, pid, signal.SIGKILL))
+        again = (await workers.tokenize(req, catalog.resolve("m"))).prompts[0]
+        return bad, died, ids, again
+
+    async def api_error_async(coro: Any) -> APIError:
+        try:
+            await coro
+        except APIError as err:
+            return err
+        raise AssertionError("no APIError")
+
+    try:
+        bad, died, ids, again = asyncio.run(scenario())
+    finally:
+        workers.close()
+    inline = parse_request("chat", good, limits)
+    assert bad.status == 400 and bad.code and bad.message
+    assert died.status == 503 and died.headers["retry-after"] == "1" and workers.restarts == 1
+    assert ids == again == tokenize(inline, catalog.resolve("m")).prompts[0]
+    assert workers.pending == 0
