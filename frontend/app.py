@@ -8,6 +8,7 @@ cancels the work at once, which cancels the Generate calls and so aborts the req
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -25,7 +26,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from frontend.errors import NOT_FOUND, SERVER, APIError
-from frontend.render import DONE, error_event
+from frontend.render import DONE, KEEPALIVE, error_event
 from frontend.service import CHAT, COMPLETION, Frontend, Job, client_request_id
 
 log = logging.getLogger(__name__)
@@ -128,34 +129,48 @@ class GenerationResponse(Response):
         job = self.job
         return [*extra, (b"x-request-id", job.id.encode()), (b"x-pdserve-model", job.model.name.encode())]
 
+    async def _events(self) -> AsyncIterator[bytes]:
+        """The SSE events of a streamed job, from the start of its Generate calls."""
+        firsts = await self.frontend.open(self.job)
+        async with aclosing(self.frontend.stream(self.job, firsts)) as events:
+            async for chunk in events:
+                yield chunk
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         fe, job = self.frontend, self.job
         state = _WatchState(asyncio.current_task())
         watcher = asyncio.ensure_future(_watch_disconnect(receive, state))
         started = False
         try:
-            firsts = await fe.open(job)
             if job.req.stream:
-                async with aclosing(fe.stream(job, firsts)) as events:
+                keepalive = fe.config.sse_keepalive_s or None
+                async with aclosing(with_keepalive(self._events(), keepalive)) as events:
                     async for chunk in events:
                         if not started:
                             started = True
                             await send({"type": "http.response.start", "status": 200,
                                         "headers": self._headers(_SSE_HEADERS)})
-                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                        if chunk is None:
+                            fe.metrics.sse_keepalives.inc()
+                        await send({"type": "http.response.body", "body": chunk or KEEPALIVE, "more_body": True})
                 state.done = True
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
                 return
+            firsts = await fe.open(job)
             body = await fe.collect(job, firsts)
             state.done = True
             headers = self._headers([(b"content-type", b"application/json"),
                                      (b"content-length", str(len(body)).encode())])
             await send({"type": "http.response.start", "status": 200, "headers": headers})
             await send({"type": "http.response.body", "body": body, "more_body": False})
-        except APIError as err:  # raised only before the response started
+        except APIError as err:  # raised before the first token
             job.error = err
             state.done = True
-            await _send_error(send, err, self._headers([]))
+            if started:  # keep-alive comments have started a 200 stream: the error is its last event
+                await send({"type": "http.response.body", "body": error_event(err.to_dict()) + DONE,
+                            "more_body": False})
+            else:
+                await _send_error(send, err, self._headers([]))
         except asyncio.CancelledError:
             if not state.disconnected:
                 raise
@@ -176,6 +191,36 @@ class GenerationResponse(Response):
         finally:
             watcher.cancel()
             fe.finish(job)
+
+
+async def with_keepalive(source: AsyncIterator[bytes], interval_s: float | None) -> AsyncIterator[bytes | None]:
+    """The items of `source`, and None each time `interval_s` seconds pass without one (None: never).
+
+    The next item is awaited in a task of its own that outlives the timeouts, so a timeout never
+    interrupts `source`; closing this generator (or cancelling its consumer) cancels that task and closes
+    `source`."""
+    it = aiter(source)
+    pending: asyncio.Future[bytes] | None = None
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(anext(it))
+            done, _ = await asyncio.wait({pending}, timeout=interval_s)
+            if not done:
+                yield None
+                continue
+            nxt, pending = pending, None
+            try:
+                item = nxt.result()
+            except StopAsyncIteration:
+                return
+            yield item
+    finally:
+        if pending is not None:
+            pending.cancel()
+            with contextlib.suppress(BaseException):
+                await pending
+        await it.aclose()  # type: ignore[attr-defined]
 
 
 async def _send_error(send: Send, err: APIError, headers: list[tuple[bytes, bytes]]) -> None:

@@ -173,6 +173,9 @@ class FrontendConfig:
     max_stop_chars: int = 256
     max_prompt_chars: int = 1 << 20  # message content characters, or prompt characters + token ids
     max_inflight: int = 2048  # requests in flight in this process before new ones get 503
+    # A streamed response with nothing to send for this long gets an SSE comment line (0: never), so
+    # proxies and load balancers with idle timeouts keep a request that waits in a queue.
+    sse_keepalive_s: float = 15.0
     # Admission's CPU work (parse, chat template, tokenize) for bodies over prepare_inline_bytes runs in
     # prepare_workers processes, with at most prepare_queue requests waiting for one (then 503).
     # One core fewer than the process may use (the event loop keeps one), 1..4.
@@ -213,6 +216,7 @@ class FrontendConfig:
             (self.output_estimate >= 1, f"output_estimate must be >= 1, got {self.output_estimate}"),
             (self.max_body_bytes >= 1024, f"max_body_bytes must be >= 1024, got {self.max_body_bytes}"),
             (self.max_inflight >= 1, f"max_inflight must be >= 1, got {self.max_inflight}"),
+            (self.sse_keepalive_s >= 0, f"sse_keepalive_s must be >= 0, got {self.sse_keepalive_s}"),
             (self.max_header_bytes >= 1024, f"max_header_bytes must be >= 1024, got {self.max_header_bytes}"),
             (self.body_timeout_s > 0, f"body_timeout_s must be > 0, got {self.body_timeout_s}"),
             (self.max_messages >= 1, f"max_messages must be >= 1, got {self.max_messages}"),
@@ -300,6 +304,9 @@ def _add_admission_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-prompt-chars", type=int, default=1 << 20,
                    help="characters of a request's messages or prompts (token ids count one each)")
     p.add_argument("--max-inflight", type=int, default=2048)
+    p.add_argument("--sse-keepalive-s", type=float, default=15.0,
+                   help="send an SSE comment on a stream that has been silent this long, e.g. while its "
+                   "request waits for a first token (0: never)")
     p.add_argument("--prepare-workers", type=int, default=None,
                    help="processes for parsing, chat templating and tokenization of large bodies (default: usable CPUs - 1, 1..4)")
     p.add_argument("--prepare-queue", type=int, default=256,
@@ -346,6 +353,7 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         max_stop_chars=args.max_stop_chars,
         max_prompt_chars=args.max_prompt_chars,
         max_inflight=args.max_inflight,
+        sse_keepalive_s=args.sse_keepalive_s,
         prepare_queue=args.prepare_queue,
         prepare_inline_bytes=args.prepare_inline_bytes,
         ttft_headroom=args.ttft_headroom,

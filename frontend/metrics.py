@@ -24,6 +24,8 @@ class FrontendMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         base = ["pool", "node", "model"]
+        self.sse_keepalives = Counter("pdserve_frontend_sse_keepalives_total",
+                                      "SSE keep-alive comments sent on silent streams", registry=r)
         self.requests = Counter("pdserve_frontend_requests_total", "Requests by endpoint, HTTP status and finish reason",
                                 [*base, "endpoint", "status", "finish_reason"], registry=r)
         self.ttft = Histogram("pdserve_frontend_ttft_seconds", "Time from request arrival to first token",

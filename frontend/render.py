@@ -18,6 +18,9 @@ from frontend.protocol import Kind
 from protos import pdserve_pb2 as pb
 
 DONE = b"data: [DONE]\n\n"
+# An SSE comment: sent while a stream waits, so proxies with idle timeouts keep the connection; clients
+# skip comment lines.
+KEEPALIVE = b": keep-alive\n\n"
 # OpenAI's value for a token outside the top alternatives; also stands in for -inf, which JSON lacks.
 VERY_UNLIKELY = -9999.0
 _F32 = struct.Struct("<f")

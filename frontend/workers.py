@@ -19,12 +19,13 @@ with 503, and the pool is started afresh.
 from __future__ import annotations
 
 import asyncio
+import gc
 import multiprocessing
 import os
 import signal
 import threading
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from multiprocessing.connection import wait
 from typing import TypeVar
@@ -86,7 +87,7 @@ class PrepareWorkers:
         assert processes >= 1 and queue_limit >= 0, (processes, queue_limit)
         self._processes, self._models, self._nice = processes, models, nice
         self._capacity = processes + queue_limit
-        self._executor = self._new_pool()
+        self._executor: Executor = self._new_pool()
         self.pending = 0  # jobs running or waiting for a worker
         self.restarts = 0  # pools started afresh after a worker died
 
@@ -121,7 +122,7 @@ class PrepareWorkers:
             return await asyncio.get_running_loop().run_in_executor(executor, fn, *args)
         except BrokenProcessPool:
             if executor is self._executor:  # the first job to notice starts the pool afresh
-                executor.shutdown(wait=False, cancel_futures=True)
+                executor.shutdown(wait=False, cancel_futures=True)  # the broken pool
                 self._executor = self._new_pool()
                 self.restarts += 1
             raise APIError(503, "A request preparation worker of this frontend stopped; retry shortly.",
@@ -130,5 +131,11 @@ class PrepareWorkers:
             self.pending -= 1
 
     def close(self) -> None:
-        """Stops the workers once their current job is done; queued jobs are dropped."""
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        """Stops the workers once their current job is done (waits for that); queued jobs are dropped."""
+        self._executor.shutdown(wait=True, cancel_futures=True)
+        # The pool's queues hold named semaphores that are unlinked when they are collected; the frontend
+        # may end by re-raising SIGTERM, with no exit handlers, so collect them now.
+        closed = ThreadPoolExecutor(max_workers=1)
+        closed.shutdown()  # refuses every job from now on
+        self._executor = closed
+        gc.collect()
