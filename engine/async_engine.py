@@ -77,6 +77,15 @@ def abort_output(request_id: str, reason: str = "abort") -> RequestOutput:
     )
 
 
+@dataclass(frozen=True)
+class EngineProgress:
+    """Whether the engine thread makes progress: what a node's health is judged by."""
+
+    step_failures: int  # steps that raised, in all
+    consecutive_failures: int  # steps that raised since the last one that did not
+    step_running_s: float  # how long the step in progress has run; 0.0 between steps
+
+
 class AsyncEngine:
     """Owns the engine thread of one node. Every coroutine here must run on the loop given to `start`."""
 
@@ -92,6 +101,10 @@ class AsyncEngine:
         self._load = engine.load()  # replaced (never mutated) by the engine thread
         self._token_times: deque[tuple[float, int]] = deque()  # (time, tokens) per step, for tokens/s
         self._on_finished: list[Callable[[], None]] = []
+        # Written by the engine thread only; read anywhere (`progress`).
+        self._step_failures = 0
+        self._consecutive_failures = 0
+        self._step_started: float | None = None
 
     # -- lifecycle ----------------------------------------------------------------------------------
 
@@ -213,6 +226,12 @@ class AsyncEngine:
         """Request ids whose outputs are delivered to a stream (event-loop thread)."""
         return frozenset(self._streams)
 
+    def progress(self) -> EngineProgress:
+        """Step failures and the running step's age (no engine call; any thread)."""
+        started = self._step_started
+        return EngineProgress(self._step_failures, self._consecutive_failures,
+                              0.0 if started is None else time.monotonic() - started)
+
     def load(self) -> EngineLoad:
         """The engine's load as of its latest step or command (no engine call; any thread)."""
         return self._load
@@ -246,11 +265,18 @@ class AsyncEngine:
             outputs: list[RequestOutput] = []
             idle = False
             if engine.has_unfinished():
+                self._step_started = time.monotonic()
                 try:
                     outputs = engine.step()
                 except Exception:
                     log.exception("%s: engine step failed; aborting every request", self._name)
+                    self._step_failures += 1
+                    self._consecutive_failures += 1
                     outputs = self._abort_all()
+                else:
+                    self._consecutive_failures = 0
+                finally:
+                    self._step_started = None
                 stats = engine.last_step
                 computed = stats.num_decode_tokens + stats.num_prefill_tokens
                 idle = computed == 0 and not outputs

@@ -36,6 +36,10 @@ class NodeConfig:
     metrics_host: str = "127.0.0.1"  # where /metrics is served
     metrics_port: int = 0  # 0 picks a free port (reported in the ready line)
     drain_timeout_s: float = 30.0  # how long a drain waits for the work in flight before giving up
+    # Health from progress (`node.health`): this many engine steps failing in a row, or one step running
+    # this long, and the node leaves the registry, hands its requests over and exits (EXIT_UNHEALTHY).
+    max_step_failures: int = 3
+    step_stall_timeout_s: float = 120.0
     # The cluster token and TLS of the gRPC server and of channels to peers ($PDSERVE_CLUSTER_TOKEN by default).
     rpc: RpcSecurity = field(default_factory=RpcSecurity.from_env)
 
@@ -51,6 +55,8 @@ class NodeConfig:
             (self.join_timeout_s > 0, "join_timeout_s must be > 0"),
             (self.transfer_timeout_s > 0, "transfer_timeout_s must be > 0"),
             (self.drain_timeout_s >= 0, "drain_timeout_s must be >= 0"),
+            (self.max_step_failures >= 1, "max_step_failures must be >= 1"),
+            (self.step_stall_timeout_s > 0, "step_stall_timeout_s must be > 0"),
         ]
         for ok, msg in checks:
             if not ok:
@@ -98,6 +104,10 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-port", type=int, default=0, help="/metrics port (0: a free one)")
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="seconds a drain (SIGTERM, pdserve drain) waits for requests in flight")
+    parser.add_argument("--max-step-failures", type=int, default=3,
+                        help="engine steps failing in a row before the node leaves and exits to be restarted")
+    parser.add_argument("--step-stall-timeout", type=float, default=120.0,
+                        help="seconds one engine step may run before the node counts as hung, leaves and exits")
     parser.add_argument("--log-level", default="INFO")
     add_rpc_args(parser)
 
@@ -120,6 +130,7 @@ def node_kwargs(args: argparse.Namespace) -> dict[str, object]:
         kv_interface=args.kv_interface, lease_ttl_s=args.lease_ttl, load_interval_s=args.load_interval,
         join_timeout_s=args.join_timeout, transfer_timeout_s=args.transfer_timeout,
         metrics_host=args.metrics_host, metrics_port=args.metrics_port, drain_timeout_s=args.drain_timeout,
+        max_step_failures=args.max_step_failures, step_stall_timeout_s=args.step_stall_timeout,
         rpc=rpc_security_from_args(args),
     )
 

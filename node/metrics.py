@@ -78,11 +78,15 @@ class StepObserver(Protocol):
 class ObservedEngine(LLMEngine):
     """An `LLMEngine` that reports every step to an observer; otherwise unchanged."""
 
-    def __init__(self, cfg: EngineConfig, observer: StepObserver) -> None:
+    def __init__(self, cfg: EngineConfig, observer: StepObserver,
+                 before_step: Callable[[], None] | None = None) -> None:
         super().__init__(cfg)
         self._observer = observer
+        self._before_step = before_step  # the test-only fault hook (`node.health.StepFault`), or None
 
     def step(self) -> list[RequestOutput]:
+        if self._before_step is not None:
+            self._before_step()
         waiting = self.scheduler.waiting_seqs
         started = time.monotonic()
         outputs = super().step()

@@ -4,7 +4,7 @@ A node prints exactly one line to stdout once it serves and is registered:
 ``PDSERVE_READY {"node_id": ..., "role": ..., "grpc_address": ..., "kv_address": ...,
 "metrics_address": ..., "pid": ..., "fingerprint": ...}``; launchers and the test harness read it to learn
 the ports the node picked. A node refused by its pool exits with `EXIT_REFUSED`, one that cannot reach
-etcd to join with `EXIT_UNAVAILABLE`.
+etcd to join with `EXIT_UNAVAILABLE`, one whose engine stopped making progress with `EXIT_UNHEALTHY`.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Any
 READY_PREFIX = "PDSERVE_READY "
 EXIT_REFUSED = 3  # the registry refused this node (conflicting pool invariant or node id)
 EXIT_UNAVAILABLE = 4  # etcd could not be reached to join
+EXIT_UNHEALTHY = 5  # the engine stopped making progress (`node.health`): restart the process
 
 
 def ready_line(info: dict[str, Any]) -> str:

@@ -4,7 +4,8 @@ and clean shutdown. Each node kind's `main` calls `run_node` with its config, se
 
 Health (grpc.health.v1 on the gRPC port): the overall status ``""`` is SERVING while the server runs; the
 node's own service (``pdserve.v1.PrefillNode`` / ``pdserve.v1.DecodeNode``) is SERVING only while the
-node is registered and takes new work. Start-up and exit codes: `node.ready`; drain: `node.drain`.
+node is registered and takes new work. Start-up and exit codes: `node.ready`; drain: `node.drain`;
+health from progress (a node whose engine steps fail or hang leaves, hands over and exits): `node.health`.
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ from engine.async_engine import AsyncEngine
 from kv_transfer import ChannelConfig, ChannelManager
 from node.config import NodeConfig
 from node.drain import Drainer, NodeControlServicer
+from node.health import HealthCollector, HealthWatch, StepFault
 from node.metrics import MetricLabels, NodeMetrics, ObservedEngine
-from node.ready import EXIT_REFUSED, EXIT_UNAVAILABLE, ready_line
+from node.ready import EXIT_REFUSED, EXIT_UNAVAILABLE, EXIT_UNHEALTHY, ready_line
 from node.service import NodeContext, NodeService
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
@@ -62,6 +64,7 @@ class _Node:
     health: health_aio.HealthServicer
     service_name: str  # the health service name of the node's own service
     drainer: Drainer
+    watch: HealthWatch
 
 
 async def run_node(
@@ -93,7 +96,13 @@ async def run_node(
             "kv_address": node.ctx.record.kv_address, "metrics_address": metrics_server.address,
             "pid": os.getpid(), "fingerprint": node.ctx.fingerprint,
         }), flush=True)
-        await _serve_until_signalled(node)
+        unhealthy = await _serve_until_signalled(node)
+        if unhealthy is not None:
+            await _leave_unhealthy(node, unhealthy)
+            # Not `_shutdown`: a hung engine thread would never stop, and what it holds dies with the process.
+            logging.shutdown()
+            metrics_server.close()
+            os._exit(EXIT_UNHEALTHY)
         await _shutdown(node)
         return 0
     finally:
@@ -103,9 +112,12 @@ async def run_node(
 async def _build(config: NodeConfig, role: str, make_service: type[NodeService], metrics: NodeMetrics) -> _Node:
     """Loads the model and starts the engine thread; builds the channel manager, registry view, service
     and gRPC server (not yet listening)."""
-    engine = await asyncio.to_thread(ObservedEngine, config.engine, metrics)
+    fault = StepFault.from_env()
+    engine = await asyncio.to_thread(ObservedEngine, config.engine, metrics, fault and fault.before_step)
     aengine = AsyncEngine(engine, name=config.node_id)
     aengine.start()
+    watch = HealthWatch(aengine, config.max_step_failures, config.step_stall_timeout_s)
+    metrics.registry.register(HealthCollector(metrics.labels, watch))
     channels = ChannelManager(ChannelConfig(
         node_id=config.node_id, role=role, kv_address=f"{config.kv_host}:{config.kv_port}",  # type: ignore[arg-type]
         device=config.engine.device, interface=config.kv_interface,
@@ -123,7 +135,7 @@ async def _build(config: NodeConfig, role: str, make_service: type[NodeService],
     await health.set(service_name, health_pb2.HealthCheckResponse.NOT_SERVING)
     drainer = Drainer(service, health, service_name, config.drain_timeout_s)
     pb_grpc.add_NodeControlServicer_to_server(NodeControlServicer(drainer, service), server)
-    return _Node(ctx, service, server, health, service_name, drainer)
+    return _Node(ctx, service, server, health, service_name, drainer, watch)
 
 
 async def _join(node: _Node) -> int | None:
@@ -186,14 +198,22 @@ async def _join(node: _Node) -> int | None:
     return None
 
 
-async def _serve_until_signalled(node: _Node) -> None:
-    """Serves until SIGTERM/SIGINT, then drains; a second signal cuts the drain short."""
+async def _serve_until_signalled(node: _Node) -> str | None:
+    """Serves until SIGTERM/SIGINT, then drains (a second signal cuts the drain short); or until the
+    engine stops making progress, returning why (`node.health`)."""
     node_id = node.ctx.config.node_id
     signals: asyncio.Queue[int] = asyncio.Queue()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, signals.put_nowait, sig)
-    first = await signals.get()
+    signalled = asyncio.ensure_future(signals.get())
+    unhealthy = asyncio.ensure_future(node.watch.wait_unhealthy())
+    await asyncio.wait({signalled, unhealthy}, return_when=asyncio.FIRST_COMPLETED)
+    if unhealthy.done():
+        signalled.cancel()
+        return unhealthy.result()
+    unhealthy.cancel()
+    first = signalled.result()
     log.info("node %s: %s received", node_id, signal.Signals(first).name)
     drain = node.drainer.start()
     second = asyncio.ensure_future(signals.get())
@@ -203,6 +223,26 @@ async def _serve_until_signalled(node: _Node) -> None:
         drain.cancel()
     second.cancel()
     log.info("node %s stopping", node_id)
+    return None
+
+
+async def _leave_unhealthy(node: _Node, why: str) -> None:
+    """The node can no longer serve: NOT_SERVING, out of the registry, its requests handed over, its
+    gRPC calls ended; each step bounded, since the engine thread may be hung."""
+    node_id = node.ctx.config.node_id
+    log.error("node %s is unhealthy: %s; leaving the registry, handing its requests over and exiting "
+              "(code %d) to be restarted", node_id, why, EXIT_UNHEALTHY)
+    service = node.service
+    service.draining = True
+    service.accepting = False
+    await node.health.set(node.service_name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    try:
+        await asyncio.wait_for(asyncio.shield(node.drainer.deregister()), timeout=5.0)
+    except TimeoutError:
+        log.warning("node %s: could not revoke its lease in 5s; it lapses after the TTL", node_id)
+    moved = service.hand_over()
+    log.info("node %s: handed %d request(s) over", node_id, moved)
+    await node.server.stop(grace=2.0)  # the streams' last messages go out; every other call ends
 
 
 async def _shutdown(node: _Node) -> None:

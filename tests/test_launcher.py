@@ -4,7 +4,9 @@ frontend), the way the README runs it:
 1. the examples it prints work: its `curl` command and its `openai` SDK snippet, run as printed;
 2. `pdserve status` finds the cluster and shows each node's role, id, addresses, pid, load and KV use;
 3. killing both node processes gets them reported and restarted, and serving continues;
-4. Ctrl-C stops every process in order (frontend, decode, prefill, etcd), leaving no process and no
+4. nodes whose engine steps fail (the nodes' test-only fault hook, armed for the whole cluster) leave,
+   exit with EXIT_UNHEALTHY and are restarted, and serving continues once the fault is gone;
+5. Ctrl-C stops every process in order (frontend, decode, prefill, etcd), leaving no process and no
    registry key behind (checked by bringing etcd back up on the cluster's data).
 
 The tests share one cluster and run in file order; the last one stops it.
@@ -12,6 +14,7 @@ The tests share one cluster and run in file order; the last one stops it.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -26,6 +29,8 @@ import openai
 import pytest
 
 from deploy.launcher import registry_keys
+from node.health import FAULT_ENV, StepFault
+from node.ready import EXIT_UNHEALTHY
 from registry import EtcdServer
 from tests.up_cluster import REPO_ROOT, UpCluster
 
@@ -38,7 +43,9 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpCluster]:
-    cluster = UpCluster.start(tmp_path_factory.mktemp("up"), ["--model", "tiny", "--lease-ttl", "2", "--kv-memory", "64"])
+    workdir = tmp_path_factory.mktemp("up")
+    cluster = UpCluster.start(workdir, ["--model", "tiny", "--lease-ttl", "2", "--kv-memory", "64"],
+                              env={FAULT_ENV: str(workdir / "fault")})
     try:
         yield cluster
     finally:
@@ -116,6 +123,32 @@ def test_killed_nodes_restart_and_serving_continues(up: UpCluster) -> None:
     assert ask(up, "Still there?").usage.completion_tokens > 0
     # Restarted nodes keep their /metrics port, so Prometheus keeps scraping the same targets.
     assert {t["labels"]["node"]: t["targets"] for t in up.targets()} == targets_before
+
+
+def test_unhealthy_nodes_exit_and_are_restarted(up: UpCluster) -> None:
+    fault = StepFault(up.runs_dir.parent / "fault")
+    before = {n["node_id"]: n["pid"] for n in up.status_json()["nodes"]}
+
+    def exited(name: str) -> bool:
+        return f"{name} (pid {before[name]}) exited with code {EXIT_UNHEALTHY}" in up.stderr()
+
+    fault.fail_file.touch()  # every node's engine steps fail from now on
+    try:
+        # Each request, long enough to be prefilled remotely, fails a step on each node (the prefill
+        # node's, then the decode node's local re-prefill); three in a row (the default bound) and a
+        # node leaves.
+        for _ in range(10):
+            if all(exited(name) for name in before):
+                break
+            with contextlib.suppress(openai.APIError):
+                ask(up, "Anyone there? " * 100)
+        for name, pid in before.items():
+            up.wait_for(f"{name} (pid {pid}) exited with code {EXIT_UNHEALTHY}", 60)
+    finally:
+        fault.fail_file.unlink()
+    for name in before:
+        up.wait_for(f"{name} is back", 180, count=2)  # the second time: the kill test brought it back once
+    assert ask(up, "Back?").usage.completion_tokens > 0
 
 
 def test_ctrl_c_stops_everything_in_order(up: UpCluster) -> None:

@@ -39,9 +39,11 @@ class UpCluster:
     stderr_path: Path
 
     @classmethod
-    def start(cls, workdir: Path, extra: Sequence[str] = (), timeout_s: float = 240.0) -> UpCluster:
-        """Runs `pdserve up` on a free port with a unique cluster name; returns once it printed its
-        banner. Raises RuntimeError (with its output) if it exits or takes longer."""
+    def start(cls, workdir: Path, extra: Sequence[str] = (), timeout_s: float = 240.0,
+              env: dict[str, str] | None = None) -> UpCluster:
+        """Runs `pdserve up` on a free port with a unique cluster name (and `env` added to its
+        environment, which its processes inherit); returns once it printed its banner. Raises
+        RuntimeError (with its output) if it exits or takes longer."""
         cluster = f"up-{uuid.uuid4().hex[:8]}"
         port = free_port()
         runs_dir = workdir / "runs"
@@ -51,7 +53,7 @@ class UpCluster:
         with open(stdout_path, "wb") as out, open(stderr_path, "wb") as err:
             # A session of its own, like a shell job: Ctrl-C (SIGINT to its process group) reaches it alone.
             proc = subprocess.Popen(argv, cwd=REPO_ROOT, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
-                                    start_new_session=True, env=dict(os.environ, COLUMNS="200"))
+                                    start_new_session=True, env=dict(os.environ, COLUMNS="200", **(env or {})))
         up = cls(proc, runs_dir, cluster, port, stdout_path, stderr_path)
         try:
             up.wait_for("pdserve is up", timeout_s, stream="stdout")

@@ -1,0 +1,188 @@
+"""Health from progress: a decode node whose engine steps fail, or whose step hangs, leaves the registry
+within its configured bound, its requests complete on the other decode node with the text of an
+uninterrupted run (greedy), and it exits with EXIT_UNHEALTHY for its supervisor to restart it.
+
+Real parts: etcd, 1 prefill + 2 decode node processes of the tiny model, a frontend process, the official
+openai SDK. The fault is the nodes' test-only hook (`PDSERVE_TEST_FAULT_STEP`, `node.health`): each decode
+node watches a trigger file of its own, and a test creates the file of the node serving its stream.
+The first test checks the engine side in-process: consecutive failures, their reset, the stall age.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
+from engine.sampling_params import SamplingParams
+from node.health import FAULT_ENV, HealthWatch, StepFault
+from node.metrics import ObservedEngine
+from node.ready import EXIT_UNHEALTHY
+from registry.etcd_server import free_port
+from testing.cluster import LocalCluster, NodeProcess
+from testing.procs import FrontendProc, start_frontend
+
+pytestmark = pytest.mark.timeout(600)
+
+MODEL = "tiny-llama"
+NODE_ARGS = ["--dtype", "float32", "--num-threads", "1", "--num-kv-blocks", "512", "--block-size", "16",
+             "--model-name", MODEL]
+STALL_S = 1.5
+# Threshold 0: prompts are prefilled on the prefill node; one failed step is enough to leave.
+DECODE_ARGS = ["--local-prefill-threshold", "0", "--max-step-failures", "1", "--step-stall-timeout", str(STALL_S)]
+
+
+def test_engine_progress_counts_failures_in_a_row_and_the_running_step(tmp_path: Path, model_dir: Path) -> None:
+    fault = StepFault(tmp_path / "fault")
+    trigger = fault.fail_file
+    observer = type("Quiet", (), {"on_step": lambda self, step: None})()
+    engine = ObservedEngine(EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=64), observer,
+                            fault.before_step)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+    async def run(aengine: AsyncEngine, request_id: str) -> tuple[str | None, int]:
+        stream = await aengine.add_request(request_id, [1, 2, 3], params)
+        tokens, finish = 0, None
+        while True:
+            for out in await stream.next_batch():
+                tokens += len(out.new_token_ids)
+                finish = out.finish_reason if out.finished else finish
+                if out.finished:
+                    aengine.close_stream(request_id)
+                    return finish, tokens
+
+    async def scenario() -> None:
+        aengine = AsyncEngine(engine, name="t")
+        aengine.start()
+        watch = HealthWatch(aengine, max_step_failures=2, stall_timeout_s=60)
+        try:
+            assert await run(aengine, "a") == ("length", 4)  # steps succeed: nothing counted
+            assert aengine.progress().consecutive_failures == 0
+            trigger.touch()
+            for i in range(2):
+                assert (await run(aengine, f"f{i}"))[0] == "error"
+                assert aengine.progress().consecutive_failures == i + 1
+                assert (watch.verdict() is None) == (i == 0)
+            assert watch.verdict() == "2 engine steps failed in a row"
+            trigger.unlink()
+            assert await run(aengine, "b") == ("length", 4)  # one good step resets the run
+            progress = aengine.progress()
+            assert (progress.consecutive_failures, progress.step_failures, progress.step_running_s) == (0, 2, 0.0)
+            assert watch.verdict() is None and watch.healthy
+        finally:
+            await aengine.close()
+
+    asyncio.run(scenario())
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[tuple[LocalCluster, FrontendProc]]:
+    tmp = tmp_path_factory.mktemp("health")
+    with LocalCluster(tmp / "cluster", model_dir, node_args=NODE_ARGS, lease_ttl_s=10) as cluster:
+        cluster.start(1, 0)
+        cluster.wait_ready([spawn_armed(cluster, node_id) for node_id in ("d0", "d1")])
+        cluster.wait_registry(lambda m: {"d0", "d1"} <= m.keys(), 30, "both decode nodes")
+        fe = start_frontend("frontend", tmp, cluster.etcd_endpoints, free_port(), "--cluster", cluster.cluster,
+                            "--model", f"{MODEL}={model_dir}", "--max-migrations", "2", "--log-level", "warning")
+        try:
+            yield cluster, fe
+        finally:
+            assert fe.stop() in (0, -15), fe.proc.tail()
+            assert "Traceback" not in fe.proc.log_text(), fe.proc.tail(80)
+
+
+def fault_of(cluster: LocalCluster, node_id: str) -> StepFault:
+    return StepFault(cluster.workdir / f"{node_id}-fault")
+
+
+def spawn_armed(cluster: LocalCluster, node_id: str) -> NodeProcess:
+    """Starts decode node `node_id` with the fault hook armed on trigger files of its own (not created)."""
+    fault = fault_of(cluster, node_id)
+    old = os.environ.get(FAULT_ENV)
+    os.environ[FAULT_ENV] = str(fault.path)
+    try:
+        return cluster.spawn_node("decode", node_id, DECODE_ARGS)
+    finally:
+        if old is None:
+            del os.environ[FAULT_ENV]
+        else:
+            os.environ[FAULT_ENV] = old
+
+
+def stream(fe: FrontendProc, prompt: str, max_tokens: int, on_chunk: object = None) -> str:
+    client = openai.OpenAI(base_url=f"{fe.base_url}/v1", api_key="sk-test", max_retries=0,
+                           http_client=httpx.Client(timeout=300))
+    text, n = "", 0
+    for chunk in client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, stream=True,
+                                           temperature=0.0, extra_body={"ignore_eos": True}):
+        text += "".join(c.text for c in chunk.choices)
+        n += 1
+        if on_chunk is not None:
+            on_chunk(n)  # type: ignore[operator]
+    return text
+
+
+def serving_node(cluster: LocalCluster, timeout_s: float = 30.0) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for node_id in ("d0", "d1"):
+            if cluster.nodes[node_id].alive and cluster.get_load(node_id).in_flight:
+                return node_id
+        time.sleep(0.01)
+    raise AssertionError("no decode node is serving the stream")
+
+
+@pytest.mark.parametrize("kind", ["fail", "hang"])
+def test_an_unhealthy_decode_node_leaves_and_its_streams_finish_elsewhere(
+        env: tuple[LocalCluster, FrontendProc], kind: str) -> None:
+    """Injects: the serving decode node's engine steps fail (`fail`) or its step hangs (`hang`) after 8
+    chunks of a stream; 3 more streams run alongside."""
+    cluster, fe = env
+    prompts = [f"The {kind} report of lighthouse number {i} says" for i in range(4)]
+    expected = [stream(fe, p, 60) for p in prompts]  # uninterrupted runs
+
+    injected: list[tuple[str, float]] = []
+    lock = threading.Lock()
+
+    def on_chunk(n: int) -> None:
+        with lock:
+            if n == 8 and not injected:
+                node_id = serving_node(cluster)
+                trigger = fault_of(cluster, node_id)
+                (trigger.fail_file if kind == "fail" else trigger.hang_file).touch()
+                injected.append((node_id, time.monotonic()))
+
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(stream, fe, p, 60, on_chunk if i == 0 else None) for i, p in enumerate(prompts)]
+        got = [f.result(timeout=300) for f in futures]
+    assert injected, "the stream ended before the fault was injected"
+    bad, at = injected[0]
+    assert got == expected, "a stream moved off the unhealthy node differs from its uninterrupted run"
+
+    # It left the registry within its bound (one failed step, or the stall timeout, plus the watch's poll).
+    cluster.wait_registry(lambda m: bad not in m, 30, f"{bad} out of the registry")
+    waited = time.monotonic() - at
+    assert waited < (STALL_S if kind == "hang" else 0) + 10, waited
+    proc = cluster.nodes[bad].proc
+    assert proc.wait(timeout=30) == EXIT_UNHEALTHY
+    cluster.kill(bad)  # it is gone: this forgets the test's channel to it
+    log = cluster.nodes[bad].log_path.read_text()
+    assert "is unhealthy" in log and ("failed in a row" in log if kind == "fail" else "stall timeout" in log)
+
+    # Restarted (as a supervisor does on that exit code), it serves again with its fault cleared.
+    for path in (fault_of(cluster, bad).fail_file, fault_of(cluster, bad).hang_file):
+        path.unlink(missing_ok=True)
+    cluster.wait_ready([spawn_armed(cluster, bad)])
+    cluster.wait_registry(lambda m: bad in m, 30, f"{bad} back")
+    assert stream(fe, prompts[0], 60) == expected[0]
+    cluster.wait_clean()
