@@ -631,6 +631,15 @@ def test_ttft_backlog_estimate_and_budget_header() -> None:
         assert err.status == 400 and err.param == TTFT_BUDGET_HEADER
 
 
+async def api_error_async(coro: Any) -> APIError:
+    """The APIError `coro` raises (fails the test if it raises none)."""
+    try:
+        await coro
+    except APIError as err:
+        return err
+    raise AssertionError("no APIError")
+
+
 def test_prepare_workers_are_bounded_and_refuse_at_once() -> None:
     import asyncio
     import time
@@ -646,13 +655,6 @@ def test_prepare_workers_are_bounded_and_refuse_at_once() -> None:
         assert workers.pending == 2
         err = await api_error_async(workers.run(time.sleep, 0.5))
         return [err, *(await asyncio.gather(*running))]
-
-    async def api_error_async(coro: Any) -> APIError:
-        try:
-            await coro
-        except APIError as err:
-            return err
-        raise AssertionError("no APIError")
 
     try:
         err, *results = asyncio.run(scenario())
@@ -687,13 +689,6 @@ def test_prepare_worker_errors_and_deaths(tiny_llama_dir: Path) -> None:
         died = await api_error_async(workers.run(os.kill, pid, signal.SIGKILL))
         again = (await workers.tokenize(req, catalog.resolve("m"))).prompts[0]
         return bad, died, ids, again
-
-    async def api_error_async(coro: Any) -> APIError:
-        try:
-            await coro
-        except APIError as err:
-            return err
-        raise AssertionError("no APIError")
 
     try:
         bad, died, ids, again = asyncio.run(scenario())
