@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from engine.version import pdserve_version
 from frontend.config import FrontendConfig
 from frontend.errors import APIError
 from frontend.job import CHAT, Choice, Job
@@ -124,6 +125,10 @@ def _log_record(job: Job, lat: Latencies, completion: int) -> dict[str, Any]:
         "endpoint": job.endpoint,
         "model": job.model.name,
         "requested_model": job.requested_model,
+        "model_fingerprint": (job.choices[0].decision.fingerprint or None) if job.choices else None,
+        "tokenizer_digest": job.model.tokenizer_digest,
+        "chat_template_digest": job.model.chat_template_digest,
+        "pdserve_version": pdserve_version(),
         "fallback": job.fallback_reason or None,
         "status": lat.status,
         "finish_reasons": [c.finish_reason for c in job.choices],

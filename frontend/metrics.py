@@ -7,9 +7,12 @@ per-token path free of metric calls.
 
 from __future__ import annotations
 
+import platform
 from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from engine.version import pdserve_version
 
 POOL = "frontend"
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
@@ -25,7 +28,14 @@ class FrontendMetrics:
         r = self.registry
         base = ["pool", "node", "model"]
         self.sse_keepalives = Counter("pdserve_frontend_sse_keepalives_total",
-                                      "SSE keep-alive comments sent on silent streams", registry=r)
+                                      "SSE keep-alive comments sent on silent streams", ["pool", "node"],
+                                      registry=r).labels(POOL, node)
+        self.build_info = Gauge("pdserve_build_info", "Always 1; the labels name the pdserve version",
+                                ["pool", "node", "version", "python"], registry=r)
+        self.build_info.labels(POOL, node, pdserve_version(), platform.python_version()).set(1)
+        self.model_info = Gauge("pdserve_model_info",
+                                "Always 1 per served model; the labels name its tokenizer and chat template",
+                                [*base, "model_pool", "tokenizer", "chat_template", "max_context"], registry=r)
         self.requests = Counter("pdserve_frontend_requests_total", "Requests by endpoint, HTTP status and finish reason",
                                 [*base, "endpoint", "status", "finish_reason"], registry=r)
         self.ttft = Histogram("pdserve_frontend_ttft_seconds", "Time from request arrival to first token",

@@ -17,6 +17,7 @@ from typing import Any
 
 from engine.model_config import ModelLoadError, parse_model_config, read_json
 from engine.tokenizer import ChatTemplateError, Tokenizer
+from engine.version import short_digest
 from frontend.config import ConfigError, ModelSpec
 from frontend.errors import APIError, bad_request
 
@@ -87,6 +88,8 @@ class ServedModel:
     texts: TokenTexts
     max_context: int
     created: int
+    tokenizer_digest: str  # `engine.version.short_digest` of the tokenizer's JSON
+    chat_template_digest: str  # of the chat template ("" without one)
 
     @property
     def name(self) -> str:
@@ -141,7 +144,10 @@ class ModelCatalog:
             limits = [x for x in (model_len, spec.max_context) if x is not None]
             if not limits:
                 raise ConfigError(f"model {spec.name!r}: no config.json in {path}; set max_context")
-            served = ServedModel(spec, tokenizer, TokenTexts(tokenizer), min(limits), now)
+            template = tokenizer.chat_template
+            served = ServedModel(spec, tokenizer, TokenTexts(tokenizer), min(limits), now,
+                                 short_digest(tokenizer.backend.to_str()),
+                                 short_digest(template) if template is not None else "")
             self._models[spec.name] = served
             for name in (spec.name, *spec.aliases):
                 self._names[name] = served

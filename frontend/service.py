@@ -15,6 +15,7 @@ import time
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
+from engine.version import pdserve_version
 from frontend.accounting import Accounting
 from frontend.admission import Admitter
 from frontend.channels import UpstreamPool
@@ -54,9 +55,13 @@ class Frontend:
     def __init__(self, config: FrontendConfig) -> None:
         self.config = config
         self.catalog = ModelCatalog(config.models)
+        self.version = pdserve_version()
         self.tenants = TenantTable.from_file(config.tenants_file) if config.tenants_file else TenantTable.local()
         self.limiter = TenantLimiter(share=config.limit_share, index=config.limit_share_index)
         self.metrics = FrontendMetrics(config.frontend_id)
+        for m in self.catalog.models:
+            self.metrics.model_info.labels(*self.metrics.labels(m.name), m.pool, m.tokenizer_digest,
+                                           m.chat_template_digest, str(m.max_context)).set(1)
         self.request_log = RequestLog(config.request_log)
         self.view = RegistryView(config.etcd_endpoints, config.cluster)
         self.router = Router(
@@ -158,7 +163,13 @@ class Frontend:
         for m in self.catalog.models:
             names = self.catalog.names_of(m)
             if tenant.may_use(*names):
-                out += [{"id": name, "object": "model", "created": m.created, "owned_by": "pdserve"} for name in names]
+                fingerprints = sorted({mem.record.model_fingerprint for mem in self.view.members(model=m.pool)})
+                extra = {"max_model_len": m.max_context, "pool": m.pool,
+                         "model_fingerprint": fingerprints[0] if len(fingerprints) == 1 else None,
+                         "tokenizer_digest": m.tokenizer_digest, "chat_template_digest": m.chat_template_digest,
+                         "pdserve_version": self.version}
+                out += [{"id": name, "object": "model", "created": m.created, "owned_by": "pdserve", **extra}
+                        for name in names]
         return out
 
     # --- a job's life ----------------------------------------------------------------------------

@@ -17,6 +17,7 @@ The role-specific metrics live in `node.prefill.metrics` and `node.decode.metric
 
 from __future__ import annotations
 
+import platform
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -24,7 +25,7 @@ from dataclasses import asdict, dataclass
 from typing import Protocol
 from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -32,6 +33,7 @@ from engine.block_manager import PrefixCacheStats
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine, RequestOutput, StepStats
 from engine.sequence import Sequence as EngineSequence
+from engine.version import pdserve_version
 from registry import NodeLoad
 
 # One bucket list for every latency histogram: from 1 ms, with bounds at the usual SLO thresholds.
@@ -199,6 +201,17 @@ class NodeMetrics:
             self._preemptions.inc(step.stats.num_preempted)
         with self._lock:
             self._cache = step.cache
+
+    def set_info(self, fingerprint: str, dtype: str, block_size: int) -> None:
+        """The info series (always 1; once the engine exists): the pdserve version, and which model,
+        dtype and block size this node serves."""
+        build = Gauge("pdserve_build_info", "Always 1; the labels name the pdserve version",
+                      [*LABEL_NAMES, "version", "python"], registry=self.registry)
+        build.labels(**self.labels.values(), version=pdserve_version(), python=platform.python_version()).set(1)
+        model = Gauge("pdserve_model_info", "Always 1; the labels name the served model's fingerprint",
+                      [*LABEL_NAMES, "fingerprint", "dtype", "block_size"], registry=self.registry)
+        model.labels(**self.labels.values(), fingerprint=fingerprint[:16], dtype=dtype,
+                     block_size=str(block_size)).set(1)
 
     def _gauge_snapshot(self) -> NodeLoad | None:
         return self._gauges() if self._gauges is not None else None

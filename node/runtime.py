@@ -125,6 +125,7 @@ async def _build(config: NodeConfig, role: str, make_service: type[NodeService],
     ))
     view = RegistryView(config.etcd_endpoints, config.cluster)
     ctx = NodeContext(config, role, aengine, channels, view, engine.model_config.fingerprint(), metrics)
+    metrics.set_info(ctx.fingerprint, str(engine.dtype).removeprefix("torch."), config.engine.block_size)
     service = make_service(ctx)
     metrics.bind(service.node_load)
     server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=config.rpc.server_interceptors())

@@ -21,6 +21,7 @@ import pytest
 import tokenizers
 from prometheus_client.parser import text_string_to_metric_families
 
+from engine.version import pdserve_version, short_digest
 from frontend.tenants import hash_key
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pbg
@@ -696,6 +697,12 @@ def test_models_health_ready_metrics_and_request_log(env: Env) -> None:
     ids = [m.id for m in client.models.list()]
     assert {"tiny-llama", "gpt-test", "slow-llama", "lonely"} <= set(ids)
     assert client.models.retrieve("gpt-test").id == "gpt-test"
+    # Versions: what each name serves, as extra fields (the spec's Model allows them).
+    tok = tokenizers.Tokenizer.from_file(str(env.model_dir / "tokenizer.json"))
+    entry = httpx.get(f"{env.frontend.base_url}/v1/models/tiny-llama", headers={"authorization": f"Bearer {KEYS['alpha']}"}).json()
+    assert entry["pool"] == "tiny-llama" and entry["max_model_len"] > 0
+    assert entry["tokenizer_digest"] == short_digest(tok.to_str()) and len(entry["chat_template_digest"]) == 16
+    assert entry["pdserve_version"] == pdserve_version() and entry["model_fingerprint"]
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("nope")
     assert_conformant(env, transport)
@@ -714,7 +721,10 @@ def test_models_health_ready_metrics_and_request_log(env: Env) -> None:
                    "pdserve_frontend_rate_limited_total{", 'pdserve_frontend_slo_requests_total{met="true",model="tiny-llama"',
                    'slo="both"', "pdserve_frontend_goodput_tokens_total{", 'pdserve_ttft_breakdown_seconds_count{',
                    'stage="prefill"', 'stage="frontend"', 'pool="frontend"',
-                   "pdserve_frontend_itl_seconds_count", "pdserve_frontend_route_decisions_total{"]:
+                   "pdserve_frontend_itl_seconds_count", "pdserve_frontend_route_decisions_total{",
+                   'pdserve_build_info{node="', f'version="{pdserve_version()}"',
+                   f'pdserve_model_info{{chat_template="{entry["chat_template_digest"]}"',
+                   f'tokenizer="{entry["tokenizer_digest"]}"']:
         assert needle in metrics, needle
     rec = env.log_records()[-1]
     assert rec["tenant"] == "alpha" and rec["model"] == "tiny-llama" and rec["finish_reasons"] == ["length"]
@@ -722,6 +732,9 @@ def test_models_health_ready_metrics_and_request_log(env: Env) -> None:
     assert set(rec["ttft_breakdown_ms"]) >= {"frontend", "prefill_queue", "prefill", "transfer", "first_decode_step"}
     assert rec["routes"][0]["decode_node"] in ("d-0", "d-1") and rec["routes"][0]["timing_ms"]["prefill"] >= 0
     assert "prompt" not in rec and "metrics" not in env.request_log.read_text()  # no prompt text by default
+    assert rec["model_fingerprint"] == entry["model_fingerprint"] and rec["pdserve_version"] == pdserve_version()
+    assert (rec["tokenizer_digest"], rec["chat_template_digest"]) == (entry["tokenizer_digest"],
+                                                                        entry["chat_template_digest"])
 
 
 def test_local_mode_accepts_any_key_and_says_so(env: Env, tmp_path: Path) -> None:

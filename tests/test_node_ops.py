@@ -21,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from deploy.launcher import registry_keys
 from engine.sampling_params import SamplingParams
 from engine.tiny import default_model_dir
+from engine.version import pdserve_version
 from node.convert import params_to_proto
 from node.metrics import LATENCY_BUCKETS
 from protos import pdserve_pb2 as pb
@@ -37,7 +38,8 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 COMMON = {"pdserve_prefix_cache_queries", "pdserve_prefix_cache_hits", "pdserve_kv_blocks", "pdserve_kv_usage_ratio",
-          "pdserve_requests_running", "pdserve_requests_waiting", "pdserve_preemptions"}
+          "pdserve_requests_running", "pdserve_requests_waiting", "pdserve_preemptions", "pdserve_build_info",
+          "pdserve_model_info", "pdserve_node_step_failures", "pdserve_node_step_running_seconds", "pdserve_node_healthy"}
 EXPECTED = {
     "prefill": COMMON | {"pdserve_prefill_queue_seconds", "pdserve_prefill_time_seconds", "pdserve_prefill_batch_tokens",
                          "pdserve_prefill_tokens", "pdserve_kv_transfer_seconds", "pdserve_kv_transfer_bytes",
@@ -103,6 +105,11 @@ def test_metrics_follow_the_catalogue(cluster: LocalCluster) -> None:
         assert set(blocks) == {"used", "held", "cached", "free"} and sum(blocks.values()) == NUM_BLOCKS
         assert blocks["used"] == blocks["held"] == 0 and blocks["cached"] > 0  # idle, prompt blocks cached
         assert value(families, "pdserve_requests_running") == value(families, "pdserve_requests_waiting") == 0
+        # Health from progress and versions: a healthy node with no failed step; its model's fingerprint.
+        assert value(families, "pdserve_node_healthy") == 1 and value(families, "pdserve_node_step_failures_total") == 0
+        assert value(families, "pdserve_build_info", version=pdserve_version()) == 1
+        fingerprint = cluster.nodes[node_id].info["fingerprint"][:16]
+        assert value(families, "pdserve_model_info", fingerprint=fingerprint, dtype="float32") == 1
 
     p0, d0 = scrape(cluster, "p0"), scrape(cluster, "d0")
     bounds = sorted({float(lab["le"]) for name, lab, _ in p0["pdserve_prefill_queue_seconds"] if "le" in lab})
