@@ -6,6 +6,7 @@ import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -19,6 +20,8 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, stop_decision
 from engine.sequence import Resume, Sequence, SequenceStatus, TokenLogprob
 from engine.step_hook import PrefillWatcher
+from engine.structured import GrammarCompiler
+from engine.structured_spec import GrammarError
 from engine.tokenizer import Tokenizer
 from kernels import get_kernel_ops
 
@@ -158,12 +161,14 @@ class LLMEngine:
     def _new_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams, resume: Resume | None
     ) -> _Request:
-        """Validates a request and builds its sequence and detokenizer; registers nothing. A resumed
-        request's context is prompt + ``resume.token_ids``, which count as completion tokens (max_tokens,
-        stop, penalties, the seeded sampler's position); it is prefilled like a preempted sequence. Its
+        """Validates a request and builds its sequence (with its grammar state, for a structured-output
+        request) and detokenizer; registers nothing. A resumed request's context is prompt +
+        ``resume.token_ids``, which count as completion tokens (max_tokens, stop, penalties, the seeded
+        sampler's position, the grammar replays them); it is prefilled like a preempted sequence. Its
         detokenizer replays them, so text continues where it stopped: what it releases beyond
         ``resume.text_chars`` is pending and goes out with the next output, and a held-back tail that a
-        stop string might still complete stays held here. Raises ValueError."""
+        stop string might still complete stays held here. Raises ValueError (GrammarError for a
+        response format that does not compile or rejects a resumed token)."""
         if request_id in self._requests or self.scheduler.knows(request_id):
             raise ValueError(f"request id {request_id!r} is already running")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -173,6 +178,8 @@ class LLMEngine:
         resumed = list(resume.token_ids) if resume is not None else []
         if any(not 0 <= t < vocab for t in ids) or any(not 0 <= t < vocab for t in resumed):
             raise ValueError(f"prompt and resumed token ids must be in [0, {vocab})")
+        if any(not 0 <= t < vocab for t in params.logit_bias):
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
         if len(ids) + params.max_tokens > self.max_model_len:
             raise ValueError(
                 f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the context "
@@ -181,11 +188,16 @@ class LLMEngine:
         if len(resumed) >= params.max_tokens:
             raise ValueError(f"{len(resumed)} resumed tokens leave nothing of max_tokens ({params.max_tokens})")
         eos = self.tokenizer.eos_token_ids
+        grammar = self.grammars.new_state(params.structured) if params.structured is not None else None
         for i, token in enumerate(resumed):
-            if stop_decision(params, eos, token, i + 1) is not None:
+            # the grammar replays the resumed tokens, so it stands where the node before left it
+            if grammar is not None and not grammar.advance(token):
+                raise GrammarError(f"resumed token {i} ({token}) is not allowed by the response format")
+            finish = grammar.finish if grammar is not None else None
+            if stop_decision(params, eos, token, i + 1, finish) is not None:
                 raise ValueError(f"resumed token {i} ({token}) would have ended the request")
         seq = Sequence(request_id, ids + resumed, params, eos_token_ids=eos, num_prompt_tokens=len(ids),
-                       num_resumed_tokens=len(resumed))
+                       num_resumed_tokens=len(resumed), grammar=grammar)
         detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
         request = _Request(seq, detok)
         if resume is not None:
@@ -199,6 +211,12 @@ class LLMEngine:
                 )
             request.pending_text = replay.text[resume.text_chars :]
         return request
+
+    @cached_property
+    def grammars(self) -> GrammarCompiler:
+        """The structured-output grammar compiler (built on the first constrained request: building
+        llguidance's token trie takes about a second for a large vocabulary)."""
+        return GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
 
     def abort(self, request_id: str) -> bool:
         """Drops a request wherever it is (queued, running, held, reserved) and frees its blocks at once.
