@@ -33,6 +33,7 @@ from frontend.protocol import (
     SEED_MIN,
     GenerationRequest,
     RequestLimits,
+    check_logit_bias,
     parse_chat_request,
     parse_completion_request,
     parse_json_body,
@@ -96,7 +97,8 @@ def parse_request(kind: str, body: bytes, limits: RequestLimits) -> GenerationRe
 
 def tokenize(req: GenerationRequest, model: ServedModel) -> Tokenized:
     """Token ids and echo texts of every prompt (chat: the rendered template). Pure: safe on a worker
-    thread. Raises APIError (400)."""
+    thread. Raises APIError (400), also for a logit_bias token id outside the model's vocabulary."""
+    check_logit_bias(req.sampling, model.tokenizer.vocab_size, model.name)
     if req.kind == CHAT:
         assert req.messages is not None
         return Tokenized([model.encode_chat(req.messages)], [""])
