@@ -1,7 +1,8 @@
 """Structured output and logit_bias through a real cluster (etcd, 1 prefill + 1 decode node process, the
 frontend process) and the official openai SDK: `chat.completions.parse` with a pydantic model returns a
 parsed object whose greedy tokens equal the colocated engine's for the same request; the prefill node
-samples the first token under the grammar and the decode node continues it (also after a resume)."""
+samples the first token under the grammar and the decode node continues it (also after a resume); each
+class of bad schema and bad logit_bias is a 400 in the OpenAI error shape before any node sees it."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
+import grpc
 import httpx
 import jsonschema
 import openai
@@ -148,3 +150,61 @@ def test_prefill_node_samples_under_the_grammar_and_the_decode_node_continues(
     assert got.error == "" and got.prefill_node_id == "p0"
     assert want.token_ids[:resume_at] + got.token_ids == want.token_ids
     assert got.finish_reason == "stop"
+
+
+def _bad(client: openai.OpenAI, **kwargs: Any) -> openai.BadRequestError:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],  # type: ignore[arg-type]
+                                       max_tokens=4, **kwargs)
+    err = info.value
+    assert err.status_code == 400 and err.type == "invalid_request_error" and err.message
+    assert isinstance(err.body, dict) and set(err.body) >= {"message", "type", "param", "code"}
+    return err
+
+
+def _schema_format(schema: Any) -> dict[str, Any]:
+    return {"type": "json_schema", "json_schema": {"name": "thing", "schema": schema, "strict": True}}
+
+
+def test_a_schema_that_is_not_json_is_a_400(client: openai.OpenAI) -> None:
+    err = _bad(client, response_format=_schema_format("{this is not json"))
+    assert (err.param, err.code) == ("response_format", "invalid_json_schema")
+
+
+def test_a_schema_keyword_the_engine_refuses_is_a_400_naming_it(client: openai.OpenAI) -> None:
+    err = _bad(client, response_format=_schema_format({"type": "object", "if": {"required": ["a"]}, "then": {}}))
+    assert (err.param, err.code) == ("response_format", "invalid_json_schema")
+    assert '"if"' in err.message and '"then"' in err.message
+    err = _bad(client, response_format=_schema_format({"type": "string", "pattern": "(?=x)y"}))
+    assert err.param == "response_format" and "look-around" in err.message
+
+
+def test_an_oversized_schema_is_a_400(client: openai.OpenAI) -> None:
+    big = {"type": "object", "properties": {f"field_{i}": {"type": "integer"} for i in range(200)}}
+    assert len(json.dumps(big)) > MAX_SCHEMA_BYTES
+    err = _bad(client, response_format=_schema_format(big))
+    assert (err.param, err.code) == ("response_format", "schema_too_large") and str(MAX_SCHEMA_BYTES) in err.message
+
+
+@pytest.mark.parametrize(("bias", "param", "code"), [
+    ({"abc": 1}, "logit_bias", "invalid_value"),
+    ({"-3": 1}, "logit_bias", "invalid_value"),
+    ({"99999": 1}, "logit_bias", "invalid_value"),  # beyond the tiny model's vocabulary
+    ({"5": 150}, "logit_bias.5", "invalid_value"),
+    ({"5": "much"}, "logit_bias.5", "invalid_type"),
+    ({str(i): 1 for i in range(301)}, "logit_bias", "invalid_value"),
+], ids=["not-an-id", "negative", "outside-vocab", "value-out-of-range", "value-not-a-number", "too-many"])
+def test_bad_logit_bias_is_a_400(client: openai.OpenAI, bias: dict[str, Any], param: str, code: str) -> None:
+    err = _bad(client, logit_bias=bias)
+    assert (err.param, err.code) == (param, code), err.message
+
+
+@pytest.mark.parametrize("prefill_node_id", ["p0", ""], ids=["remote-prefill", "decode-node-decides"])
+def test_a_schema_sent_past_the_frontend_is_refused_by_the_node(cluster: LocalCluster, prefill_node_id: str) -> None:
+    """Direct gRPC callers skip the frontend's check: the node's engine refuses the grammar itself
+    (INVALID_ARGUMENT naming the keyword), holding nothing afterwards."""
+    bad = StructuredSpec("json_schema", json.dumps({"type": "object", "if": {}, "then": {}}))
+    with pytest.raises(grpc.RpcError) as info:
+        cluster.generate("d0", [5, 6, 7], SamplingParams(max_tokens=4, structured=bad),
+                         prefill_node_id=prefill_node_id)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "if" in (info.value.details() or "")
