@@ -20,7 +20,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, stop_decision
 from engine.sequence import Resume, Sequence, SequenceStatus, TokenLogprob
 from engine.step_hook import PrefillWatcher
-from engine.structured import GrammarCompiler
+from engine.structured import GrammarCompiler, GrammarState
 from engine.structured_spec import GrammarError
 from engine.tokenizer import Tokenizer
 from kernels import get_kernel_ops
@@ -188,14 +188,7 @@ class LLMEngine:
         if len(resumed) >= params.max_tokens:
             raise ValueError(f"{len(resumed)} resumed tokens leave nothing of max_tokens ({params.max_tokens})")
         eos = self.tokenizer.eos_token_ids
-        grammar = self.grammars.new_state(params.structured) if params.structured is not None else None
-        for i, token in enumerate(resumed):
-            # the grammar replays the resumed tokens, so it stands where the node before left it
-            if grammar is not None and not grammar.advance(token):
-                raise GrammarError(f"resumed token {i} ({token}) is not allowed by the response format")
-            finish = grammar.finish if grammar is not None else None
-            if stop_decision(params, eos, token, i + 1, finish) is not None:
-                raise ValueError(f"resumed token {i} ({token}) would have ended the request")
+        grammar = self._replay_resumed(params, resumed)
         seq = Sequence(request_id, ids + resumed, params, eos_token_ids=eos, num_prompt_tokens=len(ids),
                        num_resumed_tokens=len(resumed), grammar=grammar)
         detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
@@ -211,6 +204,20 @@ class LLMEngine:
                 )
             request.pending_text = replay.text[resume.text_chars :]
         return request
+
+    def _replay_resumed(self, params: SamplingParams, resumed: list[int]) -> GrammarState | None:
+        """Checks that no resumed token would have ended the request and returns the request's grammar
+        state (None without a response format) advanced through them, so it stands where the node before
+        left it. Raises ValueError (GrammarError for a grammar that does not compile or rejects a token)."""
+        eos = self.tokenizer.eos_token_ids
+        grammar = self.grammars.new_state(params.structured) if params.structured is not None else None
+        for i, token in enumerate(resumed):
+            if grammar is not None and not grammar.advance(token):
+                raise GrammarError(f"resumed token {i} ({token}) is not allowed by the response format")
+            finish = grammar.finish if grammar is not None else None
+            if stop_decision(params, eos, token, i + 1, finish) is not None:
+                raise ValueError(f"resumed token {i} ({token}) would have ended the request")
+        return grammar
 
     @cached_property
     def grammars(self) -> GrammarCompiler:

@@ -33,12 +33,12 @@ from frontend.protocol import (
     SEED_MIN,
     GenerationRequest,
     RequestLimits,
-    check_logit_bias,
     parse_chat_request,
     parse_completion_request,
     parse_json_body,
 )
 from frontend.routing import NoRoute, RouteDecision, Router
+from frontend.structured import check_logit_bias
 from frontend.tenants import Tenant
 from frontend.ttft import TTFTEstimator
 from frontend.upstream import sampling_message
@@ -98,7 +98,7 @@ def parse_request(kind: str, body: bytes, limits: RequestLimits) -> GenerationRe
 def tokenize(req: GenerationRequest, model: ServedModel) -> Tokenized:
     """Token ids and echo texts of every prompt (chat: the rendered template). Pure: safe on a worker
     thread. Raises APIError (400), also for a logit_bias token id outside the model's vocabulary."""
-    check_logit_bias(req.sampling, model.tokenizer.vocab_size, model.name)
+    check_logit_bias(req.sampling.logit_bias, model.tokenizer.vocab_size, model.name)
     if req.kind == CHAT:
         assert req.messages is not None
         return Tokenized([model.encode_chat(req.messages)], [""])
