@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from functools import lru_cache
@@ -126,9 +127,12 @@ def batch_bitmask(states: Sequence[GrammarState], vocab_size: int) -> torch.Tens
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:  # [R, vocab_size] bool
-    """Expands int32 bitmask words [R, W] to one bool per token (bit k of word w is token 32w + k)."""
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)  # [32]
-    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [R, W, 32]
+    """Expands int32 bitmask words [R, W] to one bool per token (bit k of word w is token 32w + k).
+    Shifts bytes, not words: a quarter of the intermediate memory of 32 int32 shifts per word."""
+    assert sys.byteorder == "little", "the bitmask's byte view assumes little-endian words"
+    as_bytes = bitmask.contiguous().view(torch.uint8)  # [R, 4W]; byte j of word w at 4w + j
+    shifts = torch.arange(8, dtype=torch.uint8, device=bitmask.device)  # [8]
+    bits = (as_bytes.unsqueeze(-1) >> shifts) & 1  # [R, 4W, 8]
     return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
 
 
