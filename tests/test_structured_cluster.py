@@ -105,6 +105,12 @@ def test_parse_with_a_pydantic_model_equals_the_colocated_engine(
     want = reference.generate([prompt], SamplingParams(max_tokens=MAX_TOKENS, structured=spec))[0]
     assert choice.message.content == want.text
     assert completion.usage is not None and completion.usage.completion_tokens == len(want.token_ids)
+    # streamed, the same request's deltas add up to the same JSON
+    stream = client.chat.completions.create(model=MODEL, messages=messages, response_format=fmt,  # type: ignore[arg-type]
+                                            temperature=0, max_tokens=MAX_TOKENS, stream=True)
+    chunks = [c for c in stream if c.choices]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want.text
+    assert chunks[-1].choices[0].finish_reason == "stop"
 
 
 def test_json_object_and_logit_bias_through_the_frontend(
