@@ -2,6 +2,8 @@
 
 - `GrammarCompiler` (one per engine) builds the llguidance tokenizer from the model's `tokenizer.json`
   and keeps a bounded LRU cache of compiled grammars per `StructuredSpec`; each request gets a copy.
+  `engine.async_engine` compiles a request's grammar on a worker thread before the request reaches the
+  engine thread, so a slow grammar never delays the steps of the requests already running.
 - `GrammarState` (one per request, owned by its `Sequence`) is the matcher: advanced with every token
   the sequence gets (sampled here, the prefill node's first token, resumed tokens replayed), and
   rebuildable from those tokens alone (`GrammarCompiler.new_state(spec, tokens)`).
@@ -17,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from functools import lru_cache
@@ -66,9 +69,9 @@ class GrammarState:
 
 
 class GrammarCompiler:
-    """Builds grammar states for one model. `new_state` may be called from any thread (llguidance's
-    matchers are built outside the GIL); the cache is guarded by the GIL-atomic OrderedDict operations
-    of one caller at a time (the engine thread)."""
+    """Builds grammar states for one model. Thread-safe: `prepare` compiles on the caller's thread
+    (llguidance builds matchers outside the GIL), so the engine thread, which calls `new_state`, finds
+    the grammar compiled; the cache is guarded by a lock that is never held while compiling."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_cached: int = DEFAULT_CACHED_GRAMMARS) -> None:
         assert max_cached >= 1
@@ -79,7 +82,12 @@ class GrammarCompiler:
         )
         self.max_cached = max_cached
         self._cache: OrderedDict[StructuredSpec, llguidance.LLMatcher] = OrderedDict()
+        self._lock = threading.Lock()
         self.num_compiled = 0  # cache misses, for tests and metrics
+
+    def prepare(self, spec: StructuredSpec) -> None:
+        """Compiles `spec` into the cache unless it is there. Raises GrammarError."""
+        self._template(spec)
 
     def new_state(self, spec: StructuredSpec, tokens: Iterable[int] = ()) -> GrammarState:
         """A fresh state for `spec`, advanced through `tokens` (tokens generated before: a resumed
@@ -92,17 +100,19 @@ class GrammarCompiler:
 
     def _template(self, spec: StructuredSpec) -> llguidance.LLMatcher:
         """The compiled, never-advanced matcher of `spec` (cached, least recently used evicted)."""
-        matcher = self._cache.get(spec)
-        if matcher is not None:
-            self._cache.move_to_end(spec)
-            return matcher
+        with self._lock:
+            matcher = self._cache.get(spec)
+            if matcher is not None:
+                self._cache.move_to_end(spec)
+                return matcher
         matcher = llguidance.LLMatcher(self.ll_tokenizer, grammar_of(spec), log_level=0)
         if matcher.is_error():
             raise GrammarError(f"the JSON schema is not supported: {matcher.get_error()}")
-        self.num_compiled += 1
-        self._cache[spec] = matcher
-        while len(self._cache) > self.max_cached:
-            self._cache.popitem(last=False)
+        with self._lock:
+            self.num_compiled += 1
+            self._cache[spec] = matcher
+            while len(self._cache) > self.max_cached:
+                self._cache.popitem(last=False)
         return matcher
 
 

@@ -5,7 +5,9 @@ the compiled-grammar cache, and logit_bias forcing and banning tokens."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+from engine.async_engine import AsyncEngine
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.sequence import Resume
@@ -220,3 +223,41 @@ def test_logit_bias_is_validated(engine: LLMEngine) -> None:
     with pytest.raises(ValueError, match="logit_bias token ids must be in"):
         engine.add_request("bias-oov", [5, 6], SamplingParams(logit_bias={vocab: 1.0}))
     engine.check_integrity()
+
+
+def test_async_engine_compiles_the_grammar_before_the_engine_thread_sees_the_request(tiny_llama_dir: Path) -> None:
+    """The grammar is compiled on a worker thread: the engine thread only copies the cached matcher; a
+    schema that does not compile is refused there, with no stream left open and nothing queued."""
+    engine = reference_engine(tiny_llama_dir)
+    threads: list[str] = []
+    compile_template = engine.grammars._template
+
+    def recording(spec: StructuredSpec) -> Any:
+        hit = spec in engine.grammars._cache
+        threads.append(("hit " if hit else "compile ") + threading.current_thread().name)
+        return compile_template(spec)
+
+    engine.grammars._template = recording  # type: ignore[method-assign]
+
+    async def run() -> None:
+        async_engine = AsyncEngine(engine, name="grammar-test")
+        async_engine.start()
+        try:
+            stream = await async_engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=MAX_TOKENS,
+                                                                                    structured=SCHEMA_SPEC))
+            text = ""
+            while not stream.finished or not stream.queue.empty():
+                text += "".join(o.new_text for o in await stream.next_batch())
+            jsonschema.validate(json.loads(text), SCHEMA)
+            bad = StructuredSpec("json_schema", json.dumps({"type": "object", "if": {}, "then": {}}))
+            with pytest.raises(GrammarError):
+                await async_engine.add_request("b", [5, 6], SamplingParams(max_tokens=4, structured=bad))
+            assert async_engine.open_streams == frozenset()
+            assert not await async_engine.call(lambda e: e.has_unfinished())
+        finally:
+            await async_engine.close()
+
+    asyncio.run(run())
+    engine_thread = [t for t in threads if "grammar-test" in t]
+    assert threads[0].startswith("compile ") and "grammar-test" not in threads[0]
+    assert engine_thread and all(t.startswith("hit ") for t in engine_thread), threads
