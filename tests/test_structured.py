@@ -261,3 +261,12 @@ def test_async_engine_compiles_the_grammar_before_the_engine_thread_sees_the_req
     engine_thread = [t for t in threads if "grammar-test" in t]
     assert threads[0].startswith("compile ") and "grammar-test" not in threads[0]
     assert engine_thread and all(t.startswith("hit ") for t in engine_thread), threads
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_schema_output_validates_with_other_tokenizers(tiny_model_dir: Any, arch: str) -> None:
+    """The llguidance tokenizer is built from each model's tokenizer.json (Qwen's pre-tokenizer here)."""
+    engine = reference_engine(tiny_model_dir(arch))
+    for res in engine.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, structured=SCHEMA_SPEC)):
+        assert res.finish_reason == "stop"
+        jsonschema.validate(json.loads(res.text), SCHEMA)
