@@ -322,8 +322,9 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def check_integrity(self) -> EngineRequests:
-        """Asserts the scheduler's and block manager's invariants and that the engine's per-request
-        records match the scheduler's unfinished sequences; returns the ids by state. Changes nothing.
+        """Asserts the scheduler's and block manager's invariants, that the engine's per-request
+        records match the scheduler's unfinished sequences and that each constrained sequence's grammar
+        consumed exactly its completion tokens; returns the ids by state. Changes nothing.
         Call between steps (on the engine thread)."""
         sched = self.scheduler
         scheduled = frozenset(s.seq_id for s in (*sched.waiting_seqs, *sched.running_seqs))
@@ -333,7 +334,11 @@ class LLMEngine:
         assert self._requests.keys() == scheduled | reserved, (
             f"engine records {sorted(self._requests)} != unfinished sequences {sorted(scheduled | reserved)}")
         for rid, request in self._requests.items():
-            assert request.seq.seq_id == rid and not request.seq.is_finished
+            seq = request.seq
+            assert seq.seq_id == rid and not seq.is_finished
+            # a constrained sequence's grammar has consumed exactly its completion tokens
+            assert (seq.grammar is None) == (seq.params.structured is None), rid
+            assert seq.grammar is None or seq.grammar.num_tokens == seq.num_completion_tokens, rid
         return EngineRequests(scheduled, reserved, held)
 
     # -- the loop ---------------------------------------------------------------------------------

@@ -135,6 +135,7 @@ def test_grammar_state_rebuilt_from_generated_tokens_equals_the_live_one(engine:
         rebuilt = engine.grammars.new_state(SCHEMA_SPEC, seq.completion_token_ids)
         assert torch.equal(rebuilt.bitmask(words), seq.grammar.bitmask(words))
         assert rebuilt.finish == seq.grammar.finish and rebuilt.num_tokens == seq.grammar.num_tokens
+        engine.check_integrity()  # which also checks the grammar consumed every completion token
         compared += 1
     full = seq.completion_token_ids
     assert compared >= 5 and seq.finish_reason == "stop"
