@@ -15,7 +15,6 @@ information from a transformers tokenizer object.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -58,16 +57,14 @@ def grammar_of(spec: StructuredSpec) -> str:
     """The llguidance grammar (serialized) of `spec`; not yet checked beyond the schema being a JSON
     object. Raises GrammarError. Changes nothing."""
     schema = JSON_OBJECT_SCHEMA if spec.kind == "json_object" else spec.schema_json
-    try:
-        parsed = json.loads(schema)
-    except ValueError as err:
-        raise GrammarError(f"the JSON schema is not valid JSON: {err}") from None
-    if not isinstance(parsed, dict):
+    if not schema.lstrip().startswith("{"):
         raise GrammarError("the JSON schema must be a JSON object")
     try:
-        return llguidance.LLMatcher.grammar_from_json_schema(parsed, overrides=JSON_OPTIONS)
+        # parsed by llguidance itself (serde_json, nesting bounded at 128 levels), never by Python's json,
+        # whose recursion on a deeply nested schema would raise RecursionError instead of a clean error
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
     except ValueError as err:
-        raise GrammarError(f"the JSON schema cannot be used: {err}") from None
+        raise GrammarError(f"the JSON schema cannot be read: {err}") from None
 
 
 def check_spec(spec: StructuredSpec) -> None:

@@ -102,7 +102,10 @@ def _json_schema(value: Any, max_schema_bytes: int) -> str:
                        code="missing_required_parameter")
     if not isinstance(schema, dict):
         raise _schema_error(f"the JSON schema must be an object, got {json_type_name(schema)}.")
-    text = orjson.dumps(schema)  # key order kept: it is the order properties are generated in
+    try:
+        text = orjson.dumps(schema)  # key order kept: it is the order properties are generated in
+    except orjson.JSONEncodeError as err:  # nesting beyond what orjson writes (the body's parser allows more)
+        raise _schema_error(f"the JSON schema cannot be used: {err}.") from None
     if len(text) > max_schema_bytes:
         raise APIError(400, f"Invalid 'response_format': the JSON schema is {len(text)} bytes; this server accepts "
                        f"at most {max_schema_bytes}.", param="response_format", code="schema_too_large")

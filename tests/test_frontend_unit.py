@@ -51,6 +51,13 @@ def api_error(fn: Callable[[], object]) -> APIError:
 # --- request validation ---------------------------------------------------------------------------
 
 
+def nested_schema(depth: int) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
 @pytest.mark.parametrize(
     ("body", "param", "code"),
     [
@@ -96,6 +103,10 @@ def api_error(fn: Callable[[], object]) -> APIError:
             "type": "object", "if": {}, "then": {}}}}), "response_format", "invalid_json_schema"),
         (chat(response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": {
             "type": "string", "pattern": "(?=a)"}}}), "response_format", "invalid_json_schema"),
+        (chat(response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": nested_schema(150)}}),
+         "response_format", "invalid_json_schema"),  # nesting beyond what the grammar compiler parses
+        (chat(response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": nested_schema(300)}}),
+         "response_format", "invalid_json_schema"),  # nesting beyond what orjson writes back
         (chat(model=5), "model", "invalid_type"),
         ({"messages": [{"role": "user", "content": "x"}]}, "model", "missing_required_parameter"),
         ({"model": "m"}, "messages", "missing_required_parameter"),
