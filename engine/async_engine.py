@@ -165,6 +165,7 @@ class AsyncEngine:
     ) -> RequestStream:
         """Queues a request in the engine and returns its output stream. Raises ValueError as
         `LLMEngine.add_request` does (no stream is left open then)."""
+        await self._prepare_grammar(params)
         stream = self.open_stream(request_id)
         try:
             stream.seq = await self.call(
@@ -193,7 +194,15 @@ class AsyncEngine:
         self, request_id: str, prompt: list[int], params: SamplingParams, resume: Resume | None = None
     ) -> Reservation | None:
         """`LLMEngine.reserve` on the engine thread."""
+        await self._prepare_grammar(params)
         return await self.call(lambda e: e.reserve(request_id, prompt, params, resume))
+
+    async def _prepare_grammar(self, params: SamplingParams) -> None:
+        """Compiles a structured-output request's grammar on a worker thread (outside the GIL), so the
+        engine thread finds it cached instead of compiling between two steps. Raises GrammarError."""
+        if params.structured is not None:
+            spec = params.structured
+            await asyncio.to_thread(lambda: self.engine.grammars.prepare(spec))
 
     async def append_first_token(
         self, request_id: str, token_id: int, logprob: TokenLogprob | None

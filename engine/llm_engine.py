@@ -6,6 +6,7 @@ import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -19,6 +20,8 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, stop_decision
 from engine.sequence import Resume, Sequence, SequenceStatus, TokenLogprob
 from engine.step_hook import PrefillWatcher
+from engine.structured import GrammarCompiler, GrammarState
+from engine.structured_spec import GrammarError
 from engine.tokenizer import Tokenizer
 from kernels import get_kernel_ops
 
@@ -158,12 +161,14 @@ class LLMEngine:
     def _new_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams, resume: Resume | None
     ) -> _Request:
-        """Validates a request and builds its sequence and detokenizer; registers nothing. A resumed
-        request's context is prompt + ``resume.token_ids``, which count as completion tokens (max_tokens,
-        stop, penalties, the seeded sampler's position); it is prefilled like a preempted sequence. Its
+        """Validates a request and builds its sequence (with its grammar state, for a structured-output
+        request) and detokenizer; registers nothing. A resumed request's context is prompt +
+        ``resume.token_ids``, which count as completion tokens (max_tokens, stop, penalties, the seeded
+        sampler's position, the grammar replays them); it is prefilled like a preempted sequence. Its
         detokenizer replays them, so text continues where it stopped: what it releases beyond
         ``resume.text_chars`` is pending and goes out with the next output, and a held-back tail that a
-        stop string might still complete stays held here. Raises ValueError."""
+        stop string might still complete stays held here. Raises ValueError (GrammarError for a
+        response format that does not compile or rejects a resumed token)."""
         if request_id in self._requests or self.scheduler.knows(request_id):
             raise ValueError(f"request id {request_id!r} is already running")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -173,6 +178,8 @@ class LLMEngine:
         resumed = list(resume.token_ids) if resume is not None else []
         if any(not 0 <= t < vocab for t in ids) or any(not 0 <= t < vocab for t in resumed):
             raise ValueError(f"prompt and resumed token ids must be in [0, {vocab})")
+        if any(not 0 <= t < vocab for t in params.logit_bias):
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
         if len(ids) + params.max_tokens > self.max_model_len:
             raise ValueError(
                 f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the context "
@@ -181,11 +188,9 @@ class LLMEngine:
         if len(resumed) >= params.max_tokens:
             raise ValueError(f"{len(resumed)} resumed tokens leave nothing of max_tokens ({params.max_tokens})")
         eos = self.tokenizer.eos_token_ids
-        for i, token in enumerate(resumed):
-            if stop_decision(params, eos, token, i + 1) is not None:
-                raise ValueError(f"resumed token {i} ({token}) would have ended the request")
+        grammar = self._replay_resumed(params, resumed)
         seq = Sequence(request_id, ids + resumed, params, eos_token_ids=eos, num_prompt_tokens=len(ids),
-                       num_resumed_tokens=len(resumed))
+                       num_resumed_tokens=len(resumed), grammar=grammar)
         detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
         request = _Request(seq, detok)
         if resume is not None:
@@ -199,6 +204,27 @@ class LLMEngine:
                 )
             request.pending_text = replay.text[resume.text_chars :]
         return request
+
+    def _replay_resumed(self, params: SamplingParams, resumed: list[int]) -> GrammarState | None:
+        """Checks that no resumed token would have ended the request and returns the request's grammar
+        state (None without a response format) advanced through them, so it stands where the node before
+        left it. Raises ValueError (GrammarError for a grammar that does not compile or rejects a token)."""
+        eos = self.tokenizer.eos_token_ids
+        grammar = self.grammars.new_state(params.structured) if params.structured is not None else None
+        for i, token in enumerate(resumed):
+            if grammar is not None and not grammar.advance(token):
+                raise GrammarError(f"resumed token {i} ({token}) is not allowed by the response format")
+            finish = grammar.finish if grammar is not None else None
+            if stop_decision(params, eos, token, i + 1, finish) is not None:
+                raise ValueError(f"resumed token {i} ({token}) would have ended the request")
+        return grammar
+
+    @cached_property
+    def grammars(self) -> GrammarCompiler:
+        """The structured-output grammar compiler, thread-safe (built on first use: llguidance's token
+        trie takes a fifth of a second for a 49k vocabulary). Python's cached_property locks nothing,
+        so two threads may both build one on first use; one of them is kept and either works."""
+        return GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
 
     def abort(self, request_id: str) -> bool:
         """Drops a request wherever it is (queued, running, held, reserved) and frees its blocks at once.
@@ -296,8 +322,9 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def check_integrity(self) -> EngineRequests:
-        """Asserts the scheduler's and block manager's invariants and that the engine's per-request
-        records match the scheduler's unfinished sequences; returns the ids by state. Changes nothing.
+        """Asserts the scheduler's and block manager's invariants, that the engine's per-request
+        records match the scheduler's unfinished sequences and that each constrained sequence's grammar
+        consumed exactly its completion tokens; returns the ids by state. Changes nothing.
         Call between steps (on the engine thread)."""
         sched = self.scheduler
         scheduled = frozenset(s.seq_id for s in (*sched.waiting_seqs, *sched.running_seqs))
@@ -307,7 +334,11 @@ class LLMEngine:
         assert self._requests.keys() == scheduled | reserved, (
             f"engine records {sorted(self._requests)} != unfinished sequences {sorted(scheduled | reserved)}")
         for rid, request in self._requests.items():
-            assert request.seq.seq_id == rid and not request.seq.is_finished
+            seq = request.seq
+            assert seq.seq_id == rid and not seq.is_finished
+            # a constrained sequence's grammar has consumed exactly its completion tokens
+            assert (seq.grammar is None) == (seq.params.structured is None), rid
+            assert seq.grammar is None or seq.grammar.num_tokens == seq.num_completion_tokens, rid
         return EngineRequests(scheduled, reserved, held)
 
     # -- the loop ---------------------------------------------------------------------------------

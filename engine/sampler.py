@@ -1,4 +1,5 @@
-"""Turns one step's logits into next tokens: penalties, temperature, top-k/top-p, seeded sampling, logprobs.
+"""Turns one step's logits into next tokens: penalties, logit_bias, the structured-output grammar's mask,
+temperature, top-k/top-p, seeded sampling, logprobs (in that order).
 
 Every stage works on the whole batch at once; the only per-row Python loops are over seeded rows (each
 owns a generator) and over the rows whose results are turned into Python objects at the end.
@@ -13,6 +14,7 @@ import torch
 
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, TokenLogprob
+from engine.structured import apply_grammar_masks, apply_logit_bias
 
 
 @dataclass
@@ -150,14 +152,16 @@ def compute_logprobs(
 class Sampler:
     """Picks the next token for every row of a step's logits.
 
-    Greedy rows (temperature below `min_temperature`) take the argmax of the penalized logits. Sampled
+    Greedy rows (temperature below `min_temperature`) take the argmax of the penalized, biased and
+    grammar-masked logits. Sampled
     rows draw with an exponential race, `argmax(probs / E)` with E ~ Exponential(1) per vocabulary entry,
     which is an exact draw from `probs` and consumes exactly V random numbers per row. Rows with a seed
     draw those numbers from their own generator (kept on `seq.generator`), so a seeded request produces
     the same tokens whatever else shares its batch; other rows share one sampler-owned generator.
 
-    Logprobs are reported from log_softmax of the raw model logits, before penalties, temperature and
-    top-k/top-p: they describe the model's distribution, not the one the token was drawn from."""
+    Logprobs are reported from log_softmax of the raw model logits, before penalties, logit_bias, the
+    grammar mask, temperature and top-k/top-p: they describe the model's distribution, not the one the
+    token was drawn from."""
 
     def __init__(
         self, seed: int | None = None, device: str | torch.device | None = None, min_temperature: float = 1e-5
@@ -181,11 +185,17 @@ class Sampler:
         params = [s.params for s in seqs]
         sampled = [i for i, p in enumerate(params) if p.temperature >= self.min_temperature]
         needs_penalty = any(_has_penalty(p) for p in params)
+        biased = any(p.logit_bias for p in params)
+        constrained = any(s.grammar is not None for s in seqs)
         ks = [p.logprobs for p in params]
-        if not sampled and not needs_penalty and all(k is None for k in ks):
+        if not sampled and not needs_penalty and not biased and not constrained and all(k is None for k in ks):
             return SamplerOutput(token_ids=logits.argmax(dim=-1).tolist(), logprobs=[None] * len(seqs))
 
         scores = apply_penalties(logits, seqs) if needs_penalty else logits  # [N, V]
+        if biased:
+            scores = apply_logit_bias(scores, [p.logit_bias for p in params])
+        if constrained:  # last: no bias or penalty may bring back a token the grammar forbids
+            scores = apply_grammar_masks(scores, [s.grammar for s in seqs], [s.eos_token_ids for s in seqs])
         if len(sampled) == len(seqs):
             tokens = self._sample(scores, seqs)  # [N]
         else:

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.structured_spec import StructuredSpec
+
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bound: -100 bans a token, +100 all but forces it
+
 
 @dataclass
 class SamplingParams:
@@ -19,12 +23,15 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)  # extra stop ids (kept in token output)
     ignore_eos: bool = False  # keep generating past EOS until max_tokens
     logprobs: int | None = None  # None: none; k >= 0: sampled token's logprob plus top-k alternatives
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit, in [-100, 100]
+    structured: StructuredSpec | None = None  # output constrained to this grammar (engine.structured)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
+        self.logit_bias = {int(t): float(v) for t, v in self.logit_bias.items()}
         if self.top_k == 0:
             self.top_k = -1
         checks = [
@@ -37,6 +44,9 @@ class SamplingParams:
             (self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
             (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs must be in [0, 20], got {self.logprobs}"),
+            (all(t >= 0 for t in self.logit_bias), "logit_bias token ids must be >= 0"),
+            (all(-MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS for v in self.logit_bias.values()),
+             f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]"),
         ]
         for ok, msg in checks:
             if not ok:

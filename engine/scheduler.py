@@ -147,7 +147,7 @@ class Scheduler:
         seq = self._reserved[seq_id]
         if seq.num_new_tokens:
             raise ValueError(f"sequence {seq_id} already has its first token")
-        seq.token_ids.append(token_id)
+        seq.append_token(token_id)
         decision = self._stop_decision(seq)
         if decision is not None:
             self.finish(seq, decision.finish_reason, decision.stop_reason)
@@ -247,7 +247,7 @@ class Scheduler:
             self.block_manager.commit(seq)
             if seq.num_computed_tokens < seq.num_tokens:
                 continue
-            seq.token_ids.append(sampled[seq.seq_id])
+            seq.append_token(sampled[seq.seq_id])
             decision = self._stop_decision(seq)
             if decision is not None:
                 self.finish(seq, decision.finish_reason, decision.stop_reason)
@@ -395,4 +395,5 @@ class Scheduler:
 
     @staticmethod
     def _stop_decision(seq: Sequence) -> StopDecision | None:
-        return stop_decision(seq.params, seq.eos_token_ids, seq.last_token, seq.num_completion_tokens)
+        return stop_decision(seq.params, seq.eos_token_ids, seq.last_token, seq.num_completion_tokens,
+                             seq.grammar_finish)

@@ -5,9 +5,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.structured import GrammarState
 
 
 class SequenceStatus(enum.Enum):
@@ -65,6 +68,9 @@ class Sequence:
     # Prefill-only requests: finishing (other than by abort) keeps the blocks until they are released,
     # so a KV transfer can read them after the request is done.
     hold_blocks: bool = False
+    # The request's structured-output matcher (params.structured set), advanced by `append_token` with
+    # every token after the prompt; a resumed sequence's is built having replayed the resumed tokens.
+    grammar: GrammarState | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -76,6 +82,18 @@ class Sequence:
             raise ValueError("num_prompt_tokens must be in [1, len(token_ids)]")
         if not 0 <= self.num_resumed_tokens <= self.num_completion_tokens:
             raise ValueError("num_resumed_tokens must be in [0, num_completion_tokens]")
+
+    def append_token(self, token_id: int) -> None:
+        """Appends a generated token and advances the grammar with it (a rejected token leaves the
+        grammar in error: its `finish` is then "abort")."""
+        self.token_ids.append(token_id)
+        if self.grammar is not None:
+            self.grammar.advance(token_id)
+
+    @property
+    def grammar_finish(self) -> str | None:
+        """How the grammar ends the request now ("stop": complete, "abort": rejected), or None."""
+        return self.grammar.finish if self.grammar is not None else None
 
     @property
     def num_tokens(self) -> int:

@@ -171,6 +171,7 @@ class FrontendConfig:
     max_messages: int = 2048
     max_stop_strings: int = 4
     max_stop_chars: int = 256
+    max_schema_bytes: int = 1 << 16
     max_prompt_chars: int = 1 << 20  # message content characters, or prompt characters + token ids
     max_inflight: int = 2048  # requests in flight in this process before new ones get 503
     # A streamed response with nothing to send for this long gets an SSE comment line (0: never), so
@@ -222,6 +223,7 @@ class FrontendConfig:
             (self.max_messages >= 1, f"max_messages must be >= 1, got {self.max_messages}"),
             (1 <= self.max_stop_strings <= 1024, f"max_stop_strings must be in [1, 1024], got {self.max_stop_strings}"),
             (self.max_stop_chars >= 1, f"max_stop_chars must be >= 1, got {self.max_stop_chars}"),
+            (self.max_schema_bytes >= 1, f"max_schema_bytes must be >= 1, got {self.max_schema_bytes}"),
             (self.max_prompt_chars >= 1, f"max_prompt_chars must be >= 1, got {self.max_prompt_chars}"),
             (self.prepare_workers >= 1, f"prepare_workers must be >= 1, got {self.prepare_workers}"),
             (self.prepare_queue >= 0, f"prepare_queue must be >= 0, got {self.prepare_queue}"),
@@ -240,7 +242,8 @@ class FrontendConfig:
                 raise ConfigError(f"FrontendConfig: {message}")
         object.__setattr__(self, "request_limits", RequestLimits(
             max_messages=self.max_messages, max_stop_strings=self.max_stop_strings,
-            max_stop_chars=self.max_stop_chars, max_prompt_chars=self.max_prompt_chars))
+            max_stop_chars=self.max_stop_chars, max_prompt_chars=self.max_prompt_chars,
+            max_schema_bytes=self.max_schema_bytes))
         names: dict[str, str] = {}
         for spec in self.models:
             for served in (spec.name, *spec.aliases):
@@ -301,6 +304,8 @@ def _add_admission_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-messages", type=int, default=2048, help="messages per chat request")
     p.add_argument("--max-stop-strings", type=int, default=4)
     p.add_argument("--max-stop-chars", type=int, default=256, help="characters per stop string")
+    p.add_argument("--max-schema-bytes", type=int, default=1 << 16,
+                   help="bytes of a response_format JSON schema (serialized)")
     p.add_argument("--max-prompt-chars", type=int, default=1 << 20,
                    help="characters of a request's messages or prompts (token ids count one each)")
     p.add_argument("--max-inflight", type=int, default=2048)
@@ -350,7 +355,7 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         body_timeout_s=args.body_timeout,
         max_messages=args.max_messages,
         max_stop_strings=args.max_stop_strings,
-        max_stop_chars=args.max_stop_chars,
+        max_stop_chars=args.max_stop_chars, max_schema_bytes=args.max_schema_bytes,
         max_prompt_chars=args.max_prompt_chars,
         max_inflight=args.max_inflight,
         sse_keepalive_s=args.sse_keepalive_s,

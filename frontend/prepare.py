@@ -16,6 +16,7 @@ from frontend.protocol import (
     parse_completion_request,
     parse_json_body,
 )
+from frontend.structured import check_logit_bias
 
 
 @dataclass(frozen=True)
@@ -31,7 +32,9 @@ def parse_request(kind: str, body: bytes, limits: RequestLimits) -> GenerationRe
 
 
 def tokenize(req: GenerationRequest, model: ServedModel) -> Tokenized:
-    """Token ids and echo texts of every prompt (chat: the rendered template). Raises APIError (400)."""
+    """Token ids and echo texts of every prompt (chat: the rendered template). Raises APIError (400), also
+    for a logit_bias token id outside the model's vocabulary."""
+    check_logit_bias(req.sampling.logit_bias, model.tokenizer.vocab_size, model.name)
     if req.kind == CHAT:
         assert req.messages is not None
         return Tokenized([model.encode_chat(req.messages)], [""])

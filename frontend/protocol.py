@@ -2,9 +2,12 @@
 
 A lean hand-written validator instead of pydantic models: it runs on every request, it produces the exact
 messages and `param` paths OpenAI uses ("Invalid type for 'temperature' ..."), and it ignores unknown
-fields, because SDKs keep adding new ones. Known fields whose feature is not served (tools, logit_bias,
+fields, because SDKs keep adding new ones. Known fields whose feature is not served (tools, suffix,
 non-text content, ...) are rejected rather than silently dropped, since ignoring them would change what
 the client gets.
+
+`response_format` and `logit_bias` are read by `frontend.structured` (the schema's grammar is compiled
+there, so a schema that cannot be served is a 400 before any node sees it).
 """
 
 from __future__ import annotations
@@ -14,7 +17,9 @@ from typing import Any, Literal
 
 import orjson
 
+from engine.structured_spec import StructuredSpec
 from frontend.errors import APIError, bad_request, invalid_type, invalid_value
+from frontend.structured import parse_logit_bias, parse_response_format
 
 ROLES = ("system", "user", "assistant", "tool", "developer", "function")
 MAX_STOP_STRINGS = 4
@@ -36,9 +41,11 @@ class RequestLimits:
     max_stop_strings: int = MAX_STOP_STRINGS
     max_stop_chars: int = 256  # characters per stop string
     max_prompt_chars: int = 1 << 20  # characters of message content, or prompt characters plus token ids
+    max_schema_bytes: int = 1 << 16  # bytes of a response_format JSON schema (serialized)
 
     def __post_init__(self) -> None:
-        assert min(self.max_messages, self.max_stop_strings, self.max_stop_chars, self.max_prompt_chars) >= 1, self
+        assert min(self.max_messages, self.max_stop_strings, self.max_stop_chars, self.max_prompt_chars,
+                   self.max_schema_bytes) >= 1, self
 
 
 @dataclass(eq=False)
@@ -56,6 +63,8 @@ class SamplingOptions:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k >= 0: sampled token plus the top k
+    logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100]
+    structured: StructuredSpec | None = None  # response_format json_object / json_schema
 
 
 @dataclass(eq=False)
@@ -205,7 +214,7 @@ def _common(obj: dict[str, Any], kind: Kind, limits: RequestLimits) -> Generatio
             raise invalid_value("stream_options", "stream_options is only allowed when 'stream' is true.")
         include_usage = _boolean(options, "include_usage", False)
     user = _string(obj, "user")
-    _unsupported(obj, "logit_bias", not obj.get("logit_bias"), "logit_bias is not applied.")
+    sampling.logit_bias = parse_logit_bias(obj)
     return GenerationRequest(
         kind=kind,
         model=model,
@@ -299,9 +308,7 @@ def parse_chat_request(obj: dict[str, Any], limits: RequestLimits = RequestLimit
     req.sampling.logprobs = (top or 0) if logprobs else None
     _unsupported(obj, "tools", not obj.get("tools"), "tool calling is not available.")
     _unsupported(obj, "functions", not obj.get("functions"), "function calling is not available.")
-    fmt = obj.get("response_format")
-    _unsupported(obj, "response_format", isinstance(fmt, dict) and fmt.get("type") == "text",
-                 "only {'type': 'text'} is available.")
+    req.sampling.structured = parse_response_format(obj, limits.max_schema_bytes)
     _unsupported(obj, "audio", False, "audio output is not available.")
     return req
 

@@ -74,6 +74,11 @@ def sampling_message(opts: SamplingOptions, max_tokens: int, seed: int | None) -
         params.seed = seed
     if opts.logprobs is not None:
         params.logprobs = opts.logprobs
+    if opts.logit_bias:
+        params.logit_bias.update(opts.logit_bias)
+    if opts.structured is not None:
+        params.structured.kind = opts.structured.kind
+        params.structured.schema_json = opts.structured.schema_json
     return params
 
 

@@ -7,13 +7,15 @@ from __future__ import annotations
 
 from engine.sampling_params import SamplingParams
 from engine.sequence import TokenLogprob
+from engine.structured_spec import StructuredSpec
 from kv_transfer import TransferMeta
 from protos import pdserve_pb2 as pb
 from registry import NodeLoad
 
 
 def params_from_proto(p: pb.SamplingParams) -> SamplingParams:
-    """Raises ValueError for out-of-range values (SamplingParams validates)."""
+    """Raises ValueError for out-of-range values (SamplingParams and StructuredSpec validate; whether
+    the grammar compiles is the engine's check, when the request is added)."""
     return SamplingParams(
         temperature=p.temperature,
         top_p=p.top_p if p.top_p > 0 else 1.0,
@@ -27,6 +29,9 @@ def params_from_proto(p: pb.SamplingParams) -> SamplingParams:
         stop_token_ids=list(p.stop_token_ids),
         ignore_eos=p.ignore_eos,
         logprobs=p.logprobs if p.HasField("logprobs") else None,
+        logit_bias=dict(p.logit_bias),
+        structured=StructuredSpec(p.structured.kind, p.structured.schema_json)  # type: ignore[arg-type]
+        if p.HasField("structured") else None,
     )
 
 
@@ -41,7 +46,14 @@ def params_to_proto(sp: SamplingParams) -> pb.SamplingParams:
         msg.seed = sp.seed
     if sp.logprobs is not None:
         msg.logprobs = sp.logprobs
+    msg.logit_bias.update(sp.logit_bias)
+    if sp.structured is not None:
+        msg.structured.CopyFrom(structured_to_proto(sp.structured))
     return msg
+
+
+def structured_to_proto(spec: StructuredSpec) -> pb.StructuredOutput:
+    return pb.StructuredOutput(kind=spec.kind, schema_json=spec.schema_json)
 
 
 def logprob_to_proto(lp: TokenLogprob) -> pb.TokenLogprob:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from collections.abc import Callable
@@ -12,11 +13,12 @@ import orjson
 import pytest
 
 from engine.block_manager import compute_block_hashes
+from engine.structured_spec import StructuredSpec
 from frontend.config import ConfigError, FrontendConfig, ModelSpec, load_models_file
 from frontend.errors import APIError
 from frontend.limits import TenantLimiter, TokenBucket
 from frontend.models import ModelCatalog, TokenTexts
-from frontend.protocol import parse_chat_request, parse_completion_request, parse_json_body
+from frontend.protocol import RequestLimits, parse_chat_request, parse_completion_request, parse_json_body
 from frontend.render import DONE, StreamEncoder, chat_logprobs, completion_logprobs, full_response, usage_dict
 from frontend.routing import HashRing, NoRoute, Router, bounded_pick, ring_hash
 from frontend.tenants import Tenant, TenantLimits, TenantTable, hash_key
@@ -50,6 +52,13 @@ def api_error(fn: Callable[[], object]) -> APIError:
 # --- request validation ---------------------------------------------------------------------------
 
 
+def nested_schema(depth: int) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
 @pytest.mark.parametrize(
     ("body", "param", "code"),
     [
@@ -76,8 +85,29 @@ def api_error(fn: Callable[[], object]) -> APIError:
         (chat(user=5), "user", "invalid_type"),
         (chat(top_k=-2), "top_k", "invalid_value"),
         (chat(tools=[{"type": "function"}]), "tools", "unsupported_parameter"),
-        (chat(logit_bias={"5": 1}), "logit_bias", "unsupported_parameter"),
-        (chat(response_format={"type": "json_object"}), "response_format", "unsupported_parameter"),
+        (chat(logit_bias={"five": 1}), "logit_bias", "invalid_value"),
+        (chat(logit_bias={"-5": 1}), "logit_bias", "invalid_value"),
+        (chat(logit_bias={"5": 101}), "logit_bias.5", "invalid_value"),
+        (chat(logit_bias={"5": "up"}), "logit_bias.5", "invalid_type"),
+        (chat(logit_bias={str(i): 1 for i in range(301)}), "logit_bias", "invalid_value"),
+        (chat(logit_bias=[5]), "logit_bias", "invalid_type"),
+        (chat(response_format={"type": "xml"}), "response_format.type", "invalid_value"),
+        (chat(response_format="json"), "response_format", "invalid_type"),
+        (chat(response_format={"type": "json_schema"}), "response_format.json_schema", "missing_required_parameter"),
+        (chat(response_format={"type": "json_schema", "json_schema": {"schema": {}}}),
+         "response_format.json_schema.name", "missing_required_parameter"),
+        (chat(response_format={"type": "json_schema", "json_schema": {"name": "a b", "schema": {}}}),
+         "response_format.json_schema.name", "invalid_value"),
+        (chat(response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": "{oops"}}),
+         "response_format", "invalid_json_schema"),
+        (chat(response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": {
+            "type": "object", "if": {}, "then": {}}}}), "response_format", "invalid_json_schema"),
+        (chat(response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": {
+            "type": "string", "pattern": "(?=a)"}}}), "response_format", "invalid_json_schema"),
+        (chat(response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": nested_schema(150)}}),
+         "response_format", "invalid_json_schema"),  # nesting beyond what the grammar compiler parses
+        (chat(response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": nested_schema(300)}}),
+         "response_format", "invalid_json_schema"),  # nesting beyond what orjson writes back
         (chat(model=5), "model", "invalid_type"),
         ({"messages": [{"role": "user", "content": "x"}]}, "model", "missing_required_parameter"),
         ({"model": "m"}, "messages", "missing_required_parameter"),
@@ -142,6 +172,27 @@ def test_valid_requests_parse_and_unknown_fields_are_ignored() -> None:
         req = parse_completion_request({"model": "m", "prompt": prompt, "logprobs": 0, "n": 2, "best_of": 2})
         assert req.prompts == expect and req.sampling.logprobs == 0 and req.n == 2
         assert req.sampling.max_tokens == 16  # the legacy endpoint's default
+
+
+def test_response_format_and_logit_bias_parse() -> None:
+    schema = {"type": "object", "properties": {"b": {"type": "boolean"}, "a": {"enum": ["x", "y"]}},
+              "required": ["b", "a"], "additionalProperties": False}
+    req = parse_chat_request(chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "Pick_1", "schema": schema, "strict": True}}, logit_bias={"5": -100, "7": 2.5}))
+    spec = req.sampling.structured
+    assert spec is not None and spec.kind == "json_schema"
+    assert json.loads(spec.schema_json) == schema and list(json.loads(spec.schema_json)["properties"]) == ["b", "a"]
+    assert req.sampling.logit_bias == {5: -100.0, 7: 2.5}
+    req = parse_chat_request(chat(response_format={"type": "json_object"}))
+    assert req.sampling.structured == StructuredSpec("json_object") and req.sampling.logit_bias is None
+    assert parse_chat_request(chat(response_format={"type": "text"})).sampling.structured is None
+    big = {"type": "object", "properties": {f"k{i}": {"type": "integer"} for i in range(40)}}
+    err = api_error(lambda: parse_chat_request(
+        chat(response_format={"type": "json_schema", "json_schema": {"name": "big", "schema": big}}),
+        RequestLimits(max_schema_bytes=200)))
+    assert (err.status, err.param, err.code) == (400, "response_format", "schema_too_large"), err.message
+    # the completions endpoint takes logit_bias too (response_format is a chat field)
+    assert parse_completion_request({"model": "m", "prompt": "a", "logit_bias": {"3": 1}}).sampling.logit_bias == {3: 1.0}
 
 
 @pytest.mark.parametrize(

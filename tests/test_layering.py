@@ -55,7 +55,7 @@ def test_protos_holds_only_the_protocol() -> None:
 
 
 @pytest.mark.parametrize("module", ["frontend.server", "frontend.app", "deploy.launcher", "engine.prefix_hash",
-                                    "engine.model_config", "engine.tokenizer"])
+                                    "engine.model_config", "engine.tokenizer", "engine.structured_spec"])
 def test_imports_without_torch_in_a_fresh_interpreter(module: str) -> None:
     code = f"import sys, {module}; print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))"
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True)

@@ -250,7 +250,9 @@ class PrefillService(NodeService, pb_grpc.PrefillNodeServicer):
         token = out.new_token_ids[0]
         yield pb.PrefillResponse(first_token=self._first_token(req, out))
         if req.handle is None:
-            if stop_decision(params, self._eos, token, out.num_completion_tokens) is not None or not request.dst_block_ids:
+            grammar_finish = stream.seq.grammar_finish if stream.seq is not None else None
+            if (stop_decision(params, self._eos, token, out.num_completion_tokens, grammar_finish) is not None
+                    or not request.dst_block_ids):
                 # The decode node is done with this request (or already holds every block): nothing to ship.
                 yield pb.PrefillResponse(transfer_done=pb.TransferDone(ok=True, skipped=True))
                 return
