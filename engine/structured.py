@@ -136,14 +136,26 @@ def batch_bitmask(states: Sequence[GrammarState], vocab_size: int) -> torch.Tens
     return out
 
 
-def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:  # [R, vocab_size] bool
-    """Expands int32 bitmask words [R, W] to one bool per token (bit k of word w is token 32w + k).
-    Shifts bytes, not words: a quarter of the intermediate memory of 32 int32 shifts per word."""
+def _bits(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:  # [R, vocab_size] uint8 (0 or 1)
+    """Bit t of each row of int32 bitmask words [R, W] (bit k of word w is token 32w + k). Shifts bytes,
+    not words: a quarter of the intermediate memory of 32 int32 shifts per word."""
     assert sys.byteorder == "little", "the bitmask's byte view assumes little-endian words"
     as_bytes = bitmask.contiguous().view(torch.uint8)  # [R, 4W]; byte j of word w at 4w + j
     shifts = torch.arange(8, dtype=torch.uint8, device=bitmask.device)  # [8]
     bits = (as_bytes.unsqueeze(-1) >> shifts) & 1  # [R, 4W, 8]
-    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size]
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:  # [R, vocab_size] bool
+    """Expands int32 bitmask words [R, W] to one bool per token, True where the token is allowed."""
+    return _bits(bitmask, vocab_size).bool()
+
+
+def allow_tokens(bitmask: torch.Tensor, row: int, token_ids: Iterable[int]) -> None:
+    """Sets the bits of `token_ids` in row `row` of int32 bitmask words [R, W] (in place)."""
+    as_bytes = bitmask[row].view(torch.uint8)  # [4W], little-endian words
+    for t in token_ids:
+        as_bytes[t // 8] |= 1 << (t % 8)
 
 
 def apply_grammar_masks(scores: torch.Tensor, states: Sequence[GrammarState | None],
@@ -155,16 +167,32 @@ def apply_grammar_masks(scores: torch.Tensor, states: Sequence[GrammarState | No
     if not rows:
         return scores
     vocab_size = scores.shape[1]
-    # the packed words travel to the logits' device (32x fewer bytes than one bool per token)
-    words = batch_bitmask([states[i] for i in rows], vocab_size).to(scores.device, non_blocking=True)  # [R, W]
-    allowed = unpack_bitmask(words, vocab_size)  # [R, V]
-    empty = (~allowed.any(dim=-1)).nonzero().flatten().tolist()
-    for r in empty:
+    words = batch_bitmask([states[i] for i in rows], vocab_size)  # [R, W] int32, CPU
+    for r in (words == 0).all(dim=1).nonzero().flatten().tolist():  # checked on the packed words: cheap
         log.error("grammar of row %d allows no token (%s); ending it", rows[r], states[rows[r]].error)
-        allowed[r, [t for t in eos_token_ids[rows[r]] if t < vocab_size]] = True
+        allow_tokens(words, r, (t for t in eos_token_ids[rows[r]] if t < vocab_size))
+    # the packed words travel to the logits' device (32x fewer bytes than one bool per token)
+    penalty = _additive_mask(words.to(scores.device, non_blocking=True), vocab_size, scores.dtype)  # [R, V]
+    if len(rows) == scores.shape[0]:  # every row constrained: one pass, no gather
+        return scores + penalty
     idx = torch.tensor(rows, dtype=torch.long, device=scores.device)
-    sub = scores.index_select(0, idx).masked_fill(~allowed, float("-inf"))  # [R, V]
-    return scores.index_copy(0, idx, sub)
+    return scores.index_copy(0, idx, scores.index_select(0, idx) + penalty)
+
+
+@lru_cache(maxsize=8)
+def _byte_penalties(dtype: torch.dtype, device: torch.device) -> torch.Tensor:  # [256, 8]
+    """Row b: for each bit k of byte value b, 0.0 if set (allowed) else -inf."""
+    bits = (torch.arange(256, dtype=torch.int32).unsqueeze(-1) >> torch.arange(8, dtype=torch.int32)) & 1
+    return torch.where(bits == 1, 0.0, float("-inf")).to(dtype=dtype, device=device)
+
+
+def _additive_mask(bitmask: torch.Tensor, vocab_size: int, dtype: torch.dtype) -> torch.Tensor:  # [R, V]
+    """0.0 where a token is allowed, -inf where forbidden, from int32 bitmask words [R, W]: one table
+    lookup per byte (a quarter of the passes of shifting bits out), then one add to the logits."""
+    assert sys.byteorder == "little", "the bitmask's byte view assumes little-endian words"
+    as_bytes = bitmask.contiguous().view(torch.uint8).flatten().int()  # [R * 4W]
+    table = _byte_penalties(dtype, bitmask.device)
+    return table.index_select(0, as_bytes).reshape(bitmask.shape[0], -1)[:, :vocab_size]
 
 
 def apply_logit_bias(scores: torch.Tensor, biases: Sequence[dict[int, float] | None]) -> torch.Tensor:

@@ -21,7 +21,14 @@ from engine.async_engine import AsyncEngine
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.sequence import Resume
-from engine.structured import GrammarCompiler, unpack_bitmask
+from engine.structured import (
+    GrammarCompiler,
+    GrammarState,
+    allow_tokens,
+    apply_grammar_masks,
+    batch_bitmask,
+    unpack_bitmask,
+)
 from engine.structured_spec import JSON_OPTIONS, GrammarError, StructuredSpec, check_spec
 from engine.tokenizer import Tokenizer
 from testing.cluster import reference_engine
@@ -187,6 +194,43 @@ def test_bitmask_unpacking_orders_bits_by_token_id() -> None:
     allowed = unpack_bitmask(words, 64)
     assert allowed[0].nonzero().flatten().tolist() == [0, 2, 63]
     assert allowed[1].nonzero().flatten().tolist() == list(range(32, 64))
+
+
+def test_grammar_masks_match_a_float32_reference_on_a_mixed_batch(engine: LLMEngine) -> None:
+    """Rows with and without grammars, shuffled, one grammar in error: the table-lookup mask equals a
+    plain per-token reference; a row allowing nothing gets its EOS ids (`allow_tokens`, little-endian bits)."""
+    compiler = GrammarCompiler(engine.tokenizer, engine.model_config.vocab_size)
+    vocab = engine.model_config.vocab_size
+    tok = engine.tokenizer
+    states: list[GrammarState | None] = []
+    for i in range(6):
+        state = compiler.new_state(StructuredSpec("json_schema", json.dumps(
+            {"type": "object", "properties": {f"k{i}": {"type": "integer"}}, "required": [f"k{i}"]})))
+        for t in tok.encode('{"k' + str(i) + '":', add_special_tokens=False)[: i % 3 + 1]:
+            assert state.advance(t)
+        states.append(state)
+    broken = compiler.new_state(StructuredSpec("json_object"))
+    assert not broken.advance(tok.encode("x", add_special_tokens=False)[0])  # JSON cannot start with x
+    rows: list[GrammarState | None] = [*states, None, broken, None]
+    order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(0)).tolist()
+    rows = [rows[i] for i in order]
+    eos = [frozenset(tok.eos_token_ids)] * len(rows)
+    logits = torch.randn(len(rows), vocab, generator=torch.Generator().manual_seed(1))
+    got = apply_grammar_masks(logits, rows, eos)
+    for r, state in enumerate(rows):
+        if state is None:
+            assert torch.equal(got[r], logits[r])
+            continue
+        allowed = unpack_bitmask(batch_bitmask([state], vocab), vocab)[0]  # [V] bool
+        want = torch.where(allowed, logits[r], torch.tensor(float("-inf")))
+        assert torch.equal(got[r], want), r
+    words = torch.zeros((2, 2), dtype=torch.int32)
+    allow_tokens(words, 1, [0, 9, 33, 63])
+    assert unpack_bitmask(words, 64)[1].nonzero().flatten().tolist() == [0, 9, 33, 63] and not words[0].any()
+    everyone = [s for s in rows if s is not None]  # every row constrained: the no-gather path
+    sub = torch.stack([logits[r] for r, s in enumerate(rows) if s is not None])
+    assert torch.equal(apply_grammar_masks(sub, everyone, eos[: len(everyone)]),
+                       torch.stack([got[r] for r, s in enumerate(rows) if s is not None]))
 
 
 def test_logit_bias_plus_100_forces_a_token(engine: LLMEngine) -> None:
