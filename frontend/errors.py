@@ -75,6 +75,10 @@ def invalid_type(param: str, expected: str, value: object) -> APIError:
     )
 
 
+def missing_parameter(param: str) -> APIError:
+    return APIError(400, f"Missing required parameter: '{param}'.", param=param, code="missing_required_parameter")
+
+
 def invalid_value(param: str, message: str) -> APIError:
     return APIError(400, f"Invalid value for '{param}': {message}", param=param, code="invalid_value")
 

@@ -18,7 +18,7 @@ from typing import Any, Literal
 import orjson
 
 from engine.structured_spec import StructuredSpec
-from frontend.errors import APIError, bad_request, invalid_type, invalid_value
+from frontend.errors import APIError, bad_request, invalid_type, invalid_value, missing_parameter
 from frontend.structured import parse_logit_bias, parse_response_format
 
 ROLES = ("system", "user", "assistant", "tool", "developer", "function")
@@ -254,7 +254,7 @@ def _message_text(content: Any, param: str) -> str:
 def _messages(obj: dict[str, Any], limits: RequestLimits) -> list[dict[str, Any]]:
     messages = obj.get("messages")
     if messages is None:
-        raise APIError(400, "Missing required parameter: 'messages'.", param="messages", code="missing_required_parameter")
+        raise missing_parameter("messages")
     if not isinstance(messages, list):
         raise invalid_type("messages", "an array", messages)
     if not messages:
@@ -269,8 +269,7 @@ def _messages(obj: dict[str, Any], limits: RequestLimits) -> list[dict[str, Any]
             raise invalid_type(where, "an object", msg)
         role = msg.get("role")
         if role is None:
-            raise APIError(400, f"Missing required parameter: '{where}.role'.", param=f"{where}.role",
-                           code="missing_required_parameter")
+            raise missing_parameter(f"{where}.role")
         if not isinstance(role, str):
             raise invalid_type(f"{where}.role", "a string", role)
         if role not in ROLES:
@@ -278,8 +277,7 @@ def _messages(obj: dict[str, Any], limits: RequestLimits) -> list[dict[str, Any]
         content = msg.get("content")
         if content is None:
             if role != "assistant":
-                raise APIError(400, f"Missing required parameter: '{where}.content'.", param=f"{where}.content",
-                               code="missing_required_parameter")
+                raise missing_parameter(f"{where}.content")
             text = ""
         else:
             text = _message_text(content, f"{where}.content")
@@ -336,7 +334,7 @@ def _prompts(obj: dict[str, Any], limits: RequestLimits) -> list[Prompt]:
 def _prompt_list(obj: dict[str, Any]) -> list[Prompt]:
     prompt = obj.get("prompt")
     if prompt is None:
-        raise APIError(400, "Missing required parameter: 'prompt'.", param="prompt", code="missing_required_parameter")
+        raise missing_parameter("prompt")
     if isinstance(prompt, str):
         return [prompt]
     if not isinstance(prompt, list):

@@ -11,7 +11,7 @@ from typing import Any
 import orjson
 
 from engine.structured_spec import GrammarError, StructuredSpec, check_spec
-from frontend.errors import APIError, invalid_type, invalid_value, json_type_name
+from frontend.errors import APIError, invalid_type, invalid_value, json_type_name, missing_parameter
 
 MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's bound
 MAX_LOGIT_BIAS = 100.0
@@ -82,13 +82,12 @@ def _json_schema(value: Any, max_schema_bytes: int) -> str:
     """The serialized schema of a response_format json_schema object (its `name` checked as OpenAI does)."""
     where = "response_format.json_schema"
     if value is None:
-        raise APIError(400, f"Missing required parameter: '{where}'.", param=where, code="missing_required_parameter")
+        raise missing_parameter(where)
     if not isinstance(value, dict):
         raise invalid_type(where, "an object", value)
     name = value.get("name")
     if name is None:
-        raise APIError(400, f"Missing required parameter: '{where}.name'.", param=f"{where}.name",
-                       code="missing_required_parameter")
+        raise missing_parameter(f"{where}.name")
     if not isinstance(name, str):
         raise invalid_type(f"{where}.name", "a string", name)
     if not 1 <= len(name) <= 64 or not all(c.isascii() and (c.isalnum() or c in "_-") for c in name):
@@ -98,8 +97,7 @@ def _json_schema(value: Any, max_schema_bytes: int) -> str:
         raise invalid_type(f"{where}.strict", "a boolean", strict)
     schema = value.get("schema")
     if schema is None:
-        raise APIError(400, f"Missing required parameter: '{where}.schema'.", param=f"{where}.schema",
-                       code="missing_required_parameter")
+        raise missing_parameter(f"{where}.schema")
     if not isinstance(schema, dict):
         raise _schema_error(f"the JSON schema must be an object, got {json_type_name(schema)}.")
     try:
