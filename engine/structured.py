@@ -136,19 +136,14 @@ def batch_bitmask(states: Sequence[GrammarState], vocab_size: int) -> torch.Tens
     return out
 
 
-def _bits(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:  # [R, vocab_size] uint8 (0 or 1)
-    """Bit t of each row of int32 bitmask words [R, W] (bit k of word w is token 32w + k). Shifts bytes,
-    not words: a quarter of the intermediate memory of 32 int32 shifts per word."""
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:  # [R, vocab_size] bool
+    """Expands int32 bitmask words [R, W] to one bool per token, True where allowed (bit k of word w is
+    token 32w + k). The per-token reference of `_additive_mask`, which the sampler uses."""
     assert sys.byteorder == "little", "the bitmask's byte view assumes little-endian words"
     as_bytes = bitmask.contiguous().view(torch.uint8)  # [R, 4W]; byte j of word w at 4w + j
     shifts = torch.arange(8, dtype=torch.uint8, device=bitmask.device)  # [8]
     bits = (as_bytes.unsqueeze(-1) >> shifts) & 1  # [R, 4W, 8]
-    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size]
-
-
-def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:  # [R, vocab_size] bool
-    """Expands int32 bitmask words [R, W] to one bool per token, True where the token is allowed."""
-    return _bits(bitmask, vocab_size).bool()
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
 
 
 def allow_tokens(bitmask: torch.Tensor, row: int, token_ids: Iterable[int]) -> None:
