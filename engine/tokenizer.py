@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+import jinja2.meta
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, processors
@@ -163,6 +164,17 @@ class Tokenizer:
             return chat_environment().from_string(self.chat_template)
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"chat template does not compile: {e}") from e
+
+    @cached_property
+    def renders_tools(self) -> bool:
+        """Whether the chat template reads the `tools` variable (renders tool definitions itself)."""
+        if self.chat_template is None:
+            return False
+        try:
+            ast = chat_environment().parse(self.chat_template)
+        except jinja2.TemplateError:
+            return False
+        return "tools" in jinja2.meta.find_undeclared_variables(ast)
 
     @cached_property
     def _bos_prefix(self) -> bool:

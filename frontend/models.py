@@ -20,6 +20,7 @@ from engine.tokenizer import ChatTemplateError, Tokenizer
 from engine.version import short_digest
 from frontend.config import ConfigError, ModelSpec
 from frontend.errors import APIError, bad_request
+from frontend.tools import ToolSpec, template_input
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +80,24 @@ class TokenTexts:
         return TokenText(text, list(raw))
 
 
+# Fill-in-the-middle control tokens (prefix, suffix, middle) of the tokenizer families that have them; the
+# prompt is laid out prefix-suffix-middle and the model generates the middle.
+FIM_TOKENS: tuple[tuple[str, str, str], ...] = (
+    ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),
+    ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
+    ("<\uff5cfim\u2581begin\uff5c>", "<\uff5cfim\u2581hole\uff5c>", "<\uff5cfim\u2581end\uff5c>"),
+)
+
+
+def fim_token_ids(tokenizer: Tokenizer) -> tuple[int, int, int] | None:
+    """(prefix, suffix, middle) token ids when the tokenizer has a fill-in-the-middle set, else None."""
+    for names in FIM_TOKENS:
+        ids = [tokenizer.token_to_id(n) for n in names]
+        if all(i is not None for i in ids):
+            return ids[0], ids[1], ids[2]  # type: ignore[return-value]
+    return None
+
+
 @dataclass(eq=False)
 class ServedModel:
     """One served model with its tokenizer; shared by every request for it."""
@@ -99,16 +118,30 @@ class ServedModel:
     def pool(self) -> str:
         return self.spec.pool
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        """Token ids of the chat prompt. Raises a 400 APIError when the template rejects the messages."""
+    def encode_chat(self, messages: list[dict[str, Any]], tools: ToolSpec | None = None) -> list[int]:
+        """Token ids of the chat prompt (with the tools the model may call). Raises a 400 APIError when the
+        template rejects the messages."""
+        messages, kwargs = template_input(messages, tools, self.tokenizer.renders_tools)
         try:
-            return self.tokenizer.encode_chat(messages, add_generation_prompt=True)
+            return self.tokenizer.encode_chat(messages, add_generation_prompt=True, **kwargs)
         except ChatTemplateError as err:
             raise bad_request(f"The chat template of model {self.name!r} rejected the messages: {err}",
                               param="messages", code="invalid_messages") from None
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
+
+    def fill_in_middle(self, prefix_ids: list[int], suffix: str, param: str = "suffix") -> list[int]:
+        """The prompt that asks for the text between `prefix_ids` and `suffix` (prefix-suffix-middle order,
+        after BOS when the prefix starts with it). A 400 APIError when the model has no such tokens."""
+        fim = fim_token_ids(self.tokenizer)
+        if fim is None:
+            raise APIError(400, f"Model {self.name!r} cannot insert text: its tokenizer has no fill-in-the-middle "
+                           "tokens, so 'suffix' is not supported.", param=param, code="unsupported_parameter")
+        pre, suf, mid = fim
+        bos = self.tokenizer.bos_token_id
+        head = prefix_ids[:1] if prefix_ids and bos is not None and prefix_ids[0] == bos else []
+        return [*head, pre, *prefix_ids[len(head):], suf, *self.tokenizer.encode(suffix, add_special_tokens=False), mid]
 
     def check_token_ids(self, ids: list[int], param: str) -> None:
         vocab = self.tokenizer.vocab_size

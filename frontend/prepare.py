@@ -37,7 +37,7 @@ def tokenize(req: GenerationRequest, model: ServedModel) -> Tokenized:
     check_logit_bias(req.sampling.logit_bias, model.tokenizer.vocab_size, model.name)
     if req.kind == CHAT:
         assert req.messages is not None
-        return Tokenized([model.encode_chat(req.messages)], [""])
+        return Tokenized([model.encode_chat(req.messages, req.tools)], [""])
     prompts: list[list[int]] = []
     echoes: list[str] = []
     assert req.prompts is not None
@@ -50,7 +50,7 @@ def tokenize(req: GenerationRequest, model: ServedModel) -> Tokenized:
             model.check_token_ids(p, "prompt" if single else f"prompt[{i}]")
             ids = list(p)
             echoes.append(model.tokenizer.decode(ids) if req.echo else "")
-        if not ids:
+        if not ids and not req.suffix:
             raise APIError(400, "The prompt is empty after tokenization.", param="prompt", code="empty_prompt")
-        prompts.append(ids)
+        prompts.append(model.fill_in_middle(ids, req.suffix) if req.suffix else ids)
     return Tokenized(prompts, echoes)

@@ -2,12 +2,12 @@
 
 A lean hand-written validator instead of pydantic models: it runs on every request, it produces the exact
 messages and `param` paths OpenAI uses ("Invalid type for 'temperature' ..."), and it ignores unknown
-fields, because SDKs keep adding new ones. Known fields whose feature is not served (tools, suffix,
-non-text content, ...) are rejected rather than silently dropped, since ignoring them would change what
+fields, because SDKs keep adding new ones. Known fields whose feature is not served (the deprecated
+`functions`, non-text content, ...) are rejected rather than silently dropped, since ignoring them would change what
 the client gets.
 
-`response_format` and `logit_bias` are read by `frontend.structured` (the schema's grammar is compiled
-there, so a schema that cannot be served is a 400 before any node sees it).
+`response_format` and `logit_bias` are read by `frontend.structured`, `tools` by `frontend.tools` (each
+schema's grammar is compiled there, so one that cannot be served is a 400 before any node sees it).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import orjson
 from engine.structured_spec import StructuredSpec
 from frontend.errors import APIError, bad_request, invalid_type, invalid_value, missing_parameter
 from frontend.structured import parse_logit_bias, parse_response_format
+from frontend.tools import ToolSpec, parse_tool_calls, parse_tools
 
 ROLES = ("system", "user", "assistant", "tool", "developer", "function")
 MAX_STOP_STRINGS = 4
@@ -81,6 +82,8 @@ class GenerationRequest:
     include_usage: bool = False
     user: str | None = None
     echo: bool = False
+    tools: ToolSpec | None = None  # chat: tools, tool_choice, parallel_tool_calls
+    suffix: str | None = None  # completions: the text after the insertion (fill-in-the-middle models)
     max_tokens_param: str = "max_tokens"  # the field max_tokens came from, for error messages
 
 
@@ -281,9 +284,6 @@ def _messages(obj: dict[str, Any], limits: RequestLimits) -> list[dict[str, Any]
             text = ""
         else:
             text = _message_text(content, f"{where}.content")
-        chars += len(text)
-        if chars > limits.max_prompt_chars:
-            raise _prompt_too_long("messages", chars, limits)
         # "developer" is OpenAI's newer name for the system role; chat templates know "system".
         item: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": text}
         name = msg.get("name")
@@ -291,6 +291,19 @@ def _messages(obj: dict[str, Any], limits: RequestLimits) -> list[dict[str, Any]
             if not isinstance(name, str):
                 raise invalid_type(f"{where}.name", "a string", name)
             item["name"] = name
+        if role == "assistant" and msg.get("tool_calls"):
+            item["tool_calls"] = parse_tool_calls(msg["tool_calls"], f"{where}.tool_calls")
+            chars += sum(len(c["function"]["arguments"]) for c in item["tool_calls"])
+        if role == "tool":
+            call_id = msg.get("tool_call_id")
+            if call_id is None:
+                raise missing_parameter(f"{where}.tool_call_id")
+            if not isinstance(call_id, str):
+                raise invalid_type(f"{where}.tool_call_id", "a string", call_id)
+            item["tool_call_id"] = call_id
+        chars += len(text)
+        if chars > limits.max_prompt_chars:
+            raise _prompt_too_long("messages", chars, limits)
         cleaned.append(item)
     return cleaned
 
@@ -304,9 +317,18 @@ def parse_chat_request(obj: dict[str, Any], limits: RequestLimits = RequestLimit
     if top is not None and not logprobs:
         raise invalid_value("top_logprobs", "top_logprobs requires 'logprobs' to be true.")
     req.sampling.logprobs = (top or 0) if logprobs else None
-    _unsupported(obj, "tools", not obj.get("tools"), "tool calling is not available.")
-    _unsupported(obj, "functions", not obj.get("functions"), "function calling is not available.")
+    _unsupported(obj, "functions", not obj.get("functions"), "the deprecated 'functions' are not served; "
+                 "send them as 'tools'.")
+    _unsupported(obj, "function_call", False, "the deprecated 'function_call' is not served; use 'tool_choice'.")
     req.sampling.structured = parse_response_format(obj, limits.max_schema_bytes)
+    req.tools = parse_tools(obj, limits.max_schema_bytes)
+    constraint = req.tools.constraint() if req.tools is not None else None
+    if constraint is not None:
+        if req.sampling.structured is not None:
+            raise invalid_value("response_format", "a JSON response_format cannot be combined with "
+                                "tool_choice 'required' or a named function (the calls' arguments are the "
+                                "structured output).")
+        req.sampling.structured = constraint
     _unsupported(obj, "audio", False, "audio output is not available.")
     return req
 
@@ -372,7 +394,7 @@ def parse_completion_request(obj: dict[str, Any], limits: RequestLimits = Reques
     if best_of is not None and best_of != req.n:
         raise APIError(400, "'best_of' different from 'n' is not supported.", param="best_of",
                        code="unsupported_parameter")
-    _unsupported(obj, "suffix", not obj.get("suffix"), "insertion (suffix) is not available.")
+    req.suffix = _string(obj, "suffix") or None
     if len(req.prompts) * req.n > MAX_CHOICES:
         raise invalid_value("n", f"prompts x n must be at most {MAX_CHOICES}, got {len(req.prompts) * req.n}.")
     if req.sampling.max_tokens is None:

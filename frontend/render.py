@@ -15,6 +15,7 @@ import orjson
 
 from frontend.models import TokenTexts
 from frontend.protocol import Kind
+from frontend.tools import ToolEvent
 from protos import pdserve_pb2 as pb
 
 DONE = b"data: [DONE]\n\n"
@@ -118,6 +119,18 @@ class StreamEncoder:
                                % (index, orjson.dumps(text), lp))
         return self._event(b'{"index":%d,"text":%b,"logprobs":%b,"finish_reason":null}'
                            % (index, orjson.dumps(text), lp))
+
+    def tool_event(self, index: int, event: ToolEvent) -> bytes:
+        """A chat chunk of a tool call: its start (id, name, empty arguments) or a piece of its arguments."""
+        if event.kind == "content":
+            return self.text(index, event.text)
+        if event.kind == "call":
+            call = {"index": event.call, "id": event.call_id, "type": "function",
+                    "function": {"name": event.name, "arguments": ""}}
+        else:
+            call = {"index": event.call, "function": {"arguments": event.text}}
+        return self._event(b'{"index":%d,"delta":{"tool_calls":[%b]},"logprobs":null,"finish_reason":null}'
+                           % (index, orjson.dumps(call)))
 
     def finish(self, index: int, reason: str) -> bytes:
         """The last chunk of a choice: empty delta, its finish_reason."""

@@ -36,6 +36,7 @@ from frontend.render import (
 from frontend.request_log import RequestLog
 from frontend.routing import Router
 from frontend.tenants import Tenant, TenantTable
+from frontend.tools import ToolCallParser, message_of
 from frontend.ttft import TTFTEstimator
 from frontend.upstream import PoolFailed, UpstreamCalls
 from frontend.workers import PrepareWorkers
@@ -47,6 +48,19 @@ __all__ = ["CHAT", "COMPLETION", "Frontend", "Job", "client_request_id"]
 log = logging.getLogger(__name__)
 
 _DROP_CHANNEL_AFTER_S = 30.0
+
+
+def tool_parsers(job: Job) -> dict[int, ToolCallParser]:
+    """A tool-call parser per choice of a chat job whose model may call tools (none otherwise)."""
+    tools = job.req.tools
+    if tools is None or tools.parser() is None:
+        return {}
+    return {c.index: tools.parser() for c in job.choices}  # type: ignore[misc]
+
+
+def finish_reason(reason: str, parser: ToolCallParser | None) -> str:
+    """A choice's finish_reason: "tool_calls" when it ended by itself after calling a tool."""
+    return "tool_calls" if reason == "stop" and parser is not None and parser.calls else reason
 
 
 class Frontend:
@@ -209,6 +223,7 @@ class Frontend:
         top = req.sampling.logprobs
         chat = job.kind == CHAT
         pending: list[bytes] = [enc.role(c.index) for c in job.choices] if chat else []
+        parsers = tool_parsers(job)
         try:
             async for c, msg in self.calls.messages(job, firsts):
                 self.calls.progress(c, msg, time.perf_counter())
@@ -222,10 +237,16 @@ class Frontend:
                         lp = {"content": chat_logprobs(msg.logprobs, texts, top), "refusal": None}
                     else:
                         lp, c.text_offset = completion_logprobs(msg.logprobs, texts, top, c.text_offset)
-                if text or lp is not None:
+                parser = parsers.get(c.index)
+                if parser is not None:
+                    events = parser.feed(text) + (parser.finish() if msg.finished else [])
+                    pending += [enc.tool_event(c.index, e) for e in events]
+                    if lp is not None:
+                        pending.append(enc.text(c.index, "", lp))
+                elif text or lp is not None:
                     pending.append(enc.text(c.index, text, lp))
                 if msg.finished:
-                    pending.append(enc.finish(c.index, msg.finish_reason))
+                    pending.append(enc.finish(c.index, finish_reason(msg.finish_reason, parser)))
                 if pending:
                     yield b"".join(pending) if len(pending) > 1 else pending[0]
                     pending = []
@@ -253,14 +274,22 @@ class Frontend:
         req = job.req
         top = req.sampling.logprobs
         texts = job.model.texts
+        parsers = tool_parsers(job)
         choices: list[dict[str, Any]] = []
         for c in job.choices:
             text = "".join(c.text)
             assert c.finish_reason is not None
             if job.kind == CHAT:
                 lp = None if top is None else {"content": chat_logprobs(c.logprobs, texts, top), "refusal": None}
-                choices.append({"index": c.index, "message": {"role": "assistant", "content": text, "refusal": None},
-                                "logprobs": lp, "finish_reason": c.finish_reason})
+                message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+                parser = parsers.get(c.index)
+                if parser is not None:
+                    tool_message = message_of(parser.feed(text) + parser.finish())
+                    message["content"] = tool_message.content
+                    if tool_message.tool_calls:
+                        message["tool_calls"] = tool_message.tool_calls
+                choices.append({"index": c.index, "message": message, "logprobs": lp,
+                                "finish_reason": finish_reason(c.finish_reason, parser)})
             else:
                 lp = None if top is None else completion_logprobs(c.logprobs, texts, top, 0).logprobs
                 if req.echo:

@@ -84,7 +84,7 @@ def nested_schema(depth: int) -> dict[str, Any]:
         (chat(stream="yes"), "stream", "invalid_type"),
         (chat(user=5), "user", "invalid_type"),
         (chat(top_k=-2), "top_k", "invalid_value"),
-        (chat(tools=[{"type": "function"}]), "tools", "unsupported_parameter"),
+        (chat(functions=[{"name": "f"}]), "functions", "unsupported_parameter"),
         (chat(logit_bias={"five": 1}), "logit_bias", "invalid_value"),
         (chat(logit_bias={"-5": 1}), "logit_bias", "invalid_value"),
         (chat(logit_bias={"5": 101}), "logit_bias.5", "invalid_value"),
@@ -142,7 +142,7 @@ def test_chat_validation_errors(body: dict[str, Any], param: str, code: str) -> 
         ({"model": "m", "prompt": "x", "logprobs": 30}, "logprobs", "invalid_value"),
         ({"model": "m", "prompt": "x", "echo": True, "logprobs": 1}, "echo", "unsupported_parameter"),
         ({"model": "m", "prompt": "x", "best_of": 3}, "best_of", "unsupported_parameter"),
-        ({"model": "m", "prompt": "x", "suffix": "y"}, "suffix", "unsupported_parameter"),
+        ({"model": "m", "prompt": "x", "suffix": 5}, "suffix", "invalid_type"),
         ({"model": "m", "prompt": ["x"] * 65, "n": 2}, "n", "invalid_value"),
     ],
 )

@@ -3,21 +3,27 @@
 
 8 concurrent chat requests, then the same 8 streamed, all prefilled on the prefill node and decoded on the
 decode node (the KV blocks cross the gloo channel); every answer equals transformers' greedy text for the
-same chat template, every body and chunk validates against the vendored OpenAPI spec, and every KV block
-on both nodes is free afterwards.
+same chat template. Structured output and tools on the same cluster: `chat.completions.parse` with a
+pydantic model for 8 prompts, `json_object`, and a two-turn tool-calling exchange, whole and streamed.
+Every body and chunk validates against the vendored OpenAPI spec, and every KV block on both nodes is
+free afterwards.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Literal
 
 import httpx
+import jsonschema
 import openai
 import pytest
 import torch
+from pydantic import BaseModel, Field
 
 from registry.etcd_server import free_port
 from testing.cluster import LocalCluster
@@ -116,6 +122,88 @@ def test_eight_concurrent_chats_equal_transformers(env: Env, stream: bool) -> No
     assert answers[0][0] == "The capital of France is Paris."
     loads = env.cluster.wait_clean()
     assert all(load.kv_blocks_used == 0 and load.in_flight == 0 for load in loads.values()), loads
+
+
+
+class Answer(BaseModel):
+    answer: str = Field(min_length=1, max_length=40)
+    confidence: Literal["low", "medium", "high"]
+
+
+def test_parse_returns_a_pydantic_object_for_eight_prompts(env: Env) -> None:
+    def parse(prompt: str) -> tuple[Answer | None, str]:
+        r = env.client().chat.completions.parse(model=NAME, messages=[{"role": "user", "content": prompt}],
+                                                response_format=Answer, temperature=0, max_tokens=100)
+        return r.choices[0].message.parsed, r.choices[0].finish_reason
+
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        answers = list(pool.map(parse, PROMPTS))
+    for prompt, (parsed, finish) in zip(PROMPTS, answers, strict=True):
+        assert finish == "stop" and isinstance(parsed, Answer), (prompt, parsed, finish)
+        assert 0 < len(parsed.answer) <= 40
+
+
+def test_json_object_output_parses(env: Env) -> None:
+    r = env.client().chat.completions.create(
+        model=NAME, temperature=0, max_tokens=60, response_format={"type": "json_object"},
+        messages=[{"role": "user", "content": "Give Alice's name and age (30) as JSON."}])
+    assert r.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(r.choices[0].message.content or ""), dict)
+
+
+WEATHER_PARAMETERS: dict[str, Any] = {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                     "unit": {"enum": ["celsius", "fahrenheit"]}},
+    "required": ["city", "unit"], "additionalProperties": False}
+TOOLS: list[Any] = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
+                                                      "parameters": WEATHER_PARAMETERS}}]
+QUESTION = {"role": "user", "content": "What's the weather like in Paris today?"}
+
+
+def _streamed_message(stream: Any) -> tuple[str, list[dict[str, Any]], str | None]:
+    """Content, tool calls and finish_reason a client assembles from the chunks of one choice."""
+    content, calls, finish = [], [], None
+    for chunk in stream:
+        for choice in chunk.choices:
+            content.append(choice.delta.content or "")
+            for part in choice.delta.tool_calls or []:
+                if part.index == len(calls):  # a call's first chunk: id, type and name
+                    assert part.id and part.type == "function" and part.function and part.function.name
+                    calls.append({"id": part.id, "type": "function",
+                                  "function": {"name": part.function.name, "arguments": ""}})
+                calls[part.index]["function"]["arguments"] += part.function.arguments or ""
+            finish = choice.finish_reason or finish
+    return "".join(content), calls, finish
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}],
+                         ids=["required", "named"])
+def test_two_turn_tool_calling_exchange(env: Env, stream: bool, tool_choice: Any) -> None:
+    client = env.client()
+    first = dict(model=NAME, messages=[QUESTION], tools=TOOLS, tool_choice=tool_choice, temperature=0,
+                 max_tokens=60)
+    if stream:
+        content, calls, finish = _streamed_message(client.chat.completions.create(**first, stream=True))
+    else:
+        msg = client.chat.completions.create(**first).choices[0]
+        content, finish = msg.message.content or "", msg.finish_reason
+        calls = [c.model_dump() for c in msg.message.tool_calls or []]
+    assert finish == "tool_calls" and content == ""
+    assert len(calls) == 1 and calls[0]["function"]["name"] == "get_weather" and calls[0]["id"].startswith("call_")
+    arguments = json.loads(calls[0]["function"]["arguments"])
+    jsonschema.validate(arguments, WEATHER_PARAMETERS)
+    assert arguments["city"] == "Paris"
+    # the client runs the function and answers with a tool message; the model replies in text
+    messages = [QUESTION, {"role": "assistant", "content": None, "tool_calls": calls},
+                {"role": "tool", "tool_call_id": calls[0]["id"], "content": '{"temperature": 18, "sky": "sunny"}'}]
+    second = dict(model=NAME, messages=messages, tools=TOOLS, temperature=0, max_tokens=40)
+    if stream:
+        content, calls, finish = _streamed_message(client.chat.completions.create(**second, stream=True))
+    else:
+        msg = client.chat.completions.create(**second).choices[0]
+        content, finish, calls = msg.message.content or "", msg.finish_reason, msg.message.tool_calls or []
+    assert content and not calls and finish in ("stop", "length"), (content, calls, finish)
 
 
 def test_models_list_and_spec_conformance(env: Env) -> None:
