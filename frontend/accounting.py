@@ -39,7 +39,7 @@ class Accounting:
     def reject(self, kind: str, tenant: str | None, err: APIError, client_id: str | None) -> None:
         """Accounts a request refused before it started (metrics and a request log line)."""
         endpoint = "chat.completions" if kind == CHAT else "completions"
-        self._metrics.requests.labels("frontend", self._config.frontend_id, "", endpoint, str(err.status),
+        self._metrics.requests.labels("frontend", self._config.frontend_id, "", "", endpoint, str(err.status),
                                      "rejected").inc()
         self._log.write({"ts": time.time(), "request_id": None, "client_request_id": client_id,
                                 "tenant": tenant, "endpoint": endpoint, "status": err.status,
@@ -66,7 +66,7 @@ class Accounting:
         return completion
 
     def _observe(self, job: Job, lat: Latencies, completion: int) -> None:
-        m, name = self._metrics, job.model.name
+        m, name = self._metrics, job.model
         lbl = m.labels(name)
         if job.disconnected:
             m.disconnects.labels(*lbl).inc()
@@ -79,7 +79,7 @@ class Accounting:
 
     def _judge_slo(self, job: Job, lat: Latencies, completion: int) -> None:
         """Admitted and finished: a 5xx misses every target; otherwise the measured latencies decide."""
-        m, name = self._metrics, job.model.name
+        m, name = self._metrics, job.model
         ok = lat.status < 500 and job.error is None
         ttft_ok = ok and lat.ttft is not None and lat.ttft <= self._config.ttft_slo_s
         tpot_ok = ok and (lat.tpot is None or lat.tpot <= self._config.tpot_slo_s)
@@ -124,6 +124,8 @@ def _log_record(job: Job, lat: Latencies, completion: int) -> dict[str, Any]:
         "tenant": job.tenant.name,
         "endpoint": job.endpoint,
         "model": job.model.name,
+        "model_version": job.model.version or None,
+        "model_pool": job.model.pool,
         "requested_model": job.requested_model,
         "model_fingerprint": (job.choices[0].decision.fingerprint or None) if job.choices else None,
         "tokenizer_digest": job.model.tokenizer_digest,

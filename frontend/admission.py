@@ -96,15 +96,15 @@ class Admitter:
             raise APIError(403, f"Tenant {tenant.name!r} may not use model `{req.model}`.", type="permission_error",
                            param="model", code="model_not_allowed")
         self._limited(tenant, lambda: self.limiter.precheck(tenant))
-        picked = self._pick_model(tenant, model)
+        session_key = headers.get(self.config.session_header) if self.config.session_header else None
+        if not session_key and self.config.user_affinity:
+            session_key = req.user
+        picked = self._pick_model(tenant, model, session_key)
         model = picked.model
         tokenized = await self.workers.tokenize(req, model) if offload else tokenize(req, model)
         prompts = tokenized.prompts
         budgets = [self._max_tokens(req, tenant, model, len(p)) for p in prompts]
         per_prompt_max = [b.max_tokens for b in budgets]
-        session_key = headers.get(self.config.session_header) if self.config.session_header else None
-        if not session_key and self.config.user_affinity:
-            session_key = req.user
         decisions = self._route(req, model, prompts, per_prompt_max, session_key)
         if budget_ms is not None:
             self._limited(tenant, lambda: self._check_ttft(model, [d for _, d in decisions], budget_ms, arrived))
@@ -124,7 +124,7 @@ class Admitter:
         return job
 
     def _count_routes(self, job: Job) -> None:
-        lbl = self.metrics.labels(job.model.name)
+        lbl = self.metrics.labels(job.model)
         for c in job.choices:
             self.metrics.routes.labels(*lbl, "prefill", c.decision.prefill_rule).inc()
             self.metrics.routes.labels(*lbl, "decode", c.decision.decode_rule).inc()
@@ -195,25 +195,38 @@ class Admitter:
     def _count_rejection(self, tenant: Tenant, err: APIError) -> None:
         self.metrics.rejections.labels("frontend", self.config.frontend_id, tenant.name, err.limit or err.code or "").inc()
 
-    def _pick_model(self, tenant: Tenant, model: ServedModel) -> ModelChoice:
-        """The requested model, or its fallback when the requested pool has no usable decode node."""
-        status = self.router.status(model.pool)
-        if status.usable_decode:
-            return ModelChoice(model, "")
-        why = "overloaded" if status.decode else "has no decode node"
-        return self._fallback(tenant, model, f"pool {model.pool!r} {why}") or ModelChoice(model, "")
+    def _usable_version(self, model: ServedModel, session_key: str | None) -> ServedModel | None:
+        """The version of `model` this request goes to (`ModelCatalog.rank`: by weight, sticky per session
+        key), or the next one whose pool has a usable decode node; None when none has."""
+        return next((v for v in self.catalog.rank(model, session_key)
+                     if self.router.status(v.pool).usable_decode), None)
 
-    def _fallback(self, tenant: Tenant, model: ServedModel, why: str) -> ModelChoice | None:
+    def _pick_model(self, tenant: Tenant, model: ServedModel, session_key: str | None) -> ModelChoice:
+        """The requested model's version for this request, or the model's fallback when no version's pool
+        has a usable decode node. 503 APIError when every version has weight 0."""
+        usable = self._usable_version(model, session_key)
+        if usable is not None:
+            return ModelChoice(usable, "")
+        versions = [v for v in self.catalog.versions_of(model) if self.catalog.weight(v) > 0]
+        if not versions:
+            raise APIError(503, f"Model `{model.name}` takes no new requests: every version has routing weight 0.",
+                           type=OVERLOADED, code="no_route", headers={"retry-after": "1"})
+        model = versions[0]
+        why = "overloaded" if self.router.status(model.pool).decode else "has no decode node"
+        return self._fallback(tenant, model, f"pool {model.pool!r} {why}", session_key) or ModelChoice(model, "")
+
+    def _fallback(self, tenant: Tenant, model: ServedModel, why: str, session_key: str | None) -> ModelChoice | None:
         """The one fallback rule (admission and run time): the model's configured fallback, if the tenant
-        may use it and its pool has a usable decode node; None otherwise. Fallbacks do not chain."""
+        may use it and a version of it has a usable decode node; None otherwise. Fallbacks do not chain."""
         if model.spec.fallback is None:
             return None
         fallback = self.catalog.get(model.spec.fallback)
         if fallback is None or not tenant.may_use(*self.catalog.names_of(fallback)):
             return None
-        if not self.router.status(fallback.pool).usable_decode:
+        usable = self._usable_version(fallback, session_key)
+        if usable is None:
             return None
-        return ModelChoice(fallback, f"{why}; served by fallback {fallback.name!r}")
+        return ModelChoice(usable, f"{why}; served by fallback {usable.name!r}")
 
     async def fall_back(self, job: Job, why: str) -> bool:
         """Moves a job whose pool failed it before anything was sent to the fallback model (`_fallback`):
@@ -222,7 +235,8 @@ class Admitter:
         already on one, or the fallback cannot take the request."""
         if job.fallback_reason:
             return False
-        picked = self._fallback(job.tenant, job.model, f"pool {job.model.pool!r} failed the request ({why})")
+        picked = self._fallback(job.tenant, job.model, f"pool {job.model.pool!r} failed the request ({why})",
+                                job.session_key)
         if picked is None:
             return False
         model, req = picked.model, job.req

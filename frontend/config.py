@@ -15,6 +15,13 @@ Models file (YAML or TOML, chosen by the file suffix)::
         output_tokens_estimate: 256 # output reserved against tenant budgets when max_tokens is absent
                                     # (default: --output-estimate); reconciled with what was generated
 
+Canary: entries that share a `name` are versions of one served model, each its own pool, with routing
+weights (requests with a session key stick to a version; the others split exactly by weight). Weights
+are re-read from the file while the frontend runs; weight 0 sends a version no new requests::
+
+      - {name: smol, version: v1, pool: smol-v1, path: /models/smol-v1, weight: 90}
+      - {name: smol, version: v2, pool: smol-v2, path: /models/smol-v2, weight: 10}
+
 `--model NAME=PATH` on the command line adds an entry with only a name and a path.
 """
 
@@ -90,10 +97,14 @@ class ModelSpec:
     max_output_tokens: int | None = None
     default_max_tokens: int | None = None
     output_tokens_estimate: int | None = None
+    version: str = ""  # canary: which version of `name` this entry is ("" when it has one version)
+    weight: float = 1.0  # canary: share of new requests among the versions of `name` (0: none)
 
     def __post_init__(self) -> None:
         if not self.name or "/" in self.pool:
             raise ConfigError(f"model {self.name!r}: name must be non-empty and pool must contain no '/'")
+        if not (0.0 <= self.weight < float("inf")):
+            raise ConfigError(f"model {self.name!r}: weight must be a finite number >= 0, got {self.weight!r}")
         if not self.pool:
             object.__setattr__(self, "pool", self.name)
         if not Path(self.path).is_dir():
@@ -118,6 +129,12 @@ class ModelSpec:
         pool = obj.get("pool") or ""
         if not isinstance(pool, str):
             raise ConfigError(f"{where}: pool must be a string")
+        version = obj.get("version") or ""
+        if not isinstance(version, str):
+            raise ConfigError(f"{where}: version must be a string")
+        weight = obj.get("weight", 1.0)
+        if isinstance(weight, bool) or not isinstance(weight, int | float):
+            raise ConfigError(f"{where}: weight must be a number, got {weight!r}")
         return cls(
             name=obj["name"],
             path=os.path.expanduser(obj["path"]),
@@ -128,7 +145,34 @@ class ModelSpec:
             max_output_tokens=optional_positive_int(where, obj, "max_output_tokens"),
             default_max_tokens=optional_positive_int(where, obj, "default_max_tokens"),
             output_tokens_estimate=optional_positive_int(where, obj, "output_tokens_estimate"),
+            version=version,
+            weight=float(weight),
         )
+
+
+def check_versions(specs: tuple[ModelSpec, ...] | list[ModelSpec]) -> None:
+    """Entries sharing a name are the versions of one model: each needs a distinct version and pool, and
+    they agree on aliases and fallback. Raises ConfigError."""
+    groups: dict[str, list[ModelSpec]] = {}
+    for spec in specs:
+        groups.setdefault(spec.name, []).append(spec)
+    for name, group in groups.items():
+        if len(group) == 1:
+            continue
+        versions = [s.version for s in group]
+        if not all(versions) or len(set(versions)) != len(versions):
+            raise ConfigError(f"model name {name!r} is used twice; entries sharing a name are versions of one "
+                              f"model and each needs its own 'version', got {versions}")
+        pools = [s.pool for s in group]
+        if len(set(pools)) != len(pools):
+            raise ConfigError(f"model {name!r}: each version needs its own pool, got {pools}")
+        if len({(s.aliases, s.fallback) for s in group}) != 1:
+            raise ConfigError(f"model {name!r}: its versions must have the same aliases and fallback")
+
+
+def version_weights(specs: tuple[ModelSpec, ...] | list[ModelSpec]) -> dict[tuple[str, str], float]:
+    """(name, version) -> routing weight of every entry."""
+    return {(s.name, s.version): s.weight for s in specs}
 
 
 def load_models_file(path: str | Path) -> list[ModelSpec]:
@@ -154,6 +198,7 @@ class FrontendConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     tenants_file: str | None = None  # None: local mode, any key accepted
+    models_file: str | None = None  # where `models` came from; its version weights are re-read at run time
     frontend_id: str = field(default_factory=_default_frontend_id)
     # Per-tenant limits are enforced per process. With K frontends behind one balancer (limit_share=K)
     # frontend i of K (limit_share_index=i) enforces floor(limit / K), plus one while i < limit % K: the
@@ -244,8 +289,11 @@ class FrontendConfig:
             max_messages=self.max_messages, max_stop_strings=self.max_stop_strings,
             max_stop_chars=self.max_stop_chars, max_prompt_chars=self.max_prompt_chars,
             max_schema_bytes=self.max_schema_bytes))
+        check_versions(self.models)
         names: dict[str, str] = {}
         for spec in self.models:
+            if spec.name in names and names[spec.name] == spec.name and spec.version:
+                continue  # another version of a model already named (check_versions vetted the group)
             for served in (spec.name, *spec.aliases):
                 if served in names:
                     raise ConfigError(f"FrontendConfig: model name {served!r} is used twice ({names[served]}, {spec.name})")
@@ -347,6 +395,7 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         host=args.host,
         port=args.port,
         tenants_file=args.tenants,
+        models_file=args.models,
         limit_share=args.limit_share,
         limit_share_index=args.limit_share_index,
         output_estimate=args.output_estimate,

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from engine.version import pdserve_version
+from frontend.models import ServedModel
 
 POOL = "frontend"
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
@@ -26,7 +27,7 @@ class FrontendMetrics:
         self.node = node
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        base = ["pool", "node", "model"]
+        base = ["pool", "node", "model", "version"]  # version: the canary version ("" with one version)
         self.sse_keepalives = Counter("pdserve_frontend_sse_keepalives_total",
                                       "SSE keep-alive comments sent on silent streams", ["pool", "node"],
                                       registry=r).labels(POOL, node)
@@ -36,6 +37,9 @@ class FrontendMetrics:
         self.model_info = Gauge("pdserve_model_info",
                                 "Always 1 per served model; the labels name its tokenizer and chat template",
                                 [*base, "model_pool", "tokenizer", "chat_template", "max_context"], registry=r)
+        self.model_weight = Gauge("pdserve_frontend_model_weight",
+                                  "Routing weight of each version of a served model (canary; 0: no new requests)",
+                                  base, registry=r)
         self.requests = Counter("pdserve_frontend_requests_total", "Requests by endpoint, HTTP status and finish reason",
                                 [*base, "endpoint", "status", "finish_reason"], registry=r)
         self.ttft = Histogram("pdserve_frontend_ttft_seconds", "Time from request arrival to first token",
@@ -77,10 +81,10 @@ class FrontendMetrics:
                                         buckets=_LATENCY_BUCKETS, registry=r)
         self.inflight_now = self.inflight.labels(POOL, node)
 
-    def labels(self, model: str) -> tuple[str, str, str]:
-        return POOL, self.node, model
+    def labels(self, model: ServedModel) -> tuple[str, str, str, str]:
+        return POOL, self.node, model.name, model.version
 
-    def observe_latencies(self, model: str, ttft: float | None, itls: Sequence[float], tpot: float | None,
+    def observe_latencies(self, model: ServedModel, ttft: float | None, itls: Sequence[float], tpot: float | None,
                           e2e: float, queue: float | None) -> None:
         lbl = self.labels(model)
         if ttft is not None:
@@ -95,12 +99,12 @@ class FrontendMetrics:
             self.queue.labels(*lbl).observe(queue)
         self.e2e.labels(*lbl).observe(e2e)
 
-    def observe_ttft_breakdown(self, model: str, stages: dict[str, float]) -> None:
+    def observe_ttft_breakdown(self, model: ServedModel, stages: dict[str, float]) -> None:
         lbl = self.labels(model)
         for stage, seconds in stages.items():
             self.ttft_breakdown.labels(*lbl, stage).observe(seconds)
 
-    def observe_slo(self, model: str, name: str, met: bool) -> None:
+    def observe_slo(self, model: ServedModel, name: str, met: bool) -> None:
         self.slo.labels(*self.labels(model), name, "true" if met else "false").inc()
 
     def render(self) -> bytes:

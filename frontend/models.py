@@ -7,8 +7,10 @@ read; no weights are loaded.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import math
 import time
 from dataclasses import dataclass
 from functools import lru_cache
@@ -118,6 +120,10 @@ class ServedModel:
     def pool(self) -> str:
         return self.spec.pool
 
+    @property
+    def version(self) -> str:
+        return self.spec.version
+
     def encode_chat(self, messages: list[dict[str, Any]], tools: ToolSpec | None = None) -> list[int]:
         """Token ids of the chat prompt (with the tools the model may call). Raises a 400 APIError when the
         template rejects the messages."""
@@ -161,11 +167,15 @@ def _max_model_len(path: Path) -> int | None:
 
 
 class ModelCatalog:
-    """Served names and aliases -> ServedModel. Loaded once at startup; read-only afterwards."""
+    """Served names and aliases -> ServedModel, one per version of each model. Loaded once at startup;
+    afterwards only the versions' routing weights change (`set_weights`), and the round-robin credit
+    that `rank` keeps."""
 
     def __init__(self, specs: tuple[ModelSpec, ...]) -> None:
-        self._models: dict[str, ServedModel] = {}
-        self._names: dict[str, ServedModel] = {}
+        self._versions: dict[str, list[ServedModel]] = {}  # model name -> its versions, in file order
+        self._names: dict[str, str] = {}  # served name or alias -> model name
+        self._weights: dict[tuple[str, str], float] = {}  # (name, version) -> routing weight
+        self._credit: dict[tuple[str, str], float] = {}  # smooth weighted round-robin state
         now = int(time.time())
         for spec in specs:
             path = Path(spec.path)
@@ -181,30 +191,88 @@ class ModelCatalog:
             served = ServedModel(spec, tokenizer, TokenTexts(tokenizer), min(limits), now,
                                  short_digest(tokenizer.backend.to_str()),
                                  short_digest(template) if template is not None else "")
-            self._models[spec.name] = served
+            self._versions.setdefault(spec.name, []).append(served)
+            self._weights[(spec.name, spec.version)] = spec.weight
+            self._credit[(spec.name, spec.version)] = 0.0
             for name in (spec.name, *spec.aliases):
-                self._names[name] = served
-        log.info("serving models: %s", ", ".join(f"{m.name} (pool {m.pool}, context {m.max_context})"
-                                                  for m in self._models.values()))
+                self._names[name] = spec.name
+        log.info("serving models: %s", ", ".join(
+            f"{m.name}{'@' + m.version if m.version else ''} (pool {m.pool}, context {m.max_context})"
+            for m in self.all_versions))
 
     def resolve(self, name: str) -> ServedModel:
-        """The model served under `name` (a name or an alias); 404 APIError when there is none."""
-        model = self._names.get(name)
+        """The model served under `name` (a name or an alias; its first version stands for it until `rank`
+        picks one); 404 APIError when there is none."""
+        model = self.get(name)
         if model is None:
             raise APIError(404, f"The model `{name}` does not exist or you do not have access to it.",
                            type="invalid_request_error", param="model", code="model_not_found")
         return model
 
     def get(self, name: str) -> ServedModel | None:
-        return self._names.get(name)
+        key = self._names.get(name)
+        return None if key is None else self._versions[key][0]
+
+    def version(self, name: str, version: str) -> ServedModel:
+        """One version of a model (KeyError when there is no such version)."""
+        return next(m for m in self._versions[self._names[name]] if m.version == version)
+
+    def versions_of(self, model: ServedModel) -> list[ServedModel]:
+        return list(self._versions[model.name])
+
+    def weight(self, model: ServedModel) -> float:
+        return self._weights[(model.name, model.version)]
+
+    def rank(self, model: ServedModel, session_key: str | None) -> list[ServedModel]:
+        """The versions of `model` that take new requests (weight > 0), the one this request goes to
+        first, then the others by weight. With a session key the first is a weighted rendezvous hash of it
+        (a session keeps its version; a weight change moves only the sessions it must); without one,
+        smooth weighted round-robin (exactly the weights' split). Changes the round-robin credit."""
+        versions = [v for v in self._versions[model.name] if self.weight(v) > 0]
+        if len(versions) <= 1:
+            return versions
+        by_weight = sorted(versions, key=lambda v: -self.weight(v))
+        if session_key:
+            first = max(versions, key=lambda v: self.weight(v) / -math.log(_unit_hash(session_key, v.version)))
+        else:
+            total = 0.0
+            for v in versions:
+                self._credit[(v.name, v.version)] += self.weight(v)
+                total += self.weight(v)
+            first = max(versions, key=lambda v: self._credit[(v.name, v.version)])
+            self._credit[(first.name, first.version)] -= total
+        return [first, *(v for v in by_weight if v is not first)]
+
+    def set_weights(self, weights: dict[tuple[str, str], float]) -> list[str]:
+        """Sets the weight of each known (name, version) in `weights` (others unchanged); returns a line per
+        change. Round-robin credit restarts, so the new split holds from the next request."""
+        changes = []
+        for key, weight in weights.items():
+            if key in self._weights and self._weights[key] != weight:
+                changes.append(f"{key[0]}@{key[1] or '-'}: weight {self._weights[key]:g} -> {weight:g}")
+                self._weights[key] = weight
+        if changes:
+            self._credit = dict.fromkeys(self._credit, 0.0)
+        return changes
 
     def names_of(self, model: ServedModel) -> tuple[str, ...]:
         return (model.spec.name, *model.spec.aliases)
 
     @property
     def models(self) -> list[ServedModel]:
-        return list(self._models.values())
+        """One entry per served model (its first version)."""
+        return [versions[0] for versions in self._versions.values()]
+
+    @property
+    def all_versions(self) -> list[ServedModel]:
+        return [v for versions in self._versions.values() for v in versions]
 
     @property
     def served_names(self) -> set[str]:
         return set(self._names)
+
+
+def _unit_hash(key: str, version: str) -> float:
+    """A uniform number in (0, 1) from a session key and a version name (stable across processes)."""
+    digest = hashlib.blake2b(f"{key}\0{version}".encode(), digest_size=8).digest()
+    return (int.from_bytes(digest, "big") + 0.5) / 2.0**64

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
@@ -19,7 +20,7 @@ from engine.version import pdserve_version
 from frontend.accounting import Accounting
 from frontend.admission import Admitter
 from frontend.channels import UpstreamPool
-from frontend.config import FrontendConfig
+from frontend.config import ConfigError, FrontendConfig, check_versions, load_models_file, version_weights
 from frontend.errors import OVERLOADED, APIError
 from frontend.job import CHAT, COMPLETION, Job, UpstreamError, client_request_id, usage
 from frontend.limits import TenantLimiter
@@ -48,6 +49,7 @@ __all__ = ["CHAT", "COMPLETION", "Frontend", "Job", "client_request_id"]
 log = logging.getLogger(__name__)
 
 _DROP_CHANNEL_AFTER_S = 30.0
+_MODELS_POLL_S = 1.0  # how often the models file is checked for new version weights
 
 
 def tool_parsers(job: Job) -> dict[int, ToolCallParser]:
@@ -73,9 +75,10 @@ class Frontend:
         self.tenants = TenantTable.from_file(config.tenants_file) if config.tenants_file else TenantTable.local()
         self.limiter = TenantLimiter(share=config.limit_share, index=config.limit_share_index)
         self.metrics = FrontendMetrics(config.frontend_id)
-        for m in self.catalog.models:
-            self.metrics.model_info.labels(*self.metrics.labels(m.name), m.pool, m.tokenizer_digest,
+        for m in self.catalog.all_versions:
+            self.metrics.model_info.labels(*self.metrics.labels(m), m.pool, m.tokenizer_digest,
                                            m.chat_template_digest, str(m.max_context)).set(1)
+        self._publish_weights()
         self.request_log = RequestLog(config.request_log)
         self.view = RegistryView(config.etcd_endpoints, config.cluster)
         self.router = Router(
@@ -119,6 +122,47 @@ class Frontend:
             log.error("no registry snapshot from etcd %s within %.0fs; serving 503 until it arrives",
                       ",".join(self.config.etcd_endpoints), self.config.registry_sync_timeout_s)
         await workers
+        if self.config.models_file is not None:
+            self._spawn(self._watch_models_file(self.config.models_file))
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _watch_models_file(self, path: str) -> None:
+        """Re-reads the models file when it changes and applies its versions' routing weights (canary
+        shifts and rollbacks without a restart). Other changes need a restart; they are logged, not applied."""
+        def stamp() -> tuple[int, int] | None:
+            try:
+                st = os.stat(path)
+            except OSError:
+                return None
+            return st.st_mtime_ns, st.st_size
+
+        seen = stamp()
+        while True:
+            await asyncio.sleep(_MODELS_POLL_S)
+            now = stamp()
+            if now is None or now == seen:
+                continue
+            seen = now
+            try:
+                specs = load_models_file(path)
+                check_versions(specs)
+            except ConfigError as err:
+                log.error("models file %s changed but cannot be used; keeping the weights in force: %s", path, err)
+                continue
+            for line in self.catalog.set_weights(version_weights(specs)):
+                log.info("models file %s: %s", path, line)
+            self._publish_weights()
+            running = {(m.name, m.version, m.pool, m.spec.path) for m in self.catalog.all_versions}
+            if {(s.name, s.version, s.pool, s.path) for s in specs} != running:
+                log.warning("models file %s: changes other than weights take effect after a restart", path)
+
+    def _publish_weights(self) -> None:
+        for m in self.catalog.all_versions:
+            self.metrics.model_weight.labels(*self.metrics.labels(m)).set(self.catalog.weight(m))
 
     async def close(self) -> None:
         for task in list(self._background):
@@ -134,9 +178,7 @@ class Frontend:
         elif change.kind == "left" and change.node_id in self._addresses:
             address = self._addresses.pop(change.node_id)
             for coro in (self._drop_later(address), self.calls.node_left(change.node_id)):
-                task = asyncio.get_running_loop().create_task(coro)
-                self._background.add(task)
-                task.add_done_callback(self._background.discard)
+                self._spawn(coro)
 
     async def _drop_later(self, address: str) -> None:
         # Late: requests still streaming from a node that just left may finish; and a node that comes
@@ -164,11 +206,18 @@ class Frontend:
         return tenant
 
     def readiness(self) -> dict[str, Any]:
-        models = {}
+        models: dict[str, Any] = {}
         for m in self.catalog.models:
-            st = self.router.status(m.pool)
-            models[m.name] = {"pool": m.pool, "prefill": len(st.prefill), "decode": len(st.decode),
-                              "ready": st.ready}
+            versions = {}
+            for v in self.catalog.versions_of(m):
+                st = self.router.status(v.pool)
+                versions[v.version] = {"pool": v.pool, "prefill": len(st.prefill), "decode": len(st.decode),
+                                       "ready": st.ready, "weight": self.catalog.weight(v)}
+            if len(versions) == 1:
+                models[m.name] = {k: val for k, val in versions[m.version].items() if k != "weight"}
+            else:  # ready when a version that takes new requests is
+                models[m.name] = {"ready": any(v["ready"] and v["weight"] > 0 for v in versions.values()),
+                                  "versions": versions}
         return {"ready": any(v["ready"] for v in models.values()), "registry_connected": self.view.connected,
                 "models": models}
 
@@ -178,10 +227,14 @@ class Frontend:
             names = self.catalog.names_of(m)
             if tenant.may_use(*names):
                 fingerprints = sorted({mem.record.model_fingerprint for mem in self.view.members(model=m.pool)})
-                extra = {"max_model_len": m.max_context, "pool": m.pool,
+                extra: dict[str, Any] = {"max_model_len": m.max_context, "pool": m.pool,
                          "model_fingerprint": fingerprints[0] if len(fingerprints) == 1 else None,
                          "tokenizer_digest": m.tokenizer_digest, "chat_template_digest": m.chat_template_digest,
                          "pdserve_version": self.version}
+                versions = self.catalog.versions_of(m)
+                if len(versions) > 1:
+                    extra["versions"] = [{"version": v.version, "pool": v.pool, "weight": self.catalog.weight(v),
+                                          "tokenizer_digest": v.tokenizer_digest} for v in versions]
                 out += [{"id": name, "object": "model", "created": m.created, "owned_by": "pdserve", **extra}
                         for name in names]
         return out

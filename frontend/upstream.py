@@ -167,7 +167,7 @@ class UpstreamCalls:
                 failed = c.decision.decode_id
                 if len(c.tried) >= self._config.upstream_attempts or not self._reroute(job, c):
                     raise PoolFailed(broken.error) from None
-                self._metrics.retries.labels(*self._metrics.labels(job.model.name), broken.reason).inc()
+                self._metrics.retries.labels(*self._metrics.labels(job.model), broken.reason).inc()
                 log.warning("request %s: decode node %s failed before the first token (%s); retrying on %s",
                             c.request_id, failed, broken.error.message, c.decision.decode_id)
 
@@ -274,7 +274,7 @@ class UpstreamCalls:
             if not self._reroute(job, c, retry_tried=True):
                 raise UpstreamError(_gave_up(c, broken, "no other decode node can take it"))
             c.migrations += 1
-            self._metrics.migrations.labels(*self._metrics.labels(job.model.name), broken.reason).inc()
+            self._metrics.migrations.labels(*self._metrics.labels(job.model), broken.reason).inc()
             log.warning("request %s: stream from decode node %s broke (%s: %s) after %d token(s); moving it to %s",
                         c.request_id, failed, broken.reason, broken.error.message, len(c.delivered_ids),
                         c.decision.decode_id)

@@ -68,10 +68,10 @@ def _start_worker(models: tuple[ModelSpec, ...], nice: int) -> None:
     _Worker.catalog = ModelCatalog(models) if models else None
 
 
-def _tokenize_by_name(req: GenerationRequest, model_name: str) -> Tokenized:
-    """`tokenize` in a worker, with the worker's own copy of the model's tokenizer."""
+def _tokenize_by_name(req: GenerationRequest, model_name: str, version: str) -> Tokenized:
+    """`tokenize` in a worker, with the worker's own copy of the model version's tokenizer."""
     assert _Worker.catalog is not None, "the prepare workers were started without models"
-    return tokenize(req, _Worker.catalog.resolve(model_name))
+    return tokenize(req, _Worker.catalog.version(model_name, version))
 
 
 def _ready() -> int:
@@ -108,7 +108,7 @@ class PrepareWorkers:
 
     async def tokenize(self, req: GenerationRequest, model: ServedModel) -> Tokenized:
         """`frontend.prepare.tokenize` in a worker (which holds its own copy of `model`'s tokenizer)."""
-        return await self.run(_tokenize_by_name, req, model.name)
+        return await self.run(_tokenize_by_name, req, model.name, model.version)
 
     async def run(self, fn: Callable[..., T], *args: object) -> T:
         """`fn(*args)` in a worker process (`fn` and the arguments are pickled); its exceptions (APIError
