@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from engine.structured_spec import StructuredSpec
 
 MAX_LOGIT_BIAS = 100.0  # OpenAI's bound: -100 bans a token, +100 all but forces it
+PRIORITY_BOUND = (1 << 31) - 1  # priorities travel as int32
 
 
 @dataclass
@@ -25,6 +26,10 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; k >= 0: sampled token's logprob plus top-k alternatives
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit, in [-100, 100]
     structured: StructuredSpec | None = None  # output constrained to this grammar (engine.structured)
+    # Not sampling but how the request is scheduled; carried with the parameters because every engine the
+    # request meets (prefill and decode node) needs it. Lower runs first (vLLM's convention): waiting
+    # queues are ordered by it, and the least urgent running sequence is preempted first.
+    priority: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -42,6 +47,8 @@ class SamplingParams:
             (-2.0 <= self.frequency_penalty <= 2.0, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
             (self.repetition_penalty > 0.0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
             (self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
+            (-PRIORITY_BOUND <= self.priority <= PRIORITY_BOUND,
+             f"priority must be in [-{PRIORITY_BOUND}, {PRIORITY_BOUND}], got {self.priority}"),
             (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs must be in [0, 20], got {self.logprobs}"),
             (all(t >= 0 for t in self.logit_bias), "logit_bias token ids must be >= 0"),

@@ -2,7 +2,9 @@
 
 Per step, in this order: running decodes (one token each, oldest first), landed sequences (whose prompt
 K/V arrived by transfer: straight to decoding), running partial prefills (chunked), then waiting requests
-first-come-first-served (prefix-cache hits applied, chunked to what is left of the budget).
+in priority order, first-come-first-served within a priority (prefix-cache hits applied, chunked to what
+is left of the budget). `SamplingParams.priority`: lower is more urgent; with one priority everywhere the
+order is plain FCFS.
 
 The scheduler owns every sequence state and is the only code that sets one (`SequenceStatus`):
 
@@ -17,9 +19,10 @@ The scheduler owns every sequence state and is the only code that sets one (`Seq
 A RESERVED sequence holds blocks for a prompt whose K/V are written from outside (a KV transfer); it is
 never scheduled. ``land`` commits them once the transfer landed; ``requeue`` frees them if it failed.
 
-When the pool runs out of blocks for a running sequence, the newest running sequence is preempted
-(blocks freed, progress dropped, put back at the front of the waiting queue) and the allocation is
-retried; a preempted sequence is later recomputed from prompt + tokens generated so far, usually
+When the pool runs out of blocks for a running sequence, the least urgent running sequence (the newest
+among equals) is preempted (blocks freed, progress dropped, put back at the front of its priority in
+the waiting queue) and the allocation is retried; a waiting sequence that finds no blocks or no slot
+preempts running ones only when they are strictly less urgent; a preempted sequence is later recomputed from prompt + tokens generated so far, usually
 mostly from the prefix cache. A sequence that can never fit the whole pool is finished instead of
 spinning: finish_reason "abort" if its prompt alone does not fit, "length" if it outgrew the pool while
 generating. Such sequences appear in ``SchedulerOutput.rejected`` and in the list ``update`` returns.
@@ -124,7 +127,7 @@ class Scheduler:
         return self._seqs.get(seq_id) or self._reserved.get(seq_id)
 
     def add(self, seq: Sequence) -> None:
-        """Queues a new request at the back of the waiting queue."""
+        """Queues a new request behind the waiting requests of its priority and more urgent ones."""
         self._check_new(seq)
         self._enqueue(seq, front=False)
 
@@ -163,7 +166,7 @@ class Scheduler:
         self.block_manager.commit_filled(seq, seq.num_tokens - 1)
         del self._reserved[seq_id]
         seq.status = SequenceStatus.WAITING
-        self._landed.append(seq)
+        _queue_insert(self._landed, seq, front=False)
         self._seqs[seq_id] = seq
         return seq
 
@@ -263,6 +266,9 @@ class Scheduler:
         assert not (self._seqs.keys() & self._reserved.keys()) and not (self._seqs.keys() & self._held.keys())
         assert not (self._reserved.keys() & self._held.keys()), "a sequence is reserved and held"
         assert len(self._running) <= self.config.max_running
+        for queue in (self._waiting, self._landed):
+            priorities = [s.params.priority for s in queue]
+            assert priorities == sorted(priorities), "a waiting queue is out of priority order"
         for seq in self._waiting:
             assert seq.status == SequenceStatus.WAITING and not bm.holds(seq) and not seq.block_table
             assert seq.num_computed_tokens == 0
@@ -298,29 +304,42 @@ class Scheduler:
         return n
 
     def _schedule_running(self, step: StepPlan, decoding: bool) -> None:
-        i = 0
-        while i < len(self._running) and step.budget > 0:
-            seq = self._running[i]
-            if seq in step.tokens or seq.is_prefilling == decoding:
-                i += 1
+        for seq in list(self._running):  # a copy: preemption removes sequences on the way
+            if step.budget <= 0:
+                break
+            if seq.status != SequenceStatus.RUNNING or seq in step.tokens or seq.is_prefilling == decoding:
                 continue
             if decoding:
                 n = 1
             else:
                 n = self._chunk_len(seq.num_tokens - seq.num_computed_tokens, step.budget)
-            if not self._allocate_or_preempt(seq, n, step):
-                break  # seq was the newest, so nothing after it is left
-            step.add(seq, n, decode=decoding)
-            i += 1
+            if self._allocate_or_preempt(seq, n, step):
+                step.add(seq, n, decode=decoding)
 
     def _allocate_or_preempt(self, seq: Sequence, num_tokens: int, step: StepPlan) -> bool:
-        """Allocates blocks for ``num_tokens`` more tokens of running ``seq``, preempting the newest
+        """Allocates blocks for ``num_tokens`` more tokens of running ``seq``, preempting the least urgent
         running sequences until it fits; False if ``seq`` itself had to be preempted."""
         while not self.block_manager.allocate(seq, num_tokens):
-            victim = self._running[-1]
+            victim = self._victim()
             self._preempt(victim, step)
             if victim is seq:
                 return False
+        return True
+
+    def _victim(self) -> Sequence:
+        """The running sequence to preempt first: the least urgent, the newest among equals."""
+        running = self._running
+        return running[max(range(len(running)), key=lambda i: (running[i].params.priority, i))]
+
+    def _make_room(self, seq: Sequence, step: StepPlan) -> bool:
+        """Preempts the least urgent running sequence if it is strictly less urgent than waiting ``seq``;
+        whether it did."""
+        if not self._running:
+            return False
+        victim = self._victim()
+        if victim.params.priority <= seq.params.priority:
+            return False
+        self._preempt(victim, step)
         return True
 
     def _preempt(self, seq: Sequence, step: StepPlan) -> None:
@@ -336,7 +355,7 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.num_computed_tokens = seq.num_cached_tokens = 0
         seq.status = SequenceStatus.WAITING
-        (self._waiting.appendleft if front else self._waiting.append)(seq)
+        _queue_insert(self._waiting, seq, front)
         self._seqs[seq.seq_id] = seq
 
     def _start_landed(self, step: StepPlan) -> None:
@@ -351,17 +370,23 @@ class Scheduler:
 
     def _start_waiting(self, step: StepPlan) -> None:
         bm = self.block_manager
-        while self._waiting and len(self._running) < self.config.max_running and step.budget > 0:
+        while self._waiting and step.budget > 0:
             seq = self._waiting[0]
+            if len(self._running) >= self.config.max_running and not self._make_room(seq, step):
+                break
             if bm.blocks_needed(seq.num_tokens) > bm.num_blocks:
                 self._waiting.popleft()
                 self._reject(seq, step)
                 continue
-            hit_tokens = bm.num_prefix_hit_tokens(seq)
-            n = self._chunk_len(seq.num_tokens - hit_tokens, step.budget)
-            # FCFS: a head that does not fit blocks everything behind it, so it cannot starve.
-            if not bm.allocate(seq, n):
-                break
+            while True:
+                hit_tokens = bm.num_prefix_hit_tokens(seq)
+                n = self._chunk_len(seq.num_tokens - hit_tokens, step.budget)
+                if bm.allocate(seq, n):
+                    break
+                # FCFS within a priority: a head that does not fit blocks everything behind it, so it
+                # cannot starve; only strictly less urgent running work makes room for it.
+                if not self._make_room(seq, step):
+                    return
             assert seq.num_computed_tokens == hit_tokens, "prefix hits changed between lookup and allocation"
             self._waiting.popleft()
             seq.status = SequenceStatus.RUNNING
@@ -397,3 +422,20 @@ class Scheduler:
     def _stop_decision(seq: Sequence) -> StopDecision | None:
         return stop_decision(seq.params, seq.eos_token_ids, seq.last_token, seq.num_completion_tokens,
                              seq.grammar_finish)
+
+
+def _queue_insert(queue: deque[Sequence], seq: Sequence, front: bool) -> None:
+    """Inserts ``seq`` into a queue kept in priority order (lower first): ahead of the sequences of its
+    priority (``front``: a preempted one resumes first) or behind them (a new one waits its turn)."""
+    p = seq.params.priority
+    if front:
+        if not queue or queue[0].params.priority >= p:
+            queue.appendleft(seq)
+            return
+        at = next((i for i, s in enumerate(queue) if s.params.priority >= p), len(queue))
+    else:
+        if not queue or queue[-1].params.priority <= p:
+            queue.append(seq)
+            return
+        at = next((i for i, s in enumerate(queue) if s.params.priority > p), len(queue))
+    queue.insert(at, seq)

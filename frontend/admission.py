@@ -29,7 +29,7 @@ from frontend.limits import TenantLimiter
 from frontend.metrics import FrontendMetrics
 from frontend.models import ModelCatalog, ServedModel
 from frontend.prepare import parse_request, tokenize
-from frontend.protocol import INT64_MAX, SEED_MIN, GenerationRequest
+from frontend.protocol import INT64_MAX, SEED_MIN, GenerationRequest, effective_priority
 from frontend.routing import NoRoute, RouteDecision, Router
 from frontend.tenants import Tenant
 from frontend.ttft import TTFTEstimator
@@ -80,9 +80,11 @@ class Admitter:
     leases and a tenant admission, which the job's end releases)."""
 
     def __init__(self, config: FrontendConfig, catalog: ModelCatalog, limiter: TenantLimiter, router: Router,
-                 metrics: FrontendMetrics, workers: PrepareWorkers, ttft: TTFTEstimator) -> None:
+                 metrics: FrontendMetrics, workers: PrepareWorkers, ttft: TTFTEstimator,
+                 inflight: Callable[[], int] = lambda: 0) -> None:
         self.config, self.catalog, self.limiter, self.router, self.metrics = config, catalog, limiter, router, metrics
         self.workers, self.ttft = workers, ttft
+        self.inflight = inflight  # requests this frontend has in flight or in its prepare workers
 
     async def prepare(self, kind: str, tenant: Tenant, body: bytes, headers: Mapping[str, str]) -> Job:
         """Validates, tokenizes, routes and admits a request. Raises APIError (4xx/503)."""
@@ -96,6 +98,11 @@ class Admitter:
             raise APIError(403, f"Tenant {tenant.name!r} may not use model `{req.model}`.", type="permission_error",
                            param="model", code="model_not_allowed")
         self._limited(tenant, lambda: self.limiter.precheck(tenant))
+        req.sampling.priority = effective_priority(req.sampling.priority, tenant.priority)
+        if req.sampling.priority > 0 and self.inflight() >= self.config.batch_inflight_limit:
+            raise APIError(503, "This frontend keeps its remaining in-flight capacity for interactive requests "
+                           f"(priority <= 0); this request has priority {req.sampling.priority}. Retry shortly.",
+                           type=OVERLOADED, code="overloaded", headers={"retry-after": "1"})
         session_key = headers.get(self.config.session_header) if self.config.session_header else None
         if not session_key and self.config.user_affinity:
             session_key = req.user

@@ -219,6 +219,9 @@ class FrontendConfig:
     max_schema_bytes: int = 1 << 16
     max_prompt_chars: int = 1 << 20  # message content characters, or prompt characters + token ids
     max_inflight: int = 2048  # requests in flight in this process before new ones get 503
+    # Requests less urgent than interactive (priority > 0) get 503 once this fraction of max_inflight is
+    # in flight, so batch work cannot take the capacity interactive requests need.
+    batch_inflight_fraction: float = 0.75
     # A streamed response with nothing to send for this long gets an SSE comment line (0: never), so
     # proxies and load balancers with idle timeouts keep a request that waits in a queue.
     sse_keepalive_s: float = 15.0
@@ -250,6 +253,11 @@ class FrontendConfig:
     rpc: RpcSecurity = field(default_factory=RpcSecurity.from_env)  # token (and CA) the calls to nodes carry
     request_limits: RequestLimits = field(init=False, repr=False, compare=False)  # derived from the max_* above
 
+    @property
+    def batch_inflight_limit(self) -> int:
+        """In-flight requests beyond which requests with priority > 0 are refused."""
+        return max(1, int(self.max_inflight * self.batch_inflight_fraction))
+
     def __post_init__(self) -> None:
         checks = [
             (bool(self.etcd_endpoints), "at least one etcd endpoint is required (--etcd)"),
@@ -262,6 +270,8 @@ class FrontendConfig:
             (self.output_estimate >= 1, f"output_estimate must be >= 1, got {self.output_estimate}"),
             (self.max_body_bytes >= 1024, f"max_body_bytes must be >= 1024, got {self.max_body_bytes}"),
             (self.max_inflight >= 1, f"max_inflight must be >= 1, got {self.max_inflight}"),
+            (0 < self.batch_inflight_fraction <= 1,
+             f"batch_inflight_fraction must be in (0, 1], got {self.batch_inflight_fraction}"),
             (self.sse_keepalive_s >= 0, f"sse_keepalive_s must be >= 0, got {self.sse_keepalive_s}"),
             (self.max_header_bytes >= 1024, f"max_header_bytes must be >= 1024, got {self.max_header_bytes}"),
             (self.body_timeout_s > 0, f"body_timeout_s must be > 0, got {self.body_timeout_s}"),
@@ -357,6 +367,8 @@ def _add_admission_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-prompt-chars", type=int, default=1 << 20,
                    help="characters of a request's messages or prompts (token ids count one each)")
     p.add_argument("--max-inflight", type=int, default=2048)
+    p.add_argument("--batch-inflight-fraction", type=float, default=0.75,
+                   help="requests with priority > 0 get 503 once this fraction of --max-inflight is in flight")
     p.add_argument("--sse-keepalive-s", type=float, default=15.0,
                    help="send an SSE comment on a stream that has been silent this long, e.g. while its "
                    "request waits for a first token (0: never)")
@@ -407,6 +419,7 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         max_stop_chars=args.max_stop_chars, max_schema_bytes=args.max_schema_bytes,
         max_prompt_chars=args.max_prompt_chars,
         max_inflight=args.max_inflight,
+        batch_inflight_fraction=args.batch_inflight_fraction,
         sse_keepalive_s=args.sse_keepalive_s,
         prepare_queue=args.prepare_queue,
         prepare_inline_bytes=args.prepare_inline_bytes,

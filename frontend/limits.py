@@ -26,7 +26,7 @@ from frontend.tenants import Tenant, TenantLimits
 
 SECONDS_PER_DAY = 86400.0
 _SHARED_LIMITS = ("requests_per_minute", "input_tokens_per_minute", "output_tokens_per_minute",
-                  "max_concurrent_requests", "daily_token_quota")
+                  "max_concurrent_requests", "daily_token_quota", "max_tokens_in_flight")
 
 
 @dataclass(eq=False)
@@ -75,6 +75,7 @@ class TenantState:
     input_tokens: TokenBucket | None
     output_tokens: TokenBucket | None
     concurrent: int = 0
+    tokens_in_flight: int = 0  # prompt + reserved output tokens of the requests admitted and not ended
     day: int = -1  # UTC day number the daily counter belongs to
     day_used: int = 0  # tokens charged today (reserved output included until refunded)
 
@@ -98,6 +99,7 @@ class Admission:
             return
         self.released = True
         self.state.concurrent -= 1
+        self.state.tokens_in_flight -= self.input_tokens + self.output_reserved
         unused = self.output_reserved - output_used
         bucket = self.state.output_tokens
         if bucket is not None:
@@ -178,6 +180,7 @@ class TenantLimiter:
             output_estimate = min(output_estimate, max(0, int(st.output_tokens.capacity) - output_reserve))
         output_reserve += max(0, output_estimate)
         day, output_reserve = self._check_daily(tenant, st, input_tokens, output_reserve, output_estimate)
+        self._check_in_flight(tenant, st, input_tokens + output_reserve)
         checks = [
             (st.requests, 1, "requests", "requests per minute (RPM)", "rpm"),
             (st.input_tokens, input_tokens, "tokens", "input tokens per minute (ITPM)", "input_tpm"),
@@ -191,6 +194,7 @@ class TenantLimiter:
             if bucket is not None:
                 bucket.take(amount)
         st.concurrent += 1
+        st.tokens_in_flight += input_tokens + output_reserve
         st.day_used += input_tokens + output_reserve
         return Admission(tenant, st, input_tokens, output_reserve, day)
 
@@ -220,6 +224,27 @@ class TenantLimiter:
                 limit="concurrency",
                 headers={"retry-after": "1", "x-should-retry": "true"},
             )
+
+    def _check_in_flight(self, tenant: Tenant, st: TenantState, amount: int) -> None:
+        cap = self._scaled(st.limits.max_tokens_in_flight)
+        if cap is None:
+            return
+        if cap < amount <= self._largest(st.limits.max_tokens_in_flight or 0):
+            raise self._no_share(tenant, "tokens in flight", "tokens_in_flight", amount)
+        if amount > cap:
+            raise APIError(
+                429,
+                f"Request too large for tenant {tenant.name!r}: {amount} prompt and output tokens, more than its "
+                f"limit of {cap} tokens in flight. Reduce the prompt or max_tokens; retrying will not help.",
+                type=RATE_LIMIT, code="request_too_large", limit="tokens_in_flight",
+                headers={"x-should-retry": "false"})
+        if st.tokens_in_flight + amount > cap:
+            raise APIError(
+                429,
+                f"Too many tokens in flight for tenant {tenant.name!r}: {st.tokens_in_flight} in flight, {amount} "
+                f"requested, limit {cap}. Retry when a request finishes.",
+                type=RATE_LIMIT, code="tokens_in_flight_limit_exceeded", limit="tokens_in_flight",
+                headers={"retry-after": "1", "x-should-retry": "true"})
 
     def _check_bucket(
         self, tenant: Tenant, bucket: TokenBucket, amount: int, kind: str, what: str, name: str

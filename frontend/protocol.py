@@ -30,6 +30,10 @@ MAX_PROMPTS = 128
 INT64_MAX = (1 << 63) - 1
 SEED_MIN = -(1 << 63)
 
+# Named priorities (`priority` takes these or an integer; lower is served first, as in vLLM).
+PRIORITY_CLASSES: dict[str, int] = {"interactive": 0, "batch": 10}
+PRIORITY_BOUND = (1 << 31) - 1
+
 Kind = Literal["chat", "completion"]
 Prompt = str | list[int]
 
@@ -66,6 +70,9 @@ class SamplingOptions:
     logprobs: int | None = None  # None: none; k >= 0: sampled token plus the top k
     logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100]
     structured: StructuredSpec | None = None  # response_format json_object / json_schema
+    # Scheduling priority, lower first; None: the tenant's. Admission sets the one in force: never more
+    # urgent than the tenant's (`effective_priority`).
+    priority: int | None = None
 
 
 @dataclass(eq=False)
@@ -169,6 +176,28 @@ def _stop(obj: dict[str, Any], limits: RequestLimits) -> tuple[str, ...]:
     return tuple(items)
 
 
+def parse_priority(value: object, param: str) -> int | None:
+    """A priority: an integer (lower first) or a class name (PRIORITY_CLASSES); None when absent."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        if value not in PRIORITY_CLASSES:
+            raise invalid_value(param, f"{value!r} is not one of {list(PRIORITY_CLASSES)} or an integer.")
+        return PRIORITY_CLASSES[value]
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise invalid_type(param, "an integer or a priority class name", value)
+    if not -PRIORITY_BOUND <= value <= PRIORITY_BOUND:
+        raise invalid_value(param, f"{value} is out of range; it must be between {-PRIORITY_BOUND} and {PRIORITY_BOUND}.")
+    return value
+
+
+def effective_priority(requested: int | None, tenant_priority: int) -> int:
+    """The priority a request runs at: its own, but never more urgent than its tenant's."""
+    return tenant_priority if requested is None else max(requested, tenant_priority)
+
+
 def _prompt_too_long(param: str, size: int, limits: RequestLimits) -> APIError:
     return APIError(400, f"The {param} is too long: {size} characters; this server accepts at most "
                     f"{limits.max_prompt_chars}.", param=param, code="prompt_too_long")
@@ -218,6 +247,7 @@ def _common(obj: dict[str, Any], kind: Kind, limits: RequestLimits) -> Generatio
         include_usage = _boolean(options, "include_usage", False)
     user = _string(obj, "user")
     sampling.logit_bias = parse_logit_bias(obj)
+    sampling.priority = parse_priority(obj.get("priority"), "priority")
     return GenerationRequest(
         kind=kind,
         model=model,

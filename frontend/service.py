@@ -92,7 +92,7 @@ class Frontend:
         self.ttft = TTFTEstimator()
         self.router.on_first_token = self.ttft.observe_lease
         self.admitter = Admitter(config, self.catalog, self.limiter, self.router, self.metrics, self.workers,
-                                 self.ttft)
+                                 self.ttft, inflight=lambda: self.inflight + self.workers.pending)
         self.calls = UpstreamCalls(config, self.router, self.upstream, self.metrics)
         self.accounting = Accounting(config, self.metrics, self.request_log)
         self.inflight = 0

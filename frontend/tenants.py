@@ -29,6 +29,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from frontend.config import ConfigError, check_keys, load_config_file, optional_positive_int
+from frontend.errors import APIError
+from frontend.protocol import parse_priority
 
 _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 LOCAL_TENANT = "local"
@@ -56,6 +58,8 @@ class TenantLimits:
     # Not a limit either: the default TTFT budget of the tenant's requests; a request whose predicted TTFT
     # (frontend.ttft) exceeds it is refused at once with 503 + Retry-After (a request header overrides it).
     ttft_budget_ms: int | None = None
+    # Prompt tokens plus reserved output tokens of the tenant's requests in flight (429 beyond).
+    max_tokens_in_flight: int | None = None
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,9 @@ class Tenant:
     name: str
     models: frozenset[str]  # served names or aliases; contains "*" for every model
     limits: TenantLimits
+    # Scheduling priority of the tenant's requests (lower first); a request may ask for a less urgent
+    # one, never a more urgent one. "interactive" is 0, "batch" 10.
+    priority: int = 0
 
     def may_use(self, *names: str) -> bool:
         """True when any of `names` (a model's served name and its aliases) is allowed."""
@@ -96,7 +103,7 @@ class TenantTable:
             where = f"{path}: tenants[{i}]"
             if not isinstance(obj, dict):
                 raise ConfigError(f"{where}: each tenant must be a mapping")
-            check_keys(where, obj, {"name", "keys_sha256", "models"} | limit_names)
+            check_keys(where, obj, {"name", "keys_sha256", "models", "priority"} | limit_names)
             name = obj.get("name")
             if not isinstance(name, str) or not name:
                 raise ConfigError(f"{where}: name is required")
@@ -116,7 +123,11 @@ class TenantTable:
             if not isinstance(models, list) or not all(isinstance(m, str) and m for m in models):
                 raise ConfigError(f"{where}: models must be a list of model names")
             limits = TenantLimits(**{k: optional_positive_int(where, obj, k) for k in limit_names})
-            tenants.append(Tenant(name, frozenset(models), limits))
+            try:
+                priority = parse_priority(obj.get("priority"), "priority")
+            except APIError as err:
+                raise ConfigError(f"{where}: {err.message}") from None
+            tenants.append(Tenant(name, frozenset(models), limits, 0 if priority is None else priority))
         return cls(tenants, digests, open_access=False)
 
     @property

@@ -69,6 +69,7 @@ def sampling_message(opts: SamplingOptions, max_tokens: int, seed: int | None) -
         max_tokens=max_tokens,
         stop=list(opts.stop),
         ignore_eos=opts.ignore_eos,
+        priority=opts.priority or 0,
     )
     if seed is not None:
         params.seed = seed

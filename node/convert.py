@@ -30,6 +30,7 @@ def params_from_proto(p: pb.SamplingParams) -> SamplingParams:
         ignore_eos=p.ignore_eos,
         logprobs=p.logprobs if p.HasField("logprobs") else None,
         logit_bias=dict(p.logit_bias),
+        priority=p.priority,
         structured=StructuredSpec(p.structured.kind, p.structured.schema_json)  # type: ignore[arg-type]
         if p.HasField("structured") else None,
     )
@@ -40,7 +41,7 @@ def params_to_proto(sp: SamplingParams) -> pb.SamplingParams:
         temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k if sp.top_k > 0 else 0,
         presence_penalty=sp.presence_penalty, frequency_penalty=sp.frequency_penalty,
         repetition_penalty=sp.repetition_penalty, max_tokens=sp.max_tokens, stop=sp.stop,
-        stop_token_ids=sp.stop_token_ids, ignore_eos=sp.ignore_eos,
+        stop_token_ids=sp.stop_token_ids, ignore_eos=sp.ignore_eos, priority=sp.priority,
     )
     if sp.seed is not None:
         msg.seed = sp.seed

@@ -471,3 +471,67 @@ def test_reserved_sequence_ended_by_its_first_token_holds_its_blocks_until_relea
     assert sched.reserve(aborted) is not None and sched.abort("aborted") is aborted
     assert aborted.finish_reason == "abort" and not bm.holds(aborted)
     assert_drained(sched)
+
+
+# --- priorities -----------------------------------------------------------------------------------
+
+
+def test_waiting_requests_start_in_priority_order_fifo_within_a_priority() -> None:
+    sched, runner = make(num_blocks=64, block_size=4, max_num_seqs=1, max_num_batched_tokens=64)
+    order = [("b1", 5), ("i1", 0), ("b2", 5), ("i2", 0), ("u1", -3)]
+    seqs = {name: make_seq(name, [20 + i, 30, 40], max_tokens=1, priority=p) for i, (name, p) in enumerate(order)}
+    for seq in seqs.values():
+        sched.add(seq)
+    assert [s.seq_id for s in sched.waiting_seqs] == ["u1", "i1", "i2", "b1", "b2"]
+    started = []
+    while sched.has_unfinished():
+        out, _ = step(sched, runner)
+        started += [s.seq_id for s in out.prefill_seqs]
+    assert started == ["u1", "i1", "i2", "b1", "b2"]
+    assert_drained(sched)
+
+
+def test_under_kv_pressure_the_least_urgent_running_sequence_is_preempted_first() -> None:
+    rng = random.Random(5)
+    sched, runner = make(num_blocks=12, block_size=4, max_num_seqs=4, max_num_batched_tokens=64)
+    seqs = []
+    for i in range(4):  # interleaved: batch (1), interactive (0), batch, interactive
+        prompt = [rng.randrange(10, 1000) for _ in range(6)]
+        seqs.append(make_seq(f"r{i}", prompt, max_tokens=14, priority=1 - i % 2))
+        sched.add(seqs[-1])
+    preempted: list[Sequence] = []
+    while sched.has_unfinished():
+        before = [s for s in sched.running_seqs]
+        out, _ = step(sched, runner)
+        for victim in out.preempted:
+            # nothing less urgent was left running when a sequence was preempted
+            assert all(s.params.priority <= victim.params.priority for s in before
+                       if s.status == SequenceStatus.RUNNING)
+        preempted += out.preempted
+    assert preempted and all(s.params.priority == 1 for s in preempted[:2])
+    assert all(s.num_preemptions == 0 for s in seqs if s.params.priority == 0)
+    for seq in seqs:  # preemption and recompute change nothing in the output
+        assert seq.completion_token_ids == expected_completion(seq.token_ids[: seq.num_prompt_tokens], 14)
+    assert_drained(sched)
+
+
+def test_an_urgent_request_preempts_less_urgent_running_work_for_blocks_and_slots() -> None:
+    sched, runner = make(num_blocks=8, block_size=4, max_num_seqs=2, max_num_batched_tokens=64)
+    batch = [make_seq(f"b{i}", [10 + i] * 12, max_tokens=20, priority=5) for i in range(2)]
+    for seq in batch:
+        sched.add(seq)
+    step(sched, runner)
+    assert sched.num_running == 2  # both slots and 6 of 8 blocks held by batch work
+    urgent = make_seq("i0", [77] * 12, max_tokens=2, priority=0)
+    sched.add(urgent)
+    out, _ = step(sched, runner)
+    assert urgent in out.prefill_seqs and out.preempted == [batch[1]]  # the newest batch sequence
+    equal = make_seq("b9", [55] * 4, max_tokens=1, priority=5)  # as urgent as the running batch: waits
+    sched.add(equal)
+    out, _ = step(sched, runner)
+    assert equal not in out.prefill_seqs and not out.preempted
+    drive(sched, runner)
+    for seq in [*batch, urgent, equal]:
+        assert seq.completion_token_ids == expected_completion(seq.token_ids[: seq.num_prompt_tokens],
+                                                               seq.params.max_tokens)
+    assert_drained(sched)

@@ -1,6 +1,8 @@
 """The decode node's reservation queue: KV blocks for a remote request's prompt are reserved before any
-prefill work is spent on it (prefix-cache hits shared). A request that does not fit waits in FIFO order;
-a full queue, a wait past `reservation_timeout_s` or a prompt that can never fit refuses it."""
+prefill work is spent on it (prefix-cache hits shared). A request that does not fit waits in priority
+order (`SamplingParams.priority`, lower first), FIFO within a priority; a wait past
+`reservation_timeout_s` or a prompt that can never fit refuses it, and so does a full queue, unless a
+less urgent request waits in it: that one is refused instead."""
 
 from __future__ import annotations
 
@@ -28,7 +30,8 @@ class _Waiter:
 
 
 class ReservationQueue:
-    """FIFO of requests waiting for blocks. `kick` (on blocks freed) retries the head."""
+    """Requests waiting for blocks, most urgent first, FIFO within a priority. `kick` (on blocks freed)
+    retries the head."""
 
     def __init__(self, ctx: NodeContext, limit: int, timeout_s: float) -> None:
         self._ctx = ctx
@@ -48,14 +51,16 @@ class ReservationQueue:
         num_tokens = len(req.context)
         if engine.engine.block_manager.blocks_needed(num_tokens + 1) > engine.engine.num_blocks:
             raise ReservationRefused(f"a {num_tokens}-token prompt can never fit this node's KV pool")
-        if not self._queue:
+        priority = req.params.priority
+        if not any(w.request.params.priority <= priority for w in self._queue):  # nobody ahead of it
             reservation = await engine.reserve(req.request_id, req.prompt, req.params, req.resume)
             if reservation is not None:
                 return reservation
         if len(self._queue) >= self._limit:
-            raise ReservationRefused("reservation queue is full")
+            self._make_room(priority)
         waiter = _Waiter(req, asyncio.get_running_loop().create_future())
-        self._queue.append(waiter)
+        at = next((i for i, w in enumerate(self._queue) if w.request.params.priority > priority), len(self._queue))
+        self._queue.insert(at, waiter)
         deadline = time.monotonic() + self._timeout_s
         try:
             while True:
@@ -70,6 +75,16 @@ class ReservationQueue:
                 waiter.future.cancel()
             with contextlib.suppress(ValueError):
                 self._queue.remove(waiter)
+
+    def _make_room(self, priority: int) -> None:
+        """Refuses the least urgent waiter (the newest among equals) when it is less urgent than
+        `priority`; raises ReservationRefused for the newcomer otherwise."""
+        tail = self._queue[-1]
+        if tail.request.params.priority <= priority:
+            raise ReservationRefused("reservation queue is full")
+        self._queue.pop()
+        if not tail.future.done():
+            tail.future.set_exception(ReservationRefused("reservation queue is full of more urgent requests"))
 
     def refuse_all(self, reason: str) -> int:
         """Refuses every request waiting in the queue (its `reserve` raises ReservationRefused); returns
@@ -103,7 +118,7 @@ class ReservationQueue:
                         waiter.future.set_exception(err)
                     continue
                 if reservation is None:
-                    return  # FIFO: the head waits for blocks, everyone behind it too
+                    return  # the head waits for blocks, everyone behind it too
                 self._queue.popleft()
                 if waiter.future.done():  # the caller gave up while the reservation was being made
                     await self._ctx.engine.abort(req.request_id)
@@ -113,7 +128,9 @@ class ReservationQueue:
             self._pumping = False
 
     def check_integrity(self, requests: dict[str, DecodeRequest]) -> None:
-        """Asserts every waiter is a registered request still waiting for its blocks."""
+        """Asserts every waiter is a registered request still waiting for its blocks, in priority order."""
+        priorities = [w.request.params.priority for w in self._queue]
+        assert priorities == sorted(priorities), "the reservation queue is out of priority order"
         for waiter in self._queue:
             if waiter.future.done():
                 continue  # given up or served; leaves the queue on its next pass
