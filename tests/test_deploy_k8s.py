@@ -15,8 +15,10 @@ missing and running as root), including unit tests of the recording rules.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 import re
+import secrets
 import shutil
 import subprocess
 from collections.abc import Callable, Iterator
@@ -33,6 +35,13 @@ PROM_DIR = ROOT / "deploy" / "prometheus"
 EXAMPLE = ROOT / "deploy" / "k8s" / "examples" / "multi-model.yaml"
 MIN_K8S = "1.27"
 WORKLOAD_KINDS = {"Deployment", "StatefulSet"}
+# A key made as values.yaml says (never written down, so its digest is not a published one).
+TENANT_KEY = "sk-" + secrets.token_urlsafe(32)
+TENANT_SETS = (
+    "tenants.enabled=true",
+    f"tenants.items=[{{name: acme, keys_sha256: [{hashlib.sha256(TENANT_KEY.encode()).hexdigest()}], models: ['*'], "
+    "requests_per_minute: 600}]",
+)
 ALL_FEATURES = [
     "monitoring.serviceMonitor.enabled=true",
     "monitoring.prometheusRule.enabled=true",
@@ -84,10 +93,15 @@ def kubernetes_validate() -> Any:
     return pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate (dev extra)")
 
 
-@pytest.mark.parametrize("case", ["defaults", "all-features", "multi-model-example"])
+@pytest.mark.parametrize("case", ["defaults", "all-features", "multi-model-example", "model-sources"])
 def test_manifests_validate_against_kubernetes_schemas(case: str, kubernetes_validate: Any) -> None:
     if case == "defaults":
         objs = _render()
+    elif case == "model-sources":
+        values = k8s.load_values(sets=["modelStorage.type=pvc", *TENANT_SETS[:1]])
+        values["models"] = SOURCES
+        values["tenants"]["items"] = [{"name": "t", "keys_sha256": [hashlib.sha256(TENANT_KEY.encode()).hexdigest()]}]
+        objs = k8s.render_objects(values)
     elif case == "all-features":
         objs = _render(*ALL_FEATURES, "prefill.replicas=3", "decode.replicas=5", "tenants.enabled=false")
     else:
@@ -221,7 +235,7 @@ def test_node_pods_request_gpus_probe_and_drain(role: str) -> None:
     assert _flag(c["args"], "node-id") == "$(POD_NAME)"
     assert _flag(c["args"], "advertise-host") == "$(POD_IP)"
     assert _flag(c["args"], "kv-host") == "$(POD_IP)"
-    assert _flag(c["args"], "model") == "/models/Meta-Llama-3.1-8B-Instruct"
+    assert _flag(c["args"], "model") == "/models/SmolLM2-135M-Instruct"
     mounts = {m["name"]: m for m in c["volumeMounts"]}
     assert mounts["models"]["readOnly"] is True and mounts["dshm"]["mountPath"] == "/dev/shm"
 
@@ -231,6 +245,97 @@ def test_node_pods_request_gpus_probe_and_drain(role: str) -> None:
     pdb = _one(objs, "PodDisruptionBudget", dep["metadata"]["name"])
     assert pdb["spec"]["maxUnavailable"] == 1
     assert _selects(pdb["spec"]["selector"]["matchLabels"], dep["spec"]["template"]["metadata"]["labels"])
+
+
+GGUF_DIGEST = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+SOURCES = [
+    {"name": "from-url", "path": "a", "source": {"type": "gguf", "uri": "https://example.org/a.gguf", "sha256": GGUF_DIGEST}},
+    {"name": "from-pvc-gguf", "path": "b", "source": {"type": "gguf", "uri": "ggufs/b.gguf", "sha256": GGUF_DIGEST,
+                                                     "dtype": "bfloat16",
+                                                     "volume": {"persistentVolumeClaim": {"claimName": "ggufs"}}}},
+    {"name": "from-hf-dir", "path": "c", "source": {"type": "dir", "uri": "Qwen2.5-7B-Instruct",
+                                                   "volume": {"persistentVolumeClaim": {"claimName": "hf"}},
+                                                   "sha256": {"config.json": GGUF_DIGEST}}},
+    {"name": "prefilled", "path": "d", "source": {"type": "none"}},
+]
+
+
+def _fetch_args(init: dict[str, Any]) -> Any:
+    """An init container's command line, parsed by the real `pdserve` parser."""
+    from deploy.cli import build_parser
+
+    assert init["command"] == ["pdserve", "model", "fetch"]
+    return build_parser().parse_args(["model", "fetch", *init["args"]])
+
+
+def test_defaults_fetch_the_default_model_into_a_per_pod_volume(default_objs: list[dict[str, Any]]) -> None:
+    deployments = _by_kind(default_objs, "Deployment")
+    assert len(deployments) == 3 and not _by_kind(default_objs, "PersistentVolumeClaim")
+    for dep in deployments:
+        pod = dep["spec"]["template"]["spec"]
+        (init,) = pod["initContainers"]
+        args = _fetch_args(init)
+        assert args.source == "default" and args.dest == "/models/SmolLM2-135M-Instruct"
+        assert init["image"] == _container(dep)["image"]
+        # The init container writes the volume; the server only reads it.
+        assert init["volumeMounts"] == [{"name": "models", "mountPath": "/models"}]
+        main = {m["name"]: m for m in _container(dep)["volumeMounts"]}["models"]
+        assert main["readOnly"] is True and main["mountPath"] == "/models"
+        volume = {v["name"]: v for v in pod["volumes"]}["models"]
+        assert volume == {"name": "models", "emptyDir": {"sizeLimit": "20Gi"}}
+        if "frontend" not in dep["metadata"]["name"]:
+            assert _flag(_container(dep)["args"], "model") == args.dest
+            assert _flag(_container(dep)["args"], "model-name") == "SmolLM2-135M-Instruct"
+    models = yaml.safe_load(_one(default_objs, "ConfigMap", "pdserve-models")["data"]["models.yaml"])["models"]
+    assert [(m["name"], m["path"]) for m in models] == [("SmolLM2-135M-Instruct", "/models/SmolLM2-135M-Instruct")]
+
+
+def test_model_sources_render_verified_fetches() -> None:
+    values = k8s.load_values(sets=["modelStorage.type=pvc"])
+    values["models"] = SOURCES
+    objs = k8s.render_objects(values)
+    (pvc,) = _by_kind(objs, "PersistentVolumeClaim")
+    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+    expected = {
+        "from-url": ("gguf", "https://example.org/a.gguf", [GGUF_DIGEST], None),
+        "from-pvc-gguf": ("gguf", "/model-source/from-pvc-gguf/ggufs/b.gguf", [GGUF_DIGEST], "ggufs"),
+        "from-hf-dir": ("dir", "/model-source/from-hf-dir/Qwen2.5-7B-Instruct", [f"config.json={GGUF_DIGEST}"], "hf"),
+    }
+    for dep in _by_kind(objs, "Deployment"):
+        pod = dep["spec"]["template"]["spec"]
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert volumes["models"]["persistentVolumeClaim"] == {"claimName": "pdserve-models"}
+        inits = {init["name"]: init for init in pod.get("initContainers", [])}
+        if "frontend" in dep["metadata"]["name"]:
+            assert set(inits) == {f"fetch-{m}" for m in expected}  # every tokenizer, once
+        else:
+            model = dep["spec"]["template"]["metadata"]["labels"]["pdserve.io/model"]
+            assert set(inits) == ({f"fetch-{model}"} if model in expected else set())
+        for name, init in inits.items():
+            source, location, digests, claim = expected[name.removeprefix("fetch-")]
+            args = _fetch_args(init)
+            assert (args.source, args.location, args.sha256) == (source, location, digests)
+            if claim is None:
+                continue
+            (mount,) = [m for m in init["volumeMounts"] if m["name"] != "models"]
+            assert mount["readOnly"] is True and location.startswith(mount["mountPath"] + "/")
+            assert volumes[mount["name"]]["persistentVolumeClaim"] == {"claimName": claim}
+        if "fetch-from-pvc-gguf" in inits:
+            assert _fetch_args(inits["fetch-from-pvc-gguf"]).dtype == "bfloat16"
+
+
+@pytest.mark.parametrize(("source", "sets", "message"), [
+    pytest.param({"type": "gguf", "uri": "https://x/a.gguf"}, (), "sha256", id="gguf-no-digest"),
+    pytest.param({"type": "dir", "uri": "m"}, (), "volume is required", id="dir-no-volume"),
+    pytest.param({"type": "hf"}, (), "type must be one of", id="unknown-type"),
+    pytest.param({"type": "default"}, ("modelStorage.type=pvc", "modelStorage.accessModes=[ReadOnlyMany]"),
+                 "must write the weights", id="read-only-claim"),
+])
+def test_bad_model_sources_are_refused(source: dict[str, Any], sets: tuple[str, ...], message: str) -> None:
+    values = k8s.load_values(sets=list(sets))
+    values["models"][0]["source"] = source
+    with pytest.raises(k8s.ValuesError, match=message):
+        k8s.render(values)
 
 
 def test_every_pod_has_scrape_annotations_on_a_declared_port() -> None:
@@ -257,7 +362,8 @@ def test_selectors_select_their_pods() -> None:
         assert len(matched) == 1, f"PDB {obj['metadata']['name']} selects {len(matched)} workloads"
 
 
-def test_frontend_service_config_maps_and_probes(default_objs: list[dict[str, Any]]) -> None:
+def test_frontend_service_config_maps_and_probes() -> None:
+    default_objs = _render(*TENANT_SETS)
     dep = _one(default_objs, "Deployment", "pdserve-frontend")
     c = _container(dep)
     pod = dep["spec"]["template"]
@@ -293,24 +399,39 @@ def test_frontend_service_config_maps_and_probes(default_objs: list[dict[str, An
         assert all(re.fullmatch(r"[0-9a-f]{64}", d) for d in t["keys_sha256"])
         assert set(t["models"]) <= served | {"*"}
     # The annotation rolls the frontends when either file changes.
-    values = k8s.load_values()
+    values = k8s.load_values(sets=TENANT_SETS)
     _tenant(requests_per_minute=1)(values)
     edited = _one(k8s.render_objects(values), "Deployment", "pdserve-frontend")
     key = "pdserve.io/config-checksum"
     assert edited["spec"]["template"]["metadata"]["annotations"][key] != pod["metadata"]["annotations"][key]
 
 
-def test_tenants_configmap_is_a_loadable_tenants_file(default_objs: list[dict[str, Any]], tmp_path: Path) -> None:
-    from frontend.tenants import TenantTable, hash_key
+def test_tenants_configmap_is_a_loadable_tenants_file(tmp_path: Path) -> None:
+    from frontend.tenants import TenantTable
 
     path = tmp_path / "tenants.yaml"
-    path.write_text(_one(default_objs, "ConfigMap", "pdserve-tenants")["data"]["tenants.yaml"])
+    path.write_text(_one(_render(*TENANT_SETS), "ConfigMap", "pdserve-tenants")["data"]["tenants.yaml"])
     table = TenantTable.from_file(path)
-    # values.yaml documents which example keys the digests belong to.
-    acme = table.authenticate("sk-pdserve-example-acme")
+    acme = table.authenticate(TENANT_KEY)
     assert acme is not None and acme.name == "acme" and acme.limits.requests_per_minute == 600
     assert table.authenticate("sk-not-a-key") is None
-    assert hash_key("sk-pdserve-example-beta") in _one(default_objs, "ConfigMap", "pdserve-tenants")["data"]["tenants.yaml"]
+
+
+def test_defaults_run_in_local_mode_and_published_keys_are_refused(default_objs: list[dict[str, Any]]) -> None:
+    # No tenants file by default: the frontends accept any key (local mode) behind a ClusterIP Service.
+    args = _container(_one(default_objs, "Deployment", "pdserve-frontend"))["args"]
+    assert not any(a.startswith("--tenants=") for a in args)
+    assert _one(default_objs, "Service", "pdserve-frontend")["spec"]["type"] == "ClusterIP"
+    assert not [o for o in default_objs if o["metadata"]["name"] == "pdserve-tenants"]
+    # The keys this repository prints (the former example digests among them) are refused with a recipe.
+    from frontend.tenants import hash_key
+
+    for key in ("sk-pdserve-example-acme", "sk-pdserve-example-beta", "sk-test", "test"):
+        values = k8s.load_values(sets=TENANT_SETS)
+        values["tenants"]["items"][0]["keys_sha256"] = [hash_key(key)]
+        with pytest.raises(k8s.ValuesError, match="published key") as err:
+            k8s.render(values)
+        assert "secrets.token_urlsafe" in str(err.value) and "--hash-key" in str(err.value)
 
 
 def test_local_mode_without_tenants_and_hpa_replicas() -> None:
@@ -364,7 +485,11 @@ def _set(assignment: str) -> Callable[[dict[str, Any]], None]:
 
 
 def _tenant(**fields: Any) -> Callable[[dict[str, Any]], None]:
-    return lambda values: values["tenants"]["items"][0].update(fields)
+    def edit(values: dict[str, Any]) -> None:
+        for assignment in TENANT_SETS:
+            k8s.set_value(values, assignment)
+        values["tenants"]["items"][0].update(fields)
+    return edit
 
 
 @pytest.mark.parametrize(("edit", "message"), [
@@ -373,9 +498,10 @@ def _tenant(**fields: Any) -> Callable[[dict[str, Any]], None]:
     pytest.param(_set("prefill.pdb={maxUnavailable: 0}"), "blocks every voluntary eviction", id="pdb-max"),
     pytest.param(_tenant(keys_sha256=["sk-a-raw-key"]), "SHA-256", id="raw-key"),
     pytest.param(_tenant(models=["no-such-model"]), "not served", id="tenant-model"),
-    pytest.param(lambda v: v["models"][0].update(fallback="llama-3.1-8b"), "not another served model", id="self-fallback"),
+    pytest.param(lambda v: v["models"][0].update(fallback="SmolLM2-135M-Instruct"), "not another served model",
+                 id="self-fallback"),
     pytest.param(_set("decode.kvPort=50051"), "must differ", id="port-clash"),
-    pytest.param(lambda v: v["models"].append({"name": "llama_3.1-8b-instruct", "path": "x"}), "same object names",
+    pytest.param(lambda v: v["models"].append({"name": "smollm2_135m-instruct", "path": "x"}), "same object names",
                  id="name-clash"),
     pytest.param(_set("name=a-name-that-is-far-too-long"), "DNS label", id="long-name"),
 ])

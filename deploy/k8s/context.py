@@ -19,6 +19,19 @@ _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 # Pod names add up to 17 characters (ReplicaSet hash and pod suffix) to a Deployment's name, and the pod
 # name must stay a 63-character DNS label because it is the node id and appears in label values.
 _MAX_NAME = 46
+SOURCE_MOUNT = "/model-source"  # where an init container finds a model's source volume
+# API keys written in this repository (README, examples, tests, benchmarks): anyone can read them, so a
+# tenants file that accepts one is open to everyone. Their digests are refused.
+PUBLIC_KEYS = (
+    "sk-pdserve-example-acme", "sk-pdserve-example-beta", "sk-test", "test", "sk-admin", "sk-admin-1234abcd",
+    "sk-acme", "sk-abc", "sk-abcdefghijklmnop123", "sk-any", "sk-whatever", "sk-other", "sk-wrong", "sk-nope",
+    "sk-none", "sk-plaintext", "sk-alpha-0123456789abcdef", "sk-beta-0123456789abcdef", "sk-gamma-0123456789ab",
+    "sk-alpha-live-0123456789", "sk-beta-live-0123456789", "sk-bench-0123456789abcdef0123",
+    "sk-overload-0123456789abcdef", "sk-overload-bench-0123456789", "", "changeme", "password", "secret",
+)
+PUBLIC_DIGESTS = {hashlib.sha256(k.encode()).hexdigest(): k for k in PUBLIC_KEYS}
+MAKE_KEY_HINT = ("make a key with `python3 -c 'import secrets; print(\"sk-\" + secrets.token_urlsafe(32))'` and "
+                 "store its digest from `pdserve frontend --hash-key KEY` (or `printf %s KEY | sha256sum`)")
 
 
 class ValuesError(ValueError):
@@ -116,6 +129,9 @@ def _tenants_file(v: dict[str, Any], served: set[str]) -> str:
         for digest in t.get("keys_sha256") or []:
             if not isinstance(digest, str) or not _SHA256_HEX.match(digest):
                 raise ValuesError(f"{where}: {digest!r} is not a lowercase SHA-256 hex digest (store hashed keys only)")
+            if digest in PUBLIC_DIGESTS:
+                raise ValuesError(f"{where}: {digest} is the digest of the published key {PUBLIC_DIGESTS[digest]!r}, "
+                                  f"which anyone can use: {MAKE_KEY_HINT}")
         if not t.get("keys_sha256"):
             raise ValuesError(f"{where}: keys_sha256 must list at least one digest")
         unknown = sorted(set(t.get("models") or ["*"]) - served - {"*"})
@@ -169,6 +185,7 @@ def _pools(v: dict[str, Any], etcd: str) -> list[dict[str, Any]]:
         if model_label in labels:
             raise ValuesError(f"models {labels[model_label]!r} and {m['name']!r} make the same object names")
         labels[model_label] = m["name"]
+        source = _model_source(v, m, model_label)
         for role in ROLES:
             override = m.get(role) or {}
             if not isinstance(override, dict):
@@ -176,7 +193,10 @@ def _pools(v: dict[str, Any], etcd: str) -> list[dict[str, Any]]:
             unknown = sorted(set(override) - set(v[role]))
             if unknown:
                 raise ValuesError(f"models[{m['name']}].{role}: unknown keys {unknown}")
-            pools.append(_pool(v, m, role, model_label, deep_merge(v[role], override), etcd))
+            pool = _pool(v, m, role, model_label, deep_merge(v[role], override), etcd)
+            pool["init_containers"] = [source["container"]] if source else []
+            pool["source_volumes"] = [source["volume"]] if source and source["volume"] else []
+            pools.append(pool)
     return pools
 
 
@@ -246,12 +266,24 @@ def build_context(v: dict[str, Any]) -> dict[str, Any]:
         "tenants_yaml": tenants_yaml,
         "models_yaml": models_yaml,
         "config_dir": CONFIG_DIR,
-        "model_volume": _model_volume(v),
+        "model_volume": _model_storage(v),
+        # The frontends read every model's tokenizer: they fill every model, once per model.
+        "frontend_init": _unique([c for p in pools for c in p["init_containers"]]),
+        "frontend_source_volumes": _unique([vol for p in pools for vol in p["source_volumes"]]),
         "instance_selector": instance,
         "monitors": _monitors(v),
         "rules": rules,
         "rule_labels": {**instance, "app.kubernetes.io/part-of": "pdserve", **(mon["prometheusRule"].get("labels") or {})},
     }
+
+
+def _unique(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`items` without repeats (a model's prefill and decode pools share its init container), in order."""
+    out: list[dict[str, Any]] = []
+    for item in items:
+        if item not in out:
+            out.append(item)
+    return out
 
 
 def _check_names(v: dict[str, Any]) -> str:
@@ -354,13 +386,94 @@ def _frontend(v: dict[str, Any], name: str, etcd_endpoints: str, served: dict[st
     return frontend, models_yaml, tenants_yaml
 
 
-def _model_volume(v: dict[str, Any]) -> dict[str, Any]:
+def _model_storage(v: dict[str, Any]) -> dict[str, Any]:
+    """The model volume (writable: the init containers fill it; the main containers mount it read-only)."""
     storage = v["modelStorage"]
-    if storage["type"] not in ("pvc", "hostPath"):
-        raise ValuesError(f"modelStorage.type must be pvc or hostPath, got {storage['type']!r}")
-    if storage["type"] == "pvc":
-        return {"name": "models", "persistentVolumeClaim": {"claimName": storage["claimName"], "readOnly": True}}
-    return {"name": "models", "hostPath": {"path": storage["hostPath"], "type": "Directory"}}
+    kind = storage["type"]
+    if kind == "emptyDir":
+        return {"name": "models", "emptyDir": {"sizeLimit": storage["size"]}}
+    if kind == "pvc":
+        modes = storage.get("accessModes") or []
+        if storage.get("create") and not set(modes) & {"ReadWriteOnce", "ReadWriteMany", "ReadWriteOncePod"}:
+            # The init containers write the weights: a claim nobody can write stays empty forever.
+            raise ValuesError(f"modelStorage.accessModes {modes}: the init containers must write the weights; "
+                              "use ReadWriteMany (pods on several machines) or ReadWriteOnce")
+        return {"name": "models", "persistentVolumeClaim": {"claimName": storage["claimName"]}}
+    if kind == "hostPath":
+        return {"name": "models", "hostPath": {"path": storage["hostPath"], "type": "DirectoryOrCreate"}}
+    raise ValuesError(f"modelStorage.type must be emptyDir, pvc or hostPath, got {kind!r}")
+
+
+def _model_source(v: dict[str, Any], m: dict[str, Any], label: str) -> dict[str, Any] | None:
+    """The init container (and its source volume) that fills model `m` on the model volume; None for
+    `source.type: none`."""
+    where = f"models[{m['name']}].source"
+    src = m.get("source") or {"type": "none"}
+    kind = src.get("type")
+    known = {"default": {"type"}, "gguf": {"type", "uri", "sha256", "dtype", "volume"},
+             "dir": {"type", "uri", "sha256", "volume"}, "none": {"type"}}
+    if kind not in known:
+        raise ValuesError(f"{where}.type must be one of {sorted(known)}, got {kind!r}")
+    if kind == "none":
+        return None
+    unknown = sorted(set(src) - known[kind])
+    if unknown:
+        raise ValuesError(f"{where}: unknown keys {unknown} for type {kind}")
+    mount = v["modelStorage"]["mountPath"].rstrip("/")
+    args = [f"--source={kind}", f"--dest={mount}/{m['path']}"]
+    volume = src.get("volume")
+    src_volume = None
+    src_mount = f"{SOURCE_MOUNT}/{label}"
+    if volume is not None:
+        if not isinstance(volume, dict) or len(volume) != 1:
+            raise ValuesError(f"{where}.volume must be one Kubernetes volume source, e.g. "
+                              "{persistentVolumeClaim: {claimName: hf-weights}}")
+        src_volume = {"name": f"src-{label}"[:63], **volume}
+    if kind in ("gguf", "dir"):
+        uri = src.get("uri")
+        if not isinstance(uri, str) or not uri:
+            raise ValuesError(f"{where}.uri is required for type {kind}")
+        is_url = re.match(r"^https?://", uri) is not None
+        if kind == "dir" and src_volume is None:
+            raise ValuesError(f"{where}.volume is required for type dir (the volume holding the directory)")
+        if is_url and src_volume is not None:
+            raise ValuesError(f"{where}: a URL source takes no volume")
+        location = uri if is_url or src_volume is None else f"{src_mount}/{uri.lstrip('/')}".rstrip("/")
+        args.append(f"--from={location}")
+    if kind == "gguf":
+        digest = src.get("sha256")
+        if not isinstance(digest, str) or not _SHA256_HEX.match(digest):
+            raise ValuesError(f"{where}.sha256: give the GGUF file's sha256 (64 lowercase hex digits), "
+                              "e.g. from `sha256sum FILE.gguf` or the publisher's page")
+        dtype = src.get("dtype", "float32")
+        if dtype not in ("float32", "bfloat16"):
+            raise ValuesError(f"{where}.dtype must be float32 or bfloat16, got {dtype!r}")
+        args += [f"--sha256={digest}", f"--dtype={dtype}"]
+    if kind == "dir":
+        digests = src.get("sha256") or {}
+        if not isinstance(digests, dict):
+            raise ValuesError(f"{where}.sha256 must map file names to sha256 digests")
+        for name, digest in digests.items():
+            if not isinstance(digest, str) or not _SHA256_HEX.match(digest):
+                raise ValuesError(f"{where}.sha256[{name}]: {digest!r} is not a sha256 hex digest")
+            args.append(f"--sha256={name}={digest}")
+    fetch = v["modelStorage"].get("fetch") or {}
+    container: dict[str, Any] = {
+        "name": f"fetch-{label}"[:63],
+        "image": f"{v['image']['repository']}:{v['image']['tag']}",
+        "imagePullPolicy": v["image"]["pullPolicy"],
+        "command": ["pdserve", "model", "fetch"],
+        "args": args,
+        "resources": fetch.get("resources") or {},
+        "volumeMounts": [{"name": "models", "mountPath": v["modelStorage"]["mountPath"]}],
+    }
+    if fetch.get("extraEnv"):
+        container["env"] = list(fetch["extraEnv"])
+    if src_volume is not None:
+        container["volumeMounts"].append({"name": src_volume["name"], "mountPath": src_mount, "readOnly": True})
+    if v.get("containerSecurityContext"):
+        container["securityContext"] = v["containerSecurityContext"]
+    return {"container": container, "volume": src_volume}
 
 
 def _monitors(v: dict[str, Any]) -> list[dict[str, Any]]:
