@@ -338,6 +338,52 @@ def test_bad_model_sources_are_refused(source: dict[str, Any], sets: tuple[str, 
         k8s.render(values)
 
 
+@pytest.mark.parametrize("case", ["defaults", "multi-model-example", "overrides"])
+def test_drain_hook_node_flag_and_grace_period_agree_for_every_pool(case: str) -> None:
+    if case == "defaults":
+        objs = _render()
+    elif case == "multi-model-example":
+        objs = _render(files=(EXAMPLE,))
+    else:
+        objs = _render("decode.drainTimeoutSeconds=900", "decode.drainGraceSeconds=120", "prefill.terminationMarginSeconds=45",
+                       "frontend.requestTimeoutSeconds=1800", "prefill.strategy.rollingUpdate={maxSurge: '50%', maxUnavailable: 0}")
+    values = k8s.load_values(files=[EXAMPLE] if case == "multi-model-example" else [])
+    pools = [d for d in _by_kind(objs, "Deployment") if "frontend" not in d["metadata"]["name"]]
+    assert pools
+    for dep in pools:
+        name, c = dep["metadata"]["name"], _container(dep)
+        role = dep["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"]
+        hook = c["lifecycle"]["preStop"]["exec"]["command"]
+        hook_timeout = int(hook[hook.index("--timeout") + 1])
+        node_timeout = int(_flag(c["args"], "drain-timeout"))
+        grace = dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+        # One number: the node gives up when the hook does, and Kubernetes waits for both plus the exit.
+        assert hook_timeout == node_timeout, name
+        assert grace >= node_timeout + 5, name
+        if role == "decode":
+            assert float(_flag(c["args"], "drain-grace")) < node_timeout, name
+        # Rollouts keep capacity: surge first, never take a serving pod away.
+        rolling = dep["spec"]["strategy"]["rollingUpdate"]
+        assert dep["spec"]["strategy"]["type"] == "RollingUpdate" and rolling["maxUnavailable"] in (0, "0%"), name
+        if (case, role) == ("overrides", "prefill"):
+            assert rolling["maxSurge"] == "50%"
+        else:
+            assert rolling["maxSurge"] >= 1, name
+    if case == "overrides":
+        (decode,) = _pools(objs, "decode")
+        assert _flag(_container(decode)["args"], "drain-timeout") == "900"
+        assert decode["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 930
+        (prefill,) = _pools(objs, "prefill")
+        assert prefill["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 60 + 45
+    fe = _one(objs, "Deployment", "pdserve-frontend")
+    c = _container(fe)
+    sleep = int(c["lifecycle"]["preStop"]["exec"]["command"][1])
+    longest = float(_flag(c["args"], "request-timeout"))
+    assert longest == (1800 if case == "overrides" else values["frontend"]["requestTimeoutSeconds"])
+    assert fe["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] >= sleep + longest
+    assert fe["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
+
+
 def test_every_pod_has_scrape_annotations_on_a_declared_port() -> None:
     objs = _render(files=(EXAMPLE,))
     workloads = [o for o in objs if o["kind"] in WORKLOAD_KINDS]
@@ -504,6 +550,13 @@ def _tenant(**fields: Any) -> Callable[[dict[str, Any]], None]:
     pytest.param(lambda v: v["models"].append({"name": "smollm2_135m-instruct", "path": "x"}), "same object names",
                  id="name-clash"),
     pytest.param(_set("name=a-name-that-is-far-too-long"), "DNS label", id="long-name"),
+    pytest.param(_set("decode.terminationGracePeriodSeconds=30"), "the drain would be cut", id="grace-below-drain"),
+    pytest.param(_set("decode.drainGraceSeconds=300"), "must be shorter than drainTimeoutSeconds", id="drain-grace"),
+    pytest.param(_set("prefill.extraArgs=[--drain-timeout=5]"), "use drainTimeoutSeconds", id="drain-in-extra-args"),
+    pytest.param(_set("frontend.terminationGracePeriodSeconds=120"), "streams in flight would be cut", id="frontend-grace"),
+    pytest.param(_set("decode.strategy.rollingUpdate={maxSurge: 0, maxUnavailable: 1}"), "keep capacity",
+                 id="rollout-unavailable"),
+    pytest.param(_set("prefill.strategy={type: Recreate}"), "RollingUpdate", id="rollout-recreate"),
 ])
 def test_bad_values_are_refused(edit: Callable[[dict[str, Any]], None], message: str) -> None:
     values = k8s.load_values()

@@ -76,6 +76,30 @@ def _check_pdb(where: str, pdb: dict[str, Any], replicas: int) -> dict[str, Any]
     return pdb
 
 
+def _surge_or_unavailable(value: Any) -> tuple[int, bool]:
+    """(number, is a percentage) of a rollingUpdate maxSurge / maxUnavailable value."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value, False
+    if isinstance(value, str) and re.fullmatch(r"\d+%", value):
+        return int(value[:-1]), True
+    raise ValuesError(f"{value!r} is neither an integer nor a percentage")
+
+
+def _check_rollout(where: str, strategy: dict[str, Any]) -> dict[str, Any]:
+    """A rollout that never drops below the desired replica count: a new pod comes up (and passes
+    readiness) before an old one drains."""
+    rolling = (strategy or {}).get("rollingUpdate") or {}
+    if (strategy or {}).get("type") != "RollingUpdate":
+        raise ValuesError(f"{where}: strategy.type must be RollingUpdate (Recreate stops the whole pool at once)")
+    unavailable, _ = _surge_or_unavailable(rolling.get("maxUnavailable", 0))
+    surge, _ = _surge_or_unavailable(rolling.get("maxSurge", 0))
+    if unavailable != 0 or surge < 1:
+        raise ValuesError(f"{where}: strategy.rollingUpdate must keep capacity during a rollout: maxUnavailable: 0 "
+                          f"and maxSurge >= 1 (got maxUnavailable {rolling.get('maxUnavailable')!r}, maxSurge "
+                          f"{rolling.get('maxSurge')!r}); a surge pod needs a free GPU")
+    return strategy
+
+
 # ---------------------------------------------------------------------------------------- context
 
 
@@ -161,6 +185,11 @@ def _node_args(v: dict[str, Any], m: dict[str, Any], cfg: dict[str, Any], etcd: 
     ]
     if m.get("maxContext"):
         pairs.append(("max-model-len", m["maxContext"]))
+    # The node's own drain bound is the preStop hook's (one value, `drainTimeoutSeconds`): a node that
+    # gave up earlier would cut requests the hook still waits for.
+    pairs.append(("drain-timeout", cfg["drainTimeoutSeconds"]))
+    if "drainGraceSeconds" in cfg:
+        pairs.append(("drain-grace", cfg["drainGraceSeconds"]))
     pairs += [
         # Bind everywhere, advertise the pod IP: peers and the frontends dial what the registry says.
         ("grpc-host", "0.0.0.0"),
@@ -206,6 +235,22 @@ def _pool(v: dict[str, Any], m: dict[str, Any], role: str, model_label: str, cfg
     replicas = _int(f"{where}: replicas", cfg["replicas"], 0)
     gpus = _int(f"{where}: gpus", cfg["gpus"], 1)
     drain = _int(f"{where}: drainTimeoutSeconds", cfg["drainTimeoutSeconds"], 1)
+    margin = _int(f"{where}: terminationMarginSeconds", cfg["terminationMarginSeconds"], 5)
+    grace = cfg.get("terminationGracePeriodSeconds")
+    if grace is None:
+        grace = drain + margin
+    elif _int(f"{where}: terminationGracePeriodSeconds", grace, 1) < drain + margin:
+        # Kubernetes kills the pod at the end of the grace period, preStop hook or not: the drain is cut.
+        raise ValuesError(f"{where}: terminationGracePeriodSeconds {grace} is shorter than drainTimeoutSeconds "
+                          f"{drain} + terminationMarginSeconds {margin}: the drain would be cut (leave it null)")
+    if role == "decode" and _int(f"{where}: drainGraceSeconds", cfg["drainGraceSeconds"], 0) >= drain:
+        raise ValuesError(f"{where}: drainGraceSeconds {cfg['drainGraceSeconds']} must be shorter than "
+                          f"drainTimeoutSeconds {drain}, or nothing is left to hand the remaining requests over")
+    for arg in cfg.get("extraArgs") or []:
+        if str(arg).split("=", 1)[0] in ("--drain-timeout", "--drain-grace"):
+            raise ValuesError(f"{where}: extraArgs sets {arg}: use drainTimeoutSeconds / drainGraceSeconds, which "
+                              "also size the preStop hook and the grace period")
+    _check_rollout(where, cfg["strategy"])
     startup = _int(f"{where}: startupTimeoutSeconds", cfg["startupTimeoutSeconds"], 10)
     for port in ("grpcPort", "kvPort", "metricsPort"):
         _int(f"{where}: {port}", cfg[port], 1)
@@ -233,7 +278,7 @@ def _pool(v: dict[str, Any], m: dict[str, Any], role: str, model_label: str, cfg
         "grpc_service": "pdserve.v1.PrefillNode" if role == "prefill" else "pdserve.v1.DecodeNode",
         "drain_timeout": drain,
         # The preStop drain and the exit after SIGTERM both count against this budget.
-        "termination_grace": drain + 30,
+        "termination_grace": grace,
         "startup_failure_threshold": -(-startup // 10),
         "pdb": _check_pdb(f"{where}: pdb", cfg["pdb"], replicas),
     }
@@ -352,9 +397,17 @@ def _frontend(v: dict[str, Any], name: str, etcd_endpoints: str, served: dict[st
         lo = _int("frontend.hpa.minReplicas", hpa["minReplicas"], 1)
         if _int("frontend.hpa.maxReplicas", hpa["maxReplicas"], 1) < lo:
             raise ValuesError("frontend.hpa.maxReplicas must be >= minReplicas")
-    grace = _int("frontend.terminationGracePeriodSeconds", fe["terminationGracePeriodSeconds"], 1)
-    if _int("frontend.preStopSleepSeconds", fe["preStopSleepSeconds"], 0) >= grace:
-        raise ValuesError("frontend.preStopSleepSeconds must be shorter than terminationGracePeriodSeconds")
+    sleep = _int("frontend.preStopSleepSeconds", fe["preStopSleepSeconds"], 0)
+    # After SIGTERM the frontend finishes every stream in flight; the longest lasts requestTimeoutSeconds.
+    need = sleep + _int("frontend.requestTimeoutSeconds", fe["requestTimeoutSeconds"], 1) + \
+        _int("frontend.terminationMarginSeconds", fe["terminationMarginSeconds"], 5)
+    grace = fe.get("terminationGracePeriodSeconds")
+    if grace is None:
+        grace = need
+    elif _int("frontend.terminationGracePeriodSeconds", grace, 1) < need:
+        raise ValuesError(f"frontend.terminationGracePeriodSeconds {grace} is shorter than preStopSleepSeconds + "
+                          f"requestTimeoutSeconds + terminationMarginSeconds = {need}: streams in flight would be cut "
+                          "(leave it null)")
     tenants_on = bool(v["tenants"].get("enabled"))
     models_yaml = _models_file(v)
     tenants_yaml = _tenants_file(v, set(served)) if tenants_on else ""
@@ -372,6 +425,7 @@ def _frontend(v: dict[str, Any], name: str, etcd_endpoints: str, served: dict[st
     frontend = {
         "fullname": f"{name}-frontend",
         "replicas": fe_replicas,
+        "termination_grace": grace,
         "hpa": bool(hpa.get("enabled")),
         "args": _flags(fe_pairs) + [str(a) for a in fe.get("extraArgs") or []],
         "labels": _labels(v, "frontend"),
