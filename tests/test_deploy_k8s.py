@@ -33,6 +33,7 @@ from deploy.k8s import render as k8s
 ROOT = Path(__file__).resolve().parents[1]
 PROM_DIR = ROOT / "deploy" / "prometheus"
 EXAMPLE = ROOT / "deploy" / "k8s" / "examples" / "multi-model.yaml"
+RDMA = ROOT / "deploy" / "k8s" / "examples" / "rdma.yaml"
 MIN_K8S = "1.27"
 WORKLOAD_KINDS = {"Deployment", "StatefulSet"}
 # A key made as values.yaml says (never written down, so its digest is not a published one).
@@ -93,10 +94,12 @@ def kubernetes_validate() -> Any:
     return pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate (dev extra)")
 
 
-@pytest.mark.parametrize("case", ["defaults", "all-features", "multi-model-example", "model-sources"])
+@pytest.mark.parametrize("case", ["defaults", "all-features", "multi-model-example", "model-sources", "rdma-example"])
 def test_manifests_validate_against_kubernetes_schemas(case: str, kubernetes_validate: Any) -> None:
     if case == "defaults":
         objs = _render()
+    elif case == "rdma-example":
+        objs = _render(*ALL_FEATURES, files=(RDMA,))
     elif case == "model-sources":
         values = k8s.load_values(sets=["modelStorage.type=pvc", *TENANT_SETS[:1]])
         values["models"] = SOURCES
@@ -384,6 +387,53 @@ def test_drain_hook_node_flag_and_grace_period_agree_for_every_pool(case: str) -
     assert fe["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
 
 
+def test_transport_knobs_reach_every_node_pod_when_set() -> None:
+    plain = _render()
+    for dep in _pools(plain, "prefill") + _pools(plain, "decode"):
+        pod = dep["spec"]["template"]["spec"]
+        assert "affinity" not in pod and "securityContext" not in _container(dep)
+        assert not any(a.startswith("--kv-interface=") for a in _container(dep)["args"])
+    objs = _render(files=(RDMA,))
+    values = k8s.load_values([RDMA])
+    pools = _pools(objs, "prefill") + _pools(objs, "decode")
+    assert len(pools) == 2
+    for dep in pools:
+        name, c = dep["metadata"]["name"], _container(dep)
+        template = dep["spec"]["template"]
+        pod = template["spec"]
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        assert env["NCCL_IB_HCA"] == "mlx5" and env["NCCL_SOCKET_IFNAME"] == "net1", name
+        assert {"POD_NAME", "POD_IP", "PDSERVE_CLUSTER_TOKEN"} <= set(env)  # the knobs add, never replace
+        assert _flag(c["args"], "kv-interface") == "net1"
+        # Multus attaches the secondary network; the scrape annotations stay.
+        ann = template["metadata"]["annotations"]
+        assert ann["k8s.v1.cni.cncf.io/networks"] == "rdma-net" and ann["prometheus.io/scrape"] == "true"
+        assert c["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
+        for kind in ("requests", "limits"):
+            assert c["resources"][kind]["rdma/hca"] == 1 and c["resources"][kind]["nvidia.com/gpu"] == 1, name
+        # A model's prefill and decode pods share a zone.
+        (term,) = pod["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        assert term["topologyKey"] == "topology.kubernetes.io/zone"
+        same_model = [d for d in pools if _selects(term["labelSelector"]["matchLabels"], d["spec"]["template"]["metadata"]["labels"])]
+        assert same_model == pools
+        (expr,) = term["labelSelector"]["matchExpressions"]
+        assert expr["operator"] == "In" and set(expr["values"]) == {"prefill", "decode"}
+        shm = {vol["name"]: vol for vol in pod["volumes"]}["dshm"]
+        assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": values["prefill"]["shmSize"]} == \
+            {"medium": "Memory", "sizeLimit": "32Gi"}
+        assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
+        # The weights come from the HF directory on the source claim, verified.
+        (init,) = pod["initContainers"]
+        assert _fetch_args(init).source == "dir" and init.get("securityContext") is None
+    # Preferred instead of required, and a per-model override.
+    objs = _render("decode.zoneAffinity=preferred", "prefill.zoneAffinity=none", files=(RDMA,))
+    (decode,) = _pools(objs, "decode")
+    (pref,) = decode["spec"]["template"]["spec"]["affinity"]["podAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert pref["weight"] == 100 and pref["podAffinityTerm"]["topologyKey"] == "topology.kubernetes.io/zone"
+    (prefill,) = _pools(objs, "prefill")
+    assert "affinity" not in prefill["spec"]["template"]["spec"]
+
+
 def test_every_pod_has_scrape_annotations_on_a_declared_port() -> None:
     objs = _render(files=(EXAMPLE,))
     workloads = [o for o in objs if o["kind"] in WORKLOAD_KINDS]
@@ -557,6 +607,10 @@ def _tenant(**fields: Any) -> Callable[[dict[str, Any]], None]:
     pytest.param(_set("decode.strategy.rollingUpdate={maxSurge: 0, maxUnavailable: 1}"), "keep capacity",
                  id="rollout-unavailable"),
     pytest.param(_set("prefill.strategy={type: Recreate}"), "RollingUpdate", id="rollout-recreate"),
+    pytest.param(_set("decode.extraEnv=[{name: POD_IP, value: 1.2.3.4}]"), "extraEnv", id="env-overrides-downward-api"),
+    pytest.param(_set("decode.extraResources={nvidia.com/gpu: 2}"), "GPUs go in", id="gpus-in-extra-resources"),
+    pytest.param(_set("decode.zoneAffinity=always"), "zoneAffinity", id="zone-affinity"),
+    pytest.param(_set("prefill.podAnnotations={prometheus.io/port: '9999'}"), "prometheus.io/port", id="scrape-port"),
 ])
 def test_bad_values_are_refused(edit: Callable[[dict[str, Any]], None], message: str) -> None:
     values = k8s.load_values()

@@ -185,6 +185,8 @@ def _node_args(v: dict[str, Any], m: dict[str, Any], cfg: dict[str, Any], etcd: 
     ]
     if m.get("maxContext"):
         pairs.append(("max-model-len", m["maxContext"]))
+    if cfg.get("kvInterface"):
+        pairs.append(("kv-interface", cfg["kvInterface"]))  # gloo's NIC (NCCL takes NCCL_SOCKET_IFNAME)
     # The node's own drain bound is the preStop hook's (one value, `drainTimeoutSeconds`): a node that
     # gave up earlier would cut requests the hook still waits for.
     pairs.append(("drain-timeout", cfg["drainTimeoutSeconds"]))
@@ -260,9 +262,22 @@ def _pool(v: dict[str, Any], m: dict[str, Any], role: str, model_label: str, cfg
     if len(fullname) > _MAX_NAME:
         raise ValuesError(f"{where}: object name {fullname!r} is longer than {_MAX_NAME} characters")
     resources = copy.deepcopy(cfg.get("resources") or {})
-    # Extended resources cannot be overcommitted: request and limit must be equal.
+    extra = cfg.get("extraResources") or {}
+    if not isinstance(extra, dict) or "nvidia.com/gpu" in extra:
+        raise ValuesError(f"{where}: extraResources must map resource names to counts (GPUs go in `gpus`)")
+    # Extended resources (GPUs, RDMA devices) cannot be overcommitted: request and limit must be equal.
     for kind in ("requests", "limits"):
         resources.setdefault(kind, {})["nvidia.com/gpu"] = gpus
+        resources[kind].update(extra)
+    extra_env = cfg.get("extraEnv") or []
+    reserved = {"POD_NAME", "POD_IP", "POD_NAMESPACE", "PDSERVE_CLUSTER_TOKEN"}
+    if not isinstance(extra_env, list) or any(not isinstance(e, dict) or e.get("name") in reserved for e in extra_env):
+        raise ValuesError(f"{where}: extraEnv must be a list of {{name, value}} (or valueFrom) entries, none of "
+                          f"{sorted(reserved)}")
+    annotations = {**_scrape_annotations(cfg["metricsPort"]), **(cfg.get("podAnnotations") or {})}
+    if annotations.get("prometheus.io/port") != str(cfg["metricsPort"]):
+        raise ValuesError(f"{where}: podAnnotations must not move prometheus.io/port off metricsPort")
+    security = deep_merge(v.get("containerSecurityContext") or {}, cfg.get("securityContext") or {})
     return {
         "role": role,
         "model": m["name"],
@@ -274,7 +289,10 @@ def _pool(v: dict[str, Any], m: dict[str, Any], role: str, model_label: str, cfg
         "args": _node_args(v, m, cfg, etcd),
         "labels": _labels(v, role, model_label),
         "selector": _selector(v, role, model_label),
-        "annotations": _scrape_annotations(cfg["metricsPort"]),
+        "annotations": annotations,
+        "env": extra_env,
+        "security_context": security,
+        "affinity": _pool_affinity(v, where, cfg, model_label),
         "grpc_service": "pdserve.v1.PrefillNode" if role == "prefill" else "pdserve.v1.DecodeNode",
         "drain_timeout": drain,
         # The preStop drain and the exit after SIGTERM both count against this budget.
@@ -282,6 +300,33 @@ def _pool(v: dict[str, Any], m: dict[str, Any], role: str, model_label: str, cfg
         "startup_failure_threshold": -(-startup // 10),
         "pdb": _check_pdb(f"{where}: pdb", cfg["pdb"], replicas),
     }
+
+
+def _pool_affinity(v: dict[str, Any], where: str, cfg: dict[str, Any], model_label: str) -> dict[str, Any]:
+    """The pool's `affinity`, plus, with `zoneAffinity`, a pod-affinity term that keeps a model's prefill
+    and decode pods in one zone (KV transfers then never cross zones). The first pod of a model matches
+    its own term, which Kubernetes lets schedule anywhere; the rest follow it."""
+    affinity = copy.deepcopy(cfg.get("affinity") or {})
+    mode = cfg.get("zoneAffinity") or "none"
+    if mode not in ("none", "preferred", "required"):
+        raise ValuesError(f"{where}: zoneAffinity must be none, preferred or required, got {mode!r}")
+    if mode == "none":
+        return affinity
+    term = {
+        "topologyKey": "topology.kubernetes.io/zone",
+        "labelSelector": {
+            "matchLabels": {"app.kubernetes.io/name": "pdserve", "app.kubernetes.io/instance": v["name"],
+                            "pdserve.io/model": model_label},
+            "matchExpressions": [{"key": "app.kubernetes.io/component", "operator": "In", "values": list(ROLES)}],
+        },
+    }
+    pod_affinity = affinity.setdefault("podAffinity", {})
+    if mode == "required":
+        pod_affinity.setdefault("requiredDuringSchedulingIgnoredDuringExecution", []).append(term)
+    else:
+        pod_affinity.setdefault("preferredDuringSchedulingIgnoredDuringExecution", []).append(
+            {"weight": 100, "podAffinityTerm": term})
+    return affinity
 
 
 def build_context(v: dict[str, Any]) -> dict[str, Any]:
