@@ -35,6 +35,7 @@ PROM_DIR = ROOT / "deploy" / "prometheus"
 EXAMPLE = ROOT / "deploy" / "k8s" / "examples" / "multi-model.yaml"
 RDMA = ROOT / "deploy" / "k8s" / "examples" / "rdma.yaml"
 MIN_K8S = "1.27"
+CRD_GROUPS = ("monitoring.coreos.com/", "keda.sh/")
 WORKLOAD_KINDS = {"Deployment", "StatefulSet"}
 # A key made as values.yaml says (never written down, so its digest is not a published one).
 TENANT_KEY = "sk-" + secrets.token_urlsafe(32)
@@ -94,10 +95,14 @@ def kubernetes_validate() -> Any:
     return pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate (dev extra)")
 
 
-@pytest.mark.parametrize("case", ["defaults", "all-features", "multi-model-example", "model-sources", "rdma-example"])
+@pytest.mark.parametrize("case", ["defaults", "all-features", "multi-model-example", "model-sources", "rdma-example",
+                                  "autoscaling-hpa"])
 def test_manifests_validate_against_kubernetes_schemas(case: str, kubernetes_validate: Any) -> None:
     if case == "defaults":
         objs = _render()
+    elif case == "autoscaling-hpa":
+        objs = _render("autoscaling.mode=hpa", files=(EXAMPLE,))
+        assert len(_by_kind(objs, "HorizontalPodAutoscaler")) == 5  # 2 models x 2 pools + the frontends
     elif case == "rdma-example":
         objs = _render(*ALL_FEATURES, files=(RDMA,))
     elif case == "model-sources":
@@ -112,8 +117,8 @@ def test_manifests_validate_against_kubernetes_schemas(case: str, kubernetes_val
     checked, errors = 0, []
     for version in (MIN_K8S, kubernetes_validate.latest_version()):
         for obj in objs:
-            if obj["apiVersion"].startswith("monitoring.coreos.com/"):
-                continue  # CRDs: no bundled schema; see test_monitoring_objects
+            if obj["apiVersion"].startswith(CRD_GROUPS):
+                continue  # CRDs: no bundled schema; see test_monitoring_objects and test_autoscaling_keda
             try:
                 kubernetes_validate.validate(obj, version, strict=True)
                 checked += 1
@@ -123,7 +128,7 @@ def test_manifests_validate_against_kubernetes_schemas(case: str, kubernetes_val
     assert not errors, "\n".join(errors)
     kinds = {o["kind"] for o in objs}
     assert {"StatefulSet", "Deployment", "Service", "ConfigMap", "PodDisruptionBudget"} <= kinds
-    assert checked == 2 * sum(1 for o in objs if not o["apiVersion"].startswith("monitoring.coreos.com/"))
+    assert checked == 2 * sum(1 for o in objs if not o["apiVersion"].startswith(CRD_GROUPS))
 
 
 # ---------------------------------------------------------------------------------------- structure
@@ -576,6 +581,72 @@ def test_network_policies_let_the_cluster_talk() -> None:
                for r in ("frontend", "prefill", "decode"))
 
 
+AUTOSCALED_METRICS = {"prefill": {"pdserve_requests_waiting"}, "decode": {"pdserve_kv_usage_ratio", "pdserve_requests_running"}}
+
+
+def _catalogue() -> set[str]:
+    return set(re.findall(r"^\| `(pdserve_[a-z0-9_]+)`", (PROM_DIR / "README.md").read_text(), re.M))
+
+
+def test_autoscaling_off_by_default_and_hpa_per_pool() -> None:
+    objs = _render()
+    assert not [o for o in objs if o["kind"] in ("HorizontalPodAutoscaler", "ScaledObject")]
+    assert all("replicas" in d["spec"] for d in _by_kind(objs, "Deployment"))
+
+    objs = _render("autoscaling.mode=hpa", files=(EXAMPLE,))
+    values = k8s.load_values([EXAMPLE])
+    hpas = {h["spec"]["scaleTargetRef"]["name"]: h for h in _by_kind(objs, "HorizontalPodAutoscaler")}
+    pools = [d for d in _by_kind(objs, "Deployment") if "frontend" not in d["metadata"]["name"]]
+    assert len(pools) == 4 and set(hpas) == {d["metadata"]["name"] for d in pools} | {"pdserve-frontend"}
+    for dep in pools:
+        role = dep["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"]
+        hpa = hpas[dep["metadata"]["name"]]["spec"]
+        assert "replicas" not in dep["spec"]  # the HPA owns the count; `kubectl apply` must not reset it
+        bounds = values[role]["autoscaling"]
+        assert (hpa["minReplicas"], hpa["maxReplicas"]) == (bounds["minReplicas"], bounds["maxReplicas"])
+        assert hpa["behavior"]["scaleDown"]["stabilizationWindowSeconds"] == 300
+        metrics = {m["external"]["metric"]["name"]: m["external"] for m in hpa["metrics"]}
+        # Prefill on its queue, decode on KV usage and running requests: series the nodes export.
+        assert set(metrics) == AUTOSCALED_METRICS[role] and set(metrics) <= _catalogue()
+        for ext in metrics.values():
+            assert ext["metric"]["selector"]["matchLabels"] == {
+                "namespace": "pdserve", "cluster": "default", "pool": role,
+                "model": _flag(_container(dep)["args"], "model-name")}
+            assert ext["target"]["type"] == "AverageValue"
+        if role == "decode":
+            assert metrics["pdserve_kv_usage_ratio"]["target"]["averageValue"] == "0.85"
+
+
+def test_autoscaling_keda_queries_parse_and_select_each_pool(promtool: str, tmp_path: Path) -> None:
+    objs = _render("autoscaling.mode=keda", "decode.autoscaling.maxReplicas=12", files=(EXAMPLE,))
+    assert not _by_kind(objs, "HorizontalPodAutoscaler")[1:]  # only the frontends' (CPU) HPA
+    scaled = {o["spec"]["scaleTargetRef"]["name"]: o for o in _by_kind(objs, "ScaledObject")}
+    pools = [d for d in _by_kind(objs, "Deployment") if "frontend" not in d["metadata"]["name"]]
+    assert set(scaled) == {d["metadata"]["name"] for d in pools}
+    queries = []
+    for dep in pools:
+        role = dep["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"]
+        spec = scaled[dep["metadata"]["name"]]["spec"]
+        assert scaled[dep["metadata"]["name"]]["apiVersion"] == "keda.sh/v1alpha1" and "replicas" not in dep["spec"]
+        assert spec["maxReplicaCount"] == (12 if role == "decode" else 4) and spec["minReplicaCount"] == 1
+        used = set()
+        for trigger in spec["triggers"]:
+            assert trigger["type"] == "prometheus" and trigger["metricType"] == "AverageValue"
+            meta = trigger["metadata"]
+            assert meta["serverAddress"] == "http://prometheus-operated.monitoring.svc:9090"
+            float(meta["threshold"])
+            (metric,) = re.findall(r"(pdserve_[a-z_]+)\{", meta["query"])
+            used.add(metric)
+            assert f'model="{_flag(_container(dep)["args"], "model-name")}"' in meta["query"]
+            assert f'pool="{role}"' in meta["query"]
+            queries.append(meta["query"])
+        assert used == AUTOSCALED_METRICS[role]
+    # promtool parses every query (as the expression of a recording rule).
+    rules = {"groups": [{"name": "q", "rules": [{"record": f"q{i}", "expr": q} for i, q in enumerate(queries)]}]}
+    (tmp_path / "q.yml").write_text(yaml.safe_dump(rules))
+    assert "SUCCESS" in _promtool(promtool, "check", "rules", "q.yml", cwd=tmp_path)
+
+
 def _set(assignment: str) -> Callable[[dict[str, Any]], None]:
     return lambda values: k8s.set_value(values, assignment)
 
@@ -611,6 +682,11 @@ def _tenant(**fields: Any) -> Callable[[dict[str, Any]], None]:
     pytest.param(_set("decode.extraResources={nvidia.com/gpu: 2}"), "GPUs go in", id="gpus-in-extra-resources"),
     pytest.param(_set("decode.zoneAffinity=always"), "zoneAffinity", id="zone-affinity"),
     pytest.param(_set("prefill.podAnnotations={prometheus.io/port: '9999'}"), "prometheus.io/port", id="scrape-port"),
+    pytest.param(_set("autoscaling.mode=vpa"), "autoscaling.mode", id="autoscaling-mode"),
+    pytest.param(lambda v: (k8s.set_value(v, "autoscaling.mode=hpa"), k8s.set_value(v, "decode.autoscaling.maxReplicas=0")),
+                 "maxReplicas", id="autoscaling-bounds"),
+    pytest.param(lambda v: (k8s.set_value(v, "autoscaling.mode=keda"), k8s.set_value(v, "decode.autoscaling.targetKVUsage=85")),
+                 "fraction", id="autoscaling-kv-target"),
 ])
 def test_bad_values_are_refused(edit: Callable[[dict[str, Any]], None], message: str) -> None:
     values = k8s.load_values()

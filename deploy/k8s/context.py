@@ -293,6 +293,7 @@ def _pool(v: dict[str, Any], m: dict[str, Any], role: str, model_label: str, cfg
         "env": extra_env,
         "security_context": security,
         "affinity": _pool_affinity(v, where, cfg, model_label),
+        "autoscaler": _autoscaler(v, where, role, cfg, m["name"]),
         "grpc_service": "pdserve.v1.PrefillNode" if role == "prefill" else "pdserve.v1.DecodeNode",
         "drain_timeout": drain,
         # The preStop drain and the exit after SIGTERM both count against this budget.
@@ -300,6 +301,36 @@ def _pool(v: dict[str, Any], m: dict[str, Any], role: str, model_label: str, cfg
         "startup_failure_threshold": -(-startup // 10),
         "pdb": _check_pdb(f"{where}: pdb", cfg["pdb"], replicas),
     }
+
+
+def _autoscaler(v: dict[str, Any], where: str, role: str, cfg: dict[str, Any], model: str) -> dict[str, Any] | None:
+    """The pool's scaling triggers for autoscaling.mode hpa|keda; None for none. Each trigger is a per-pod
+    target over one series the nodes export (deploy/prometheus/README.md): a total across the pool's pods
+    divided by the target gives the pod count (AverageValue)."""
+    mode = v["autoscaling"]["mode"]
+    if mode not in ("none", "hpa", "keda"):
+        raise ValuesError(f"autoscaling.mode must be none, hpa or keda, got {mode!r}")
+    if mode == "none":
+        return None
+    a = cfg.get("autoscaling") or {}
+    lo = _int(f"{where}: autoscaling.minReplicas", a.get("minReplicas"), 1)
+    hi = _int(f"{where}: autoscaling.maxReplicas", a.get("maxReplicas"), 1)
+    if hi < lo:
+        raise ValuesError(f"{where}: autoscaling.maxReplicas {hi} < minReplicas {lo}")
+    labels = {"namespace": v["namespace"], "cluster": v["cluster"], "pool": role, "model": model}
+    targets = [("pdserve_requests_waiting", "targetWaitingPerPod")] if role == "prefill" else \
+        [("pdserve_kv_usage_ratio", "targetKVUsage"), ("pdserve_requests_running", "targetRunningPerPod")]
+    triggers = []
+    for metric, key in targets:
+        target = a.get(key)
+        if isinstance(target, bool) or not isinstance(target, (int, float)) or target <= 0:
+            raise ValuesError(f"{where}: autoscaling.{key} must be a number > 0, got {target!r}")
+        if key == "targetKVUsage" and target > 1:
+            raise ValuesError(f"{where}: autoscaling.targetKVUsage is a fraction of the KV cache (<= 1), got {target}")
+        matchers = ",".join(f'{k}="{val}"' for k, val in labels.items())
+        triggers.append({"metric": metric, "target": str(target), "labels": labels,
+                         "query": f"sum({metric}{{{matchers}}})"})
+    return {"min": lo, "max": hi, "triggers": triggers}
 
 
 def _pool_affinity(v: dict[str, Any], where: str, cfg: dict[str, Any], model_label: str) -> dict[str, Any]:
