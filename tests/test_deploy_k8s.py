@@ -759,6 +759,34 @@ def test_promtool_checks_rules_and_their_unit_tests(promtool: str) -> None:
     _promtool(promtool, "test", "rules", "rules_test.yml")
 
 
+def test_every_alert_has_a_firing_and_a_quiet_unit_test() -> None:
+    """rules_test.yml pins down each alert both ways: an evaluation where it fires (with its labels and
+    summary) and one where it does not (before its `for`, or under its traffic guard)."""
+    rules = yaml.safe_load((PROM_DIR / "rules.yml").read_text())
+    alerts = {r["alert"] for g in rules["groups"] for r in g["rules"] if "alert" in r}
+    assert len(alerts) >= 13
+    fires: set[str] = set()
+    quiet: set[str] = set()
+    for test in yaml.safe_load((PROM_DIR / "rules_test.yml").read_text())["tests"]:
+        for case in test.get("alert_rule_test", []):
+            (fires if case["exp_alerts"] else quiet).add(case["alertname"])
+    assert alerts - fires == set(), "alerts never shown firing"
+    assert alerts - quiet == set(), "alerts never shown quiet"
+    # Every SLO and error-rate alert has a minimum-traffic guard, and the burn-rate alerts two windows.
+    by_name = {r["alert"]: r for g in rules["groups"] for r in g["rules"] if "alert" in r}
+    for name in ("PdserveSLOBudgetBurnFast", "PdserveSLOBudgetBurnSlow", "PdserveErrorRateHigh"):
+        expr = by_name[name]["expr"]
+        assert re.search(r":rate(5m|1h) >= 0\.05", expr), name
+        assert len(set(re.findall(r":ratio_rate(\w+)", expr))) == 2, name
+    # The KV alert does not fire on a full decode cache alone.
+    assert "pdserve_requests_waiting" in by_name["PdserveKVFullAndQueueing"]["expr"]
+    # Every recording rule keeps the cluster label.
+    for g in rules["groups"]:
+        for r in g["rules"]:
+            for by in re.findall(r"by \(([^)]*)\)", r["expr"]):
+                assert "cluster" in by, (r.get("record") or r.get("alert"), by)
+
+
 def test_promtool_checks_the_local_scrape_config(promtool: str, tmp_path: Path) -> None:
     out = _promtool(promtool, "check", "config", "prometheus.yml")
     assert "SUCCESS" in out
