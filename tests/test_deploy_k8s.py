@@ -45,6 +45,7 @@ TENANT_SETS = (
     "requests_per_minute: 600}]",
 )
 ALL_FEATURES = [
+    "monitoring.grafana.enabled=true",
     "monitoring.serviceMonitor.enabled=true",
     "monitoring.prometheusRule.enabled=true",
     "networkPolicy.enabled=true",
@@ -564,6 +565,24 @@ def test_monitoring_objects() -> None:
         assert endpoint["port"] in ports, m["metadata"]["name"]
     (rule,) = _by_kind(objs, "PrometheusRule")
     assert rule["spec"] == yaml.safe_load((PROM_DIR / "rules.yml").read_text())
+
+
+def test_grafana_provisioning_config_maps() -> None:
+    assert not [o for o in _render() if "grafana" in o["metadata"]["name"]]
+    objs = _render("monitoring.grafana.enabled=true")
+    dashboards = _one(objs, "ConfigMap", "pdserve-grafana-dashboards")
+    assert dashboards["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert dashboards["metadata"]["annotations"]["grafana_folder"] == "pdserve"
+    sources = sorted((ROOT / "deploy" / "grafana").glob("*.json"))
+    assert sources and set(dashboards["data"]) == {p.name for p in sources}
+    for path in sources:
+        assert dashboards["data"][path.name] == path.read_text(), path.name  # verbatim: the tested dashboard
+    provider = yaml.safe_load(_one(objs, "ConfigMap", "pdserve-grafana-provisioning")["data"]["pdserve-dashboards.yaml"])
+    (prov,) = provider["providers"]
+    assert provider["apiVersion"] == 1 and prov["type"] == "file"
+    assert prov["options"]["path"] == "/var/lib/grafana/dashboards/pdserve" and prov["folder"] == "pdserve"
+    other = _render("monitoring.grafana.enabled=true", "monitoring.grafana.namespace=monitoring")
+    assert _one(other, "ConfigMap", "pdserve-grafana-dashboards")["metadata"]["namespace"] == "monitoring"
 
 
 def test_network_policies_let_the_cluster_talk() -> None:

@@ -12,6 +12,7 @@ from typing import Any
 import yaml
 
 RULES_FILE = Path(__file__).resolve().parent.parent / "prometheus" / "rules.yml"
+DASHBOARDS_DIR = Path(__file__).resolve().parent.parent / "grafana"
 CONFIG_DIR = "/etc/pdserve"  # where the frontend finds tenants.yaml and models.yaml
 ROLES = ("prefill", "decode")
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
@@ -393,6 +394,7 @@ def build_context(v: dict[str, Any]) -> dict[str, Any]:
         "frontend_source_volumes": _unique([vol for p in pools for vol in p["source_volumes"]]),
         "instance_selector": instance,
         "monitors": _monitors(v),
+        "grafana": _grafana(v, name),
         "rules": rules,
         "rule_labels": {**instance, "app.kubernetes.io/part-of": "pdserve", **(mon["prometheusRule"].get("labels") or {})},
     }
@@ -604,6 +606,27 @@ def _model_source(v: dict[str, Any], m: dict[str, Any], label: str) -> dict[str,
     if v.get("containerSecurityContext"):
         container["securityContext"] = v["containerSecurityContext"]
     return {"container": container, "volume": src_volume}
+
+
+def _grafana(v: dict[str, Any], name: str) -> dict[str, Any]:
+    """The dashboards (file name -> JSON text, verbatim) and the provider file for Grafana provisioning."""
+    g = v["monitoring"].get("grafana") or {}
+    if not g.get("enabled"):
+        return {}
+    dashboards = {p.name: p.read_text(encoding="utf-8") for p in sorted(DASHBOARDS_DIR.glob("*.json"))}
+    provider = {"apiVersion": 1, "providers": [{
+        "name": f"{name}-pdserve", "folder": g["folder"], "type": "file", "disableDeletion": True,
+        "allowUiUpdates": False, "updateIntervalSeconds": 60, "options": {"path": g["path"]},
+    }]}
+    return {
+        "namespace": g.get("namespace") or v["namespace"],
+        "dashboards": dashboards,
+        "provider": yaml.safe_dump(provider, sort_keys=False),
+        "labels": {"app.kubernetes.io/name": "pdserve", "app.kubernetes.io/instance": name,
+                   "app.kubernetes.io/part-of": "pdserve", **(g.get("labels") or {})},
+        # The sidecar reads this folder annotation (kube-prometheus-stack's folderAnnotation setting).
+        "annotations": {"grafana_folder": g["folder"]},
+    }
 
 
 def _monitors(v: dict[str, Any]) -> list[dict[str, Any]]:
