@@ -634,6 +634,12 @@ def test_autoscaling_off_by_default_and_hpa_per_pool() -> None:
             assert ext["target"]["type"] == "AverageValue"
         if role == "decode":
             assert metrics["pdserve_kv_usage_ratio"]["target"]["averageValue"] == "0.85"
+    # A colocated plan (prefill 0) leaves the prefill pool empty and unscaled.
+    objs = _render("autoscaling.mode=hpa", "prefill.replicas=0")
+    (prefill,) = _pools(objs, "prefill")
+    assert prefill["spec"]["replicas"] == 0
+    assert {h["spec"]["scaleTargetRef"]["name"] for h in _by_kind(objs, "HorizontalPodAutoscaler")} == \
+        {d["metadata"]["name"] for d in _pools(objs, "decode")}
 
 
 def test_autoscaling_keda_queries_parse_and_select_each_pool(promtool: str, tmp_path: Path) -> None:

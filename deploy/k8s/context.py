@@ -305,13 +305,14 @@ def _pool(v: dict[str, Any], m: dict[str, Any], role: str, model_label: str, cfg
 
 
 def _autoscaler(v: dict[str, Any], where: str, role: str, cfg: dict[str, Any], model: str) -> dict[str, Any] | None:
-    """The pool's scaling triggers for autoscaling.mode hpa|keda; None for none. Each trigger is a per-pod
+    """The pool's scaling triggers for autoscaling.mode hpa|keda; None for none and for a pool of
+    `replicas: 0` (a colocated plan: decode nodes prefill locally), which stays empty. Each trigger is a per-pod
     target over one series the nodes export (deploy/prometheus/README.md): a total across the pool's pods
     divided by the target gives the pod count (AverageValue)."""
     mode = v["autoscaling"]["mode"]
     if mode not in ("none", "hpa", "keda"):
         raise ValuesError(f"autoscaling.mode must be none, hpa or keda, got {mode!r}")
-    if mode == "none":
+    if mode == "none" or cfg["replicas"] == 0:
         return None
     a = cfg.get("autoscaling") or {}
     lo = _int(f"{where}: autoscaling.minReplicas", a.get("minReplicas"), 1)
