@@ -5,11 +5,15 @@ Manifests are rendered with deploy/k8s/render.py for several value sets and chec
   (it bundles the schemas; strict mode rejects unknown fields), for the oldest version the manifests
   support (1.27: gRPC probes are GA there) and the newest it knows;
 - structurally: what the schemas cannot say (etcd quorum wiring, pool sizes, GPU requests, probes, the
-  drain hook, scrape annotations, selectors that select, ConfigMaps that exist). The Prometheus Operator
-  objects (ServiceMonitor, PrometheusRule) have no bundled schema and get structural checks only.
+  drain hook agreeing with the node's drain timeout and the grace period, rollouts that keep capacity,
+  init containers whose `pdserve model fetch` command lines the real parser accepts, transport knobs,
+  autoscaling triggers on catalogued series, scrape annotations, selectors that select, ConfigMaps that
+  exist). The CRD objects (ServiceMonitor, PrometheusRule, KEDA ScaledObject) have no bundled schema and
+  get structural checks only.
 
 The Prometheus files are checked with `promtool` (Debian package `prometheus`, installed here when
-missing and running as root), including unit tests of the recording rules.
+missing and running as root), including unit tests of the recording rules and of every alert, firing and
+quiet.
 """
 
 from __future__ import annotations
