@@ -156,3 +156,31 @@ def test_default_source_offline_fails_clearly_and_leaves_nothing(tmp_path: Path,
     assert not dest.exists() and not list(tmp_path.glob(".*staging-*"))
     rc, _, err = run_cli(["model", "fetch", "--source=default", "--from=x", f"--dest={dest}"], capsys)
     assert rc == 2 and "takes no --from" in err
+
+
+def test_the_rendered_init_container_fills_what_the_node_serves(smollm2_gguf: Path, tmp_path: Path,  # noqa: F811
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """The init container's command line from deploy/k8s, run here with its two mounts mapped to local
+    directories: it produces the directory the node's --model flag names, and a restart fetches nothing."""
+    from deploy.k8s import render as k8s
+
+    mount = tmp_path / "models"
+    values = k8s.load_values(sets=[f"modelStorage.mountPath={mount}"])
+    values["models"][0]["source"] = {"type": "gguf", "uri": smollm2_gguf.name, "sha256": GGUF_SHA256,
+                                     "dtype": "bfloat16", "volume": {"hostPath": {"path": str(smollm2_gguf.parent)}}}
+    objs = k8s.render_objects(values)
+    (decode,) = [o for o in objs if o["kind"] == "Deployment" and o["metadata"]["name"].startswith("pdserve-decode-")]
+    pod = decode["spec"]["template"]["spec"]
+    (init,) = pod["initContainers"]
+    (source_mount,) = [m for m in init["volumeMounts"] if m["name"] != "models"]
+    volume = next(v for v in pod["volumes"] if v["name"] == source_mount["name"])
+    local = {source_mount["mountPath"]: volume["hostPath"]["path"]}  # what the kubelet would mount
+    args = [a.replace(source_mount["mountPath"], local[source_mount["mountPath"]]) for a in init["args"]]
+    assert init["command"] == ["pdserve", "model", "fetch"]
+    rc, out, err = run_cli(["model", "fetch", *args], capsys)
+    assert rc == 0, err
+    model_flag = next(a.split("=", 1)[1] for a in pod["containers"][0]["args"] if a.startswith("--model="))
+    assert out.strip() == model_flag and (Path(model_flag) / "config.json").is_file()
+    assert (Path(model_flag) / "tokenizer.json").is_file()  # what the frontends read
+    rc, _, err = run_cli(["model", "fetch", *args], capsys)
+    assert rc == 0 and "already complete" in err
