@@ -77,13 +77,13 @@ def _check_pdb(where: str, pdb: dict[str, Any], replicas: int) -> dict[str, Any]
     return pdb
 
 
-def _surge_or_unavailable(value: Any) -> tuple[int, bool]:
-    """(number, is a percentage) of a rollingUpdate maxSurge / maxUnavailable value."""
+def _rollout_count(where: str, key: str, value: Any) -> int:
+    """The number in a rollingUpdate maxSurge / maxUnavailable value (an integer or "N%")."""
     if isinstance(value, int) and not isinstance(value, bool):
-        return value, False
+        return value
     if isinstance(value, str) and re.fullmatch(r"\d+%", value):
-        return int(value[:-1]), True
-    raise ValuesError(f"{value!r} is neither an integer nor a percentage")
+        return int(value[:-1])
+    raise ValuesError(f"{where}: strategy.rollingUpdate.{key}: {value!r} is neither an integer nor a percentage")
 
 
 def _check_rollout(where: str, strategy: dict[str, Any]) -> dict[str, Any]:
@@ -92,8 +92,8 @@ def _check_rollout(where: str, strategy: dict[str, Any]) -> dict[str, Any]:
     rolling = (strategy or {}).get("rollingUpdate") or {}
     if (strategy or {}).get("type") != "RollingUpdate":
         raise ValuesError(f"{where}: strategy.type must be RollingUpdate (Recreate stops the whole pool at once)")
-    unavailable, _ = _surge_or_unavailable(rolling.get("maxUnavailable", 0))
-    surge, _ = _surge_or_unavailable(rolling.get("maxSurge", 0))
+    unavailable = _rollout_count(where, "maxUnavailable", rolling.get("maxUnavailable", 0))
+    surge = _rollout_count(where, "maxSurge", rolling.get("maxSurge", 0))
     if unavailable != 0 or surge < 1:
         raise ValuesError(f"{where}: strategy.rollingUpdate must keep capacity during a rollout: maxUnavailable: 0 "
                           f"and maxSurge >= 1 (got maxUnavailable {rolling.get('maxUnavailable')!r}, maxSurge "
