@@ -397,6 +397,30 @@ def test_drain_hook_node_flag_and_grace_period_agree_for_every_pool(case: str) -
     assert fe["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
 
 
+def test_node_command_lines_parse_into_the_drain_the_hook_waits_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rendered node arguments through the nodes' own parsers (a cached tiny model stands in for the
+    weights, which the parsers check exist): the drain timeout, drain grace and KV interface they end up
+    with are the values' and the preStop hook's."""
+    from engine.tiny import default_model_dir
+    from node.decode.config import DecodeNodeConfig
+    from node.prefill.config import PrefillNodeConfig
+
+    monkeypatch.setenv("PDSERVE_CLUSTER_TOKEN", secrets.token_hex(16))  # what the Secret provides
+    model = default_model_dir("llama")
+    values = k8s.load_values([RDMA], [f"modelStorage.mountPath={model.parent}", "decode.drainTimeoutSeconds=420"])
+    values["models"][0]["path"] = model.name
+    parsers = {"prefill": PrefillNodeConfig.from_argv, "decode": DecodeNodeConfig.from_argv}
+    for dep in [d for d in _by_kind(k8s.render_objects(values), "Deployment") if "frontend" not in d["metadata"]["name"]]:
+        c = _container(dep)
+        role = c["command"][1]
+        config, _ = parsers[role](c["args"])
+        hook = c["lifecycle"]["preStop"]["exec"]["command"]
+        assert config.drain_timeout_s == float(hook[hook.index("--timeout") + 1]) == values[role]["drainTimeoutSeconds"]
+        assert config.kv_interface == "net1" and config.model_name == "llama-3.1-8b-instruct"
+        if role == "decode":
+            assert config.drain_timeout_s == 420 and config.drain_grace_s == values["decode"]["drainGraceSeconds"]
+
+
 def test_transport_knobs_reach_every_node_pod_when_set() -> None:
     plain = _render()
     for dep in _pools(plain, "prefill") + _pools(plain, "decode"):
