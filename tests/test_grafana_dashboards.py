@@ -35,8 +35,13 @@ def test_dashboard_is_importable(path: Path) -> None:
     assert dash["uid"] and dash["title"] and dash["schemaVersion"] >= 36
     variables = {v["name"]: v for v in dash["templating"]["list"]}
     assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
-    for name in ("model", "node"):
+    for name in ("cluster", "model", "node"):
         assert variables[name]["includeAll"] and variables[name]["allValue"] == ".*"
+    # One Prometheus may watch several clusters: the other variables and every query narrow to $cluster.
+    for name in ("model", "node"):
+        assert 'cluster=~"$cluster"' in variables[name]["query"]["query"], name
+    names = [v["name"] for v in dash["templating"]["list"]]
+    assert names.index("cluster") < names.index("model") < names.index("node")  # each refines the one before
     ids = [p["id"] for p in dash["panels"]]
     assert len(ids) == len(set(ids))
     occupied: set[tuple[int, int]] = set()
@@ -61,6 +66,27 @@ def test_queries_use_known_metrics(path: Path) -> None:
                 if name not in PROMQL_WORDS and name not in RULES and not catalogued(name):
                     unknown.add(f"{panel.title}: {name}")
     assert not unknown, sorted(unknown)
+
+
+@pytest.mark.parametrize("path", DASHBOARDS, ids=[d.stem for d in DASHBOARDS])
+def test_every_query_selects_the_cluster_variable(path: Path) -> None:
+    for panel in load_panels(path):
+        for target in panel.targets:
+            selectors = re.findall(r"([a-zA-Z_:][a-zA-Z0-9_:]*)\{([^}]*)\}", target.expr)
+            bare = re.findall(r"([a-zA-Z_:][a-zA-Z0-9_:]*)\[", target.expr)
+            assert selectors and not bare, f"{panel.title}: {target.expr}"
+            for name, matchers in selectors:
+                assert 'cluster=~"$cluster"' in matchers, f"{panel.title}: {name}"
+
+
+def test_isl_osl_panel_reads_the_length_rules() -> None:
+    panels = {p.title: p for p in load_panels(DEPLOY / "grafana" / "pdserve.json")}
+    (isl,) = [p for title, p in panels.items() if "ISL" in title]
+    exprs = [t.expr for t in isl.targets]
+    assert {e.split("{")[0] for e in exprs} == {
+        "pool_model:pdserve_frontend_prompt_tokens_per_request:ratio_rate5m",
+        "pool_model:pdserve_frontend_completion_tokens_per_request:ratio_rate5m",
+    } and {e.split("{")[0] for e in exprs} <= RULES
 
 
 def test_expand_and_legend() -> None:

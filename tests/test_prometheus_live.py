@@ -40,7 +40,7 @@ DASHBOARDS = sorted((REPO_ROOT / "deploy" / "grafana").glob("*.json"))
 KEYS = {"alpha": "sk-alpha-live-0123456789", "beta": "sk-beta-live-0123456789"}
 MODEL = "tiny"
 LOAD_S = float(os.environ.get("PDSERVE_LIVE_LOAD_S", "25"))
-VARIABLES = {"model": ".*", "node": ".*"}
+VARIABLES = {"cluster": ".*", "model": ".*", "node": ".*"}
 
 
 def prometheus_binary() -> str:

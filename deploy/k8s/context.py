@@ -12,6 +12,7 @@ from typing import Any
 import yaml
 
 RULES_FILE = Path(__file__).resolve().parent.parent / "prometheus" / "rules.yml"
+DASHBOARDS_DIR = Path(__file__).resolve().parent.parent / "grafana"
 CONFIG_DIR = "/etc/pdserve"  # where the frontend finds tenants.yaml and models.yaml
 ROLES = ("prefill", "decode")
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
@@ -19,6 +20,19 @@ _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 # Pod names add up to 17 characters (ReplicaSet hash and pod suffix) to a Deployment's name, and the pod
 # name must stay a 63-character DNS label because it is the node id and appears in label values.
 _MAX_NAME = 46
+SOURCE_MOUNT = "/model-source"  # where an init container finds a model's source volume
+# API keys written in this repository (README, examples, tests, benchmarks): anyone can read them, so a
+# tenants file that accepts one is open to everyone. Their digests are refused.
+PUBLIC_KEYS = (
+    "sk-pdserve-example-acme", "sk-pdserve-example-beta", "sk-test", "test", "sk-admin", "sk-admin-1234abcd",
+    "sk-acme", "sk-abc", "sk-abcdefghijklmnop123", "sk-any", "sk-whatever", "sk-other", "sk-wrong", "sk-nope",
+    "sk-none", "sk-plaintext", "sk-alpha-0123456789abcdef", "sk-beta-0123456789abcdef", "sk-gamma-0123456789ab",
+    "sk-alpha-live-0123456789", "sk-beta-live-0123456789", "sk-bench-0123456789abcdef0123",
+    "sk-overload-0123456789abcdef", "sk-overload-bench-0123456789", "", "changeme", "password", "secret",
+)
+PUBLIC_DIGESTS = {hashlib.sha256(k.encode()).hexdigest(): k for k in PUBLIC_KEYS}
+MAKE_KEY_HINT = ("make a key with `python3 -c 'import secrets; print(\"sk-\" + secrets.token_urlsafe(32))'` and "
+                 "store its digest from `pdserve frontend --hash-key KEY` (or `printf %s KEY | sha256sum`)")
 
 
 class ValuesError(ValueError):
@@ -61,6 +75,30 @@ def _check_pdb(where: str, pdb: dict[str, Any], replicas: int) -> dict[str, Any]
     if pdb.get("maxUnavailable") == 0:
         raise ValuesError(f"{where}: maxUnavailable 0 blocks every voluntary eviction")
     return pdb
+
+
+def _rollout_count(where: str, key: str, value: Any) -> int:
+    """The number in a rollingUpdate maxSurge / maxUnavailable value (an integer or "N%")."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str) and re.fullmatch(r"\d+%", value):
+        return int(value[:-1])
+    raise ValuesError(f"{where}: strategy.rollingUpdate.{key}: {value!r} is neither an integer nor a percentage")
+
+
+def _check_rollout(where: str, strategy: dict[str, Any]) -> dict[str, Any]:
+    """A rollout that never drops below the desired replica count: a new pod comes up (and passes
+    readiness) before an old one drains."""
+    rolling = (strategy or {}).get("rollingUpdate") or {}
+    if (strategy or {}).get("type") != "RollingUpdate":
+        raise ValuesError(f"{where}: strategy.type must be RollingUpdate (Recreate stops the whole pool at once)")
+    unavailable = _rollout_count(where, "maxUnavailable", rolling.get("maxUnavailable", 0))
+    surge = _rollout_count(where, "maxSurge", rolling.get("maxSurge", 0))
+    if unavailable != 0 or surge < 1:
+        raise ValuesError(f"{where}: strategy.rollingUpdate must keep capacity during a rollout: maxUnavailable: 0 "
+                          f"and maxSurge >= 1 (got maxUnavailable {rolling.get('maxUnavailable')!r}, maxSurge "
+                          f"{rolling.get('maxSurge')!r}); a surge pod needs a free GPU")
+    return strategy
 
 
 # ---------------------------------------------------------------------------------------- context
@@ -116,6 +154,9 @@ def _tenants_file(v: dict[str, Any], served: set[str]) -> str:
         for digest in t.get("keys_sha256") or []:
             if not isinstance(digest, str) or not _SHA256_HEX.match(digest):
                 raise ValuesError(f"{where}: {digest!r} is not a lowercase SHA-256 hex digest (store hashed keys only)")
+            if digest in PUBLIC_DIGESTS:
+                raise ValuesError(f"{where}: {digest} is the digest of the published key {PUBLIC_DIGESTS[digest]!r}, "
+                                  f"which anyone can use: {MAKE_KEY_HINT}")
         if not t.get("keys_sha256"):
             raise ValuesError(f"{where}: keys_sha256 must list at least one digest")
         unknown = sorted(set(t.get("models") or ["*"]) - served - {"*"})
@@ -145,6 +186,13 @@ def _node_args(v: dict[str, Any], m: dict[str, Any], cfg: dict[str, Any], etcd: 
     ]
     if m.get("maxContext"):
         pairs.append(("max-model-len", m["maxContext"]))
+    if cfg.get("kvInterface"):
+        pairs.append(("kv-interface", cfg["kvInterface"]))  # gloo's NIC (NCCL takes NCCL_SOCKET_IFNAME)
+    # The node's own drain bound is the preStop hook's (one value, `drainTimeoutSeconds`): a node that
+    # gave up earlier would cut requests the hook still waits for.
+    pairs.append(("drain-timeout", cfg["drainTimeoutSeconds"]))
+    if "drainGraceSeconds" in cfg:
+        pairs.append(("drain-grace", cfg["drainGraceSeconds"]))
     pairs += [
         # Bind everywhere, advertise the pod IP: peers and the frontends dial what the registry says.
         ("grpc-host", "0.0.0.0"),
@@ -169,6 +217,7 @@ def _pools(v: dict[str, Any], etcd: str) -> list[dict[str, Any]]:
         if model_label in labels:
             raise ValuesError(f"models {labels[model_label]!r} and {m['name']!r} make the same object names")
         labels[model_label] = m["name"]
+        source = _model_source(v, m, model_label)
         for role in ROLES:
             override = m.get(role) or {}
             if not isinstance(override, dict):
@@ -176,7 +225,10 @@ def _pools(v: dict[str, Any], etcd: str) -> list[dict[str, Any]]:
             unknown = sorted(set(override) - set(v[role]))
             if unknown:
                 raise ValuesError(f"models[{m['name']}].{role}: unknown keys {unknown}")
-            pools.append(_pool(v, m, role, model_label, deep_merge(v[role], override), etcd))
+            pool = _pool(v, m, role, model_label, deep_merge(v[role], override), etcd)
+            pool["init_containers"] = [source["container"]] if source else []
+            pool["source_volumes"] = [source["volume"]] if source and source["volume"] else []
+            pools.append(pool)
     return pools
 
 
@@ -186,6 +238,22 @@ def _pool(v: dict[str, Any], m: dict[str, Any], role: str, model_label: str, cfg
     replicas = _int(f"{where}: replicas", cfg["replicas"], 0)
     gpus = _int(f"{where}: gpus", cfg["gpus"], 1)
     drain = _int(f"{where}: drainTimeoutSeconds", cfg["drainTimeoutSeconds"], 1)
+    margin = _int(f"{where}: terminationMarginSeconds", cfg["terminationMarginSeconds"], 5)
+    grace = cfg.get("terminationGracePeriodSeconds")
+    if grace is None:
+        grace = drain + margin
+    elif _int(f"{where}: terminationGracePeriodSeconds", grace, 1) < drain + margin:
+        # Kubernetes kills the pod at the end of the grace period, preStop hook or not: the drain is cut.
+        raise ValuesError(f"{where}: terminationGracePeriodSeconds {grace} is shorter than drainTimeoutSeconds "
+                          f"{drain} + terminationMarginSeconds {margin}: the drain would be cut (leave it null)")
+    if role == "decode" and _int(f"{where}: drainGraceSeconds", cfg["drainGraceSeconds"], 0) >= drain:
+        raise ValuesError(f"{where}: drainGraceSeconds {cfg['drainGraceSeconds']} must be shorter than "
+                          f"drainTimeoutSeconds {drain}, or nothing is left to hand the remaining requests over")
+    for arg in cfg.get("extraArgs") or []:
+        if str(arg).split("=", 1)[0] in ("--drain-timeout", "--drain-grace"):
+            raise ValuesError(f"{where}: extraArgs sets {arg}: use drainTimeoutSeconds / drainGraceSeconds, which "
+                              "also size the preStop hook and the grace period")
+    _check_rollout(where, cfg["strategy"])
     startup = _int(f"{where}: startupTimeoutSeconds", cfg["startupTimeoutSeconds"], 10)
     for port in ("grpcPort", "kvPort", "metricsPort"):
         _int(f"{where}: {port}", cfg[port], 1)
@@ -195,9 +263,22 @@ def _pool(v: dict[str, Any], m: dict[str, Any], role: str, model_label: str, cfg
     if len(fullname) > _MAX_NAME:
         raise ValuesError(f"{where}: object name {fullname!r} is longer than {_MAX_NAME} characters")
     resources = copy.deepcopy(cfg.get("resources") or {})
-    # Extended resources cannot be overcommitted: request and limit must be equal.
+    extra = cfg.get("extraResources") or {}
+    if not isinstance(extra, dict) or "nvidia.com/gpu" in extra:
+        raise ValuesError(f"{where}: extraResources must map resource names to counts (GPUs go in `gpus`)")
+    # Extended resources (GPUs, RDMA devices) cannot be overcommitted: request and limit must be equal.
     for kind in ("requests", "limits"):
         resources.setdefault(kind, {})["nvidia.com/gpu"] = gpus
+        resources[kind].update(extra)
+    extra_env = cfg.get("extraEnv") or []
+    reserved = {"POD_NAME", "POD_IP", "POD_NAMESPACE", "PDSERVE_CLUSTER_TOKEN"}
+    if not isinstance(extra_env, list) or any(not isinstance(e, dict) or e.get("name") in reserved for e in extra_env):
+        raise ValuesError(f"{where}: extraEnv must be a list of {{name, value}} (or valueFrom) entries, none of "
+                          f"{sorted(reserved)}")
+    annotations = {**_scrape_annotations(cfg["metricsPort"]), **(cfg.get("podAnnotations") or {})}
+    if annotations.get("prometheus.io/port") != str(cfg["metricsPort"]):
+        raise ValuesError(f"{where}: podAnnotations must not move prometheus.io/port off metricsPort")
+    security = deep_merge(v.get("containerSecurityContext") or {}, cfg.get("securityContext") or {})
     return {
         "role": role,
         "model": m["name"],
@@ -209,14 +290,76 @@ def _pool(v: dict[str, Any], m: dict[str, Any], role: str, model_label: str, cfg
         "args": _node_args(v, m, cfg, etcd),
         "labels": _labels(v, role, model_label),
         "selector": _selector(v, role, model_label),
-        "annotations": _scrape_annotations(cfg["metricsPort"]),
+        "annotations": annotations,
+        "env": extra_env,
+        "security_context": security,
+        "affinity": _pool_affinity(v, where, cfg, model_label),
+        "autoscaler": _autoscaler(v, where, role, cfg, m["name"]),
         "grpc_service": "pdserve.v1.PrefillNode" if role == "prefill" else "pdserve.v1.DecodeNode",
         "drain_timeout": drain,
         # The preStop drain and the exit after SIGTERM both count against this budget.
-        "termination_grace": drain + 30,
+        "termination_grace": grace,
         "startup_failure_threshold": -(-startup // 10),
         "pdb": _check_pdb(f"{where}: pdb", cfg["pdb"], replicas),
     }
+
+
+def _autoscaler(v: dict[str, Any], where: str, role: str, cfg: dict[str, Any], model: str) -> dict[str, Any] | None:
+    """The pool's scaling triggers for autoscaling.mode hpa|keda; None for none and for a pool of
+    `replicas: 0` (a colocated plan: decode nodes prefill locally), which stays empty. Each trigger is a per-pod
+    target over one series the nodes export (deploy/prometheus/README.md): a total across the pool's pods
+    divided by the target gives the pod count (AverageValue)."""
+    mode = v["autoscaling"]["mode"]
+    if mode not in ("none", "hpa", "keda"):
+        raise ValuesError(f"autoscaling.mode must be none, hpa or keda, got {mode!r}")
+    if mode == "none" or cfg["replicas"] == 0:
+        return None
+    a = cfg.get("autoscaling") or {}
+    lo = _int(f"{where}: autoscaling.minReplicas", a.get("minReplicas"), 1)
+    hi = _int(f"{where}: autoscaling.maxReplicas", a.get("maxReplicas"), 1)
+    if hi < lo:
+        raise ValuesError(f"{where}: autoscaling.maxReplicas {hi} < minReplicas {lo}")
+    labels = {"namespace": v["namespace"], "cluster": v["cluster"], "pool": role, "model": model}
+    targets = [("pdserve_requests_waiting", "targetWaitingPerPod")] if role == "prefill" else \
+        [("pdserve_kv_usage_ratio", "targetKVUsage"), ("pdserve_requests_running", "targetRunningPerPod")]
+    triggers = []
+    for metric, key in targets:
+        target = a.get(key)
+        if isinstance(target, bool) or not isinstance(target, (int, float)) or target <= 0:
+            raise ValuesError(f"{where}: autoscaling.{key} must be a number > 0, got {target!r}")
+        if key == "targetKVUsage" and target > 1:
+            raise ValuesError(f"{where}: autoscaling.targetKVUsage is a fraction of the KV cache (<= 1), got {target}")
+        matchers = ",".join(f'{k}="{val}"' for k, val in labels.items())
+        triggers.append({"metric": metric, "target": str(target), "labels": labels,
+                         "query": f"sum({metric}{{{matchers}}})"})
+    return {"min": lo, "max": hi, "triggers": triggers}
+
+
+def _pool_affinity(v: dict[str, Any], where: str, cfg: dict[str, Any], model_label: str) -> dict[str, Any]:
+    """The pool's `affinity`, plus, with `zoneAffinity`, a pod-affinity term that keeps a model's prefill
+    and decode pods in one zone (KV transfers then never cross zones). The first pod of a model matches
+    its own term, which Kubernetes lets schedule anywhere; the rest follow it."""
+    affinity = copy.deepcopy(cfg.get("affinity") or {})
+    mode = cfg.get("zoneAffinity") or "none"
+    if mode not in ("none", "preferred", "required"):
+        raise ValuesError(f"{where}: zoneAffinity must be none, preferred or required, got {mode!r}")
+    if mode == "none":
+        return affinity
+    term = {
+        "topologyKey": "topology.kubernetes.io/zone",
+        "labelSelector": {
+            "matchLabels": {"app.kubernetes.io/name": "pdserve", "app.kubernetes.io/instance": v["name"],
+                            "pdserve.io/model": model_label},
+            "matchExpressions": [{"key": "app.kubernetes.io/component", "operator": "In", "values": list(ROLES)}],
+        },
+    }
+    pod_affinity = affinity.setdefault("podAffinity", {})
+    if mode == "required":
+        pod_affinity.setdefault("requiredDuringSchedulingIgnoredDuringExecution", []).append(term)
+    else:
+        pod_affinity.setdefault("preferredDuringSchedulingIgnoredDuringExecution", []).append(
+            {"weight": 100, "podAffinityTerm": term})
+    return affinity
 
 
 def build_context(v: dict[str, Any]) -> dict[str, Any]:
@@ -246,12 +389,25 @@ def build_context(v: dict[str, Any]) -> dict[str, Any]:
         "tenants_yaml": tenants_yaml,
         "models_yaml": models_yaml,
         "config_dir": CONFIG_DIR,
-        "model_volume": _model_volume(v),
+        "model_volume": _model_storage(v),
+        # The frontends read every model's tokenizer: they fill every model, once per model.
+        "frontend_init": _unique([c for p in pools for c in p["init_containers"]]),
+        "frontend_source_volumes": _unique([vol for p in pools for vol in p["source_volumes"]]),
         "instance_selector": instance,
         "monitors": _monitors(v),
+        "grafana": _grafana(v, name),
         "rules": rules,
         "rule_labels": {**instance, "app.kubernetes.io/part-of": "pdserve", **(mon["prometheusRule"].get("labels") or {})},
     }
+
+
+def _unique(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`items` without repeats (a model's prefill and decode pools share its init container), in order."""
+    out: list[dict[str, Any]] = []
+    for item in items:
+        if item not in out:
+            out.append(item)
+    return out
 
 
 def _check_names(v: dict[str, Any]) -> str:
@@ -320,9 +476,17 @@ def _frontend(v: dict[str, Any], name: str, etcd_endpoints: str, served: dict[st
         lo = _int("frontend.hpa.minReplicas", hpa["minReplicas"], 1)
         if _int("frontend.hpa.maxReplicas", hpa["maxReplicas"], 1) < lo:
             raise ValuesError("frontend.hpa.maxReplicas must be >= minReplicas")
-    grace = _int("frontend.terminationGracePeriodSeconds", fe["terminationGracePeriodSeconds"], 1)
-    if _int("frontend.preStopSleepSeconds", fe["preStopSleepSeconds"], 0) >= grace:
-        raise ValuesError("frontend.preStopSleepSeconds must be shorter than terminationGracePeriodSeconds")
+    sleep = _int("frontend.preStopSleepSeconds", fe["preStopSleepSeconds"], 0)
+    # After SIGTERM the frontend finishes every stream in flight; the longest lasts requestTimeoutSeconds.
+    need = sleep + _int("frontend.requestTimeoutSeconds", fe["requestTimeoutSeconds"], 1) + \
+        _int("frontend.terminationMarginSeconds", fe["terminationMarginSeconds"], 5)
+    grace = fe.get("terminationGracePeriodSeconds")
+    if grace is None:
+        grace = need
+    elif _int("frontend.terminationGracePeriodSeconds", grace, 1) < need:
+        raise ValuesError(f"frontend.terminationGracePeriodSeconds {grace} is shorter than preStopSleepSeconds + "
+                          f"requestTimeoutSeconds + terminationMarginSeconds = {need}: streams in flight would be cut "
+                          "(leave it null)")
     tenants_on = bool(v["tenants"].get("enabled"))
     models_yaml = _models_file(v)
     tenants_yaml = _tenants_file(v, set(served)) if tenants_on else ""
@@ -340,6 +504,7 @@ def _frontend(v: dict[str, Any], name: str, etcd_endpoints: str, served: dict[st
     frontend = {
         "fullname": f"{name}-frontend",
         "replicas": fe_replicas,
+        "termination_grace": grace,
         "hpa": bool(hpa.get("enabled")),
         "args": _flags(fe_pairs) + [str(a) for a in fe.get("extraArgs") or []],
         "labels": _labels(v, "frontend"),
@@ -354,13 +519,115 @@ def _frontend(v: dict[str, Any], name: str, etcd_endpoints: str, served: dict[st
     return frontend, models_yaml, tenants_yaml
 
 
-def _model_volume(v: dict[str, Any]) -> dict[str, Any]:
+def _model_storage(v: dict[str, Any]) -> dict[str, Any]:
+    """The model volume (writable: the init containers fill it; the main containers mount it read-only)."""
     storage = v["modelStorage"]
-    if storage["type"] not in ("pvc", "hostPath"):
-        raise ValuesError(f"modelStorage.type must be pvc or hostPath, got {storage['type']!r}")
-    if storage["type"] == "pvc":
-        return {"name": "models", "persistentVolumeClaim": {"claimName": storage["claimName"], "readOnly": True}}
-    return {"name": "models", "hostPath": {"path": storage["hostPath"], "type": "Directory"}}
+    kind = storage["type"]
+    if kind == "emptyDir":
+        return {"name": "models", "emptyDir": {"sizeLimit": storage["size"]}}
+    if kind == "pvc":
+        modes = storage.get("accessModes") or []
+        if storage.get("create") and not set(modes) & {"ReadWriteOnce", "ReadWriteMany", "ReadWriteOncePod"}:
+            # The init containers write the weights: a claim nobody can write stays empty forever.
+            raise ValuesError(f"modelStorage.accessModes {modes}: the init containers must write the weights; "
+                              "use ReadWriteMany (pods on several machines) or ReadWriteOnce")
+        return {"name": "models", "persistentVolumeClaim": {"claimName": storage["claimName"]}}
+    if kind == "hostPath":
+        return {"name": "models", "hostPath": {"path": storage["hostPath"], "type": "DirectoryOrCreate"}}
+    raise ValuesError(f"modelStorage.type must be emptyDir, pvc or hostPath, got {kind!r}")
+
+
+def _model_source(v: dict[str, Any], m: dict[str, Any], label: str) -> dict[str, Any] | None:
+    """The init container (and its source volume) that fills model `m` on the model volume; None for
+    `source.type: none`."""
+    where = f"models[{m['name']}].source"
+    src = m.get("source") or {"type": "none"}
+    kind = src.get("type")
+    known = {"default": {"type"}, "gguf": {"type", "uri", "sha256", "dtype", "volume"},
+             "dir": {"type", "uri", "sha256", "volume"}, "none": {"type"}}
+    if kind not in known:
+        raise ValuesError(f"{where}.type must be one of {sorted(known)}, got {kind!r}")
+    if kind == "none":
+        return None
+    unknown = sorted(set(src) - known[kind])
+    if unknown:
+        raise ValuesError(f"{where}: unknown keys {unknown} for type {kind}")
+    mount = v["modelStorage"]["mountPath"].rstrip("/")
+    args = [f"--source={kind}", f"--dest={mount}/{m['path']}"]
+    volume = src.get("volume")
+    src_volume = None
+    src_mount = f"{SOURCE_MOUNT}/{label}"
+    if volume is not None:
+        if not isinstance(volume, dict) or len(volume) != 1:
+            raise ValuesError(f"{where}.volume must be one Kubernetes volume source, e.g. "
+                              "{persistentVolumeClaim: {claimName: hf-weights}}")
+        src_volume = {"name": f"src-{label}"[:63], **volume}
+    if kind in ("gguf", "dir"):
+        uri = src.get("uri")
+        if not isinstance(uri, str) or not uri:
+            raise ValuesError(f"{where}.uri is required for type {kind}")
+        is_url = re.match(r"^https?://", uri) is not None
+        if kind == "dir" and src_volume is None:
+            raise ValuesError(f"{where}.volume is required for type dir (the volume holding the directory)")
+        if is_url and src_volume is not None:
+            raise ValuesError(f"{where}: a URL source takes no volume")
+        location = uri if is_url or src_volume is None else f"{src_mount}/{uri.lstrip('/')}".rstrip("/")
+        args.append(f"--from={location}")
+    if kind == "gguf":
+        digest = src.get("sha256")
+        if not isinstance(digest, str) or not _SHA256_HEX.match(digest):
+            raise ValuesError(f"{where}.sha256: give the GGUF file's sha256 (64 lowercase hex digits), "
+                              "e.g. from `sha256sum FILE.gguf` or the publisher's page")
+        dtype = src.get("dtype", "float32")
+        if dtype not in ("float32", "bfloat16"):
+            raise ValuesError(f"{where}.dtype must be float32 or bfloat16, got {dtype!r}")
+        args += [f"--sha256={digest}", f"--dtype={dtype}"]
+    if kind == "dir":
+        digests = src.get("sha256") or {}
+        if not isinstance(digests, dict):
+            raise ValuesError(f"{where}.sha256 must map file names to sha256 digests")
+        for name, digest in digests.items():
+            if not isinstance(digest, str) or not _SHA256_HEX.match(digest):
+                raise ValuesError(f"{where}.sha256[{name}]: {digest!r} is not a sha256 hex digest")
+            args.append(f"--sha256={name}={digest}")
+    fetch = v["modelStorage"].get("fetch") or {}
+    container: dict[str, Any] = {
+        "name": f"fetch-{label}"[:63],
+        "image": f"{v['image']['repository']}:{v['image']['tag']}",
+        "imagePullPolicy": v["image"]["pullPolicy"],
+        "command": ["pdserve", "model", "fetch"],
+        "args": args,
+        "resources": fetch.get("resources") or {},
+        "volumeMounts": [{"name": "models", "mountPath": v["modelStorage"]["mountPath"]}],
+    }
+    if fetch.get("extraEnv"):
+        container["env"] = list(fetch["extraEnv"])
+    if src_volume is not None:
+        container["volumeMounts"].append({"name": src_volume["name"], "mountPath": src_mount, "readOnly": True})
+    if v.get("containerSecurityContext"):
+        container["securityContext"] = v["containerSecurityContext"]
+    return {"container": container, "volume": src_volume}
+
+
+def _grafana(v: dict[str, Any], name: str) -> dict[str, Any]:
+    """The dashboards (file name -> JSON text, verbatim) and the provider file for Grafana provisioning."""
+    g = v["monitoring"].get("grafana") or {}
+    if not g.get("enabled"):
+        return {}
+    dashboards = {p.name: p.read_text(encoding="utf-8") for p in sorted(DASHBOARDS_DIR.glob("*.json"))}
+    provider = {"apiVersion": 1, "providers": [{
+        "name": f"{name}-pdserve", "folder": g["folder"], "type": "file", "disableDeletion": True,
+        "allowUiUpdates": False, "updateIntervalSeconds": 60, "options": {"path": g["path"]},
+    }]}
+    return {
+        "namespace": g.get("namespace") or v["namespace"],
+        "dashboards": dashboards,
+        "provider": yaml.safe_dump(provider, sort_keys=False),
+        "labels": {"app.kubernetes.io/name": "pdserve", "app.kubernetes.io/instance": name,
+                   "app.kubernetes.io/part-of": "pdserve", **(g.get("labels") or {})},
+        # The sidecar reads this folder annotation (kube-prometheus-stack's folderAnnotation setting).
+        "annotations": {"grafana_folder": g["folder"]},
+    }
 
 
 def _monitors(v: dict[str, Any]) -> list[dict[str, Any]]:
