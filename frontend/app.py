@@ -152,6 +152,10 @@ class GenerationResponse(Response):
                                         "headers": self._headers(_SSE_HEADERS)})
                         if chunk is None:
                             fe.metrics.sse_keepalives.inc()
+                        elif chunk.endswith(DONE):
+                            # The client has the whole response once this is sent and may hang up at once,
+                            # while the stream is still being closed here: that is the normal end, not a 499.
+                            state.done = True
                         await send({"type": "http.response.body", "body": chunk or KEEPALIVE, "more_body": True})
                 state.done = True
                 await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -33,6 +33,7 @@ from engine.model_config import load_model_config
 from engine.sampling_params import SamplingParams
 from engine.tiny import default_model_dir
 from engine.tokenizer import Tokenizer
+from testing.cli import run_cli
 from testing.threads import start_thread
 
 pytest.register_assert_rewrite("tests.gguf_fixtures")
@@ -202,17 +203,6 @@ def test_real_greedy_text_equals_transformers(smollm2_dir: Path, reference: tupl
         print(f"  {text!r} -> {res.text!r}")
     assert diff <= ENGINE_LOGIT_ATOL
     assert results[0].text == "The capital of France is Paris."
-
-
-def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    """`pdserve ARGV` in this process: (exit code, stdout, stderr)."""
-    from deploy.cli import main
-
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as exit_:
-        main(argv)
-    out, err = capsys.readouterr()
-    return int(exit_.value.code or 0), out, err
 
 
 def test_cli_generate_serves_smollm2_by_default(smollm2_dir: Path, capsys: pytest.CaptureFixture[str],

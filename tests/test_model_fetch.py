@@ -21,18 +21,8 @@ import pytest
 from deploy.model_fetch import MARKER
 from engine.default_model import GGUF_SHA256
 from engine.tiny import default_model_dir
+from testing.cli import run_cli
 from tests.gguf_fixtures import smollm2_dir, smollm2_gguf  # noqa: F401 (fixtures)
-
-
-def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    """`pdserve ARGV` in this process: (exit code, stdout, stderr)."""
-    from deploy.cli import main
-
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as exit_:
-        main(argv)
-    out, err = capsys.readouterr()
-    return int(exit_.value.code or 0), out, err
 
 
 def _sha256(path: Path) -> str:
