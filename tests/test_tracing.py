@@ -345,3 +345,79 @@ def test_no_tracing_objects_without_an_endpoint(tiny_llama_dir: Path) -> None:
     out = subprocess.run([sys.executable, "-c", code_env], cwd=REPO_ROOT, capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip() == "http://127.0.0.1:4318/v1/traces"
+
+
+def test_pdserve_up_passes_the_tracing_options_to_every_process(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """`pdserve up --otlp-endpoint URL --trace-sample-ratio R`: every node and the frontend is started with
+    them (each process's own parser reads them back); without the flag none is passed, so the processes
+    follow the $OTEL_EXPORTER_OTLP_ENDPOINT they inherit."""
+    import argparse
+    from types import SimpleNamespace
+
+    from deploy.cli import build_parser as pdserve_parser
+    from deploy.launcher.config import build_config
+    from deploy.launcher.process import Slot, command
+    from frontend.config import build_parser as frontend_parser
+    from node.config import add_node_args
+    from tracing import tracing_config_from_args
+
+    def resolve(_: str | None) -> Any:
+        return SimpleNamespace(path=tiny_llama_dir, name="tiny")
+
+    node_parser = argparse.ArgumentParser()
+    add_node_args(node_parser)
+    for flags, want in ((["--otlp-endpoint", "http://collector:4318", "--trace-sample-ratio", "0.25"],
+                         ("http://collector:4318/v1/traces", 0.25)), ([], None)):
+        args = pdserve_parser().parse_args(["up", "--model", str(tiny_llama_dir), "--runs-dir", str(tmp_path), *flags])
+        cfg = build_config(args, resolve)
+        for pool, parser in (("prefill", node_parser), ("decode", node_parser), ("frontend", frontend_parser())):
+            argv = command(cfg, Slot(f"{pool}-0", pool, tmp_path / "log"), ["127.0.0.1:2379"], tmp_path)
+            module_at = argv.index("-m") + 2
+            parsed, _ = parser.parse_known_args(argv[module_at:])
+            assert parsed.otlp_endpoint is None if want is None else parsed.otlp_endpoint == "http://collector:4318"
+            if want is not None:
+                got = tracing_config_from_args(parsed)
+                assert (got.traces_url, got.sample_ratio) == want, pool
+
+
+def test_sampling_follows_the_ratio_and_the_parent_and_shutdown_flushes(receiver: OTLPReceiver) -> None:
+    """Ratio 0 records nothing but still propagates the context (flag "not sampled"), and a process
+    following such a parent records nothing either; `shutdown` exports what is queued (no schedule delay
+    waited for); a span lasts exactly end - start of the clock readings it was given."""
+    from tracing import TracingConfig, start_tracing
+
+    never = start_tracing(TracingConfig(receiver.endpoint, 0.0), "unit-never", {}, time.monotonic)
+    always = start_tracing(TracingConfig(receiver.endpoint, 1.0), "unit-always", {}, time.monotonic)
+    assert never is not None and always is not None
+    now = time.monotonic()
+    dropped = never.span("unit.dropped", parent=None, start=now, end=now + 0.001)
+    metadata = never.metadata(dropped)
+    assert [k for k, _ in metadata] == ["traceparent"] and not int(metadata[0][1].split("-")[3], 16) & 1
+    always.span("unit.unsampled_child", parent=always.extract(metadata), start=now, end=now + 0.001)
+    kept = always.span("unit.kept", parent=None, start=now, end=now + 0.0025)
+    always.span("unit.kept_child", parent=always.extract(always.metadata(kept)), start=now, end=now + 0.001)
+    never.shutdown()
+    always.shutdown()
+    with receiver._cond:
+        spans = [s for s in receiver.spans if s.name.startswith("unit.")]
+    assert sorted(s.name for s in spans) == ["unit.kept", "unit.kept_child"]
+    assert one(spans, "unit.kept").end_ns - one(spans, "unit.kept").start_ns == 2_500_000
+    assert one(spans, "unit.kept_child").parent_id == one(spans, "unit.kept").span_id
+
+
+def test_tracing_options_are_validated() -> None:
+    from tracing import TracingConfig, add_tracing_args, tracing_config_from_args
+
+    for bad in (dict(otlp_endpoint="collector:4318"), dict(otlp_endpoint="ftp://c"), dict(sample_ratio=1.5)):
+        with pytest.raises(ValueError):
+            TracingConfig(**bad)  # type: ignore[arg-type]
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_tracing_args(parser)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://env:4318/")
+        assert tracing_config_from_args(parser.parse_args([])).traces_url == "http://env:4318/v1/traces"
+        assert not tracing_config_from_args(parser.parse_args(["--otlp-endpoint", ""])).enabled  # the flag wins
+        got = tracing_config_from_args(parser.parse_args(["--otlp-endpoint", "https://c/v1/traces"]))
+        assert got.traces_url == "https://c/v1/traces"
