@@ -11,6 +11,9 @@ sees one uninterrupted stream (greedy and seeded output equal to a run without t
 `max_migrations` moves per choice; then the client gets the error. Client errors (INVALID_ARGUMENT) and
 the deadline are not migrated.
 
+A traced job's Generate calls carry the `traceparent` of their `frontend.upstream` span in the gRPC
+metadata (`frontend.tracing`); untraced calls carry none.
+
 Cancelling a Generate call (what the frontend does when the client goes away) resets the HTTP/2
 stream at once; the decode node aborts the request, cancels its Prefill call on the prefill node, and
 both free the request's KV blocks.

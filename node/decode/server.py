@@ -20,6 +20,9 @@ another decode node.
 
 Every request is one `DecodeRequest` (`node.decode.request`) in `requests`, from arrival until the
 engine let go of it.
+
+Tracing on (`ctx.tracer`): the caller's `traceparent` (gRPC metadata) is the parent of the request's
+spans (`node.decode.trace`); the Prefill call carries the KV wait span's.
 """
 
 from __future__ import annotations

@@ -16,6 +16,10 @@ whose first token must end it (max_tokens) ships nothing; one that turns out to 
 Without layer-wise sends (and under `--fault-send-delay`, which models a send after the first token)
 the send is queued after FirstToken went out.
 
+Tracing on (`ctx.tracer`): the decode node's `traceparent` (gRPC metadata) is the parent of the
+request's span; its queue, compute and KV send spans are cut, when the call ends, from the times
+FirstToken and TransferDone reported (`_trace`).
+
 Blocks are released when the send resolves, when the request is aborted before any send was queued,
 or when the decode node's registry lease disappears (which closes the pair channel, so a send blocked on
 a dead peer resolves at once instead of at the transfer timeout).
