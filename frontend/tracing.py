@@ -64,7 +64,7 @@ class RequestTrace:
         parent."""
         previous = self._calls.get(c.index)
         if previous is not None:
-            self._tracer.finish(previous, now, error="stream broke; moved to another decode node")
+            self._tracer.finish(previous, now, error="superseded by another Generate call (a retry, migration or fallback)")
         d = c.decision
         span = self._tracer.span("frontend.upstream", parent=self._root, start=now, kind="client", attributes={
             "rpc.system": "grpc", "rpc.method": "DecodeNode/Generate", "pdserve.request_id": c.request_id,
