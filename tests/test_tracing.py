@@ -309,9 +309,13 @@ def test_without_an_endpoint_the_frontend_traces_nothing(
                                                                  temperature=0)
         assert "x-trace-id" not in raw.headers
         rid = f"{raw.parse().id}-0"
-        spans = receiver.wait(lambda all_: any(s.attributes.get("pdserve.request_id") == rid for s in all_))
-        generate = next(s for s in spans if s.attributes.get("pdserve.request_id") == rid)
-        assert generate.name == "decode.generate" and generate.parent_id == ""  # no context came with the call
+        def named(all_: list[Span], name: str) -> list[Span]:
+            return [s for s in all_ if s.name == name and s.attributes["pdserve.request_id"] == rid]
+
+        spans = receiver.wait(lambda all_: bool(named(all_, "decode.generate") and named(all_, "prefill.request")))
+        [generate], [prefill] = named(spans, "decode.generate"), named(spans, "prefill.request")
+        assert generate.parent_id == ""  # no context came with the call: the decode node started a trace
+        assert prefill.trace_id == generate.trace_id  # which goes on to the prefill node
         assert not [s for s in spans if s.trace_id == generate.trace_id and s.service == "pdserve-frontend"]
     finally:
         assert fe.stop() in (0, -15), fe.proc.tail()
