@@ -425,3 +425,18 @@ def test_tracing_options_are_validated() -> None:
         assert not tracing_config_from_args(parser.parse_args(["--otlp-endpoint", ""])).enabled  # the flag wins
         got = tracing_config_from_args(parser.parse_args(["--otlp-endpoint", "https://c/v1/traces"]))
         assert got.traces_url == "https://c/v1/traces"
+
+
+def test_shutdown_does_not_wait_for_an_unreachable_receiver() -> None:
+    """A process stopping while its receiver is down exits after `shutdown`'s timeout, not after the
+    exporter's retries (seconds of backoff)."""
+    from tracing import TracingConfig, start_tracing
+
+    tracer = start_tracing(TracingConfig(f"http://127.0.0.1:{free_port()}"), "unit-down", {}, time.monotonic)
+    assert tracer is not None
+    now = time.monotonic()
+    for _ in range(5):
+        tracer.span("unit.lost", parent=None, start=now, end=now + 0.001)
+    began = time.monotonic()
+    tracer.shutdown(timeout_s=0.5)
+    assert time.monotonic() - began < 2.0

@@ -9,6 +9,7 @@ OTLP/HTTP (protobuf); `shutdown` exports what is still queued.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 
@@ -38,7 +39,8 @@ class Tracer:
         self._provider = TracerProvider(sampler=ParentBased(TraceIdRatioBased(config.sample_ratio)),
                                         resource=resource, shutdown_on_exit=False)
         # The schedule delay and queue sizes follow the OTEL_BSP_* environment variables.
-        self._provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=config.traces_url)))
+        self._exporter = OTLPSpanExporter(endpoint=config.traces_url)
+        self._provider.add_span_processor(BatchSpanProcessor(self._exporter))
         self._tracer = self._provider.get_tracer("pdserve")
         self._propagator = TraceContextTextMapPropagator()
         # `clock` is the process's monotonic clock (time.monotonic on nodes, time.perf_counter in the
@@ -96,7 +98,14 @@ class Tracer:
             span.set_status(Status(StatusCode.ERROR, error))
         span.end(end_time=self.epoch_ns(end))
 
-    def shutdown(self) -> None:
-        """Exports the spans still queued, then stops (call once, at process exit)."""
+    def shutdown(self, timeout_s: float = 2.0) -> None:
+        """Exports the spans still queued, waiting at most about `timeout_s` for the receiver, then stops
+        (call once, at process exit). An unreachable receiver does not hold the exit up: its export,
+        retrying with backoff, is cut short."""
+        # The SDK's flush waits out an export in progress whatever its timeout says: it runs aside.
+        flush = threading.Thread(target=self._provider.force_flush, name="trace-flush", daemon=True)
+        flush.start()
+        flush.join(timeout_s)
+        self._exporter.shutdown()  # interrupts an export still retrying
         self._provider.shutdown()
 
