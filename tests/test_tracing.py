@@ -440,3 +440,52 @@ def test_shutdown_does_not_wait_for_an_unreachable_receiver() -> None:
     began = time.monotonic()
     tracer.shutdown(timeout_s=0.5)
     assert time.monotonic() - began < 2.0
+
+
+@pytest.fixture(scope="module")
+def decode_only(tmp_path_factory: pytest.TempPathFactory, model_dir: Path, receiver: OTLPReceiver,
+                export_fast: None) -> Iterator[tuple[LocalCluster, TracedFrontend]]:
+    """A cluster whose decode node prefills every prompt itself (threshold above any prompt here)."""
+    with LocalCluster(tmp_path_factory.mktemp("tracing-local"), model_dir,
+                      node_args=[*NODE_ARGS, "--otlp-endpoint", receiver.endpoint]) as c:
+        c.start(1, 1, decode_args=["--local-prefill-threshold", "100000"])
+        logs = tmp_path_factory.mktemp("tracing-local-fe")
+        fe = start_frontend("frontend-local", logs, c.etcd_endpoints, free_port(), "--cluster", c.cluster,
+                            "--model", f"{MODEL}={model_dir}", "--log-level", "warning", "--request-log",
+                            str(logs / "requests.log"), "--otlp-endpoint", receiver.endpoint)
+        try:
+            yield c, TracedFrontend(fe, logs / "requests.log")
+        finally:
+            assert fe.stop() in (0, -15), fe.proc.tail()
+        c.wait_clean()
+
+
+def test_a_request_prefilled_on_the_decode_node(decode_only: tuple[LocalCluster, TracedFrontend],
+                                                receiver: OTLPReceiver) -> None:
+    """Prefilled on the decode node: the trace has no prefill-node spans, and its `prefill` stage span
+    (arrival to the first message on the decode node) lasts what the breakdown says, which the last
+    message repeats instead of measuring anew."""
+    cluster, frontend = decode_only
+    client = client_of(frontend.proc)
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "Count to ten."}], temperature=0, max_tokens=16,
+        stream=True, extra_body={"ignore_eos": True})
+    trace_id = raw.headers["x-trace-id"]
+    assert len(list(raw.parse())) > 1
+    spans = receiver.trace(trace_id, FRONTEND_SPANS | {"decode.generate", "decode.prefill", "decode.decode"})
+    assert {s.service for s in spans} == {"pdserve-frontend", "pdserve-decode"}
+    ids = {s.span_id for s in spans}
+    assert [s.name for s in spans if not s.parent_id] == ["POST /v1/chat/completions"]
+    assert all(s.parent_id in ids for s in spans if s.parent_id)
+    record = frontend.log_line("trace_id", trace_id)
+    breakdown = record["ttft_breakdown_ms"]
+    stage_spans = {s.attributes["pdserve.ttft_stage"]: s for s in spans if "pdserve.ttft_stage" in s.attributes}
+    assert set(stage_spans) == {"frontend", "prefill"}
+    assert all(breakdown[stage] == 0 for stage in set(STAGES) - set(stage_spans))
+    diffs = {stage: round(abs(span.ms - breakdown[stage]), 4) for stage, span in stage_spans.items()}
+    print("local prefill, span vs TTFT breakdown (ms):", {k: (round(v.ms, 3), breakdown[k]) for k, v in stage_spans.items()})
+    assert all(d <= TOLERANCE_MS for d in diffs.values()), diffs
+    # The prefill stage ends at the first message, well before the last of 16 tokens.
+    assert stage_spans["prefill"].end_ns < one(spans, "decode.decode").end_ns
+    assert breakdown["prefill"] < record["e2e_ms"]
+    cluster.check_integrity()
