@@ -489,3 +489,42 @@ def test_a_request_prefilled_on_the_decode_node(decode_only: tuple[LocalCluster,
     assert stage_spans["prefill"].end_ns < one(spans, "decode.decode").end_ns
     assert breakdown["prefill"] < record["e2e_ms"]
     cluster.check_integrity()
+
+
+def test_migrations_and_a_mid_stream_error_event_in_the_trace(
+    tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: Path, receiver: OTLPReceiver, export_fast: None,
+) -> None:
+    """Against scripted decode nodes that fail a seeded request after its second token: each Generate call
+    (the first and the two migrations) is a span of its own, the superseded ones marked failed; the SSE
+    error event that ends the stream names the trace (the stream's x-trace-id header does too)."""
+    from registry import EtcdServer
+    from testing.procs import start_scripted_node
+
+    fail_seed = 4242
+    tmp = tmp_path_factory.mktemp("tracing-scripted")
+    with EtcdServer(tmp / "etcd") as etcd:
+        node = start_scripted_node("scripted", tmp, etcd.endpoints, "--tokenizer", str(tiny_llama_dir), "--reply",
+                                   "The quick brown fox jumps over the lazy dog.", "--model", MODEL, "--node-id", "d",
+                                   "--num-nodes", "2", "--prefill-ids", "p0", "--fail-seed", str(fail_seed))
+        try:
+            fe = start_frontend("frontend-scripted", tmp, etcd.endpoints, free_port(), "--model",
+                                f"{MODEL}={tiny_llama_dir}", "--log-level", "warning", "--request-log", "off",
+                                "--otlp-endpoint", receiver.endpoint)
+            try:
+                raw = client_of(fe).chat.completions.with_raw_response.create(
+                    model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=10, stream=True,
+                    seed=fail_seed, temperature=0.5)
+                trace_id = raw.headers["x-trace-id"]
+                with pytest.raises(openai.APIError) as failed:
+                    list(raw.parse())
+            finally:
+                assert fe.stop() in (0, -15), fe.proc.tail()
+        finally:
+            node.stop()
+    assert failed.value.message.endswith(f"(trace id {trace_id})")
+    spans = receiver.trace(trace_id, {"POST /v1/chat/completions", "frontend.upstream", "frontend.stream"})
+    calls = sorted((s for s in spans if s.name == "frontend.upstream"), key=lambda s: s.start_ns)
+    assert [c.attributes["pdserve.migrations"] for c in calls] == [0, 1, 2]
+    assert all(c.error for c in calls)  # two superseded, the last one ended without finishing
+    root = one(spans, "POST /v1/chat/completions")
+    assert root.error and root.attributes["http.response.status_code"] == 502
