@@ -43,7 +43,7 @@ class Accounting:
                                      "rejected").inc()
         self._log.write({"ts": time.time(), "request_id": None, "client_request_id": client_id,
                                 "tenant": tenant, "endpoint": endpoint, "status": err.status,
-                                "error": err.message, "error_code": err.code})
+                                "error": err.message, "error_code": err.code, "trace_id": err.trace_id})
 
     def finish(self, job: Job) -> int:
         """Ends a job exactly once (later calls do nothing): cancels calls still running upstream,
@@ -148,6 +148,7 @@ def _log_record(job: Job, lat: Latencies, completion: int) -> dict[str, Any]:
         "itl_max_ms": _ms(itls[-1]) if itls else None,
         "session_key": job.session_key is not None,
         "routes": [_route_record(c) for c in job.choices],
+        "trace_id": job.trace.trace_id if job.trace is not None else None,
     }
     if job.prompt_log is not None:
         record["prompt"] = job.prompt_log

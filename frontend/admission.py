@@ -24,7 +24,7 @@ from typing import TypeVar
 
 from frontend.config import FrontendConfig
 from frontend.errors import OVERLOADED, APIError
-from frontend.job import CHAT, Choice, Job, client_request_id
+from frontend.job import CHAT, AdmissionStamps, Choice, Job, client_request_id
 from frontend.limits import TenantLimiter
 from frontend.metrics import FrontendMetrics
 from frontend.models import ModelCatalog, ServedModel
@@ -93,6 +93,7 @@ class Admitter:
         offload = len(body) > self.config.prepare_inline_bytes
         limits = self.config.request_limits
         req = await self.workers.parse(kind, body, limits) if offload else parse_request(kind, body, limits)
+        parsed = time.perf_counter()
         model = self.catalog.resolve(req.model)
         if not tenant.may_use(*self.catalog.names_of(model)):
             raise APIError(403, f"Tenant {tenant.name!r} may not use model `{req.model}`.", type="permission_error",
@@ -109,10 +110,13 @@ class Admitter:
         picked = self._pick_model(tenant, model, session_key)
         model = picked.model
         tokenized = await self.workers.tokenize(req, model) if offload else tokenize(req, model)
+        tokenized_at = time.perf_counter()
         prompts = tokenized.prompts
         budgets = [self._max_tokens(req, tenant, model, len(p)) for p in prompts]
         per_prompt_max = [b.max_tokens for b in budgets]
+        routed_from = time.perf_counter()
         decisions = self._route(req, model, prompts, per_prompt_max, session_key)
+        routed = time.perf_counter()
         if budget_ms is not None:
             self._limited(tenant, lambda: self._check_ttft(model, [d for _, d in decisions], budget_ms, arrived))
         firm = sum(budgets[pi].reserve for pi, _ in decisions if not budgets[pi].estimated)
@@ -124,7 +128,8 @@ class Admitter:
                   model=model, requested_model=req.model, prompts=prompts, echo_texts=tokenized.echo_texts,
                   choices=self._choices(job_id, req, prompts, per_prompt_max, decisions), admission=admission,
                   client_request_id=client_request_id(headers), session_key=session_key,
-                  fallback_reason=picked.fallback_reason)
+                  fallback_reason=picked.fallback_reason,
+                  stamps=AdmissionStamps(parsed, tokenized_at, routed_from, routed, time.perf_counter()))
         if self.config.log_prompts:
             job.prompt_log = req.messages if kind == CHAT else req.prompts
         self._count_routes(job)

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from frontend.errors import NOT_FOUND, SERVER, APIError
 from frontend.render import DONE, KEEPALIVE, error_event
 from frontend.service import CHAT, COMPLETION, Frontend, Job, client_request_id
+from frontend.tracing import TRACE_ID_HEADER, start_request
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +129,10 @@ class GenerationResponse(Response):
 
     def _headers(self, extra: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
         job = self.job
-        return [*extra, (b"x-request-id", job.id.encode()), (b"x-pdserve-model", job.model.name.encode())]
+        headers = [*extra, (b"x-request-id", job.id.encode()), (b"x-pdserve-model", job.model.name.encode())]
+        if job.trace is not None:
+            headers.append((TRACE_ID_HEADER.encode(), job.trace.trace_id.encode()))
+        return headers
 
     async def _events(self) -> AsyncIterator[bytes]:
         """The SSE events of a streamed job, from the start of its Generate calls."""
@@ -168,7 +173,7 @@ class GenerationResponse(Response):
             await send({"type": "http.response.start", "status": 200, "headers": headers})
             await send({"type": "http.response.body", "body": body, "more_body": False})
         except APIError as err:  # raised before the first token
-            job.error = err
+            job.error = err = job.traced(err)
             state.done = True
             if started:  # keep-alive comments have started a 200 stream: the error is its last event
                 await send({"type": "http.response.body", "body": error_event(err.to_dict()) + DONE,
@@ -184,7 +189,7 @@ class GenerationResponse(Response):
                 task.uncancel()
         except Exception:
             log.exception("request %s failed", job.id)
-            err = APIError(500, "The server had an error while processing your request.", type=SERVER)
+            err = job.traced(APIError(500, "The server had an error while processing your request.", type=SERVER))
             job.error = err
             state.done = True
             if started:
@@ -260,15 +265,22 @@ def create_app(frontend: Frontend) -> FastAPI:
 def _add_generation_routes(app: FastAPI, frontend: Frontend) -> None:
     async def generation(kind: str, request: Request) -> Response:
         tenant_name = None
+        # Tracing on: the request's trace starts here (a client's traceparent is its parent).
+        tracer = frontend.tracer
+        trace = start_request(tracer, request.url.path, request.headers, time.perf_counter()) if tracer else None
         try:
             tenant = frontend.authenticate(request.headers.get("authorization"))
             tenant_name = tenant.name
             body = await read_body(request, frontend.config.max_body_bytes, frontend.config.body_timeout_s)
-            job = await frontend.prepare(kind, tenant, body, request.headers)
+            job = await frontend.prepare(kind, tenant, body, request.headers, trace)
         except APIError as err:
+            if trace is not None:
+                trace.reject(err.status, trace.tag(err).message)
             frontend.reject(kind, tenant_name, err, client_request_id(request.headers))
             return error_response(err)
         except ClientDisconnect:
+            if trace is not None:
+                trace.reject(499, "the client went away")
             return Response(status_code=499)
         return GenerationResponse(frontend, job)
 

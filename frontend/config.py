@@ -39,6 +39,7 @@ import yaml
 
 from frontend.protocol import RequestLimits
 from rpc import RpcSecurity, add_rpc_args, rpc_security_from_args
+from tracing import TracingConfig, add_tracing_args, tracing_config_from_args
 
 
 class ConfigError(ValueError):
@@ -251,6 +252,7 @@ class FrontendConfig:
     tpot_slo_s: float = 0.2
     log_level: str = "info"
     rpc: RpcSecurity = field(default_factory=RpcSecurity.from_env)  # token (and CA) the calls to nodes carry
+    tracing: TracingConfig = field(default_factory=TracingConfig)  # OTLP endpoint ("" = tracing off)
     request_limits: RequestLimits = field(init=False, repr=False, compare=False)  # derived from the max_* above
 
     @property
@@ -344,6 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="info")
     p.add_argument("--hash-key", metavar="KEY", help="print the sha256 of an API key for a tenants file and exit")
     add_rpc_args(p, server=False)
+    add_tracing_args(p)
     return p
 
 
@@ -398,6 +401,10 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         extra["rpc"] = rpc_security_from_args(args)
     except (OSError, ValueError) as err:
         raise ConfigError(f"cluster token / TLS: {err}") from err
+    try:
+        extra["tracing"] = tracing_config_from_args(args)
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
     if args.prepare_workers is not None:
         extra["prepare_workers"] = args.prepare_workers
     return FrontendConfig(

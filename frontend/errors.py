@@ -48,6 +48,7 @@ class APIError(Exception):
         self.param = param
         self.code = code
         self.headers: dict[str, str] = dict(headers or {})
+        self.trace_id: str | None = None  # set once the error belongs to a traced request
 
     def __reduce__(self) -> tuple[object, ...]:
         # Raised in `frontend.workers` processes and pickled back; Exception's default would call
@@ -56,7 +57,8 @@ class APIError(Exception):
                                      self.limit))
 
     def to_dict(self) -> dict[str, dict[str, str | None]]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        message = self.message if self.trace_id is None else f"{self.message} (trace id {self.trace_id})"
+        return {"error": {"message": message, "type": self.type, "param": self.param, "code": self.code}}
 
     def body(self) -> bytes:
         return orjson.dumps(self.to_dict())

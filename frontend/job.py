@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from frontend.errors import APIError
 from frontend.limits import Admission
@@ -15,6 +15,9 @@ from frontend.render import usage_dict
 from frontend.routing import RouteDecision, RouteLease
 from frontend.tenants import Tenant
 from protos import pdserve_pb2 as pb
+
+if TYPE_CHECKING:
+    from frontend.tracing import RequestTrace
 
 CHAT = "chat"
 COMPLETION = "completion"
@@ -66,6 +69,17 @@ class Choice:
     decode_node: str = ""
 
 
+@dataclass
+class AdmissionStamps:
+    """perf_counter readings of a job's admission steps (its trace's admission spans)."""
+
+    parsed: float = 0.0  # body parsed
+    tokenized: float = 0.0  # model resolved and picked, prompts tokenized
+    routed_from: float = 0.0  # routing started (output budgets checked)
+    routed: float = 0.0  # every choice routed
+    admitted: float = 0.0  # tenant limits passed: the job exists
+
+
 @dataclass(eq=False)
 class Job:
     """One HTTP generation request from admission to its end."""
@@ -90,6 +104,12 @@ class Job:
     error: APIError | None = None
     disconnected: bool = False
     ended: bool = False
+    stamps: AdmissionStamps = field(default_factory=AdmissionStamps)
+    trace: RequestTrace | None = None  # set when tracing is on
+
+    def traced(self, err: APIError) -> APIError:
+        """`err` carrying the job's trace id (in its message and an x-trace-id header), when traced."""
+        return self.trace.tag(err) if self.trace is not None else err
 
     @property
     def fingerprint(self) -> str:

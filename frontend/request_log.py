@@ -3,7 +3,8 @@
 Fields: ts, request_id (the response id), client_request_id, tenant, endpoint, model (served),
 requested_model, status, finish_reasons, prompt_tokens, completion_tokens, cached_tokens, ttft_ms,
 e2e_ms, tpot_ms, itl_p50_ms, itl_max_ms, stream, n, routes (per choice: decode/prefill node, reason,
-upstream timing breakdown), error; and `prompt` only when prompt logging is on.
+upstream timing breakdown), error, trace_id (the request's trace when tracing is on, else null); and
+`prompt` only when prompt logging is on.
 """
 
 from __future__ import annotations

@@ -38,11 +38,13 @@ from frontend.request_log import RequestLog
 from frontend.routing import Router
 from frontend.tenants import Tenant, TenantTable
 from frontend.tools import ToolCallParser, message_of
+from frontend.tracing import RequestTrace
 from frontend.ttft import TTFTEstimator
 from frontend.upstream import PoolFailed, UpstreamCalls
 from frontend.workers import PrepareWorkers
 from protos import pdserve_pb2 as pb
 from registry.view import RegistryView, ViewChange
+from tracing import start_tracing
 
 __all__ = ["CHAT", "COMPLETION", "Frontend", "Job", "client_request_id"]
 
@@ -95,6 +97,9 @@ class Frontend:
                                  self.ttft, inflight=lambda: self.inflight + self.workers.pending)
         self.calls = UpstreamCalls(config, self.router, self.upstream, self.metrics)
         self.accounting = Accounting(config, self.metrics, self.request_log)
+        # None unless an OTLP endpoint is configured (then `frontend.tracing` traces every request).
+        self.tracer = start_tracing(config.tracing, "pdserve-frontend", {"service.instance.id": config.frontend_id},
+                                    time.perf_counter)
         self.inflight = 0
         self._addresses: dict[str, str] = {}
         self._background: set[asyncio.Task[object]] = set()
@@ -171,6 +176,8 @@ class Frontend:
         await self.upstream.close()
         self.workers.close()
         self.request_log.close()
+        if self.tracer is not None:
+            await asyncio.to_thread(self.tracer.shutdown)  # exports the spans still queued
 
     def _on_view_change(self, change: ViewChange) -> None:
         if change.member is not None and change.member.role == "decode":
@@ -241,13 +248,15 @@ class Frontend:
 
     # --- a job's life ----------------------------------------------------------------------------
 
-    async def prepare(self, kind: str, tenant: Tenant, body: bytes, headers: Mapping[str, str]) -> Job:
-        """Validates, tokenizes, routes and admits a request (`Admitter.prepare`). Raises APIError
-        (4xx/503). On success the job counts as in flight until `finish`."""
+    async def prepare(self, kind: str, tenant: Tenant, body: bytes, headers: Mapping[str, str],
+                      trace: RequestTrace | None = None) -> Job:
+        """Validates, tokenizes, routes and admits a request (`Admitter.prepare`); `trace` (tracing on)
+        becomes the job's. Raises APIError (4xx/503). On success the job counts as in flight until `finish`."""
         if self.inflight + self.workers.pending >= self.config.max_inflight:
             raise APIError(503, "This frontend is at its in-flight request limit; retry shortly.",
                            type=OVERLOADED, code="overloaded", headers={"retry-after": "1"})
         job = await self.admitter.prepare(kind, tenant, body, headers)
+        job.trace = trace
         self.inflight += 1
         self.metrics.inflight_now.inc()
         return job
@@ -306,7 +315,7 @@ class Frontend:
         except UpstreamError as err:
             job.error = err.error
             log.warning("request %s failed mid-stream: %s", job.id, err.error.message)
-            yield error_event(err.error.to_dict()) + DONE
+            yield error_event(job.traced(err.error).to_dict()) + DONE
             return
         if req.include_usage:
             yield enc.usage(usage(job)) + DONE
@@ -360,5 +369,7 @@ class Frontend:
         if job.ended:
             return
         self.accounting.finish(job)
+        if job.trace is not None:
+            job.trace.finish(job, time.perf_counter())
         self.inflight -= 1
         self.metrics.inflight_now.dec()

@@ -11,6 +11,9 @@ sees one uninterrupted stream (greedy and seeded output equal to a run without t
 `max_migrations` moves per choice; then the client gets the error. Client errors (INVALID_ARGUMENT) and
 the deadline are not migrated.
 
+A traced job's Generate calls carry the `traceparent` of their `frontend.upstream` span in the gRPC
+metadata (`frontend.tracing`); untraced calls carry none.
+
 Cancelling a Generate call (what the frontend does when the client goes away) resets the HTTP/2
 stream at once; the decode node aborts the request, cancels its Prefill call on the prefill node, and
 both free the request's KV blocks.
@@ -183,10 +186,13 @@ class UpstreamCalls:
             prompt_token_ids=c.prompt_ids, params=c.params, prefill_node_id=d.prefill_id, return_text=True,
             resume_token_ids=c.delivered_ids, resume_text_chars=c.delivered_chars,
         )
+        now = time.perf_counter()
         if c.first_at is None:  # the TTFT breakdown's frontend part ends at the last dispatch before it
-            c.dispatched_at = time.perf_counter()
-        left = self._config.request_timeout_s - (time.perf_counter() - job.arrived)
-        c.call = self._pool.stub(d.decode_address).Generate(request, timeout=max(1.0, left))
+            c.dispatched_at = now
+        left = self._config.request_timeout_s - (now - job.arrived)
+        # A traced job's call carries its span's traceparent: the decode node's spans become its children.
+        metadata = job.trace.call_started(job, c, now) if job.trace is not None else None
+        c.call = self._pool.stub(d.decode_address).Generate(request, timeout=max(1.0, left), metadata=metadata)
         self._live.add(c)
         try:
             msg = await self._read(c, opening=True)
@@ -359,6 +365,10 @@ class UpstreamCalls:
         if c.timing is None and msg.HasField("timing"):
             c.timing = msg.timing
             c.prefill_node, c.decode_node = msg.prefill_node_id, msg.decode_node_id
+        elif msg.finished and msg.HasField("timing") and not c.migrations:
+            # The last message repeats the timing complete (the KV transfer and the first decode step end
+            # after the first token); a migrated choice keeps its first node's, which its TTFT was.
+            c.timing = msg.timing
         if msg.finished:
             if msg.finish_reason not in ("stop", "length"):
                 raise UpstreamError(_finish_error(c, msg))

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from engine.config import EngineConfig
 from rpc import RpcSecurity, add_rpc_args, rpc_security_from_args
+from tracing import TracingConfig, add_tracing_args, tracing_config_from_args
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,7 @@ class NodeConfig:
     step_stall_timeout_s: float = 120.0
     # The cluster token and TLS of the gRPC server and of channels to peers ($PDSERVE_CLUSTER_TOKEN by default).
     rpc: RpcSecurity = field(default_factory=RpcSecurity.from_env)
+    tracing: TracingConfig = field(default_factory=TracingConfig)  # OTLP endpoint ("" = tracing off)
 
     def __post_init__(self) -> None:
         checks = [
@@ -110,6 +112,7 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
                         help="seconds one engine step may run before the node counts as hung, leaves and exits")
     parser.add_argument("--log-level", default="INFO")
     add_rpc_args(parser)
+    add_tracing_args(parser)
 
 
 def node_kwargs(args: argparse.Namespace) -> dict[str, object]:
@@ -131,7 +134,7 @@ def node_kwargs(args: argparse.Namespace) -> dict[str, object]:
         join_timeout_s=args.join_timeout, transfer_timeout_s=args.transfer_timeout,
         metrics_host=args.metrics_host, metrics_port=args.metrics_port, drain_timeout_s=args.drain_timeout,
         max_step_failures=args.max_step_failures, step_stall_timeout_s=args.step_stall_timeout,
-        rpc=rpc_security_from_args(args),
+        rpc=rpc_security_from_args(args), tracing=tracing_config_from_args(args),
     )
 
 

@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -42,6 +43,7 @@ from registry import (
     RegistryView,
     ViewChange,
 )
+from tracing import start_tracing
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +127,9 @@ async def _build(config: NodeConfig, role: str, make_service: type[NodeService],
     ))
     view = RegistryView(config.etcd_endpoints, config.cluster)
     ctx = NodeContext(config, role, aengine, channels, view, engine.model_config.fingerprint(), metrics)
+    # None unless an OTLP endpoint is configured; span times are this process's time.monotonic readings.
+    ctx.tracer = start_tracing(config.tracing, f"pdserve-{role}", {"service.instance.id": config.node_id},
+                               time.monotonic)
     metrics.set_info(ctx.fingerprint, str(engine.dtype).removeprefix("torch."), config.engine.block_size)
     service = make_service(ctx)
     metrics.bind(service.node_load)
@@ -256,3 +261,5 @@ async def _shutdown(node: _Node) -> None:
     await node.ctx.engine.close()
     await asyncio.to_thread(node.ctx.channels.close)
     await node.ctx.view.close()
+    if node.ctx.tracer is not None:
+        await asyncio.to_thread(node.ctx.tracer.shutdown)  # exports the spans still queued

@@ -9,6 +9,7 @@ import logging
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -20,6 +21,9 @@ from node.convert import load_to_proto
 from node.metrics import NodeMetrics
 from protos import pdserve_pb2 as pb
 from registry import NodeLoad, NodeRecord, RegistryView
+
+if TYPE_CHECKING:
+    from tracing.tracer import Tracer
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +40,7 @@ class NodeContext:
     fingerprint: str
     metrics: NodeMetrics
     record: NodeRecord | None = None  # set once the gRPC port is bound
+    tracer: Tracer | None = None  # set when tracing is on (an OTLP endpoint is configured)
     background: set[asyncio.Task[None]] = field(default_factory=set)
 
     def spawn(self, coro: object, name: str) -> asyncio.Task[None]:

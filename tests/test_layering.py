@@ -24,6 +24,9 @@ FORBIDDEN: dict[str, set[str]] = {
     # The planner reads metrics over HTTP and simulates; only planner.measure runs the engine (checked below).
     "planner": {"node", "frontend", "registry", "placement", "protos", "rpc", "testing"},
     "rpc": {"engine", "kernels", "kv_transfer", "registry", "node", "frontend", "deploy", "protos", "testing", "torch"},
+    # Tracing knows nothing of the project; the frontend and the nodes call it.
+    "tracing": {"engine", "kernels", "kv_transfer", "registry", "placement", "node", "frontend", "deploy", "protos",
+                "rpc", "testing", "torch", "fastapi", "starlette", "grpc"},
 }
 
 
@@ -55,7 +58,8 @@ def test_protos_holds_only_the_protocol() -> None:
 
 
 @pytest.mark.parametrize("module", ["frontend.server", "frontend.app", "deploy.launcher", "engine.prefix_hash",
-                                    "engine.model_config", "engine.tokenizer", "engine.structured_spec"])
+                                    "engine.model_config", "engine.tokenizer", "engine.structured_spec",
+                                    "tracing", "tracing.tracer"])
 def test_imports_without_torch_in_a_fresh_interpreter(module: str) -> None:
     code = f"import sys, {module}; print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))"
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True)

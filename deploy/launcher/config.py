@@ -53,6 +53,9 @@ class LauncherConfig:
     restart: bool = True
     node_args: tuple[str, ...] = ()  # extra flags for every node
     frontend_args: tuple[str, ...] = ()  # extra flags for the frontend
+    # Tracing of every process ("" = what $OTEL_EXPORTER_OTLP_ENDPOINT, inherited, says; unset: off).
+    otlp_endpoint: str = ""
+    trace_sample_ratio: float = 1.0
     python: str = sys.executable
 
     def __post_init__(self) -> None:
@@ -67,6 +70,9 @@ class LauncherConfig:
             (bool(self.cluster) and "/" not in self.cluster, f"bad --cluster {self.cluster!r}"),
             (self.lease_ttl_s >= 1, "lease TTL must be >= 1 s"),
             (self.drain_timeout_s >= 0 and self.startup_timeout_s > 0, "timeouts must be positive"),
+            (0.0 <= self.trace_sample_ratio <= 1.0, "--trace-sample-ratio must be in [0, 1]"),
+            (not self.otlp_endpoint or self.otlp_endpoint.startswith(("http://", "https://")),
+             f"--otlp-endpoint must be an http(s) URL, got {self.otlp_endpoint!r}"),
         ]
         for ok, msg in checks:
             if not ok:
@@ -132,4 +138,5 @@ def build_config(args: Any, resolve_model: Callable[[str | None], ResolvedModel]
         runs_dir=Path(args.runs_dir) if args.runs_dir else default_runs_dir(), lease_ttl_s=args.lease_ttl,
         drain_timeout_s=args.drain_timeout, restart=not args.no_restart,
         node_args=tuple(args.node_arg or ()), frontend_args=tuple(args.frontend_arg or ()),
+        otlp_endpoint=getattr(args, "otlp_endpoint", "") or "", trace_sample_ratio=getattr(args, "trace_sample_ratio", 1.0),
     )

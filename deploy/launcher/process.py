@@ -66,18 +66,21 @@ def command(cfg: LauncherConfig, slot: Slot, etcd_endpoints: Sequence[str], logs
     if slot.pool == "etcd":
         return [*py, "registry.etcd_server", "--data-dir", str(cfg.cluster_dir / "etcd")]
     etcd = ",".join(etcd_endpoints)
+    tracing = ["--trace-sample-ratio", str(cfg.trace_sample_ratio)]
+    if cfg.otlp_endpoint:
+        tracing += ["--otlp-endpoint", cfg.otlp_endpoint]
     if slot.pool == "frontend":
         return [
             *py, "frontend", "--etcd", etcd, "--cluster", cfg.cluster, "--host", cfg.host, "--port", str(cfg.port),
             "--model", f"{cfg.model_name}={cfg.model}", "--frontend-id", slot.name,
-            "--request-log", str(logs_dir / "requests.log"), *cfg.frontend_args,
+            "--request-log", str(logs_dir / "requests.log"), *tracing, *cfg.frontend_args,
         ]
     return [
         *py, f"node.{slot.pool}", "--node-id", slot.name, "--cluster", cfg.cluster, "--etcd", etcd,
         "--model", cfg.model, "--model-name", cfg.model_name, "--dtype", cfg.dtype,
         "--kv-cache-memory-mib", str(cfg.kv_memory_mib), "--num-threads", str(cfg.num_threads),
         "--lease-ttl", str(cfg.lease_ttl_s), "--drain-timeout", str(cfg.drain_timeout_s),
-        "--metrics-host", "127.0.0.1", "--metrics-port", str(slot.metrics_port), *cfg.node_args,
+        "--metrics-host", "127.0.0.1", "--metrics-port", str(slot.metrics_port), *tracing, *cfg.node_args,
     ]
 
 

@@ -80,10 +80,13 @@ class DecodeMetrics(NodeMetrics):
 
     # -- servicer -----------------------------------------------------------------------------------
 
-    def landed(self, request_id: str) -> None:
-        """Marks a transferred request's KV as in place; called just before it is handed to the engine."""
+    def landed(self, request_id: str) -> float:
+        """Marks a transferred request's KV as in place; called just before it is handed to the engine.
+        Returns the time.monotonic() reading its first decode step is measured from."""
+        now = time.monotonic()
         with self._lock:
-            self._timings.setdefault(request_id, _Timing()).landed_at = time.monotonic()
+            self._timings.setdefault(request_id, _Timing()).landed_at = now
+        return now
 
     def local_prefill_fallback(self, reason: str) -> None:
         """Counts a remote prefill that failed before its first token and is done here instead."""

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable, Iterable
 
 import grpc
@@ -39,6 +40,7 @@ from kernels.interface import KV_LAYOUT_VERSION
 from kv_transfer import ChannelError, KVReceiver, TransferHandle, TransferResult
 from kv_transfer.checksum import CHECKSUM_ALGO
 from node.convert import logprob_from_proto, params_to_proto, transfer_meta_from_proto
+from node.decode import trace
 from node.decode.config import DecodeNodeConfig
 from node.decode.metrics import DecodeMetrics
 from node.decode.request import DecodeRequest, RemotePrefill, Stage
@@ -91,14 +93,23 @@ class PrefillLink:
         PREFILLING until the request decodes or ends."""
         rem = req.remote
         assert rem is not None and req.stage == Stage.PREFILLING
-        await self._run_prefill(req, rem)
-        if req.cancelled and not req.stream.finished:
-            # Tell the caller now: a receive already posted may take until its deadline to resolve.
-            req.stream.push(abort_output(req.request_id, "abort"))
-        if await self._kv_in_place(req, rem):
+        tracer = self.ctx.tracer
+        try:
+            await self._run_prefill(req, rem)
+            if req.cancelled and not req.stream.finished:
+                # Tell the caller now: a receive already posted may take until its deadline to resolve.
+                req.stream.push(abort_output(req.request_id, "abort"))
+            landed = await self._kv_in_place(req, rem)
+            if landed:
+                req.landed_at = self.metrics.landed(req.request_id)
+            if tracer is not None:
+                trace.end_kv_wait(tracer, req, rem, req.landed_at or time.monotonic(), landed)
+        finally:
+            if tracer is not None:  # cancelled (shutdown): the span still ends
+                trace.end_kv_wait(tracer, req, rem, time.monotonic(), False)
+        if landed:
             req.advance(Stage.DECODING)  # before `land` is queued, so a later cancel aborts in the engine
             try:
-                self.metrics.landed(req.request_id)
                 await self.ctx.engine.land(req.request_id)
                 return
             except (KeyError, ValueError) as err:
@@ -178,7 +189,9 @@ class PrefillLink:
             dst_block_ids=list(req.reservation.fill_block_ids), block_size=self.config.engine.block_size,
             kv_dtype=self._kv_dtype, layout_version=KV_LAYOUT_VERSION, model_fingerprint=self.ctx.fingerprint,
         )
-        rem.call = self._stub(rem.prefill).Prefill(msg)
+        # Tracing on: the Prefill call carries the KV wait span's traceparent.
+        metadata = trace.start_kv_wait(self.ctx.tracer, req, rem) if self.ctx.tracer is not None else None
+        rem.call = self._stub(rem.prefill).Prefill(msg, metadata=metadata)
         if req.cancelled:
             self.send_abort(req)
         timeout = self.config.prefill_timeout_s

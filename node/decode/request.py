@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
@@ -64,6 +65,7 @@ class RemotePrefill:
     # Why the prefill or transfer failed (the first cause wins), for the fallback metric (before the
     # first token: node.decode.metrics.FALLBACK_REASONS) or the re-prefill metric (REPREFILL_REASONS).
     failure: str = ""
+    span: Any = None  # tracing on: the KV wait span (the Prefill call's parent) until it ends
 
 
 @dataclass(eq=False)
@@ -83,6 +85,9 @@ class DecodeRequest:
     timing: pb.Timing = field(default_factory=pb.Timing)
     # A resumed request (GenerateRequest.resume_token_ids): the completion tokens another node delivered.
     resume: Resume | None = None
+    landed_at: float | None = None  # time.monotonic() when its transferred KV was handed to the engine
+    local_prefill_s: float = 0.0  # prefilled here: arrival to its first message (its reported prefill time)
+    span: Any = None  # tracing on: the request's span on this node (`node.decode.trace`)
 
     def __post_init__(self) -> None:
         assert (self.stage == Stage.DECODING) == (self.remote is None), "local requests start decoding"

@@ -20,6 +20,9 @@ another decode node.
 
 Every request is one `DecodeRequest` (`node.decode.request`) in `requests`, from arrival until the
 engine let go of it.
+
+Tracing on (`ctx.tracer`): the caller's `traceparent` (gRPC metadata) is the parent of the request's
+spans (`node.decode.trace`); the Prefill call carries the KV wait span's.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
+from typing import Any
 
 import grpc
 
@@ -37,6 +41,7 @@ from engine.llm_engine import EngineRequests, RequestOutput
 from engine.sequence import Resume
 from node.config import setup_logging
 from node.convert import logprob_to_proto, params_from_proto
+from node.decode import trace
 from node.decode.config import DecodeNodeConfig
 from node.decode.metrics import DecodeMetrics
 from node.decode.remote import PrefillLink
@@ -97,14 +102,26 @@ class DecodeService(NodeService, pb_grpc.DecodeNodeServicer):
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         arrived = time.monotonic()
-        req = await self._accept(request, context, arrived)
+        tracer = self.ctx.tracer
+        span = trace.start_request(tracer, context, request, self.config.node_id, arrived) if tracer else None
+        try:
+            req = await self._accept(request, context, arrived, span)
+        except BaseException as err:
+            if tracer is not None:
+                trace.refused(tracer, span, context, err)
+            raise
         completion = len(req.resume.token_ids) if req.resume is not None else 0  # resumed ones count
         first = True
+        last: pb.GenerateResponse | None = None
+        timing: pb.Timing | None = None  # the latest reported (the last message's is complete)
         try:
             while True:
                 batch = await req.stream.next_batch()
                 completion += sum(len(o.new_token_ids) for o in batch)
-                yield self._response(request, req, batch, completion, first)
+                last = self._response(request, req, batch, completion, first)
+                if last.HasField("timing"):
+                    timing = last.timing
+                yield last
                 first = False
                 if batch[-1].finished:
                     break
@@ -113,11 +130,13 @@ class DecodeService(NodeService, pb_grpc.DecodeNodeServicer):
                 self._cancel(req)
             elif req.stage == Stage.DECODING and self.requests.get(req.request_id) is req:
                 self._forget(req)  # finished in the engine, which already freed its blocks
+            if tracer is not None:
+                trace.end_request(tracer, req, timing, last)
 
     # -- accepting a request --------------------------------------------------------------------------
 
     async def _accept(
-        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, arrived: float
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, arrived: float, span: Any
     ) -> DecodeRequest:
         """Validates and registers the request, starting it locally or reserving its blocks and starting
         its remote prefill. Aborts the call (INVALID_ARGUMENT, ALREADY_EXISTS, RESOURCE_EXHAUSTED,
@@ -144,10 +163,11 @@ class DecodeService(NodeService, pb_grpc.DecodeNodeServicer):
             if len(ctx) - hit < self.config.local_prefill_threshold:
                 prefill = None
         if prefill is None:
-            req = DecodeRequest(rid, prompt, params, arrived, RequestStream(rid), Stage.DECODING, resume=resume)
+            req = DecodeRequest(rid, prompt, params, arrived, RequestStream(rid), Stage.DECODING, resume=resume,
+                                span=span)
             return await self._start_local(req, context)
         req = DecodeRequest(rid, prompt, params, arrived, RequestStream(rid), Stage.RESERVING, RemotePrefill(prefill),
-                            resume=resume)
+                            resume=resume, span=span)
         return await self._start_remote(req, context)
 
     @staticmethod
@@ -294,8 +314,13 @@ class DecodeService(NodeService, pb_grpc.DecodeNodeServicer):
 
     def _timing(self, req: DecodeRequest) -> pb.Timing:
         timing = pb.Timing()
-        if req.remote is None:
-            timing.prefill_s = time.monotonic() - req.arrived
+        # Prefilled here (from the start, or after a remote prefill that gave no first token): arrival to
+        # the first message, measured once and repeated on the last one. A request re-prefilled here after
+        # a remote first token keeps reporting that remote prefill's times.
+        if req.remote is None and (req.local_prefill_s or not req.timing.prefill_s):
+            if not req.local_prefill_s:
+                req.local_prefill_s = time.monotonic() - req.arrived
+            timing.prefill_s = req.local_prefill_s
             return timing
         timing.CopyFrom(req.timing)
         first_step = self.metrics.first_step_seconds(req.request_id)

@@ -16,6 +16,10 @@ whose first token must end it (max_tokens) ships nothing; one that turns out to 
 Without layer-wise sends (and under `--fault-send-delay`, which models a send after the first token)
 the send is queued after FirstToken went out.
 
+Tracing on (`ctx.tracer`): the decode node's `traceparent` (gRPC metadata) is the parent of the
+request's span; its queue, compute and KV send spans are cut, when the call ends, from the times
+FirstToken and TransferDone reported (`_trace`).
+
 Blocks are released when the send resolves, when the request is aborted before any send was queued,
 or when the decode node's registry lease disappears (which closes the pair channel, so a send blocked on
 a dead peer resolves at once instead of at the transfer timeout).
@@ -31,6 +35,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
@@ -42,16 +47,17 @@ from engine.sequence import Resume, Sequence
 from engine.step_hook import LayerHook
 from kernels import get_kernel_ops
 from kernels.interface import KV_LAYOUT_VERSION
-from kv_transfer import Channel, ChannelError, KVSender, SendHandle
+from kv_transfer import Channel, ChannelError, KVSender, SendHandle, TransferResult
 from kv_transfer.checksum import CHECKSUM_ALGO
 from node.config import setup_logging
 from node.convert import logprob_to_proto, params_from_proto, transfer_start_to_proto
 from node.prefill.config import PrefillNodeConfig
-from node.prefill.metrics import PrefillMetrics
+from node.prefill.metrics import PrefillMetrics, PrefillTiming
 from node.runtime import run_node
 from node.service import NodeContext, NodeService
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
+from tracing import TTFT_STAGE
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +99,12 @@ class PrefillRequest:
     early: EarlySend | None = None
     # Set (on the event loop) once the engine thread queued the early send.
     announced: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    # What its spans are made of (tracing on): the request's span, the times FirstToken reported, when
+    # the send was queued (time.monotonic) and how it went.
+    span: Any = None
+    timing: PrefillTiming | None = None
+    send_queued_at: float | None = None
+    send_result: TransferResult | None = None
 
     def advance(self, stage: Stage) -> None:
         """Moves to `stage`; asserts the move is allowed."""
@@ -159,6 +171,14 @@ class PrefillService(NodeService, pb_grpc.PrefillNodeServicer):
         params = await self._accept(request, context)
         prompt, resume = self._split_resumed(request)
         req = PrefillRequest(request.request_id, request.decode_node_id, time.monotonic())
+        tracer = self.ctx.tracer
+        if tracer is not None:  # child of the decode node's KV wait span (its traceparent in the metadata)
+            req.span = tracer.span(
+                "prefill.request", parent=tracer.extract(context.invocation_metadata() or ()), start=req.arrived,
+                kind="server", attributes={"rpc.system": "grpc", "rpc.method": "PrefillNode/Prefill",
+                                           "pdserve.request_id": req.request_id, "pdserve.node": self.config.node_id,
+                                           "pdserve.decode_node": req.decode_id,
+                                           "pdserve.prompt_tokens": len(request.prompt_token_ids)})
         # The decode node applies stop strings and max_tokens; here only the first token is sampled
         # (the one after a resumed request's resumed tokens, which the engine counts as completion).
         num_resumed = len(resume.token_ids) if resume is not None else 0
@@ -183,6 +203,8 @@ class PrefillService(NodeService, pb_grpc.PrefillNodeServicer):
             if req.handle is not None and not req.handle.done() and req.channel is not None:
                 req.channel.close(f"Prefill call for {req.request_id} ended while its send was in flight")
             self.ctx.spawn(self._finish(req), f"prefill-finish-{req.request_id}")
+            if req.span is not None:
+                self._trace(req)
 
     async def _accept(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> SamplingParams:
         """The request's sampling parameters; aborts the call when it cannot be taken."""
@@ -267,6 +289,7 @@ class PrefillService(NodeService, pb_grpc.PrefillNodeServicer):
             if req.handle is None:
                 return  # `started` said why nothing is sent
         result = await req.handle.wait()
+        req.send_result = result
         self.metrics.transfer_done(result, (req.aborted or "released") if req.released else None)
         if req.released:
             yield pb.PrefillResponse(transfer_done=pb.TransferDone(ok=False, error=req.aborted or "released"))
@@ -284,6 +307,7 @@ class PrefillService(NodeService, pb_grpc.PrefillNodeServicer):
     def _first_token(self, req: PrefillRequest, out: RequestOutput) -> pb.FirstToken:
         first = pb.FirstToken(token_id=out.new_token_ids[0], num_cached_tokens=out.num_cached_tokens)
         timing = self.metrics.first_token(req.request_id, req.arrived)
+        req.timing = timing
         if timing is not None:
             first.queue_s, first.prefill_s = timing.queue_s, timing.prefill_s
         else:  # the engine thread's record is missing (it cannot be, short of a bug): all of it is prefill
@@ -291,6 +315,26 @@ class PrefillService(NodeService, pb_grpc.PrefillNodeServicer):
         if out.new_logprobs:
             first.logprob.CopyFrom(logprob_to_proto(out.new_logprobs[0]))
         return first
+
+    def _trace(self, req: PrefillRequest) -> None:
+        """The Prefill call is over: its stage spans, from the times FirstToken and TransferDone reported
+        (so each lasts what the TTFT breakdown says), then the request's span."""
+        tracer = self.ctx.tracer
+        assert tracer is not None
+        if req.timing is not None:
+            started = req.arrived + req.timing.queue_s
+            tracer.span("prefill.queue", parent=req.span, start=req.arrived, end=started,
+                        attributes={TTFT_STAGE: "prefill_queue"})
+            tracer.span("prefill.compute", parent=req.span, start=started, end=started + req.timing.prefill_s,
+                        attributes={TTFT_STAGE: "prefill"})
+        result = req.send_result
+        if result is not None and req.send_queued_at is not None:
+            # The channel worker's own clock: it started `queued_seconds` after the send was queued.
+            start = req.send_queued_at + result.queued_seconds
+            send = tracer.span("prefill.kv_send", parent=req.span, start=start,
+                               attributes={TTFT_STAGE: "transfer", "pdserve.bytes": result.bytes})
+            tracer.finish(send, start + result.seconds, error=None if result.ok else result.error or "failed")
+        tracer.finish(req.span, time.monotonic(), error=req.aborted)
 
     def _transfer_start(self, handle: SendHandle) -> pb.TransferStart:
         return transfer_start_to_proto(handle.meta, self.ctx.channels.kv_address)
@@ -311,6 +355,7 @@ class PrefillService(NodeService, pb_grpc.PrefillNodeServicer):
             except (ChannelError, ValueError) as err:
                 return f"send not queued: {err}"
             req.channel, req.handle = channel, handle
+            req.send_queued_at = time.monotonic()
             req.advance(Stage.SENDING)
         return None
 
