@@ -105,7 +105,9 @@ def test_containerfile_stages_args_and_user_are_as_documented() -> None:
     assert users == ["10001:10001"], users
     assert not builder.args("USER"), "the builder runs as root (apt, /opt)"
     assert "uid/gid 10001" in readme
-    assert any("--uid 10001" in r and "useradd" in r for r in final.args("RUN"))
+    # the group too: USER's gid must name the group the cache and working directory are chowned to
+    assert any("groupadd --system --gid 10001 pdserve" in r and "useradd --system --no-log-init --uid 10001 --gid 10001" in r
+               for r in final.args("RUN"))
 
     # What an operator relies on: pdserve on PATH, the cache directory pdserve reads, the port `pdserve up`
     # serves by default, and a default command that listens beyond the container's loopback.

@@ -3,9 +3,10 @@
 #
 #   1. lints deploy/image/Containerfile with hadolint (when installed)
 #   2. builds a Debian base image with debootstrap, once (cached as $BASE_TAG), so no registry is needed
-#   3. builds the CPU image FROM it (and the GPU image too with BUILD_GPU=1), prints the image sizes
+#   3. builds the CPU image FROM it, prints the image sizes
 #   4. runs `pdserve up` inside the CPU image (buildah run, chroot isolation, the host's network), asks
 #      /v1/chat/completions from the host with curl, stops the cluster with SIGINT, checks it exited cleanly
+#   5. with BUILD_GPU=1, builds the GPU image and checks it imports a CUDA torch and Triton
 #
 # Runs as root (debootstrap, buildah). Exits non-zero on any failure. Settings (environment):
 #   PORT=18080                  frontend port on the host network
@@ -102,21 +103,19 @@ build() {  # build VARIANT TAG [extra args...]
   local variant="$1" tag="$2"; shift 2
   local t0=$SECONDS log="/tmp/pdserve-image-build-$variant.log"
   say "building the $variant image $tag (log: $log)"
-  if ! buildah bud --isolation chroot --layers -f "$containerfile" -t "$tag" \
+  if ! buildah bud --isolation chroot --layers --force-rm -f "$containerfile" -t "$tag" \
       "${build_args[@]}" "${volumes[@]}" --build-arg "TORCH_VARIANT=$variant" "$@" "$root" > "$log" 2>&1; then
     tail -n 30 "$log"
     fail "building the $variant image failed (last lines above)"
   fi
   say "$variant image $tag built in $((SECONDS - t0)) s"
 }
+sizes() {
+  say "image sizes:"
+  buildah images --format '{{.Name}}:{{.Tag}}  {{.Size}}' | grep -E "pdserve" | sed 's/^/    /'
+}
 build cpu "$CPU_TAG" "${torch_args[@]}"
-if [[ "$BUILD_GPU" == 1 ]]; then
-  build gpu "$GPU_TAG"
-else
-  say "gpu image not built (BUILD_GPU=1 builds it; CUDA torch is several GB)"
-fi
-say "image sizes:"
-buildah images --format '{{.Name}}:{{.Tag}}  {{.Size}}' | grep -E "pdserve" | sed 's/^/    /'
+sizes
 
 # ---- 4. serve one chat request from the CPU image ----
 curl -s -o /dev/null --max-time 2 "http://127.0.0.1:$PORT/health" && fail "port $PORT already answers; set PORT"
@@ -139,7 +138,10 @@ cleanup() {
   buildah rm "$ctr" >/dev/null 2>&1 || true
 }
 trap cleanup EXIT
-say "starting 'pdserve up --port $PORT' in $CPU_TAG (user $(buildah inspect --format '{{.OCIv1.Config.User}}' "$CPU_TAG"), log: $run_log)"
+who="$(buildah run --isolation chroot "$ctr" -- id)"
+[[ "$who" == "uid=10001(pdserve) gid=10001(pdserve)"* ]] || fail "the image should run as pdserve (10001:10001), runs as: $who"
+say "the image runs as: $who; pdserve is $(buildah run --isolation chroot "$ctr" -- sh -c 'command -v pdserve')"
+say "starting 'pdserve up --port $PORT' in $CPU_TAG (log: $run_log)"
 t0=$SECONDS
 buildah run --isolation chroot "$ctr" -- pdserve up --host 127.0.0.1 --port "$PORT" < /dev/null > "$run_log" 2>&1 &
 runner=$!
@@ -196,4 +198,20 @@ fi
 [[ -n "$ext" ]] || { buildah umount "$ctr" >/dev/null; fail "no compiled CPU decode kernel under /var/cache/pdserve/torch_extensions"; }
 say "CPU decode kernel compiled at first start: /var/cache/pdserve/torch_extensions/$ext"
 buildah umount "$ctr" >/dev/null
+buildah rm "$ctr" >/dev/null
+trap - EXIT
+
+# ---- 5. the GPU image (built and checked for its CUDA torch and Triton, not served: no GPU needed here) ----
+if [[ "$BUILD_GPU" == 1 ]]; then
+  build gpu "$GPU_TAG"
+  ctr="$(buildah from --quiet "$GPU_TAG")"
+  trap 'buildah rm "$ctr" >/dev/null 2>&1 || true' EXIT
+  probe='import torch, triton; print(f"torch {torch.__version__} CUDA {torch.version.cuda}, triton {triton.__version__}")'
+  versions="$(buildah run --isolation chroot "$ctr" -- python -c "$probe" 2>&1)" || fail "the GPU image cannot import torch and triton: $versions"
+  [[ "$versions" == *"CUDA 1"* ]] || fail "the GPU image's torch is not a CUDA build: $versions"
+  say "gpu image: $versions"
+  sizes
+else
+  say "gpu image not built (BUILD_GPU=1 builds it; CUDA torch is several GB)"
+fi
 say "PASS: total $((SECONDS - t_start)) s"
