@@ -131,8 +131,8 @@ descendants() {  # every process below PID, deepest last
 }
 cleanup() {
   if [[ -n "$runner" ]] && kill -0 "$runner" 2>/dev/null; then
-    local pids; pids="$(descendants "$runner")"
-    [[ -n "$pids" ]] && kill -KILL $pids 2>/dev/null
+    local pid
+    for pid in $(descendants "$runner"); do kill -KILL "$pid" 2>/dev/null || true; done
     kill -KILL "$runner" 2>/dev/null || true
   fi
   buildah rm "$ctr" >/dev/null 2>&1 || true
