@@ -11,7 +11,7 @@ from typing import Any
 from engine.version import pdserve_version
 from frontend.config import FrontendConfig
 from frontend.errors import APIError
-from frontend.job import CHAT, Choice, Job
+from frontend.job import CHAT, Choice, Job, serving_path
 from frontend.metrics import FrontendMetrics
 from frontend.request_log import RequestLog
 
@@ -71,6 +71,9 @@ class Accounting:
         if job.disconnected:
             m.disconnects.labels(*lbl).inc()
         m.requests.labels(*lbl, job.endpoint, str(lat.status), lat.finish).inc()
+        for c in job.choices:
+            if c.first_at is not None:
+                m.choices.labels(*lbl, serving_path(c)).inc()
         m.tokens.labels(*lbl, job.tenant.name, "prompt").inc(sum(len(p) for p in job.prompts))
         m.tokens.labels(*lbl, job.tenant.name, "completion").inc(completion)
         m.observe_latencies(name, lat.ttft, lat.itls, lat.tpot, lat.e2e, lat.queue)
@@ -183,6 +186,7 @@ def _route_record(c: Choice) -> dict[str, Any]:
         "tried": c.tried,
         "migrations": c.migrations,
         "served_by": {"prefill": c.prefill_node or None, "decode": c.decode_node or None},
+        "path": serving_path(c) if c.first_at is not None else None,
         "tokens": c.tokens,
         "cached_tokens": c.cached_tokens,
         "cached_tokens_prefill": c.cached_prefill,

@@ -54,6 +54,9 @@ class FrontendMetrics:
         self.queue = Histogram("pdserve_frontend_queue_seconds",
                                "Time queued on the nodes (prefill queue + decode admission) as they report it",
                                base, buckets=_LATENCY_BUCKETS, registry=r)
+        self.choices = Counter("pdserve_frontend_choices_total",
+                               "Choices that produced tokens, by how they were served: disaggregated, "
+                               "local_prefill, prefill_fallback, retried, migrated", [*base, "path"], registry=r)
         self.tokens = Counter("pdserve_frontend_tokens_total", "Prompt and completion tokens per tenant and model",
                               [*base, "tenant", "kind"], registry=r)
         self.rejections = Counter("pdserve_frontend_rate_limited_total", "Requests refused by tenant limits",

@@ -307,6 +307,7 @@ def test_prefix_affinity_one_prefill_node_with_cache_hits_unrelated_spread(env: 
     chosen = {r["prefill_node"] for r, _ in routes}
     assert len(chosen) == 1, chosen
     assert all(r["served_by"]["prefill"] in chosen and "prefix affinity" in r["prefill_reason"] for r, _ in routes)
+    assert all(r["path"] == "disaggregated" for r, _ in routes)
     # Every request after the first reuses the system prompt's KV from that prefill node's prefix cache.
     assert all(r["cached_tokens_prefill"] >= 496 for r, _ in routes[1:]), [r["cached_tokens_prefill"] for r, _ in routes]
     assert all(cached >= 496 for _, cached in routes[1:])

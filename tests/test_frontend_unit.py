@@ -20,7 +20,7 @@ from frontend.limits import TenantLimiter, TokenBucket
 from frontend.models import ModelCatalog, TokenTexts
 from frontend.protocol import RequestLimits, parse_chat_request, parse_completion_request, parse_json_body
 from frontend.render import DONE, StreamEncoder, chat_logprobs, completion_logprobs, full_response, usage_dict
-from frontend.routing import HashRing, NoRoute, Router, bounded_pick, ring_hash
+from frontend.routing import HashRing, NoRoute, RouteDecision, Router, bounded_pick, ring_hash
 from frontend.tenants import Tenant, TenantLimits, TenantTable, hash_key
 from protos import pdserve_pb2 as pb
 from registry import Member, NodeCapacity, NodeLoad, NodeRecord
@@ -750,3 +750,21 @@ def test_prepare_worker_errors_and_deaths(tiny_llama_dir: Path) -> None:
     assert died.status == 503 and died.headers["retry-after"] == "1" and workers.restarts == 1
     assert ids == again == tokenize(inline, catalog.resolve("m")).prompts[0]
     assert workers.pending == 0
+
+
+def test_serving_path_of_a_choice() -> None:
+    from frontend.job import Choice, serving_path
+
+    def choice(prefill_id: str, served_prefill: str, served_decode: str = "d0", tried: int = 1,
+               migrations: int = 0) -> Choice:
+        decision = RouteDecision("m", "d0", "addr", "", "least_loaded", prefill_id, "", "local", "", "fp")
+        return Choice(index=0, prompt_index=0, request_id="r", prompt_ids=[1], max_tokens=1,
+                      params=pb.SamplingParams(), decision=decision, lease=None,  # type: ignore[arg-type]
+                      tried=[f"d{i}" for i in range(tried)], migrations=migrations,
+                      prefill_node=served_prefill, decode_node=served_decode)
+
+    assert serving_path(choice("p0", "p0")) == "disaggregated"
+    assert serving_path(choice("", "d0")) == "local_prefill"
+    assert serving_path(choice("p0", "d0")) == "prefill_fallback"  # routed to p0, prefilled by the decode node
+    assert serving_path(choice("p0", "p0", tried=2)) == "retried"
+    assert serving_path(choice("p0", "p0", tried=2, migrations=1)) == "migrated"

@@ -207,6 +207,7 @@ def test_sigkill_of_the_serving_decode_node_mid_stream(env: Env, sampling: str) 
     assert rec["status"] == 200 and rec["completion_tokens"] == 300 and rec["finish_reasons"] == ["length"]
     route = rec["routes"][0]
     assert route["migrations"] == 1 and route["tried"][0] == killed[0] and route["served_by"]["decode"] != killed[0]
+    assert route["path"] == "migrated"
     env.replace(killed[0])
 
 

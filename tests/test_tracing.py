@@ -251,6 +251,7 @@ def test_one_disaggregated_request_is_one_trace_whose_stages_match_the_ttft_brea
 
     # Each TTFT stage has one span, lasting what the request log's breakdown (the metric's numbers) says.
     record = frontend.log_line("trace_id", trace_id)
+    assert record["routes"][0]["path"] == "disaggregated"
     breakdown = record["ttft_breakdown_ms"]
     stage_spans = {s.attributes["pdserve.ttft_stage"]: s for s in spans if "pdserve.ttft_stage" in s.attributes}
     assert set(stage_spans) == set(STAGES) and set(breakdown) == set(STAGES)
@@ -478,6 +479,7 @@ def test_a_request_prefilled_on_the_decode_node(decode_only: tuple[LocalCluster,
     assert [s.name for s in spans if not s.parent_id] == ["POST /v1/chat/completions"]
     assert all(s.parent_id in ids for s in spans if s.parent_id)
     record = frontend.log_line("trace_id", trace_id)
+    assert record["routes"][0]["path"] == "local_prefill"
     breakdown = record["ttft_breakdown_ms"]
     stage_spans = {s.attributes["pdserve.ttft_stage"]: s for s in spans if "pdserve.ttft_stage" in s.attributes}
     assert set(stage_spans) == {"frontend", "prefill"}
