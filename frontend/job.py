@@ -122,21 +122,22 @@ class Job:
 
 
 # How a choice was served (`serving_path`), as the request log and pdserve_frontend_choices_total say it.
-PATHS = ("disaggregated", "local_prefill", "prefill_fallback", "retried", "migrated")
+PATHS = ("disaggregated", "local_prefill", "retried", "migrated")
 
 
 def serving_path(c: Choice) -> str:
     """How a choice was served: `migrated` (moved to another decode node mid-stream), `retried` (started
     again on another decode node before its first token), else by who prefilled it: `disaggregated` (a
-    prefill node), `local_prefill` (the decode node, as routed: a short prompt or no prefill node), or
-    `prefill_fallback` (the decode node, although routed to a prefill node: it failed or was unreachable)."""
+    prefill node) or `local_prefill` (the decode node itself: a prompt under its local-prefill threshold,
+    no prefill node, or a re-prefill after the prefill node failed; the node's own
+    pdserve_decode_local_prefill_fallbacks_total tells the last apart)."""
     if c.migrations:
         return "migrated"
     if len(c.tried) > 1:
         return "retried"
     if c.prefill_node and c.prefill_node != c.decode_node:
         return "disaggregated"
-    return "prefill_fallback" if c.decision.prefill_id else "local_prefill"
+    return "local_prefill"
 
 
 def client_request_id(headers: Mapping[str, str]) -> str | None:

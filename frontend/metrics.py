@@ -56,7 +56,7 @@ class FrontendMetrics:
                                base, buckets=_LATENCY_BUCKETS, registry=r)
         self.choices = Counter("pdserve_frontend_choices_total",
                                "Choices that produced tokens, by how they were served: disaggregated, "
-                               "local_prefill, prefill_fallback, retried, migrated", [*base, "path"], registry=r)
+                               "local_prefill, retried, migrated", [*base, "path"], registry=r)
         self.tokens = Counter("pdserve_frontend_tokens_total", "Prompt and completion tokens per tenant and model",
                               [*base, "tenant", "kind"], registry=r)
         self.rejections = Counter("pdserve_frontend_rate_limited_total", "Requests refused by tenant limits",

@@ -765,6 +765,6 @@ def test_serving_path_of_a_choice() -> None:
 
     assert serving_path(choice("p0", "p0")) == "disaggregated"
     assert serving_path(choice("", "d0")) == "local_prefill"
-    assert serving_path(choice("p0", "d0")) == "prefill_fallback"  # routed to p0, prefilled by the decode node
+    assert serving_path(choice("p0", "d0")) == "local_prefill"  # routed to p0, prefilled by the decode node
     assert serving_path(choice("p0", "p0", tried=2)) == "retried"
     assert serving_path(choice("p0", "p0", tried=2, migrations=1)) == "migrated"

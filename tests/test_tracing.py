@@ -245,7 +245,10 @@ def test_one_disaggregated_request_is_one_trace_whose_stages_match_the_ttft_brea
     for s in spans:  # a parent encloses its children (the processes share the machine's clock)
         if s.parent_id:
             p = by_id[s.parent_id]
-            assert p.start_ns <= s.start_ns + 1000 and s.end_ns <= p.end_ns + 1000, (p.name, s.name)
+            # A server's span may end just after its client saw the last message (the handler returns
+            # after sending it): across processes the end is allowed 50 ms of slack.
+            slack = 1000 if p.service == s.service else 50_000_000
+            assert p.start_ns <= s.start_ns + 1000 and s.end_ns <= p.end_ns + slack, (p.name, s.name)
     root = roots[0]
     assert root.attributes["http.response.status_code"] == 200
 
