@@ -7,7 +7,7 @@ baseline: one FIFO queue), then with the batch clients sending `"priority": "bat
 and batch TTFT p50/p90, the share of interactive requests within the TTFT SLO, batch throughput, and
 interactive p90 with priorities over the baseline's.
 
-    .venv/bin/python bench/priority.py [--model tiny] [--seconds 30] [--batch-clients 12]
+    .venv/bin/python bench/priority.py [--model tiny] [--seconds 30] [--batch-clients 24]
         [--interactive-rate 1.0] [--ttft-slo 2.0] [--max-num-seqs 8]
 """
 
@@ -101,7 +101,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny", help="tiny (default) or a model directory / the default model")
     ap.add_argument("--seconds", type=float, default=30.0)
-    ap.add_argument("--batch-clients", type=int, default=12)
+    ap.add_argument("--batch-clients", type=int, default=24)
     ap.add_argument("--batch-words", type=int, default=300, help="words of each batch prompt")
     ap.add_argument("--interactive-rate", type=float, default=1.0, help="interactive arrivals per second")
     ap.add_argument("--ttft-slo", type=float, default=2.0)
