@@ -238,7 +238,11 @@ def _add_up_parser(sub: argparse._SubParsersAction) -> None:
     u.add_argument("--port", type=int, default=8000, help="frontend port (default 8000)")
     u.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     u.add_argument("--kv-memory", type=int, default=512, metavar="MIB", help="KV cache budget per node (MiB)")
-    u.add_argument("--num-threads", type=int, default=1, help="torch threads per node (default 1)")
+    u.add_argument("--num-threads", type=int, default=None,
+                   help="torch threads per node (default 1, or with --pin the node's CPU count)")
+    u.add_argument("--pin", action="store_true",
+                   help="pin each node to its own CPUs (the usable CPUs split evenly, prefill nodes first); "
+                        "with --prefill 0 the decode nodes are colocated nodes that prefill everything")
     u.add_argument("--cluster", default="default", help="registry cluster name (default 'default')")
     u.add_argument("--runs-dir", default=None, help="where logs and state go (default: runs/ in the repository)")
     u.add_argument("--lease-ttl", type=int, default=3, help="registry lease TTL of the nodes (s)")

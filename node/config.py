@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.config import EngineConfig
+from node.affinity import parse_cpus
 from rpc import RpcSecurity, add_rpc_args, rpc_security_from_args
 from tracing import TracingConfig, add_tracing_args, tracing_config_from_args
 
@@ -44,6 +45,8 @@ class NodeConfig:
     # The cluster token and TLS of the gRPC server and of channels to peers ($PDSERVE_CLUSTER_TOKEN by default).
     rpc: RpcSecurity = field(default_factory=RpcSecurity.from_env)
     tracing: TracingConfig = field(default_factory=TracingConfig)  # OTLP endpoint ("" = tracing off)
+    # Pin the process to these CPUs at start (`node.affinity`); () = the CPUs it was started with.
+    cpus: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         checks = [
@@ -59,6 +62,7 @@ class NodeConfig:
             (self.drain_timeout_s >= 0, "drain_timeout_s must be >= 0"),
             (self.max_step_failures >= 1, "max_step_failures must be >= 1"),
             (self.step_stall_timeout_s > 0, "step_stall_timeout_s must be > 0"),
+            (all(c >= 0 for c in self.cpus), "cpus must be CPU numbers >= 0"),
         ]
         for ok, msg in checks:
             if not ok:
@@ -91,7 +95,10 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--prefix-hash-seed", type=int, default=0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--num-threads", type=int, default=None)
+    parser.add_argument("--num-threads", type=int, default=None,
+                        help="torch threads (default: the number of --cpus, else torch's default)")
+    parser.add_argument("--cpus", default="", metavar="LIST",
+                        help="pin the node to these CPUs, e.g. 0 or 0,2-3 (default: not pinned)")
     parser.add_argument("--grpc-host", default="127.0.0.1")
     parser.add_argument("--grpc-port", type=int, default=0)
     parser.add_argument("--advertise-host", default="")
@@ -117,13 +124,15 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
 
 def node_kwargs(args: argparse.Namespace) -> dict[str, object]:
     """`NodeConfig` keyword arguments from parsed `add_node_args` options."""
+    cpus = parse_cpus(args.cpus) if args.cpus else ()
+    num_threads = args.num_threads if args.num_threads is not None else (len(cpus) or None)
     engine = EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, kernel_backend=args.kernel_backend,
         block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory_mib << 20,
         num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching, prefix_hash_seed=args.prefix_hash_seed,
-        seed=args.seed, num_threads=args.num_threads,
+        seed=args.seed, num_threads=num_threads,
     )
     return dict(
         node_id=args.node_id, cluster=args.cluster,
@@ -134,7 +143,7 @@ def node_kwargs(args: argparse.Namespace) -> dict[str, object]:
         join_timeout_s=args.join_timeout, transfer_timeout_s=args.transfer_timeout,
         metrics_host=args.metrics_host, metrics_port=args.metrics_port, drain_timeout_s=args.drain_timeout,
         max_step_failures=args.max_step_failures, step_stall_timeout_s=args.step_stall_timeout,
-        rpc=rpc_security_from_args(args), tracing=tracing_config_from_args(args),
+        rpc=rpc_security_from_args(args), tracing=tracing_config_from_args(args), cpus=cpus,
     )
 
 

@@ -26,6 +26,7 @@ from prometheus_client import disable_created_metrics
 
 from engine.async_engine import AsyncEngine
 from kv_transfer import ChannelConfig, ChannelManager
+from node.affinity import pin_process
 from node.config import NodeConfig
 from node.drain import Drainer, NodeControlServicer
 from node.health import HealthCollector, HealthWatch, StepFault
@@ -74,6 +75,9 @@ async def run_node(
     make_metrics: Callable[[MetricLabels], NodeMetrics],
 ) -> int:
     """Runs one node until SIGTERM/SIGINT (drained, then stopped); returns the process exit code."""
+    if config.cpus:
+        # Before the model loads: torch's thread pool starts with the engine and inherits the mask.
+        pin_process(config.cpus)
     # Process-wide switch of prometheus_client: `*_created` series only double the series count, and no
     # dashboard or rule reads them.
     disable_created_metrics()

@@ -3,6 +3,7 @@ frontend), the way the README runs it:
 
 1. the examples it prints work: its `curl` command and its `openai` SDK snippet, run as printed;
 2. `pdserve status` finds the cluster and shows each node's role, id, addresses, pid, load and KV use;
+   with `--pin` every thread of each node runs on the node's own CPUs, as the banner says;
 3. killing both node processes gets them reported and restarted, and serving continues;
 4. nodes whose engine steps fail (the nodes' test-only fault hook, armed for the whole cluster) leave,
    exit with EXIT_UNHEALTHY and are restarted, and serving continues once the fault is gone;
@@ -44,7 +45,7 @@ pytestmark = [
 @pytest.fixture(scope="module")
 def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpCluster]:
     workdir = tmp_path_factory.mktemp("up")
-    cluster = UpCluster.start(workdir, ["--model", "tiny", "--lease-ttl", "2", "--kv-memory", "64"],
+    cluster = UpCluster.start(workdir, ["--model", "tiny", "--lease-ttl", "2", "--kv-memory", "64", "--pin"],
                               env={FAULT_ENV: str(workdir / "fault")})
     try:
         yield cluster
@@ -101,6 +102,30 @@ def test_status_shows_the_registry(up: UpCluster) -> None:
         assert node["running"] is not None and 0.0 <= node["kv_usage"] <= 1.0
     table = up.status()
     assert table.returncode == 0 and "prefill-0" in table.stdout and "decode-0" in table.stdout
+
+
+def thread_cpus(pid: int) -> set[frozenset[int]]:
+    """The distinct CPU masks of the process's threads."""
+    masks = set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(ProcessLookupError):
+            masks.add(frozenset(os.sched_getaffinity(int(tid))))
+    return masks
+
+
+def test_pinned_nodes_run_on_their_own_cpus(up: UpCluster) -> None:
+    usable = sorted(os.sched_getaffinity(0))
+    processes = {p["name"]: p["pid"] for p in up.state()["processes"]}
+    expected = ({"prefill-0": {usable[0]}, "decode-0": {usable[1]}} if len(usable) >= 2
+                else {"prefill-0": {usable[0]}, "decode-0": {usable[0]}})
+    for name, cpus in expected.items():
+        assert thread_cpus(processes[name]) == {frozenset(cpus)}, f"{name}: every thread on {cpus}"
+    assert len(ask(up).choices) == 1  # the pinned nodes serve (their torch threads were started pinned)
+    for name, cpus in expected.items():
+        assert thread_cpus(processes[name]) == {frozenset(cpus)}
+    banner = banner_block(up.stdout(), "cores")
+    for name, cpus in expected.items():
+        assert f"{name} cpus {','.join(map(str, sorted(cpus)))} x{len(cpus) if len(usable) >= 2 else 1} thread(s)" in banner
 
 
 def test_killed_nodes_restart_and_serving_continues(up: UpCluster) -> None:

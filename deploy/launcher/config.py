@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from node.affinity import split_cpus
+
 if TYPE_CHECKING:
     from engine.default_model import ResolvedModel
 
@@ -44,7 +46,12 @@ class LauncherConfig:
     port: int = 8000
     dtype: str = "auto"
     kv_memory_mib: int = 512  # KV cache budget of each node
-    num_threads: int = 1  # torch threads per node: several nodes share this machine's cores
+    # torch threads per node; None = 1 (several nodes share this machine's cores), or with `pin` the
+    # size of the node's CPU set.
+    num_threads: int | None = None
+    # Pin each node to its own CPUs (`node_cpus`): the usable CPUs split evenly over the nodes, prefill
+    # nodes first. The frontend and etcd stay unpinned. Makes shapes comparable on one machine.
+    pin: bool = False
     cluster: str = "default"
     runs_dir: Path = field(default_factory=default_runs_dir)
     lease_ttl_s: int = 3  # a killed node leaves the registry this fast
@@ -66,7 +73,7 @@ class LauncherConfig:
             (0 < self.port < 65536, f"--port must be in [1, 65535], got {self.port}"),
             (self.dtype in ("auto", "float32", "bfloat16", "float16"), f"bad --dtype {self.dtype!r}"),
             (self.kv_memory_mib >= 1, "--kv-memory must be >= 1 MiB"),
-            (self.num_threads >= 1, "--num-threads must be >= 1"),
+            (self.num_threads is None or self.num_threads >= 1, "--num-threads must be >= 1"),
             (bool(self.cluster) and "/" not in self.cluster, f"bad --cluster {self.cluster!r}"),
             (self.lease_ttl_s >= 1, "lease TTL must be >= 1 s"),
             (self.drain_timeout_s >= 0 and self.startup_timeout_s > 0, "timeouts must be positive"),
@@ -79,6 +86,23 @@ class LauncherConfig:
                 raise ValueError(f"pdserve up: {msg}")
         if not self.model_name:
             object.__setattr__(self, "model_name", Path(self.model).resolve().name)
+
+    @property
+    def node_names(self) -> list[str]:
+        return [f"prefill-{i}" for i in range(self.num_prefill)] + [f"decode-{i}" for i in range(self.num_decode)]
+
+    def node_cpus(self) -> dict[str, tuple[int, ...]]:
+        """Each node's CPU set under `pin` (empty without it)."""
+        if not self.pin:
+            return {}
+        sets = split_cpus(tuple(sorted(os.sched_getaffinity(0))), len(self.node_names))
+        return dict(zip(self.node_names, sets, strict=True))
+
+    def node_threads(self, name: str) -> int:
+        """torch threads of the named node."""
+        if self.num_threads is not None:
+            return self.num_threads
+        return len(self.node_cpus().get(name, ())) or 1
 
     @property
     def cluster_dir(self) -> Path:
@@ -134,7 +158,7 @@ def build_config(args: Any, resolve_model: Callable[[str | None], ResolvedModel]
     return LauncherConfig(
         model=str(model.path), model_name=args.model_name or model.name, num_prefill=args.prefill,
         num_decode=args.decode, host=args.host, port=args.port, dtype=args.dtype, kv_memory_mib=args.kv_memory,
-        num_threads=args.num_threads, cluster=args.cluster,
+        num_threads=args.num_threads, pin=bool(getattr(args, "pin", False)), cluster=args.cluster,
         runs_dir=Path(args.runs_dir) if args.runs_dir else default_runs_dir(), lease_ttl_s=args.lease_ttl,
         drain_timeout_s=args.drain_timeout, restart=not args.no_restart,
         node_args=tuple(args.node_arg or ()), frontend_args=tuple(args.frontend_arg or ()),

@@ -60,9 +60,9 @@ def print_banner(out: Console, cfg: LauncherConfig, slots: Sequence[Slot], etcd_
     )
     etcd_metrics = "".join(f"http://{e}/metrics" for e in etcd_endpoints[:1])
     out.print(
-        f"\n[bold green]pdserve is up[/bold green]: {model}, {cfg.num_prefill} prefill + {cfg.num_decode} decode "
-        f"node(s), cluster {cfg.cluster!r}\n"
-        f"  dtype      {served_dtype(cfg)}\n\n"
+        f"\n[bold green]pdserve is up[/bold green]: {model}, {_shape(cfg)}, cluster {cfg.cluster!r}\n"
+        f"  dtype      {served_dtype(cfg)}\n"
+        f"  cores      {_cores(cfg)}\n\n"
         f"  URL        {url}/v1  (OpenAI-compatible)\n\n"
         f"  curl       curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
         f"               -d '{body}'\n\n"
@@ -87,3 +87,18 @@ def _status_flags(cfg: LauncherConfig) -> str:
 
 def _indent(text: str, n: int) -> str:
     return "\n".join(" " * n + line for line in text.splitlines())
+
+
+def _shape(cfg: LauncherConfig) -> str:
+    if cfg.num_prefill == 0:
+        return f"{cfg.num_decode} colocated node(s) (decode nodes that prefill every prompt themselves)"
+    return f"{cfg.num_prefill} prefill + {cfg.num_decode} decode node(s)"
+
+
+def _cores(cfg: LauncherConfig) -> str:
+    """Where each node runs and with how many torch threads."""
+    cpus = cfg.node_cpus()
+    return "; ".join(
+        f"{name} {'cpus ' + ','.join(map(str, cpus[name])) if name in cpus else 'unpinned'} "
+        f"x{cfg.node_threads(name)} thread(s)" for name in cfg.node_names
+    )

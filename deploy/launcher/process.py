@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from deploy.launcher.config import REPO_ROOT, LauncherConfig
+from node.affinity import format_cpus
 from node.ready import READY_PREFIX
 from registry.etcd_server import free_port
 
@@ -75,10 +76,12 @@ def command(cfg: LauncherConfig, slot: Slot, etcd_endpoints: Sequence[str], logs
             "--model", f"{cfg.model_name}={cfg.model}", "--frontend-id", slot.name,
             "--request-log", str(logs_dir / "requests.log"), *tracing, *cfg.frontend_args,
         ]
+    cpus = cfg.node_cpus().get(slot.name, ())
+    pinning = ["--cpus", format_cpus(cpus)] if cpus else []
     return [
         *py, f"node.{slot.pool}", "--node-id", slot.name, "--cluster", cfg.cluster, "--etcd", etcd,
-        "--model", cfg.model, "--model-name", cfg.model_name, "--dtype", cfg.dtype,
-        "--kv-cache-memory-mib", str(cfg.kv_memory_mib), "--num-threads", str(cfg.num_threads),
+        "--model", cfg.model, "--model-name", cfg.model_name, "--dtype", cfg.dtype, *pinning,
+        "--kv-cache-memory-mib", str(cfg.kv_memory_mib), "--num-threads", str(cfg.node_threads(slot.name)),
         "--lease-ttl", str(cfg.lease_ttl_s), "--drain-timeout", str(cfg.drain_timeout_s),
         "--metrics-host", "127.0.0.1", "--metrics-port", str(slot.metrics_port), *tracing, *cfg.node_args,
     ]

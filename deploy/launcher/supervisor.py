@@ -131,7 +131,7 @@ class Launcher:
         return list(self._etcd_endpoints)
 
     def _spawn(self, slot: Slot) -> None:
-        spawn(slot, self.config.num_threads, lambda s: command(self.config, s, self.etcd_endpoints, self.logs_dir),
+        spawn(slot, self.config.node_threads(slot.name), lambda s: command(self.config, s, self.etcd_endpoints, self.logs_dir),
               {TOKEN_ENV: self._cluster_token})
 
     def _check_ready(self, slot: Slot) -> bool:

@@ -1,0 +1,62 @@
+"""`node.affinity`: CPU lists, the even split `pdserve up --pin` uses, and pinning every thread of a
+process (a real child process with a thread started before the pin)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from node.affinity import format_cpus, parse_cpus, split_cpus
+from tests.up_cluster import REPO_ROOT
+
+
+def test_parse_and_format() -> None:
+    assert parse_cpus("0") == (0,)
+    assert parse_cpus("3,0-1, 1") == (0, 1, 3)
+    assert format_cpus((0, 2)) == "0,2"
+    for bad in ("", ",", "2-1", "-1", "a"):
+        with pytest.raises(ValueError):
+            parse_cpus(bad)
+
+
+def test_split_is_even_disjoint_and_covers_the_cpus() -> None:
+    assert split_cpus((0, 1), 2) == [(0,), (1,)]
+    assert split_cpus((0, 1), 1) == [(0, 1)]
+    assert split_cpus((0, 1, 2, 3, 4), 2) == [(0, 1), (2, 3, 4)]  # the remainder goes to the later sets
+    assert split_cpus((4, 5, 6, 7), 3) == [(4,), (5,), (6, 7)]
+    assert split_cpus((0, 1), 3) == [(0,), (1,), (0,)]  # more nodes than CPUs: they share, round-robin
+
+
+def test_pin_process_moves_threads_started_before_it() -> None:
+    cpu = min(os.sched_getaffinity(0))
+    script = textwrap.dedent(f"""
+        import os, threading
+        from node.affinity import pin_process
+        started, stop = threading.Event(), threading.Event()
+        seen = {{}}
+        def early():
+            seen["tid"] = threading.get_native_id()
+            started.set()
+            stop.wait()
+        t = threading.Thread(target=early); t.start(); started.wait()
+        pin_process(({cpu},))
+        masks = {{tuple(sorted(os.sched_getaffinity(int(tid)))) for tid in os.listdir("/proc/self/task")}}
+        late = []
+        t2 = threading.Thread(target=lambda: late.append(tuple(sorted(os.sched_getaffinity(0))))); t2.start(); t2.join()
+        stop.set(); t.join()
+        print(sorted(masks), late)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60,
+                         env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == f"[({cpu},)] [({cpu},)]"
+
+
+def test_pinning_outside_the_usable_cpus_is_refused() -> None:
+    from node.affinity import pin_process
+    with pytest.raises(ValueError, match="not within"):
+        pin_process((max(os.sched_getaffinity(0)) + 1000,))
