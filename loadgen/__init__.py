@@ -15,11 +15,12 @@ from __future__ import annotations
 
 from loadgen.client import RequestRecord
 from loadgen.metrics import SLO, Summary, parse_slos, percentile, summarize
-from loadgen.workload import LengthDist, RequestSpec, parse_dist, poisson_arrivals, read_trace
+from loadgen.workload import LengthDist, MixtureDist, RequestSpec, parse_dist, poisson_arrivals, read_trace
 
 __all__ = [
     "SLO",
     "LengthDist",
+    "MixtureDist",
     "RequestRecord",
     "RequestSpec",
     "Summary",

@@ -57,8 +57,45 @@ class LengthDist:
         return f"{self.kind}:{self.a:g}:{self.b:g}"
 
 
-def parse_dist(text: str) -> LengthDist:
-    """Parses `512`, `uniform:32:512` or `normal:mean:std`. Raises ValueError with the accepted forms."""
+@dataclass(frozen=True)
+class MixtureDist:
+    """A weighted mixture of `LengthDist`s, e.g. 80% short chats and 20% long documents: each sample first
+    picks a component by weight, then draws from it."""
+
+    components: tuple[tuple[float, LengthDist], ...]  # (weight > 0, distribution); weights need not sum to 1
+
+    def sample(self, rng: random.Random) -> int:
+        """One length; advances `rng` (the pick, then the component's draw)."""
+        pick = rng.random() * sum(w for w, _ in self.components)
+        for weight, dist in self.components:
+            pick -= weight
+            if pick < 0:
+                return dist.sample(rng)
+        return self.components[-1][1].sample(rng)
+
+    def __str__(self) -> str:
+        return "+".join(f"{w:g}*{d}" for w, d in self.components)
+
+
+def parse_dist(text: str) -> LengthDist | MixtureDist:
+    """Parses `512`, `uniform:32:512`, `normal:mean:std`, or a mixture of them with weights:
+    `0.8*uniform:64:256+0.2*uniform:1024:4096`. Raises ValueError with the accepted forms."""
+    if "+" in text or "*" in text:
+        components = []
+        for term in text.split("+"):
+            weight, star, dist = term.strip().partition("*")
+            try:
+                w = float(weight)
+            except ValueError:
+                w = -1.0
+            if not star or not w > 0:
+                raise ValueError(f"bad length {text!r}: a mixture is W*DIST+W*DIST+..., weights > 0")
+            components.append((w, _parse_one(dist)))
+        return MixtureDist(tuple(components))
+    return _parse_one(text)
+
+
+def _parse_one(text: str) -> LengthDist:
     forms = "expected N, uniform:LO:HI or normal:MEAN:STD"
     parts = text.strip().split(":")
     try:
@@ -133,8 +170,8 @@ class TextMaker:
 class WorkloadConfig:
     """How synthetic requests are drawn."""
 
-    prompt_tokens: LengthDist
-    output_tokens: LengthDist
+    prompt_tokens: LengthDist | MixtureDist
+    output_tokens: LengthDist | MixtureDist
     shared_prefix_groups: int = 0
     shared_prefix_tokens: int = 0
     seed: int = 0

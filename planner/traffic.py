@@ -9,6 +9,7 @@ from pathlib import Path
 
 from loadgen.workload import (
     LengthDist,
+    MixtureDist,
     TextMaker,
     WorkloadConfig,
     draw_lengths,
@@ -24,8 +25,8 @@ class Traffic:
     """Synthetic traffic: lengths from `loadgen` distributions; arrivals set per run by a rate. A shared
     system prompt (`shared_prefix_tokens`) is added to every prompt (the simulator has no prefix cache)."""
 
-    prompt_tokens: LengthDist
-    output_tokens: LengthDist
+    prompt_tokens: LengthDist | MixtureDist
+    output_tokens: LengthDist | MixtureDist
     shared_prefix_tokens: int = 0
     seed: int = 0
 

@@ -24,6 +24,7 @@ from loadgen.metrics import SLO, is_good, parse_duration, parse_slos, percentile
 from loadgen.runner import next_auto_rate
 from loadgen.workload import (
     LengthDist,
+    MixtureDist,
     RequestSpec,
     TextMaker,
     TraceError,
@@ -57,6 +58,22 @@ def test_distributions_sample_in_range() -> None:
     norm = [parse_dist("normal:200:30").sample(rng) for _ in range(4000)]
     assert abs(statistics.mean(norm) - 200) < 3 and 25 < statistics.stdev(norm) < 35
     assert min(parse_dist("normal:2:50").sample(rng) for _ in range(500)) == 1  # clipped at one token
+
+
+def test_mixture_of_lengths() -> None:
+    mix = parse_dist("0.8*uniform:64:256+0.2*uniform:1024:4096")
+    assert isinstance(mix, MixtureDist) and str(mix) == "0.8*uniform:64:256+0.2*uniform:1024:4096"
+    assert parse_dist(str(mix)) == mix
+    rng = random.Random(3)
+    draws = [mix.sample(rng) for _ in range(5000)]
+    long = [d for d in draws if d >= 1024]
+    assert all(64 <= d <= 256 or 1024 <= d <= 4096 for d in draws)
+    assert abs(len(long) / len(draws) - 0.2) < 0.02
+    assert abs(statistics.mean(long) - 2560) < 60
+    assert {parse_dist("1*7+3*7").sample(rng) for _ in range(20)} == {7}
+    for bad in ("0*5+1*6", "x*5", "0.5*uniform:9:3+1*4", "5+6", "1*"):
+        with pytest.raises(ValueError, match="bad length"):
+            parse_dist(bad)
 
 
 def test_poisson_schedule_mean_gap_and_bounds() -> None:
