@@ -243,6 +243,8 @@ def _add_up_parser(sub: argparse._SubParsersAction) -> None:
     u.add_argument("--pin", action="store_true",
                    help="pin each node to its own CPUs (the usable CPUs split evenly, prefill nodes first); "
                         "with --prefill 0 the decode nodes are colocated nodes that prefill everything")
+    u.add_argument("--cpus", default=None, metavar="LIST",
+                   help="with --pin: the CPUs to split over the nodes, e.g. 0 or 0-3 (default: all usable)")
     u.add_argument("--cluster", default="default", help="registry cluster name (default 'default')")
     u.add_argument("--runs-dir", default=None, help="where logs and state go (default: runs/ in the repository)")
     u.add_argument("--lease-ttl", type=int, default=3, help="registry lease TTL of the nodes (s)")

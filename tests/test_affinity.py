@@ -60,3 +60,20 @@ def test_pinning_outside_the_usable_cpus_is_refused() -> None:
     from node.affinity import pin_process
     with pytest.raises(ValueError, match="not within"):
         pin_process((max(os.sched_getaffinity(0)) + 1000,))
+
+
+def test_launcher_splits_its_cpus_over_the_nodes(tmp_path) -> None:
+    from deploy.launcher.config import LauncherConfig
+
+    cpu = min(os.sched_getaffinity(0))
+    one = LauncherConfig(model=str(tmp_path), num_prefill=0, num_decode=1, pin=True, cpus=(cpu,))
+    assert one.node_cpus() == {"decode-0": (cpu,)} and one.node_threads("decode-0") == 1
+    pd = LauncherConfig(model=str(tmp_path), num_prefill=1, num_decode=1, pin=True, cpus=(cpu,))
+    assert pd.node_cpus() == {"prefill-0": (cpu,), "decode-0": (cpu,)}  # one CPU: both share it
+    free = LauncherConfig(model=str(tmp_path), num_prefill=1, num_decode=2)
+    assert free.node_cpus() == {} and free.node_threads("decode-1") == 1
+    assert LauncherConfig(model=str(tmp_path), num_threads=3, pin=True).node_threads("prefill-0") == 3
+    with pytest.raises(ValueError, match="--cpus needs --pin"):
+        LauncherConfig(model=str(tmp_path), cpus=(cpu,))
+    with pytest.raises(ValueError, match="not all usable"):
+        LauncherConfig(model=str(tmp_path), pin=True, cpus=(max(os.sched_getaffinity(0)) + 1000,))

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from node.affinity import split_cpus
+from node.affinity import parse_cpus, split_cpus
 
 if TYPE_CHECKING:
     from engine.default_model import ResolvedModel
@@ -52,6 +52,7 @@ class LauncherConfig:
     # Pin each node to its own CPUs (`node_cpus`): the usable CPUs split evenly over the nodes, prefill
     # nodes first. The frontend and etcd stay unpinned. Makes shapes comparable on one machine.
     pin: bool = False
+    cpus: tuple[int, ...] = ()  # the CPUs `pin` splits; () = every CPU this process may use
     cluster: str = "default"
     runs_dir: Path = field(default_factory=default_runs_dir)
     lease_ttl_s: int = 3  # a killed node leaves the registry this fast
@@ -74,6 +75,8 @@ class LauncherConfig:
             (self.dtype in ("auto", "float32", "bfloat16", "float16"), f"bad --dtype {self.dtype!r}"),
             (self.kv_memory_mib >= 1, "--kv-memory must be >= 1 MiB"),
             (self.num_threads is None or self.num_threads >= 1, "--num-threads must be >= 1"),
+            (set(self.cpus) <= os.sched_getaffinity(0), f"--cpus {self.cpus} are not all usable here"),
+            (not self.cpus or self.pin, "--cpus needs --pin"),
             (bool(self.cluster) and "/" not in self.cluster, f"bad --cluster {self.cluster!r}"),
             (self.lease_ttl_s >= 1, "lease TTL must be >= 1 s"),
             (self.drain_timeout_s >= 0 and self.startup_timeout_s > 0, "timeouts must be positive"),
@@ -95,7 +98,7 @@ class LauncherConfig:
         """Each node's CPU set under `pin` (empty without it)."""
         if not self.pin:
             return {}
-        sets = split_cpus(tuple(sorted(os.sched_getaffinity(0))), len(self.node_names))
+        sets = split_cpus(self.cpus or tuple(sorted(os.sched_getaffinity(0))), len(self.node_names))
         return dict(zip(self.node_names, sets, strict=True))
 
     def node_threads(self, name: str) -> int:
@@ -158,7 +161,8 @@ def build_config(args: Any, resolve_model: Callable[[str | None], ResolvedModel]
     return LauncherConfig(
         model=str(model.path), model_name=args.model_name or model.name, num_prefill=args.prefill,
         num_decode=args.decode, host=args.host, port=args.port, dtype=args.dtype, kv_memory_mib=args.kv_memory,
-        num_threads=args.num_threads, pin=bool(getattr(args, "pin", False)), cluster=args.cluster,
+        num_threads=args.num_threads, pin=bool(getattr(args, "pin", False)),
+        cpus=parse_cpus(args.cpus) if getattr(args, "cpus", None) else (), cluster=args.cluster,
         runs_dir=Path(args.runs_dir) if args.runs_dir else default_runs_dir(), lease_ttl_s=args.lease_ttl,
         drain_timeout_s=args.drain_timeout, restart=not args.no_restart,
         node_args=tuple(args.node_arg or ()), frontend_args=tuple(args.frontend_arg or ()),
