@@ -111,7 +111,8 @@ class PoolStatus:
 
     @property
     def ready(self) -> bool:
-        return bool(self.decode) and bool(self.prefill)
+        """Can serve: decode nodes with prefill nodes beside them, or colocated decode nodes."""
+        return bool(self.decode) and (bool(self.prefill) or any(m.record.colocated for m in self.decode))
 
 
 class Router:

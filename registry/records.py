@@ -75,6 +75,7 @@ class NodeRecord:
     hostname: str = field(default_factory=socket.gethostname)
     started_at: float = field(default_factory=time.time)  # unix seconds
     version: str = field(default_factory=_pdserve_version)  # pdserve version of the node
+    colocated: bool = False  # a decode node that prefills every prompt itself (no prefill pool needed)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

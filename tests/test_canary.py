@@ -94,7 +94,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: Path) -> I
     args = ["--num-threads", "1", "--num-kv-blocks", "128", "--block-size", "16"]
     with LocalCluster(tmp_path_factory.mktemp("canary"), tiny_llama_dir, node_args=args) as c:
         c.start_etcd()
-        nodes = [c.spawn_node("decode", f"d-{v}", ["--model-name", f"tiny-{v}"]) for v in ("v1", "v2")]
+        # v1's node is colocated (ready without prefill nodes); v2's is a plain decode node (not ready
+        # without them, though it would prefill locally as a fallback).
+        nodes = [c.spawn_node("decode", f"d-{v}", ["--model-name", f"tiny-{v}", *extra])
+                 for v, extra in (("v1", ["--colocated"]), ("v2", []))]
         c.wait_ready(nodes)
         c.wait_registry(lambda m: {"d-v1", "d-v2"} <= m.keys(), timeout_s=30, what="both versions' nodes")
         yield c
@@ -112,12 +115,18 @@ def models_file(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: Path) 
 def frontend(cluster: LocalCluster, models_file: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[FrontendProc]:
     fe = start_frontend("frontend", tmp_path_factory.mktemp("canary-fe"), cluster.etcd_endpoints, free_port(),
                         "--cluster", cluster.cluster, "--models", str(models_file), "--log-level", "info",
-                        "--request-log", "off", ready=False)  # ready needs prefill nodes; these decode nodes prefill
+                        "--request-log", "off")  # ready: v1's node is colocated
     try:
         yield fe
     finally:
         assert fe.stop() in (0, -15), fe.proc.tail()
         assert "Traceback" not in fe.proc.log_text(), fe.proc.tail(80)
+
+
+def test_a_colocated_pool_is_ready_without_prefill_nodes(frontend: FrontendProc) -> None:
+    versions = httpx.get(f"{frontend.base_url}/ready", timeout=10).json()["models"][NAME]["versions"]
+    assert versions["v1"]["ready"] is True and versions["v1"]["prefill"] == 0
+    assert versions["v2"]["ready"] is False  # a plain decode node needs a prefill pool to count as ready
 
 
 def _requests_by_version(fe: FrontendProc) -> Counter[str]:

@@ -22,6 +22,9 @@ class DecodeNodeConfig(NodeConfig):
     # A drain lets running requests finish for this long, then hands the rest over: each stream ends with
     # finish_reason "migrate" (the caller continues it on another node) and its blocks are freed.
     drain_grace_s: float = 5.0
+    # A colocated node prefills every prompt itself and never uses a prefill node; its registry record
+    # says so, and a pool of such nodes is ready without prefill nodes.
+    colocated: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -52,6 +55,8 @@ class DecodeNodeConfig(NodeConfig):
         parser.add_argument("--drain-grace", type=float, default=5.0,
                             help="seconds a drain lets running requests finish before handing them over to other "
                                  "decode nodes (via the frontend)")
+        parser.add_argument("--colocated", action="store_true",
+                            help="prefill every prompt here (no prefill nodes): a colocated node")
         args = parser.parse_args(argv)
         config = cls(
             **node_kwargs(args),  # type: ignore[arg-type]
@@ -61,5 +66,6 @@ class DecodeNodeConfig(NodeConfig):
             max_local_waiting=args.max_local_waiting,
             prefill_timeout_s=args.prefill_timeout,
             drain_grace_s=args.drain_grace,
+            colocated=args.colocated,
         )
         return config, args.log_level

@@ -157,7 +157,8 @@ class DecodeService(NodeService, pb_grpc.DecodeNodeServicer):
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {rid!r} is already running")
         # A resumed request is prefilled (here or remotely, by the usual rules) from prompt + resumed tokens.
         ctx = prompt + list(resume.token_ids) if resume is not None else prompt
-        prefill = None if request.force_local_prefill else self._prefill_node(request.prefill_node_id, ctx)
+        local = request.force_local_prefill or self.config.colocated
+        prefill = None if local else self._prefill_node(request.prefill_node_id, ctx)
         if prefill is not None:
             hit = await self.ctx.engine.call(lambda e: e.prefix_hit_tokens(ctx))
             if len(ctx) - hit < self.config.local_prefill_threshold:

@@ -1,0 +1,304 @@
+"""Disaggregated against colocated serving on the same cores, and `pdserve plan`'s predictions against
+measurement, in one run on this machine.
+
+    .venv/bin/python bench/shapes.py [--model DIR|tiny] [--profile FILE] [--validate W1,W2,...]
+        [--compare WORKLOAD=R1,R2,...] [--requests N] [--slo ttft_p90=..,tpot_p99=..] [--out DIR]
+
+1. Profile (unless `--profile` gives one): `pdserve profile` pinned to one CPU with one torch thread, the
+   cost of one node in every shape below (each node runs on one core).
+2. `--validate`: for each workload, the planner (`planner.plan`, the simulator) searches the shapes of at
+   most `--cpus` nodes at the workload's rate; the recommended shape and the best alternative are each
+   started with `pdserve up --pin` (one core a node) and measured by `pdserve bench`'s load generator with
+   the same seed, so the measured run draws the same prompt/output lengths and Poisson arrivals as the
+   simulated one. Printed: TTFT p90, TPOT p99 and goodput, predicted against measured, with the ratio,
+   and whether the planner ranks the two shapes as measured.
+3. `--compare WORKLOAD=RATES`: the workload at each rate on 1P+1D (a core each), one colocated node on both
+   cores (two threads) and two colocated nodes (a core each), all behind one frontend: TTFT p90, TPOT
+   p99, attainment; each shape's highest rate within the SLOs. A colocated node is a decode node with no
+   prefill pool: it prefills every prompt itself, between its decode steps.
+
+The frontend and etcd float over both cores in every shape (they are the same in each). Requests go to
+/v1/completions with `ignore_eos`, so the prompt and output lengths are exactly the drawn ones. Results
+go to `--out` as JSON (and a PNG of TPOT p99 and goodput against rate with `--compare`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from engine.default_model import resolve_model  # noqa: E402
+from loadgen.client import Target, api_base  # noqa: E402
+from loadgen.metrics import SLO, Summary, parse_slos  # noqa: E402
+from loadgen.runner import LoadConfig, run  # noqa: E402
+from loadgen.workload import WorkloadConfig, parse_dist  # noqa: E402
+from planner.plan import PlanConfig, Planner  # noqa: E402
+from planner.profile_model import Profile, load_profile  # noqa: E402
+from planner.sim import Shape  # noqa: E402
+from planner.traffic import Traffic  # noqa: E402
+from tests.up_cluster import UpCluster  # noqa: E402
+
+# Workloads: prompt tokens, output tokens, and the SLOs each is judged by (what its users would ask for).
+# prompt-heavy: documents of 512-1k tokens, short answers (prefill-bound; TTFT matters, TPOT loosely).
+# output-heavy: short chats with long answers (decode-bound; the short prompts make a transfer cost more
+# than it saves). mixed: mostly short chats with long streams, a quarter 1-2k-token documents whose
+# prefill stalls a colocated node's decoding (TPOT p99 is what its streaming users feel).
+WORKLOADS: dict[str, tuple[str, str, str]] = {
+    "prompt-heavy": ("uniform:512:1024", "uniform:16:32", "ttft_p90=4s,tpot_p99=200ms"),
+    "output-heavy": ("uniform:64:256", "uniform:128:256", "ttft_p90=2s,tpot_p99=100ms"),
+    "mixed": ("0.75*uniform:64:256+0.25*uniform:1024:2048", "uniform:128:256", "ttft_p90=8s,tpot_p99=60ms"),
+}
+TOLERANCE = 0.25  # predictions within 25% of measurement
+
+
+@dataclass
+class Measured:
+    shape: str
+    cores: str
+    rate: float
+    summary: Summary
+
+    def figures(self) -> dict[str, float]:
+        return figures(self.summary)
+
+
+def figures(s: Summary) -> dict[str, float]:
+    return {"ttft_p90": s.latency["ttft"].p90, "tpot_p99": s.latency["tpot"].p99,
+            "goodput": s.goodput_rate, "attainment": s.attainment, "errors": float(s.failed)}
+
+
+def profile_here(model: str, out: Path, cpu: int, quick: bool) -> Profile:
+    """`pdserve profile` with one thread, pinned to one CPU (as each pinned node runs)."""
+    argv = [sys.executable, "-m", "deploy", "profile", "--model", model, "--num-threads", "1", "--out", str(out),
+            "--no-progress", *(["--quick"] if quick else [])]
+    print(f"profiling on CPU {cpu}: {' '.join(argv[2:])}", flush=True)
+    t0 = time.monotonic()
+    subprocess.run(argv, cwd=REPO_ROOT, check=True, preexec_fn=lambda: os.sched_setaffinity(0, {cpu}))
+    print(f"  profiled in {time.monotonic() - t0:.0f} s -> {out}", flush=True)
+    return load_profile(out)
+
+
+def up_args(model: str, shape: Shape, cpus: tuple[int, ...]) -> list[str]:
+    return ["--model", model, "--prefill", str(shape.prefill), "--decode", str(shape.decode), "--pin",
+            "--cpus", ",".join(map(str, cpus)), "--lease-ttl", "2"]
+
+
+def measure(model: str, shape: Shape, cpus: tuple[int, ...], workload: WorkloadConfig, rate: float, n: int,
+            slos: list[SLO], attainment: float, workdir: Path) -> Measured:
+    """Starts the shape with `pdserve up --pin --cpus`, runs the load once, stops it."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    cores = f"{len(cpus)} core(s)"
+    print(f"  measuring {shape.label} on {cores} at {rate:.3g} req/s ({n} requests)", flush=True)
+    up = UpCluster.start(workdir, up_args(model, shape, cpus), timeout_s=600)
+    try:
+        target = Target(api_base(up.base_url), "", "completions", None, True, 0.0)
+        cfg = LoadConfig(target, workload, rate=rate, max_requests=n, timeout_s=900.0, slos=slos,
+                         attainment_target=attainment, progress=sys.stderr.isatty())
+        result = run(cfg)
+    finally:
+        try:
+            up.interrupt(timeout_s=120)
+        finally:
+            up.close()
+    return Measured(shape.label, cores, rate, result.summary)
+
+
+def rank_key(shape: Shape, s: Summary) -> tuple[bool, int, float, float]:
+    """The planner's order (`planner.plan`): fits first, then fewer nodes, then more goodput; then the
+    attainment, which separates two shapes that both serve everything."""
+    return (s.meets_target, -shape.nodes, round(s.goodput_rate, 3), s.attainment)
+
+
+def _ratio(measured: float, predicted: float) -> float:
+    if predicted == 0 or math.isnan(predicted) or math.isnan(measured):
+        return math.nan
+    return measured / predicted
+
+
+def validate(args: argparse.Namespace, profile: Profile, cpus: tuple[int, ...], workdir: Path,
+             ) -> list[dict[str, Any]]:
+    rows = []
+    for name in args.validate:
+        prompt, output, slo_text = WORKLOADS[name]
+        slos = parse_slos(args.slo or slo_text)
+        traffic = Traffic.parse(prompt, output, seed=args.seed)
+        sweep = Planner(PlanConfig(profile, slos, args.attainment, len(cpus), None, True, traffic,
+                                   requests=args.sim_requests)).run()
+        best = max((r.max_rate or 0.0) for r in sweep.results)
+        if best <= 0:
+            print(f"{name}: no shape meets the SLOs at any rate simulated; skipped", flush=True)
+            continue
+        rate = round(args.rate_share * best, 3)
+        plan = Planner(PlanConfig(profile, slos, args.attainment, len(cpus), rate, False, traffic,
+                                  requests=args.requests)).run()
+        ordered = sorted(plan.results, key=lambda r: rank_key(r.shape, r.at_rate.summary), reverse=True)
+        rec = plan.recommended or ordered[0]
+        alt = next(r for r in ordered if r is not rec)
+        print(f"\n== {name}: prompt {prompt}, output {output}; rate {rate} req/s "
+              f"({args.rate_share:g} x the best simulated highest rate {best:.3g}); "
+              f"planner recommends {rec.shape.label}, alternative {alt.shape.label}", flush=True)
+        workload = WorkloadConfig(parse_dist(prompt), parse_dist(output), seed=args.seed, tokenizer=args.model)
+        measured = {}
+        for res in (rec, alt):
+            m = measure(args.model, res.shape, cpus[: res.shape.nodes], workload, rate, args.requests, slos,
+                        args.attainment, workdir / f"{name}-{res.shape.label.replace(':', '')}")
+            measured[res.shape.label] = m
+        out = {"workload": name, "prompt": prompt, "output": output, "slo": args.slo or slo_text, "rate": rate,
+               "shapes": []}
+        for res in (rec, alt):
+            pred, meas = figures(res.at_rate.summary), measured[res.shape.label].figures()
+            entry = {"shape": res.shape.label, "recommended": res is rec, "predicted": pred, "measured": meas,
+                     "ratio": {k: _ratio(meas[k], pred[k]) for k in ("ttft_p90", "tpot_p99", "goodput")}}
+            out["shapes"].append(entry)
+            print(f"  {res.shape.label:<6}{' (rec)' if res is rec else '      '} "
+                  + "  ".join(f"{k} pred {pred[k]:.3f} meas {meas[k]:.3f} (x{entry['ratio'][k]:.2f})"
+                              for k in ("ttft_p90", "tpot_p99", "goodput"))
+                  + f"  attainment pred {pred['attainment']:.2f} meas {meas['attainment']:.2f}", flush=True)
+        meas_order = sorted((rec, alt), key=lambda r: rank_key(r.shape, measured[r.shape.label].summary),
+                            reverse=True)
+        out["ranked_as_measured"] = meas_order[0] is rec
+        out["within_tolerance"] = all(abs(v - 1) <= TOLERANCE for e in out["shapes"] for v in e["ratio"].values()
+                                      if not math.isnan(v))
+        print(f"  planner ranks as measured: {out['ranked_as_measured']}; every figure within "
+              f"{TOLERANCE:.0%}: {out['within_tolerance']}", flush=True)
+        rows.append(out)
+    return rows
+
+
+def compare(args: argparse.Namespace, name: str, rates: list[float], cpus: tuple[int, ...], workdir: Path,
+            profile: Profile | None) -> dict[str, Any]:
+    prompt, output, slo_text = WORKLOADS[name]
+    slos = parse_slos(args.slo or slo_text)
+    workload = WorkloadConfig(parse_dist(prompt), parse_dist(output), seed=args.seed, tokenizer=args.model)
+    traffic = Traffic.parse(prompt, output, seed=args.seed)
+    shapes = [(Shape(1, 1), cpus), (Shape(0, 1), cpus), (Shape(0, 2), cpus)]
+    print(f"\n== compare on {name}: prompt {prompt}, output {output}, SLO {args.slo or slo_text}; rates {rates}",
+          flush=True)
+    out: dict[str, Any] = {"workload": name, "prompt": prompt, "output": output, "slo": args.slo or slo_text,
+                           "shapes": {}}
+    for shape, shape_cpus in shapes:
+        label = f"{shape.label}/{len(shape_cpus)}cores"
+        runs = []
+        for rate in sorted(rates):
+            m = measure(args.model, shape, shape_cpus, workload, rate, args.requests, slos, args.attainment,
+                        workdir / f"compare-{name}-{shape.label.replace(':', '')}-{rate}")
+            f = m.figures()
+            pred = None
+            if profile is not None and shape.nodes == len(shape_cpus):  # the profile is one node on one core
+                planner = Planner(PlanConfig(profile, slos, args.attainment, 2, rate, False, traffic,
+                                             requests=args.requests))
+                pred = figures(planner.simulate(shape, rate).summary)
+            runs.append({"rate": rate, "measured": f, "predicted": pred})
+            print(f"  {label:<14} {rate:>6.3g} req/s  TTFT p90 {f['ttft_p90']:.3f} s  TPOT p99 "
+                  f"{1000 * f['tpot_p99']:.1f} ms  attainment {f['attainment']:.2f}  goodput {f['goodput']:.3f}"
+                  + (f"  (sim: TTFT p90 {pred['ttft_p90']:.3f}, TPOT p99 {1000 * pred['tpot_p99']:.1f} ms)"
+                     if pred else ""), flush=True)
+            if not m.summary.meets_target and not args.full_sweep:
+                break
+        good = [r["rate"] for r in runs if r["measured"]["attainment"] >= args.attainment
+                and r["measured"]["errors"] == 0 and _slos_pass(r, slos)]
+        out["shapes"][label] = {"runs": runs, "highest_rate_within_slo": max(good) if good else None}
+    print("\n  highest rate within the SLOs: " + ", ".join(
+        f"{k} {v['highest_rate_within_slo']}" for k, v in out["shapes"].items()), flush=True)
+    return out
+
+
+def _slos_pass(run_: dict[str, Any], slos: list[SLO]) -> bool:
+    m = run_["measured"]
+    return all(not (s.metric == "ttft" and s.pct == 90) or m["ttft_p90"] <= s.threshold_s for s in slos) and \
+        all(not (s.metric == "tpot" and s.pct == 99) or m["tpot_p99"] <= s.threshold_s for s in slos)
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    try:
+        import matplotlib
+    except ImportError:
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    for label, shape in result["shapes"].items():
+        rates = [r["rate"] for r in shape["runs"]]
+        a1.plot(rates, [1000 * r["measured"]["tpot_p99"] for r in shape["runs"]], "o-", label=label)
+        a2.plot(rates, [r["measured"]["goodput"] for r in shape["runs"]], "o-", label=label)
+    a1.set(xlabel="offered rate (req/s)", ylabel="TPOT p99 (ms)", title=f"{result['workload']}: TPOT p99")
+    a2.set(xlabel="offered rate (req/s)", ylabel="goodput (req/s within SLO)", title="goodput")
+    for a in (a1, a2):
+        a.grid(alpha=0.3)
+        a.legend()
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+    plt.close(fig)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="model directory, or tiny (default: the embedded default model)")
+    ap.add_argument("--profile", default=None, help="a pdserve profile JSON measured with one thread on one core")
+    ap.add_argument("--quick-profile", action="store_true", help="pdserve profile --quick (smoke runs)")
+    ap.add_argument("--validate", default="prompt-heavy,output-heavy,mixed",
+                    help=f"workloads to validate the planner on ({', '.join(WORKLOADS)}; '' for none)")
+    ap.add_argument("--rate-share", type=float, default=0.7,
+                    help="validation rate as a share of the best shape's simulated highest rate (0.7)")
+    ap.add_argument("--compare", action="append", default=[], metavar="WORKLOAD=R1,R2,...",
+                    help="disaggregated against colocated on a workload at these rates (repeatable)")
+    ap.add_argument("--full-sweep", action="store_true", help="--compare: every rate, not only up to the first miss")
+    ap.add_argument("--requests", type=int, default=40, help="requests per measured run (40)")
+    ap.add_argument("--sim-requests", type=int, default=400, help="simulated requests per sweep step (400)")
+    ap.add_argument("--slo", default="", help="override every workload's SLOs, e.g. ttft_p90=4s,tpot_p99=150ms")
+    ap.add_argument("--attainment", type=float, default=0.9)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="shapes-result", help="directory for JSON and plots")
+    args = ap.parse_args()
+    args.model = str(resolve_model(args.model).path)
+    args.validate = [w for w in args.validate.split(",") if w]
+    compares: list[tuple[str, list[float]]] = []
+    for item in args.compare:
+        name, _, rates = item.partition("=")
+        try:
+            compares.append((name, [float(r) for r in rates.split(",") if r]))
+        except ValueError:
+            ap.error(f"bad --compare {item!r}: WORKLOAD=R1,R2,...")
+        if not compares[-1][1]:
+            ap.error(f"--compare {item!r} needs rates")
+    for w in [*args.validate, *(c[0] for c in compares)]:
+        if w not in WORKLOADS:
+            ap.error(f"unknown workload {w!r}: {', '.join(WORKLOADS)}")
+    cpus = tuple(sorted(os.sched_getaffinity(0)))[:2]
+    if len(cpus) < 2:
+        ap.error("needs 2 usable CPUs: the shapes compared are 2 nodes on a core each against 1 node on both")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    profile = load_profile(args.profile) if args.profile else None
+    if profile is None and args.validate:
+        profile = profile_here(args.model, out / "profile.json", cpus[0], args.quick_profile)
+    result: dict[str, Any] = {"model": args.model, "attainment": args.attainment,
+                              "requests": args.requests, "cpus": list(cpus), "started": time.time()}
+    with tempfile.TemporaryDirectory(prefix="shapes-") as tmp:
+        if args.validate:
+            assert profile is not None
+            result["validation"] = validate(args, profile, cpus, Path(tmp))
+        result["compare"] = []
+        for name, rates in compares:
+            result["compare"].append(compare(args, name, rates, cpus, Path(tmp), profile))
+            plot(result["compare"][-1], out / f"compare-{name}.png")
+    (out / "result.json").write_text(json.dumps(result, indent=1, default=str) + "\n", encoding="utf-8")
+    print(f"\nwrote {out / 'result.json'}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
