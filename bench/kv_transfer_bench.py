@@ -10,8 +10,10 @@ and prints GiB/s plus the ratio path/raw. A transfer's time runs from the sender
 receiver's completion (a system-wide monotonic clock on both sides), over `--iters` back-to-back
 transfers, so the control-plane hop that carries the metadata is paid once per batch, as by raw.
 Each figure is the median over `--repeats` batches, raw and path interleaved, after a warm-up.
-The production path is the "whole" row: node/prefill/server.py sends whole-request transfers
-(layerwise=False) with KVSender's default 1 MiB messages, the bench's default `--message-mib`.
+The production path is the "layer-by-layer" row: node/prefill/server.py sends each layer as its
+forward finishes it (`--no-layerwise-send` gives the "whole" row: whole-request transfers with
+KVSender's default 1 MiB messages, the bench's default `--message-mib`). The default cases are the
+default model's (SmolLM2-135M, bf16) at 128, 1,024 and 4,096 prompt tokens.
 
 Both processes call gc.freeze() after startup, as a serving process should: otherwise a full
 collection over torch's heap (~100 ms on a small machine) lands inside some timed batch.
@@ -20,7 +22,7 @@ A second table shows what layer-by-layer is for: with a simulated prefill that t
 layer as the wire does, the KV still "exposed" after the last layer is computed (whole-request must
 then move all of it; layer-by-layer only the last layer).
 
-    .venv/bin/python bench/kv_transfer_bench.py [--iters 8] [--message-mib 1] [--quick]
+    .venv/bin/python bench/kv_transfer_bench.py [--iters 8] [--message-mib 1] [--geometry smollm2|all] [--quick]
 """
 
 from __future__ import annotations
@@ -90,6 +92,8 @@ class Row:
 
 TINY = Geometry("tiny 4Lx2Hx64", layers=4, kv_heads=2, head_dim=64)
 BIG = Geometry("big 32Lx8Hx128", layers=32, kv_heads=8, head_dim=128)
+# The default model, SmolLM2-135M, served in bf16: 30 layers x 3 KV heads x 64 = 23,040 bytes a token.
+SMOLLM2 = Geometry("smollm2 bf16", layers=30, kv_heads=3, head_dim=64, dtype=torch.bfloat16)
 
 
 def _pool(g: Geometry, blocks: int, random: bool) -> torch.Tensor:
@@ -304,6 +308,9 @@ def main() -> None:
     ap.add_argument("--message-mib", type=float, default=1.0,
                     help="whole-request message size; 0 sends a request as one message")
     ap.add_argument("--quick", action="store_true", help="skip the big geometry")
+    ap.add_argument("--geometry", choices=["smollm2", "all"], default="smollm2",
+                    help="smollm2: the default model's sizes (128 to 4,096-token prompts); all: the tiny "
+                         "and big synthetic geometries too")
     ap.add_argument("--sweep", action="store_true", help="only sweep the whole-request message size")
     args = ap.parse_args()
     if args.sweep:
@@ -314,9 +321,11 @@ def main() -> None:
     # A full collection over the torch-sized heap takes ~100 ms here and stalls every thread; move
     # the startup objects out of the collector's reach (what a serving process should do too).
     gc.freeze()
-    cases = [Case(TINY, 128), Case(TINY, 1024), Case(TINY, 8192)]
-    if not args.quick:
-        cases.append(Case(BIG, 1024))
+    cases = [Case(SMOLLM2, 128), Case(SMOLLM2, 1024), Case(SMOLLM2, 4096)]
+    if args.geometry == "all":
+        cases += [Case(TINY, 128), Case(TINY, 1024), Case(TINY, 8192)]
+        if not args.quick:
+            cases.append(Case(BIG, 1024))
     bench = Bench(message_bytes)
     try:
         rows: list[Row] = []
@@ -324,8 +333,8 @@ def main() -> None:
             rows.extend(measure(bench, case, args.iters, args.repeats))
         print(f"\nKV transfer, 2 processes over loopback gloo, torch {torch.__version__}, "
               f"{torch.get_num_threads()} torch threads, message size {args.message_mib} MiB")
-        print("medians of interleaved batches; raw uses the mode's own message sizes; 'whole' is what "
-              "node/prefill/server.py sends")
+        print("medians of interleaved batches; raw uses the mode's own message sizes; 'layer-by-layer' is "
+              "what node/prefill/server.py sends by default")
         print(f"{'geometry':<16} {'tokens':>6} {'MiB':>8} {'mode':<15} {'path GiB/s':>10} {'raw GiB/s':>10} "
               f"{'memcpy GiB/s':>12} {'path/raw':>8} {'per-batch path/raw min..max':>28}")
         for r in rows:
@@ -336,7 +345,7 @@ def main() -> None:
 
         print("\nExposed transfer time after a simulated prefill (per-layer compute = per-layer wire time)")
         print(f"{'geometry':<16} {'tokens':>6} {'layer ms':>8} {'whole ms':>9} {'layer-by-layer ms':>18}")
-        for case in cases[2:]:
+        for case in [c for c in cases if c.tokens >= 1024]:
             kv, src, dst = bench.setup(case)
             raw_row = next(r for r in rows if r.case == case and r.mode == "layer-by-layer")
             layer_s = case.nbytes / (raw_row.raw_gib_s * GiB) / case.geometry.layers
