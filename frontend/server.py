@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import signal
 import sys
 
 import uvicorn
@@ -57,5 +58,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     log.info("pdserve frontend %s on http://%s:%d (cluster %r, etcd %s)", config.frontend_id, config.host,
              config.port, config.cluster, ",".join(config.etcd_endpoints))
+    # uvicorn re-raises the stop signal once it has shut down, under the handler that was installed
+    # before it: with the default one the process would die by SIGTERM after a clean drain. A no-op
+    # handler lets a graceful stop exit 0.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
     uvicorn.Server(server_config).run()
     return 0

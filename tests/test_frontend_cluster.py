@@ -114,7 +114,7 @@ def env(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: Path) -> Itera
             yield e
             cluster.wait_clean()  # every KV block on every node is accounted for
         finally:
-            assert fe.stop() in (0, -15), fe.proc.tail()  # uvicorn re-raises the SIGTERM it handled
+            assert fe.stop() == 0, fe.proc.tail()
             assert "Traceback" not in fe.proc.log_text(), fe.proc.tail(80)
 
 

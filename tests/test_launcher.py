@@ -19,6 +19,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -183,6 +184,8 @@ def test_ctrl_c_stops_everything_in_order(up: UpCluster) -> None:
     log = up.stderr()
     order = [log.index(f"stopped {name}") for name in ("frontend-0", "decode-0", "prefill-0", "etcd")]
     assert order == sorted(order), log[-2000:]
+    for name in ("frontend-0", "decode-0", "prefill-0", "etcd"):
+        assert re.search(rf"stopped {name}\s+\(exit 0\)", log), log[-2000:]  # each drained and exited cleanly
     assert "registry: no key left" in log and "every process exited" in log
     assert up.processes() == {}, "no process of the cluster is left"
     assert up.targets() == [] and not (up.cluster_dir / "cluster.json").exists()

@@ -97,7 +97,7 @@ def env(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[t
         try:
             yield cluster, fe
         finally:
-            assert fe.stop() in (0, -15), fe.proc.tail()
+            assert fe.stop() == 0, fe.proc.tail()
             assert "Traceback" not in fe.proc.log_text(), fe.proc.tail(80)
 
 
