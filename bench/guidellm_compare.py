@@ -23,11 +23,14 @@ Where the definitions differ (read from guidellm 0.8.1's schemas/base/request_st
     request start to last request end); pdserve's is the same over its run's wall time.
   - Percentiles: guidellm takes the nearest rank of a token-weighted CDF (all requests weigh the
     same here, equal lengths); pdserve interpolates linearly.
+  - TTFT has one definition in both, but at a fixed concurrency with equal output lengths requests
+    decoded in one batch finish together, their successors arrive together and queue at the prefill;
+    how clumped a run's sends are ("co-sent requests") is chance, and TTFT p50/p90 follow it.
   - Client CPU (cores busy in the window; guidellm's whole process tree, sampled from /proc) is
     printed too: on a small machine a busier client would slow the server it measures.
 
     .venv/bin/python bench/guidellm_compare.py [--model tiny] [--requests 40] [--concurrency 4]
-        [--prompt-tokens 256] [--output-tokens 64] [--rounds 2]
+        [--prompt-tokens 256] [--output-tokens 64] [--rounds 2] [--keep DIR]
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ if str(REPO_ROOT) not in sys.path:
 from engine.default_model import resolve_model  # noqa: E402
 from loadgen.client import Target  # noqa: E402
 from loadgen.metrics import percentile  # noqa: E402
+from loadgen.report import result_json, write_json  # noqa: E402
 from loadgen.runner import LoadConfig, run  # noqa: E402
 from loadgen.workload import RequestSpec, TextMaker, WorkloadConfig, parse_dist  # noqa: E402
 from registry.etcd_server import free_port  # noqa: E402
@@ -62,7 +66,8 @@ from testing.procs import start_frontend  # noqa: E402
 
 SERVED_NAME = "bench-model"
 TOLERANCE = 0.10
-INFO = {"client_cpu"}  # printed beside the figures, not a figure the tools must agree on
+INFO = {"client_cpu", "co_sent"}  # printed beside the figures, not figures the tools must agree on
+CO_SENT_S = 0.05
 # (row label, key) in the order printed; each key is filled by both parsers, in seconds or per second.
 ROWS = [
     ("TTFT p50 (s)", "ttft_p50"), ("TTFT p90 (s)", "ttft_p90"),
@@ -77,8 +82,14 @@ ROWS = [
     # CPU cores the client itself kept busy during its window: on a small machine a busier client
     # slows the server it measures (pdserve: its in-process event loop; guidellm: its process tree).
     ("client CPU (cores)", "client_cpu"),
+    # Share of requests sent within CO_SENT_S of another one. At a fixed concurrency with equal output
+    # lengths, requests decoded in one batch finish together and their successors arrive together and
+    # queue at the prefill: TTFT follows this clumping, a chance property of each run, not of the tool.
+    ("co-sent requests (share)", "co_sent"),
 ]
 WHY = {
+    "ttft": "TTFT: same definition (request sent -> first content chunk); at fixed concurrency it follows how "
+            "many prompts queue at the prefill at once (see 'co-sent requests'), which varies run to run",
     "itl": "ITL: guidellm's is per request (last-first)/(n-1), pdserve's TPOT; pdserve's pools every chunk gap",
     "tpot": "TPOT: guidellm's is (last token - request start)/n, so it includes the TTFT ('TPOT incl. TTFT')",
     "req_rate": "requests/s: both completed / window; each window opens at its first send, closes at its last end",
@@ -118,7 +129,7 @@ def write_jsonl(wl: Workload, path: Path) -> None:
 
 # -- pdserve bench -----------------------------------------------------------------------------------
 
-def run_pdserve(base_url: str, wl: Workload, model_dir: Path) -> dict[str, float]:
+def run_pdserve(base_url: str, wl: Workload, model_dir: Path, keep: Path | None = None) -> dict[str, float]:
     target = Target(f"{base_url}/v1", SERVED_NAME, "chat", None, ignore_eos=True)
     workload = WorkloadConfig(parse_dist(str(wl.prompt_tokens)), parse_dist(str(wl.output_tokens)),
                               tokenizer=str(model_dir))
@@ -129,6 +140,8 @@ def run_pdserve(base_url: str, wl: Workload, model_dir: Path) -> dict[str, float
     cpu0 = time.process_time()
     result = run(cfg, specs=specs)
     cpu = time.process_time() - cpu0
+    if keep is not None:
+        write_json(keep, result_json(cfg, [result], False))
     s = result.summary
     if s.failed:
         raise RuntimeError(f"pdserve bench: {s.failed} requests failed: {s.errors}")
@@ -145,6 +158,7 @@ def run_pdserve(base_url: str, wl: Workload, model_dir: Path) -> dict[str, float
         "req_rate": s.request_rate, "out_rate": s.output_token_rate, "out_tokens": float(s.output_tokens),
         "prompt_tokens": float(s.prompt_tokens),
         "client_cpu": cpu / s.duration_s,
+        "co_sent": co_sent([r.start_s for r in result.records]),
     }
 
 
@@ -223,7 +237,8 @@ def guidellm_scenario(base_url: str, wl: Workload, data: Path, model_dir: Path, 
     }
 
 
-def run_guidellm(base_url: str, wl: Workload, data: Path, model_dir: Path, workdir: Path) -> dict[str, float]:
+def run_guidellm(base_url: str, wl: Workload, data: Path, model_dir: Path, workdir: Path,
+                 keep: Path | None = None) -> dict[str, float]:
     out = workdir / f"guidellm-{time.monotonic_ns()}.json"
     scenario = workdir / "scenario.json"
     scenario.write_text(json.dumps(guidellm_scenario(base_url, wl, data, model_dir, out)))
@@ -241,6 +256,9 @@ def run_guidellm(base_url: str, wl: Workload, data: Path, model_dir: Path, workd
         if rc != 0 or not out.exists():
             log.seek(0)
             raise RuntimeError(f"guidellm failed ({rc}):\n{log.read()[-4000:]}")
+    if keep is not None:
+        keep.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(out, keep)
     report = json.loads(out.read_text())
     figures = parse_guidellm(report)
     (bench,) = report["benchmarks"]
@@ -279,10 +297,19 @@ def parse_guidellm(report: dict[str, Any]) -> dict[str, float]:
         "out_rate": float(ok("output_tokens_per_second")["mean"]),
         "out_tokens": float(ok("output_token_count")["total_sum"]),
         "prompt_tokens": float(ok("prompt_token_count")["total_sum"]),
+        "co_sent": co_sent([r["request_start_time"] for r in bench["requests"]["successful"]]),
     }
 
 
 # -- the table ---------------------------------------------------------------------------------------
+
+def co_sent(starts: list[float]) -> float:
+    """The share of requests sent within CO_SENT_S of another request."""
+    xs = sorted(starts)
+    near = [any(abs(x - y) <= CO_SENT_S for y in (xs[i - 1] if i else None, xs[i + 1] if i + 1 < len(xs) else None)
+                if y is not None) for i, x in enumerate(xs)]
+    return sum(near) / len(xs) if xs else math.nan
+
 
 def mean_of(runs: list[dict[str, float]]) -> dict[str, float]:
     return {k: sum(r[k] for r in runs) / len(runs) for _, k in ROWS}
@@ -320,6 +347,7 @@ def main() -> None:
     ap.add_argument("--output-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2, help="round k runs pdserve first when k is odd")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--keep", type=Path, help="directory for each run's raw result (pdserve-K.json, guidellm-K.json)")
     args = ap.parse_args()
     resolved = resolve_model(None if args.model == "default" else args.model)
     model_dir = Path(resolved.path)
@@ -347,9 +375,11 @@ def main() -> None:
                 for tool in order:
                     t0 = time.perf_counter()
                     if tool == "pdserve":
-                        pds.append(run_pdserve(fe.base_url, wl, model_dir))
+                        pds.append(run_pdserve(fe.base_url, wl, model_dir,
+                                               args.keep and args.keep / f"pdserve-{k + 1}.json"))
                     else:
-                        gls.append(run_guidellm(fe.base_url, wl, data, model_dir, work))
+                        gls.append(run_guidellm(fe.base_url, wl, data, model_dir, work,
+                                                args.keep and args.keep / f"guidellm-{k + 1}.json"))
                     cluster.wait_clean()
                     print(f"round {k + 1}: {tool} done in {time.perf_counter() - t0:.1f}s", flush=True)
                 print_table(f"round {k + 1} ({' then '.join(order)})", pds[-1], gls[-1])
