@@ -71,6 +71,8 @@ CO_SENT_S = 0.05
 # (row label, key) in the order printed; each key is filled by both parsers, in seconds or per second.
 ROWS = [
     ("TTFT p50 (s)", "ttft_p50"), ("TTFT p90 (s)", "ttft_p90"),
+    # TTFT of the requests sent alone (no other send within CO_SENT_S): clumping taken out.
+    ("TTFT p50, sent alone (s)", "ttft_alone_p50"),
     ("ITL p50 (s)", "itl_p50"), ("ITL p90 (s)", "itl_p90"),
     ("TPOT p50 (s)", "tpot_p50"), ("TPOT p90 (s)", "tpot_p90"),
     # Same definitions: pdserve TPOT vs guidellm ITL; pdserve e2e/n vs guidellm TPOT.
@@ -89,7 +91,8 @@ ROWS = [
 ]
 WHY = {
     "ttft": "TTFT: same definition (request sent -> first content chunk); at fixed concurrency it follows how "
-            "many prompts queue at the prefill at once (see 'co-sent requests'), which varies run to run",
+            "many prompts queue at the prefill at once (see 'co-sent requests'), which varies run to run; "
+            "compare 'TTFT p50, sent alone'",
     "itl": "ITL: guidellm's is per request (last-first)/(n-1), pdserve's TPOT; pdserve's pools every chunk gap",
     "tpot": "TPOT: guidellm's is (last token - request start)/n, so it includes the TTFT ('TPOT incl. TTFT')",
     "req_rate": "requests/s: both completed / window; each window opens at its first send, closes at its last end",
@@ -158,7 +161,7 @@ def run_pdserve(base_url: str, wl: Workload, model_dir: Path, keep: Path | None 
         "req_rate": s.request_rate, "out_rate": s.output_token_rate, "out_tokens": float(s.output_tokens),
         "prompt_tokens": float(s.prompt_tokens),
         "client_cpu": cpu / s.duration_s,
-        "co_sent": co_sent([r.start_s for r in result.records]),
+        **clumping([r.start_s for r in ok], [r.ttft_s or 0.0 for r in ok]),
     }
 
 
@@ -297,18 +300,28 @@ def parse_guidellm(report: dict[str, Any]) -> dict[str, float]:
         "out_rate": float(ok("output_tokens_per_second")["mean"]),
         "out_tokens": float(ok("output_token_count")["total_sum"]),
         "prompt_tokens": float(ok("prompt_token_count")["total_sum"]),
-        "co_sent": co_sent([r["request_start_time"] for r in bench["requests"]["successful"]]),
+        **clumping([r["request_start_time"] for r in bench["requests"]["successful"]],
+                   [r["time_to_first_token_ms"] * 1e-3 for r in bench["requests"]["successful"]]),
     }
 
 
 # -- the table ---------------------------------------------------------------------------------------
 
-def co_sent(starts: list[float]) -> float:
-    """The share of requests sent within CO_SENT_S of another request."""
-    xs = sorted(starts)
-    near = [any(abs(x - y) <= CO_SENT_S for y in (xs[i - 1] if i else None, xs[i + 1] if i + 1 < len(xs) else None)
-                if y is not None) for i, x in enumerate(xs)]
-    return sum(near) / len(xs) if xs else math.nan
+def co_sent_flags(starts: list[float]) -> list[bool]:
+    """Per request (in the given order): was another request sent within CO_SENT_S of it?"""
+    order = sorted(range(len(starts)), key=lambda i: starts[i])
+    flags = [False] * len(starts)
+    for a, b in zip(order, order[1:], strict=False):
+        if starts[b] - starts[a] <= CO_SENT_S:
+            flags[a] = flags[b] = True
+    return flags
+
+
+def clumping(starts: list[float], ttfts: list[float]) -> dict[str, float]:
+    """The co-sent share and the TTFT p50 of the requests sent alone."""
+    flags = co_sent_flags(starts)
+    alone = [t for t, f in zip(ttfts, flags, strict=True) if not f]
+    return {"co_sent": sum(flags) / len(flags) if flags else math.nan, "ttft_alone_p50": percentile(alone, 50)}
 
 
 def mean_of(runs: list[dict[str, float]]) -> dict[str, float]:
