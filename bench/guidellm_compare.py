@@ -21,6 +21,9 @@ Where the definitions differ (read from guidellm 0.8.1's schemas/base/request_st
     re-tokenizes the output.
   - Requests/s: guidellm's is the count of completed requests over its benchmark window (first
     request start to last request end); pdserve's is the same over its run's wall time.
+  - guidellm 0.8.1 may end its benchmark with the last request still in flight and report N-1 of N
+    requests ("requests completed" row); its rates then cover N-1 requests over a window ending at
+    the (N-1)th completion, which keeps them comparable.
   - Percentiles: guidellm takes the nearest rank of a token-weighted CDF (all requests weigh the
     same here, equal lengths); pdserve interpolates linearly.
   - TTFT has one definition in both, but at a fixed concurrency with equal output lengths requests
@@ -79,7 +82,8 @@ ROWS = [
     ("TPOT excl. TTFT p50 (s)", "tpot_excl_p50"), ("TPOT excl. TTFT p90 (s)", "tpot_excl_p90"),
     ("TPOT incl. TTFT p50 (s)", "tpot_incl_p50"), ("TPOT incl. TTFT p90 (s)", "tpot_incl_p90"),
     ("e2e p50 (s)", "e2e_p50"), ("e2e p90 (s)", "e2e_p90"),
-    ("requests/s", "req_rate"), ("output tokens/s", "out_rate"), ("output tokens", "out_tokens"),
+    ("requests completed", "completed"), ("requests/s", "req_rate"), ("output tokens/s", "out_rate"),
+    ("output tokens", "out_tokens"),
     ("prompt tokens (usage)", "prompt_tokens"),  # equal when both sent the same chat messages
     # CPU cores the client itself kept busy during its window: on a small machine a busier client
     # slows the server it measures (pdserve: its in-process event loop; guidellm: its process tree).
@@ -95,6 +99,8 @@ WHY = {
             "compare 'TTFT p50, sent alone'",
     "itl": "ITL: guidellm's is per request (last-first)/(n-1), pdserve's TPOT; pdserve's pools every chunk gap",
     "tpot": "TPOT: guidellm's is (last token - request start)/n, so it includes the TTFT ('TPOT incl. TTFT')",
+    "completed": "requests completed: guidellm may close its benchmark with a request still in flight "
+                 "(its report's scheduler_state.processing_requests) and leaves that request out",
     "req_rate": "requests/s: both completed / window; each window opens at its first send, closes at its last end",
     "out_rate": "output tokens/s: both count usage.completion_tokens over the same window as requests/s",
 }
@@ -159,6 +165,7 @@ def run_pdserve(base_url: str, wl: Workload, model_dir: Path, keep: Path | None 
         "tpot_incl_p50": percentile(incl, 50), "tpot_incl_p90": percentile(incl, 90),
         "e2e_p50": lat["e2e"].p50, "e2e_p90": lat["e2e"].p90,
         "req_rate": s.request_rate, "out_rate": s.output_token_rate, "out_tokens": float(s.output_tokens),
+        "completed": float(s.succeeded),
         "prompt_tokens": float(s.prompt_tokens),
         "client_cpu": cpu / s.duration_s,
         **clumping([r.start_s for r in ok], [r.ttft_s or 0.0 for r in ok]),
@@ -298,7 +305,7 @@ def parse_guidellm(report: dict[str, Any]) -> dict[str, float]:
         # The means of guidellm's rate-over-time series: completed requests (tokens) / its window.
         "req_rate": float(ok("requests_per_second")["mean"]),
         "out_rate": float(ok("output_tokens_per_second")["mean"]),
-        "out_tokens": float(ok("output_token_count")["total_sum"]),
+        "out_tokens": float(ok("output_token_count")["total_sum"]), "completed": float(totals["successful"]),
         "prompt_tokens": float(ok("prompt_token_count")["total_sum"]),
         **clumping([r["request_start_time"] for r in bench["requests"]["successful"]],
                    [r["time_to_first_token_ms"] * 1e-3 for r in bench["requests"]["successful"]]),
