@@ -32,7 +32,7 @@ Where the definitions differ (read from guidellm 0.8.1's schemas/base/request_st
   - Client CPU (cores busy in the window; guidellm's whole process tree, sampled from /proc) is
     printed too: on a small machine a busier client would slow the server it measures.
 
-    .venv/bin/python bench/guidellm_compare.py [--model tiny] [--requests 40] [--concurrency 4]
+    .venv/bin/python bench/guidellm_compare.py [--model tiny] [--requests 20] [--concurrency 4]
         [--prompt-tokens 256] [--output-tokens 64] [--rounds 2] [--keep DIR]
 """
 
@@ -361,7 +361,7 @@ def print_table(title: str, pd: dict[str, float], gl: dict[str, float],
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="default", help="default (SmolLM2-135M-Instruct), tiny, or a model directory")
-    ap.add_argument("--requests", type=int, default=40)
+    ap.add_argument("--requests", type=int, default=20, help="per tool and round (20 x 2 rounds: about 4 min)")
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--prompt-tokens", type=int, default=256)
     ap.add_argument("--output-tokens", type=int, default=64)
