@@ -247,12 +247,18 @@ def guidellm_scenario(base_url: str, wl: Workload, data: Path, model_dir: Path, 
     }
 
 
+def guidellm_exe() -> str | None:
+    """The guidellm CLI beside this interpreter (the project's venv), else on PATH."""
+    return shutil.which("guidellm", path=str(Path(sys.executable).parent)) or shutil.which("guidellm")
+
+
 def run_guidellm(base_url: str, wl: Workload, data: Path, model_dir: Path, workdir: Path,
                  keep: Path | None = None) -> dict[str, float]:
     out = workdir / f"guidellm-{time.monotonic_ns()}.json"
     scenario = workdir / "scenario.json"
     scenario.write_text(json.dumps(guidellm_scenario(base_url, wl, data, model_dir, out)))
-    exe = shutil.which("guidellm", path=str(Path(sys.executable).parent)) or "guidellm"
+    exe = guidellm_exe()
+    assert exe is not None, "checked in main()"
     # Offline: the tokenizer is the local model directory; nothing may reach a model hub.
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     with tempfile.TemporaryFile("w+") as log:
@@ -369,6 +375,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--keep", type=Path, help="directory for each run's raw result (pdserve-K.json, guidellm-K.json)")
     args = ap.parse_args()
+    if guidellm_exe() is None:
+        sys.exit("guidellm is not installed: pip install -e '.[bench]'")
     resolved = resolve_model(None if args.model == "default" else args.model)
     model_dir = Path(resolved.path)
     wl = make_workload(model_dir, args.requests, args.prompt_tokens, args.output_tokens, args.concurrency, args.seed)
