@@ -355,7 +355,8 @@ def print_table(title: str, pd: dict[str, float], gl: dict[str, float],
     for label, key in ROWS:
         a, b = pd[key], gl[key]
         ratio = b / a if a and not math.isnan(a) else math.nan
-        flag = " " if abs(ratio - 1) <= TOLERANCE or key in INFO else "!"
+        # NaN (no sample, e.g. no request sent alone) is not a disagreement.
+        flag = " " if math.isnan(ratio) or abs(ratio - 1) <= TOLERANCE or key in INFO else "!"
         if flag == "!":
             off.append(key)
         fmt = "{:12.4f}" if "(s)" in label else "{:12.2f}"
