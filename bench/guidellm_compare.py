@@ -381,7 +381,7 @@ def main() -> None:
     resolved = resolve_model(None if args.model == "default" else args.model)
     model_dir = Path(resolved.path)
     wl = make_workload(model_dir, args.requests, args.prompt_tokens, args.output_tokens, args.concurrency, args.seed)
-    node_args = ["--num-threads", "1", "--num-kv-blocks", "1024", "--model-name", SERVED_NAME, "--no-prefix-caching"]
+    node_args = ["--dtype", "auto", "--num-threads", "1", "--num-kv-blocks", "1024", "--model-name", SERVED_NAME, "--no-prefix-caching"]
     with tempfile.TemporaryDirectory() as tmp, LocalCluster(Path(tmp), model_dir, node_args=node_args) as cluster:
         work = Path(tmp)
         data = work / "prompts.jsonl"
