@@ -5,9 +5,16 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import torch
+
 from kernels import BACKENDS
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
+# KV pool element types: "auto" = the model's dtype. fp8_e5m2 is the top byte of a float16 (same exponent
+# range, 2 mantissa bits), so it needs no scale; fp8_e4m3 (max 448) would need a calibrated per-layer scale
+# and is refused until it has one.
+KV_CACHE_DTYPES = ("auto", "fp8_e5m2", "fp8_e4m3")
+SUPPORTED_KV_CACHE_DTYPES = ("auto", "fp8_e5m2")
 
 
 @dataclass(frozen=True)
@@ -26,6 +33,7 @@ class EngineConfig:
     prefix_hash_seed: int = 0  # shared by every node of a cluster so prefix hashes agree
     seed: int = 0  # seeds the generator used by sampled requests without their own seed
     num_threads: int | None = None  # torch intra-op threads; None = leave torch's default
+    kv_cache_dtype: str = "auto"  # KV pool element type (KV_CACHE_DTYPES); must match across a cluster
 
     def __post_init__(self) -> None:
         checks = [
@@ -40,9 +48,27 @@ class EngineConfig:
             (self.max_num_batched_tokens >= self.block_size, "max_num_batched_tokens must be >= block_size"),
             (self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be >= 2"),
             (self.num_threads is None or self.num_threads >= 1, "num_threads must be >= 1"),
+            (self.kv_cache_dtype in KV_CACHE_DTYPES,
+             f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"),
+            (self.kv_cache_dtype in SUPPORTED_KV_CACHE_DTYPES,
+             f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported: e4m3 (max 448) needs a calibrated per-layer "
+             "scale that this engine does not compute; use fp8_e5m2 (no scale needed) or auto"),
+            (self.kv_cache_dtype == "auto" or (self.device == "cpu" and self.kernel_backend != "triton"),
+             f"kv_cache_dtype {self.kv_cache_dtype!r} is implemented for CPU KV pools and the cpu/torch kernels only "
+             f"(the Triton kernels read 16/32-bit pools); use kv_cache_dtype auto with device {self.device!r} and "
+             f"kernel_backend {self.kernel_backend!r}"),
         ]
         for ok, msg in checks:
             if not ok:
                 raise ValueError(f"EngineConfig: {msg}")
         if not os.path.isdir(self.model):
             raise ValueError(f"EngineConfig: model directory {self.model!r} does not exist")
+
+
+def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV pool's element type for a configured kv_cache_dtype ("auto" = the model's dtype)."""
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if kv_cache_dtype == "fp8_e5m2":
+        return torch.float8_e5m2
+    raise ValueError(f"unsupported kv_cache_dtype {kv_cache_dtype!r}")

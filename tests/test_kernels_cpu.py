@@ -101,3 +101,33 @@ def test_a_builder_killed_mid_build_does_not_block_later_starts() -> None:
     code = "from kernels.cpu_ops import load_extension; load_extension(); print('loaded')"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip() == "loaded", out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("bs", "d", "gh"), SHAPES[1::2])
+def test_fp8_e5m2_decode_matches_the_dequantized_reference(q_dtype: torch.dtype, bs: int, d: int,
+                                                            gh: tuple[int, int]) -> None:
+    """An fp8_e5m2 pool (AVX-512 rows for D 64/128, the portable loop for 80/32): the reference reads the
+    same fp8 values widened exactly, so the kernel must match it to float32 noise; against the unrounded
+    float32 pool it differs only by e5m2 rounding (2 mantissa bits: up to 12.5% per element)."""
+    g, hkv = gh
+    p = make_paged_problem(_lens(bs), hkv * g, hkv, d, bs, torch.float32, seed=bs * d + g + 7, poison_unused=True)
+    k8, v8 = p.k_cache.to(torch.float8_e5m2), p.v_cache.to(torch.float8_e5m2)  # NaN slots stay NaN
+    q = p.q.to(q_dtype)
+    expected = ref.decode_attention(q, k8, v8, p.block_tables, p.context_lens, p.scale)
+    out = OPS.decode_attention(q, k8, v8, p.block_tables, p.context_lens, p.scale)
+    assert out.dtype == q_dtype and out.shape == q.shape
+    torch.testing.assert_close(out.float(), expected, **tolerance(q_dtype))
+    unrounded = ref.decode_attention(q, p.k_cache, p.v_cache, p.block_tables, p.context_lens, p.scale)
+    err = (out.float() - unrounded).abs().max().item()
+    # a 1-token context returns its V row: error up to 1/8 of |v| (plus bf16 q rounding through the weights)
+    assert 0 < err < 0.2 * float(p.v_cache.nan_to_num().abs().max()), err
+
+
+def test_fp8_e5m2_splits_merge_exactly() -> None:
+    p = make_paged_problem([1, 40, 129, 300], 6, 2, 64, 16, torch.float32, seed=5)
+    k8, v8 = p.k_cache.to(torch.float8_e5m2), p.v_cache.to(torch.float8_e5m2)
+    expected = ref.decode_attention(p.q, k8, v8, p.block_tables, p.context_lens, p.scale)
+    for splits in (1, 3, 64):
+        out = OPS._ext.paged_decode(p.q.contiguous(), k8, v8, p.block_tables, p.context_lens, p.scale, splits)
+        torch.testing.assert_close(out, expected, **tolerance(torch.float32))
