@@ -9,9 +9,9 @@ import torch
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
-# KV pools the torch and CPU kernels read: the float dtypes, and fp8_e5m2 (widened to float32 on load).
-# The Triton kernels check FLOAT_DTYPES only.
-KV_DTYPES = (*FLOAT_DTYPES, torch.float8_e5m2)
+# KV pools the torch and CPU kernels read: the float dtypes, and the two fp8 formats (widened to float32 on
+# load). The Triton kernels check FLOAT_DTYPES only.
+KV_DTYPES = (*FLOAT_DTYPES, torch.float8_e5m2, torch.float8_e4m3fn)
 
 
 def check_rank(name: str, t: torch.Tensor, rank: int, layout: str) -> None:
