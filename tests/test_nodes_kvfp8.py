@@ -1,4 +1,4 @@
-"""The fp8_e5m2 KV cache across disaggregation (real etcd, real node processes, gloo on loopback, tiny
+"""The fp8 KV caches (e5m2 and e4m3, one cluster each) across disaggregation (real etcd, real node processes, gloo on loopback, tiny
 model in float32): a request prefilled on an fp8 prefill node and decoded on an fp8 decode node yields
 exactly the tokens of the same request prefilled on the decode node itself and of a single-process engine
 at fp8 (both sides round K/V to fp8 once, at the store, and the blocks travel as their bytes, checksummed);
@@ -21,21 +21,27 @@ pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("check_integrity
 
 BLOCK = 16
 NODE_ARGS = ["--dtype", "float32", "--num-threads", "1", "--num-kv-blocks", "256", "--block-size", str(BLOCK)]
-FP8 = ["--kv-cache-dtype", "fp8_e5m2"]
+KV_DTYPES = {"fp8_e5m2": "float8_e5m2", "fp8_e4m3": "float8_e4m3fn"}  # option -> pool dtype
 FALLBACKS = "pdserve_decode_local_prefill_fallbacks_total"
 REPREFILLS = "pdserve_decode_reprefills_total"
 CHECKSUM_FAILURES = "pdserve_decode_kv_checksum_failures_total"
 SENT_BYTES = "pdserve_kv_transfer_bytes_total"
 
 
+@pytest.fixture(scope="module", params=sorted(KV_DTYPES))
+def kv_dtype(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[LocalCluster]:
+def cluster(tmp_path_factory: pytest.TempPathFactory, model_dir: Path, kv_dtype: str) -> Iterator[LocalCluster]:
+    fp8 = ["--kv-cache-dtype", kv_dtype]
     with LocalCluster(tmp_path_factory.mktemp("kvfp8"), model_dir, node_args=NODE_ARGS) as c:
         c.start_etcd()
         c.wait_ready([
-            c.spawn_node("prefill", "p-fp8", FP8),
+            c.spawn_node("prefill", "p-fp8", fp8),
             c.spawn_node("prefill", "p-auto"),  # a float32 pool: the decode node's fp8 blocks do not fit it
-            c.spawn_node("decode", "d0", [*FP8, "--local-prefill-threshold", "0"]),
+            c.spawn_node("decode", "d0", [*fp8, "--local-prefill-threshold", "0"]),
         ])
         c.wait_registry(lambda m: {"p-fp8", "p-auto", "d0"} <= m.keys(), timeout_s=30, what="every node")
         yield c
@@ -43,9 +49,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterat
 
 
 @pytest.fixture(scope="module")
-def reference(model_dir: Path) -> LLMEngine:
+def reference(model_dir: Path, kv_dtype: str) -> LLMEngine:
     return LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=256, num_threads=1,
-                                  kv_cache_dtype="fp8_e5m2"))
+                                  kv_cache_dtype=kv_dtype))
 
 
 def _block_bytes(reference: LLMEngine) -> int:
@@ -77,7 +83,8 @@ def test_disaggregated_fp8_equals_colocated_fp8(cluster: LocalCluster, reference
     assert after[SENT_BYTES] - before[SENT_BYTES] == blocks * _block_bytes(reference)
 
 
-def test_a_prefill_node_with_another_kv_dtype_refuses(cluster: LocalCluster, reference: LLMEngine) -> None:
+def test_a_prefill_node_with_another_kv_dtype_refuses(cluster: LocalCluster, reference: LLMEngine,
+                                                      kv_dtype: str) -> None:
     greedy = SamplingParams(max_tokens=8, ignore_eos=True)
     prompt = random_prompt(90, seed=5)
     before = cluster.metric("d0", FALLBACKS, reason="refused")
@@ -86,4 +93,4 @@ def test_a_prefill_node_with_another_kv_dtype_refuses(cluster: LocalCluster, ref
     assert res.token_ids == reference.generate([prompt], greedy)[0].token_ids
     assert cluster.metric("d0", FALLBACKS, reason="refused") == before + 1
     assert cluster.metric("p-auto", SENT_BYTES) == 0
-    assert "kv dtype float8_e5m2 differs from this node's float32" in cluster.nodes["d0"].log_tail(20000)
+    assert f"kv dtype {KV_DTYPES[kv_dtype]} differs from this node's float32" in cluster.nodes["d0"].log_tail(20000)
