@@ -1,11 +1,15 @@
 """The fp8 KV caches (e5m2, e4m3) through the real tiny model (head dim 64: the C++ kernel's AVX-512 rows): greedy
 tokens from the C++ decode kernel equal the torch reference path's over the same fp8 pool, with ragged
 prompts, chunked prefill over cached prefixes and prefix-cache hits; the pool really is one byte per
-element (twice the blocks of a 16-bit pool in one budget); unsupported choices are refused at start."""
+element (twice the blocks of a 16-bit pool in one budget); unsupported choices are refused at start; the
+option reaches the nodes from `pdserve up` and works in `pdserve generate`."""
 
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -67,3 +71,26 @@ def test_fp8_pool_holds_twice_the_blocks_of_a_16_bit_one() -> None:
 def test_unsupported_kv_cache_dtypes_are_refused(kw: dict[str, str], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         EngineConfig(model=MODEL, **kw)  # type: ignore[arg-type]
+
+
+def test_pdserve_up_hands_the_kv_cache_dtype_to_every_node(tmp_path: Path) -> None:
+    """The launcher's node command lines parse, through the nodes' own CLIs, into engines with that dtype."""
+    from deploy.launcher.config import LauncherConfig
+    from deploy.launcher.process import Slot, command
+    from node.decode.config import DecodeNodeConfig
+    from node.prefill.config import PrefillNodeConfig
+
+    cfg = LauncherConfig(model=MODEL, kv_cache_dtype="fp8_e4m3", runs_dir=tmp_path)
+    for pool, parse in (("prefill", PrefillNodeConfig.from_argv), ("decode", DecodeNodeConfig.from_argv)):
+        argv = command(cfg, Slot(f"{pool[0]}0", pool, tmp_path / "log"), ["127.0.0.1:2379"], tmp_path)
+        node_config, _ = parse(argv[argv.index(f"node.{pool}") + 1 :])
+        assert node_config.engine.kv_cache_dtype == "fp8_e4m3"
+
+
+def test_cli_generate_with_an_fp8_kv_cache() -> None:
+    cmd = [sys.executable, "-m", "deploy", "generate", "--model", "tiny", "--prompt", "Hello there",
+           "--max-tokens", "8", "--kv-cache-dtype", "fp8_e4m3"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True)
+    assert "completion_tokens=8" in p.stderr and p.stdout.strip()
+    bad = subprocess.run([*cmd[:-1], "fp8"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "invalid choice: 'fp8'" in bad.stderr
