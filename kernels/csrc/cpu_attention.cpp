@@ -108,11 +108,11 @@ inline __m512 load16(const T* p) {
     const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     return _mm512_cvtph_ps(_mm256_slli_epi16(w, 8));
   } else if constexpr (std::is_same_v<T, at::Float8_e4m3fn>) {
-    // 16 bytes -> float16 bits (sign to bit 15, magnitude << 7) -> float32, times 2^8
-    const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8);
-    const __m256i mag = _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7F)), 7);
-    return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_or_si256(sign, mag)), _mm512_set1_ps(256.f));
+    // 16 bytes -> float16 bits -> float32, times 2^8. Sign-extending puts the sign in bits 8-15, so after
+    // the shift by 7 bit 15 is the sign and bit 14 a copy of it, which the mask clears.
+    const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m256i h = _mm256_and_si256(_mm256_slli_epi16(w, 7), _mm256_set1_epi16(static_cast<int16_t>(0xBFFF)));
+    return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.f));
   } else {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
