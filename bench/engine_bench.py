@@ -14,7 +14,10 @@ once, ignore_eos on. Prints, each as a ratio against a baseline measured in this
   any op (Python, scheduling), from the torch profiler.
 
     .venv/bin/python bench/engine_bench.py [--model DIR|tiny] [--dtype auto|float32|bfloat16]
-        [--requests 32] [--skip-hf-serial] [--skip-hf]
+        [--requests 32] [--skip-hf-serial] [--skip-hf] [--kv-cache-dtype auto,fp8_e5m2] [--steady-only]
+
+--kv-cache-dtype takes a comma-separated list: the steady decode (and its attention share) is measured for
+each in the same run; the other measurements use the first. --steady-only skips everything else.
 
 Default model: SmolLM2-135M-Instruct (fetched and imported on first use); default dtype: what
 `pdserve up` serves (bf16 on AVX512-BF16/AMX CPUs).
@@ -88,13 +91,13 @@ def model_cost(model_dir: str, dtype: torch.dtype) -> ModelCost:
     return ModelCost(2.0 * matmul_params, stored * size, mc.num_layers * 2 * kv * size)
 
 
-def make_engine(model_dir: str, dtype: str, n: int, **kw) -> LLMEngine:
+def make_engine(model_dir: str, dtype: str, n: int, **kw) -> LLMEngine:  # kw: more EngineConfig fields
     return LLMEngine(EngineConfig(model=model_dir, dtype=dtype, max_num_seqs=n, enable_prefix_caching=False,
                                   kv_cache_memory_bytes=2 << 30, **kw))
 
 
-def run_engine(model_dir: str, dtype: str, prompts, outs) -> float:
-    engine = make_engine(model_dir, dtype, len(prompts))
+def run_engine(model_dir: str, dtype: str, prompts, outs, kv_cache_dtype: str = "auto") -> float:
+    engine = make_engine(model_dir, dtype, len(prompts), kv_cache_dtype=kv_cache_dtype)
     for i, (p, o) in enumerate(zip(prompts, outs, strict=True)):
         engine.add_request(f"b{i}", p, SamplingParams(max_tokens=o, ignore_eos=True))
     t0 = time.perf_counter()
@@ -140,12 +143,13 @@ class SteadyResult:
     table: str
 
 
-def steady_decode(model_dir: str, dtype: str, n: int, ctx: int, vocab: int, steps: int = 12) -> SteadyResult:
+def steady_decode(model_dir: str, dtype: str, n: int, ctx: int, vocab: int, steps: int = 12,
+                  kv_cache_dtype: str = "auto") -> SteadyResult:
     """n sequences of `ctx` prompt tokens, all decoding; timed after every prefill is done."""
     from torch.profiler import ProfilerActivity, profile
 
     rng = random.Random(1)
-    engine = make_engine(model_dir, dtype, n)
+    engine = make_engine(model_dir, dtype, n, kv_cache_dtype=kv_cache_dtype)
     for i in range(n):
         engine.add_request(f"s{i}", [rng.randrange(3, vocab - 8) for _ in range(ctx)],
                            SamplingParams(max_tokens=2 * steps + 16, ignore_eos=True))
@@ -176,11 +180,12 @@ def steady_decode(model_dir: str, dtype: str, n: int, ctx: int, vocab: int, step
                         max(0.0, 1 - in_ops_main / prof_wall), table)
 
 
-def prefill_rate(model_dir: str, dtype: str, vocab: int, chunk: int = 512, chunks: int = 1, reps: int = 4) -> float:
+def prefill_rate(model_dir: str, dtype: str, vocab: int, chunk: int = 512, chunks: int = 1, reps: int = 4,
+                 kv_cache_dtype: str = "auto") -> float:
     """Prefill tokens/s of `chunks`-chunk prompts run in `chunk`-token steps, best of `reps` prompts (the
     first step of the engine warms up and is not counted)."""
     rng = random.Random(2)
-    engine = make_engine(model_dir, dtype, 4, max_num_batched_tokens=chunk)
+    engine = make_engine(model_dir, dtype, 4, max_num_batched_tokens=chunk, kv_cache_dtype=kv_cache_dtype)
     engine.add_request("warm", [rng.randrange(3, vocab - 8) for _ in range(chunk)], SamplingParams(max_tokens=1))
     while engine.has_unfinished():
         engine.step()
@@ -245,7 +250,11 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=512, help="prompt tokens per sequence in the steady decode")
     ap.add_argument("--skip-hf-serial", action="store_true", help="skip transformers one request at a time (slowest)")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--kv-cache-dtype", default="auto",
+                    help="comma-separated KV cache dtypes (auto, fp8_e5m2): a steady decode for each")
+    ap.add_argument("--steady-only", action="store_true", help="only the steady decode(s) and their step profile")
     args = ap.parse_args()
+    kv_dtypes = [k.strip() for k in args.kv_cache_dtype.split(",") if k.strip()]
     model_dir = str(resolve_model(args.model).path)
     mc = load_model_config(model_dir)
     choice = resolve_dtype(args.dtype, mc.dtype_name, "cpu")
@@ -262,8 +271,34 @@ def main() -> None:
     print(f"{dname} GEMM roofline ({256}x{mc.hidden_size}x{2 * mc.intermediate_size}): {peak / 1e9:.0f} GFLOP/s; "
           f"copy bandwidth {bw / 1e9:.1f} GB/s")
 
-    ours = run_engine(model_dir, dname, prompts, outs)
-    print(f"pdserve engine ({dname}):{'':<10}{ours:8.1f} tok/s")
+    if not args.steady_only:
+        throughput_and_prefill(args, model_dir, dname, dtype, cost, prompts, outs, peak, kv_dtypes[0])
+    tables = []
+    for kv_dtype in kv_dtypes:
+        st = steady_decode(model_dir, dname, args.requests, args.context, mc.vocab_size, kv_cache_dtype=kv_dtype)
+        peak = max(peak, gemm_rate(dtype, mc.hidden_size, mc.intermediate_size))  # conservative: best of two
+        flops = st.rate * cost.flop_per_token
+        kv_size = 1 if kv_dtype.startswith("fp8") else torch.finfo(dtype).bits // 8
+        kv_per_token = cost.kv_bytes_per_token // (torch.finfo(dtype).bits // 8) * kv_size
+        stream_s = (cost.weight_bytes + st.context_tokens * kv_per_token) / bw
+        print(f"steady decode, KV {kv_dtype}, {args.requests} sequences x ~{args.context} context: {st.rate:.1f} "
+              f"tok/s (target >= 600), step {1e3 * st.step_s:.1f} ms = {flops / 1e9:.1f} GFLOP/s = "
+              f"{100 * flops / peak:.1f}% of the {dname} GEMM roofline; streaming its bytes at copy bandwidth takes "
+              f"{1e3 * stream_s:.1f} ms ({100 * stream_s / st.step_s:.0f}% of the step)")
+        print(f"  attention + K/V store: {100 * st.attention_share:.1f}% of the step (target <= 15%); "
+              f"outside any op: {100 * st.outside_ops_share:.1f}% (target <= 10%)")
+        tables.append((kv_dtype, st.table))
+    for kv_dtype, table in tables:
+        print(f"where a steady decode step's CPU time goes, KV {kv_dtype} (torch profiler, 3 steps):")
+        print(table)
+
+
+def throughput_and_prefill(args: argparse.Namespace, model_dir: str, dname: str, dtype: torch.dtype,
+                           cost: ModelCost, prompts: list[list[int]], outs: list[int], peak: float,
+                           kv_dtype: str) -> None:
+    """The aggregate throughput against transformers, and the prefill rates."""
+    ours = run_engine(model_dir, dname, prompts, outs, kv_dtype)
+    print(f"pdserve engine ({dname}, KV {kv_dtype}):{'':<10}{ours:8.1f} tok/s")
     if not args.skip_hf:
         from transformers import AutoModelForCausalLM
 
@@ -284,23 +319,12 @@ def main() -> None:
         if best:
             print(f"pdserve vs best transformers mode at {dname}: {ours / best:.2f}x (target >= 3x)")
 
-    st = steady_decode(model_dir, dname, args.requests, args.context, mc.vocab_size)
-    peak = max(peak, gemm_rate(dtype, mc.hidden_size, mc.intermediate_size))  # conservative: best of two
-    flops = st.rate * cost.flop_per_token
-    stream_s = (cost.weight_bytes + st.context_tokens * cost.kv_bytes_per_token) / bw
-    print(f"steady decode, {args.requests} sequences x ~{args.context} context: {st.rate:.1f} tok/s "
-          f"(target >= 600), step {1e3 * st.step_s:.1f} ms = {flops / 1e9:.1f} GFLOP/s = {100 * flops / peak:.1f}% "
-          f"of the {dname} GEMM roofline; streaming its bytes at copy bandwidth takes {1e3 * stream_s:.1f} ms "
-          f"({100 * stream_s / st.step_s:.0f}% of the step)")
-    print(f"  attention + K/V store: {100 * st.attention_share:.1f}% of the step (target <= 15%); "
-          f"outside any op: {100 * st.outside_ops_share:.1f}% (target <= 10%)")
+    mc = load_model_config(model_dir)
     for chunks in (1, 4):
-        pre = prefill_rate(model_dir, dname, mc.vocab_size, chunks=chunks)
+        pre = prefill_rate(model_dir, dname, mc.vocab_size, chunks=chunks, kv_cache_dtype=kv_dtype)
         flop = cost.flop_per_token + attention_flop_per_token(model_dir, 512 * chunks)
         print(f"prefill of {512 * chunks}-token prompts in 512-token chunks: {pre:.0f} tok/s = {pre * flop / 1e9:.0f} "
               f"GFLOP/s with attention = {100 * pre * flop / peak:.0f}% of the {dname} GEMM roofline (target >= 50%)")
-    print("where a steady decode step's CPU time goes (torch profiler, 3 steps):")
-    print(st.table)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     model = str(resolve_model(args.model, StderrProgress()).path)
     t0 = time.perf_counter()
-    engine = LLMEngine(EngineConfig(model=model, dtype=args.dtype, kv_cache_memory_bytes=args.kv_memory_mib << 20))
+    engine = LLMEngine(EngineConfig(model=model, dtype=args.dtype, kv_cache_memory_bytes=args.kv_memory_mib << 20,
+                                    kv_cache_dtype=args.kv_cache_dtype))
     t_load = time.perf_counter() - t0
     prompt: str | list[int] = args.prompt
     if args.chat:
@@ -222,6 +223,8 @@ def _add_generate_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--chat", action="store_true", help="wrap the prompt as one user message (chat template)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--kv-memory-mib", type=int, default=512)
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e5m2", "fp8_e4m3"],
+                   help="KV cache element type (default auto: the model dtype; fp8_e5m2 halves bf16's bytes)")
     g.set_defaults(fn=_cmd_generate)
 
 
@@ -238,6 +241,8 @@ def _add_up_parser(sub: argparse._SubParsersAction) -> None:
     u.add_argument("--port", type=int, default=8000, help="frontend port (default 8000)")
     u.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     u.add_argument("--kv-memory", type=int, default=512, metavar="MIB", help="KV cache budget per node (MiB)")
+    u.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e5m2", "fp8_e4m3"],
+                   help="KV cache element type of every node (default auto: the model dtype; fp8_e5m2 halves bf16's bytes)")
     u.add_argument("--num-threads", type=int, default=None,
                    help="torch threads per node (default 1, or with --pin the node's CPU count)")
     u.add_argument("--pin", action="store_true",

@@ -5,9 +5,17 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import torch
+
 from kernels import BACKENDS
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
+# KV pool element types: "auto" = the model's dtype. fp8_e5m2 is the top byte of a float16 (float16's
+# exponent range, 2 mantissa bits). fp8_e4m3 (torch's float8_e4m3fn: 3 mantissa bits, |x| <= 448, subnormals
+# down to 2^-9) is stored unscaled (a fixed scale of 1), values beyond +-448 saturate: K/V of the models served
+# here stay far inside that range, and the extra mantissa bit halves the rounding error (bench/bf16_accuracy.py
+# measures both).
+KV_CACHE_DTYPES = ("auto", "fp8_e5m2", "fp8_e4m3")
 
 
 @dataclass(frozen=True)
@@ -26,6 +34,7 @@ class EngineConfig:
     prefix_hash_seed: int = 0  # shared by every node of a cluster so prefix hashes agree
     seed: int = 0  # seeds the generator used by sampled requests without their own seed
     num_threads: int | None = None  # torch intra-op threads; None = leave torch's default
+    kv_cache_dtype: str = "auto"  # KV pool element type (KV_CACHE_DTYPES); must match across a cluster
 
     def __post_init__(self) -> None:
         checks = [
@@ -40,9 +49,26 @@ class EngineConfig:
             (self.max_num_batched_tokens >= self.block_size, "max_num_batched_tokens must be >= block_size"),
             (self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be >= 2"),
             (self.num_threads is None or self.num_threads >= 1, "num_threads must be >= 1"),
+            (self.kv_cache_dtype in KV_CACHE_DTYPES,
+             f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"),
+            (self.kv_cache_dtype == "auto" or (self.device == "cpu" and self.kernel_backend != "triton"),
+             f"kv_cache_dtype {self.kv_cache_dtype!r} is implemented for CPU KV pools and the cpu/torch kernels only "
+             f"(the Triton kernels read 16/32-bit pools); use kv_cache_dtype auto with device {self.device!r} and "
+             f"kernel_backend {self.kernel_backend!r}"),
         ]
         for ok, msg in checks:
             if not ok:
                 raise ValueError(f"EngineConfig: {msg}")
         if not os.path.isdir(self.model):
             raise ValueError(f"EngineConfig: model directory {self.model!r} does not exist")
+
+
+def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV pool's element type for a configured kv_cache_dtype ("auto" = the model's dtype)."""
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if kv_cache_dtype == "fp8_e5m2":
+        return torch.float8_e5m2
+    if kv_cache_dtype == "fp8_e4m3":
+        return torch.float8_e4m3fn
+    raise ValueError(f"unsupported kv_cache_dtype {kv_cache_dtype!r}")

@@ -11,7 +11,7 @@ from functools import cached_property
 import torch
 
 from engine.block_manager import BlockManager, Reservation
-from engine.config import EngineConfig
+from engine.config import EngineConfig, kv_cache_torch_dtype
 from engine.detokenizer import IncrementalDetokenizer
 from engine.loader import load_model
 from engine.model_runner import ModelRunner, kv_block_bytes
@@ -125,10 +125,12 @@ class LLMEngine:
         self.tokenizer = Tokenizer(cfg.model)
         self.dtype = next(self.model.parameters()).dtype
         self.max_model_len = min(cfg.max_model_len or mc.max_model_len, mc.max_model_len)
-        block_bytes = kv_block_bytes(mc.num_layers, cfg.block_size, mc.num_kv_heads, mc.head_dim, self.dtype)
+        # An fp8 pool holds twice the blocks of a 16-bit one in the same budget; attention reads it as float32.
+        self.kv_dtype = kv_cache_torch_dtype(cfg.kv_cache_dtype, self.dtype)
+        block_bytes = kv_block_bytes(mc.num_layers, cfg.block_size, mc.num_kv_heads, mc.head_dim, self.kv_dtype)
         num_blocks = cfg.num_kv_blocks or max(2, cfg.kv_cache_memory_bytes // block_bytes)
         self.kv_cache = torch.zeros(
-            mc.kv_cache_shape(num_blocks, cfg.block_size), dtype=self.dtype, device=cfg.device
+            mc.kv_cache_shape(num_blocks, cfg.block_size), dtype=self.kv_dtype, device=cfg.device
         )  # [L, 2, NB, BS, Hkv, D]
         self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.prefix_hash_seed, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(

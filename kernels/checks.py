@@ -9,6 +9,9 @@ import torch
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
+# KV pools the torch and CPU kernels read: the float dtypes, and the two fp8 formats (widened to float32 on
+# load). The Triton kernels check FLOAT_DTYPES only.
+KV_DTYPES = (*FLOAT_DTYPES, torch.float8_e5m2, torch.float8_e4m3fn)
 
 
 def check_rank(name: str, t: torch.Tensor, rank: int, layout: str) -> None:
@@ -67,7 +70,7 @@ def check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         raise ValueError(f"k_cache and v_cache shapes differ: {tuple(k_cache.shape)} vs {tuple(v_cache.shape)}")
     if k_cache.dtype != v_cache.dtype:
         raise ValueError(f"k_cache and v_cache dtypes differ: {k_cache.dtype} vs {v_cache.dtype}")
-    check_dtype("k_cache", k_cache, FLOAT_DTYPES)
+    check_dtype("k_cache", k_cache, KV_DTYPES)
     check_unit_last_stride("k_cache", k_cache)
     check_unit_last_stride("v_cache", v_cache)
 

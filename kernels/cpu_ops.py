@@ -7,7 +7,8 @@ prefill (dominated by its matmuls) and the KV movement, and attends decode batch
 `csrc/cpu_attention.cpp`: one work item per (sequence, KV head, context split) walks the block table,
 converts each K/V row to float32 once for the G query heads of its KV head, and keeps an online softmax
 in float32. AVX-512 builds hold head dims 64 and 128 in registers; other head dims and machines take a
-compiler-vectorized loop.
+compiler-vectorized loop. Pools may be float32, bfloat16, float16, float8_e5m2 or float8_e4m3fn (one byte
+per element, half the DRAM traffic of bf16; both widened through float16 bits, see the source).
 
 The extension is compiled on first use with `torch.utils.cpp_extension` (g++ and ninja, about 30 s) for
 this machine's instruction set, and cached (`extension_dir`) keyed by source, flags and CPU; later loads

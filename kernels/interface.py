@@ -12,6 +12,11 @@ Wire format, layout version 1 (``pack_blocks``): the gathered blocks as one cont
 pool dtype, ordered ``[L, 2, n, BS, Hkv, D]`` for all layers or ``[2, n, BS, Hkv, D]`` for one layer,
 ``n`` = number of blocks in the order given. The receiver scatters it into its own block ids, so pools
 of different sizes interoperate as long as L, BS, Hkv, D and dtype agree.
+
+Pool dtypes: float32, bfloat16, float16, and float8_e5m2 / float8_e4m3fn (the `cpu` and `torch` backends
+only; values are rounded to fp8 by `store_kv`, e4m3 saturating at +-448, and widened exactly to float32 by
+every reader). An fp8 pool's wire buffer is
+the same bytes; transports that lack float8 types send it as a uint8 view.
 """
 
 from __future__ import annotations

@@ -71,9 +71,15 @@ def _gather(
     bk, s = c.stop - c.start, c.s_pad
     shape, stride = (bk, hkv, s, d), (s * hkv * d, d, hkv * d, 1)
     k, v = buf.as_strided(shape, stride), buf.as_strided(shape, stride, buf.storage_offset() + n_el)
-    if k.dtype != torch.float32:  # a half-precision pool: attend in float32 (copies)
+    if k.dtype != torch.float32:  # a half-precision or fp8 pool: attend in float32 (copies)
         k, v = k.float(), v.float()
     return k, v
+
+
+def _bytes_if_fp8(t: torch.Tensor) -> torch.Tensor:
+    """A uint8 view of a float8 tensor (same memory), else the tensor: torch's index_copy_ has no float8
+    kernel, and moving one-byte elements as bytes is exactly the same copy."""
+    return t.view(torch.uint8) if t.element_size() == 1 and t.dtype.is_floating_point else t
 
 
 def _zero_padding(k: torch.Tensor, v: torch.Tensor, c: _ChunkPlan) -> None:
@@ -146,8 +152,9 @@ class TorchOps(KernelOps):
         if not bool(valid.all()):
             key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
         slots = slot_mapping.long()
-        k_cache.view(nb * bs, h, d).index_copy_(0, slots, key.to(k_cache.dtype))
-        v_cache.view(nb * bs, h, d).index_copy_(0, slots, value.to(v_cache.dtype))
+        # an fp8 pool: the values are rounded to fp8 here (round to nearest even), then copied as bytes
+        _bytes_if_fp8(k_cache.view(nb * bs, h, d)).index_copy_(0, slots, _bytes_if_fp8(key.to(k_cache.dtype)))
+        _bytes_if_fp8(v_cache.view(nb * bs, h, d)).index_copy_(0, slots, _bytes_if_fp8(value.to(v_cache.dtype)))
 
     def decode_attention(
         self,
@@ -348,4 +355,4 @@ class TorchOps(KernelOps):
             raise ValueError(f"buffer must have wire-format shape {shape}, got {tuple(buffer.shape)}")
         dst = kv_cache if layer is None else kv_cache[layer]
         dim = 2 if layer is None else 1
-        dst.index_copy_(dim, block_ids.long(), buffer.to(dst.dtype))
+        _bytes_if_fp8(dst).index_copy_(dim, block_ids.long(), _bytes_if_fp8(buffer.to(dst.dtype)))

@@ -84,6 +84,7 @@ def store_kv(
     """Writes key[i]/value[i] into slot slot_mapping[i] of k_cache/v_cache. Changes only those slots.
     Slots must be distinct (two tokens writing one slot leave either value)."""
     check_cache_pair(k_cache, v_cache)
+    check_dtype("k_cache", k_cache, FLOAT_DTYPES)  # no fp8 loads in the Triton kernels
     for name, t in (("key", key), ("value", value)):
         check_rank(name, t, 3, "[N, Hkv, D]")
         check_dtype(name, t, FLOAT_DTYPES)

@@ -170,6 +170,7 @@ def paged_prefill_attention(
     check_dtype("q", q, FLOAT_DTYPES)
     check_unit_last_stride("q", q)
     check_cache_pair(k_cache, v_cache)
+    check_dtype("k_cache", k_cache, FLOAT_DTYPES)  # no fp8 loads in the Triton kernels
     check_dim("q", q, 2, k_cache.shape[3], "head dim of the cache")
     check_gqa(q.shape[1], k_cache.shape[2])
     check_rank("block_tables", block_tables, 2, "[B, MB]")

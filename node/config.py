@@ -10,7 +10,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.config import EngineConfig
+from engine.config import KV_CACHE_DTYPES, EngineConfig
 from node.affinity import parse_cpus
 from rpc import RpcSecurity, add_rpc_args, rpc_security_from_args
 from tracing import TracingConfig, add_tracing_args, tracing_config_from_args
@@ -99,6 +99,9 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
                         help="torch threads (default: the number of --cpus, else torch's default)")
     parser.add_argument("--cpus", default="", metavar="LIST",
                         help="pin the node to these CPUs, e.g. 0 or 0,2-3 (default: not pinned)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                        help="KV pool element type: auto (the model dtype) or fp8_e5m2 (half the bytes of bf16); "
+                             "prefill and decode nodes of a cluster must agree")
     parser.add_argument("--grpc-host", default="127.0.0.1")
     parser.add_argument("--grpc-port", type=int, default=0)
     parser.add_argument("--advertise-host", default="")
@@ -132,7 +135,7 @@ def node_kwargs(args: argparse.Namespace) -> dict[str, object]:
         num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching, prefix_hash_seed=args.prefix_hash_seed,
-        seed=args.seed, num_threads=num_threads,
+        seed=args.seed, num_threads=num_threads, kv_cache_dtype=args.kv_cache_dtype,
     )
     return dict(
         node_id=args.node_id, cluster=args.cluster,

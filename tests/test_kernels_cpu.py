@@ -101,3 +101,56 @@ def test_a_builder_killed_mid_build_does_not_block_later_starts() -> None:
     code = "from kernels.cpu_ops import load_extension; load_extension(); print('loaded')"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip() == "loaded", out.stderr[-2000:]
+
+
+FP8 = [torch.float8_e5m2, torch.float8_e4m3fn]
+
+
+@pytest.mark.parametrize("fp8", FP8)
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("bs", "d", "gh"), SHAPES[1::2])
+def test_fp8_decode_matches_the_dequantized_reference(fp8: torch.dtype, q_dtype: torch.dtype, bs: int, d: int,
+                                                      gh: tuple[int, int]) -> None:
+    """An fp8 pool (AVX-512 rows for D 64/128, the portable loop for 80/32): the reference reads the same
+    fp8 values widened exactly by torch, so the kernel must match it to float32 noise; against the unrounded
+    float32 pool it differs only by fp8 rounding (up to 12.5% per element for e5m2, 6.25% for e4m3)."""
+    g, hkv = gh
+    p = make_paged_problem(_lens(bs), hkv * g, hkv, d, bs, torch.float32, seed=bs * d + g + 7, poison_unused=True)
+    # unowned slots: NaN (e5m2), or +-448 (e4m3fn saturates): huge scores if read
+    k8, v8 = p.k_cache.nan_to_num(1e6).to(fp8), p.v_cache.nan_to_num(1e6).to(fp8)
+    q = p.q.to(q_dtype)
+    expected = ref.decode_attention(q, k8, v8, p.block_tables, p.context_lens, p.scale)
+    out = OPS.decode_attention(q, k8, v8, p.block_tables, p.context_lens, p.scale)
+    assert out.dtype == q_dtype and out.shape == q.shape
+    torch.testing.assert_close(out.float(), expected, **tolerance(q_dtype))
+    unrounded = ref.decode_attention(q, p.k_cache, p.v_cache, p.block_tables, p.context_lens, p.scale)
+    err = (out.float() - unrounded).abs().max().item()
+    # a 1-token context returns its V row: error up to 1/8 of |v| (plus bf16 q rounding through the weights)
+    assert 0 < err < 0.2 * float(p.v_cache.nan_to_num().abs().max()), err
+
+
+@pytest.mark.parametrize("fp8", FP8)
+def test_fp8_splits_merge_exactly(fp8: torch.dtype) -> None:
+    p = make_paged_problem([1, 40, 129, 300], 6, 2, 64, 16, torch.float32, seed=5)
+    k8, v8 = p.k_cache.to(fp8), p.v_cache.to(fp8)
+    expected = ref.decode_attention(p.q, k8, v8, p.block_tables, p.context_lens, p.scale)
+    for splits in (1, 3, 64):
+        out = OPS._ext.paged_decode(p.q.contiguous(), k8, v8, p.block_tables, p.context_lens, p.scale, splits)
+        torch.testing.assert_close(out, expected, **tolerance(torch.float32))
+
+
+def test_e4m3_widening_is_exact_for_every_byte() -> None:
+    """All 255 non-NaN e4m3fn bytes (subnormals, +-0, +-448) and every e5m2 byte but NaN/inf, as a 1-token
+    context whose V row is the byte pattern: the kernel returns that row exactly as torch widens it."""
+    for fp8 in FP8:
+        codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(fp8).float()  # [256]
+        codes = codes[codes.isfinite()]
+        d = 64
+        rows = torch.nn.functional.pad(codes, (0, -codes.numel() % d)).view(-1, 1, 1, d)  # [R, 1, 1, D]
+        v = rows.to(fp8)
+        k = torch.zeros_like(rows).to(fp8)
+        tables = torch.arange(rows.shape[0], dtype=torch.int32)[:, None]
+        lens = torch.ones(rows.shape[0], dtype=torch.int32)
+        q = torch.randn(rows.shape[0], 1, d)
+        out = OPS.decode_attention(q, k, v, tables, lens, 0.125)
+        assert torch.equal(out, rows.view(-1, 1, d)), fp8

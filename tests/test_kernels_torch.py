@@ -54,6 +54,28 @@ def test_prefill_matches_reference(dtype: torch.dtype, bs: int, d: int, g: int, 
         torch.testing.assert_close(out.float(), expected, **tolerance(dtype))
 
 
+@pytest.mark.parametrize("fp8", [torch.float8_e5m2, torch.float8_e4m3fn])
+@pytest.mark.parametrize(("bs", "d", "g", "hkv"), SHAPES[2::7])
+def test_fp8_pool_matches_the_dequantized_reference(fp8: torch.dtype, bs: int, d: int, g: int, hkv: int) -> None:
+    """Decode and prefill over an fp8 pool: the reference widens the same fp8 values, so only float32
+    summation noise separates them (the fp8 rounding itself is in both)."""
+    ctx = [bs + 3, 2 * bs, 3 * bs - 5, 1, 4 * bs]
+    q_lens = [bs + 3, 1, bs - 2, 1, 2 * bs]
+    for lens in (None, q_lens):
+        p = make_paged_problem(ctx, hkv * g, hkv, d, bs, torch.float32, q_lens=lens, seed=bs + d + g,
+                               poison_unused=d != 64)
+        k8, v8 = p.k_cache.to(fp8), p.v_cache.to(fp8)
+        for ops in OPS.values():
+            if lens is None:
+                expected = ref.decode_attention(p.q, k8, v8, p.block_tables, p.context_lens, p.scale)
+                out = ops.decode_attention(p.q, k8, v8, p.block_tables, p.context_lens, p.scale)
+            else:
+                expected = ref.prefill_attention(p.q, k8, v8, p.block_tables, p.cu_seqlens_q, p.context_lens,
+                                                 p.scale)
+                out = ops.prefill_attention(p.q, k8, v8, p.block_tables, p.cu_seqlens_q, p.context_lens, p.scale)
+            torch.testing.assert_close(out, expected, **tolerance(torch.float32))
+
+
 def test_prefill_with_an_idle_sequence() -> None:
     """A sequence with no new tokens (cu_seqlens repeats) contributes no rows and disturbs none."""
     p = make_paged_problem([9, 30, 4], 4, 2, 32, 8, torch.float32, q_lens=[3, 0, 4], seed=13)
@@ -107,7 +129,7 @@ def test_plan_chunks_bounds_padding_and_bytes() -> None:
     assert len(_plan_chunks([1, 5, 9, 20, 30, 31, 40], [1] * 7, row_bytes=512, chunk_bytes=1 << 20)) == 1
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e5m2, torch.float8_e4m3fn])
 def test_store_kv_matches_reference(dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(3)
     k_cache = torch.randn(5, 8, 2, 40, generator=gen).to(dtype)
@@ -115,14 +137,16 @@ def test_store_kv_matches_reference(dtype: torch.dtype) -> None:
     slots = torch.tensor([33, -1, 0, 7, 39, -1])
     key = torch.randn(6, 2, 40, generator=gen)
     value = torch.randn(6, 2, 40, generator=gen)
+    key[0, 0, :2] = torch.tensor([1e4, -1e4])  # beyond e4m3's +-448: saturates, never NaN
     k_expected, v_expected = k_cache.clone(), v_cache.clone()
     ref.store_kv(key, value, k_expected, v_expected, slots)
     TorchOps().store_kv(key, value, k_cache, v_cache, slots)
     assert torch.equal(k_cache, k_expected) and torch.equal(v_cache, v_expected)
+    assert not k_cache.float().isnan().any()
 
 
 @pytest.mark.parametrize("layer", [None, 0, 2])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float8_e5m2, torch.float8_e4m3fn])
 def test_pack_unpack_round_trip(layer: int | None, dtype: torch.dtype) -> None:
     ops = TorchOps()
     gen = torch.Generator().manual_seed(5)

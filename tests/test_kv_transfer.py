@@ -478,7 +478,8 @@ def test_idle_channels_close_and_lru_bound_holds(cluster: Cluster) -> None:
         assert c.peer.call("open") == {node: [] for node in DECODE_IDS}
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float8_e5m2,
+                                   torch.float8_e4m3fn])
 def test_hostcopy_matches_the_kernel_wire_format(dtype: torch.dtype) -> None:
     """The transfer's serial CPU copies produce exactly the kernel ops' wire format v1, both ways."""
     from kernels import get_kernel_ops

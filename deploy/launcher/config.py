@@ -46,6 +46,7 @@ class LauncherConfig:
     port: int = 8000
     dtype: str = "auto"
     kv_memory_mib: int = 512  # KV cache budget of each node
+    kv_cache_dtype: str = "auto"  # KV pool element type of every node (they must agree)
     # torch threads per node; None = 1 (several nodes share this machine's cores), or with `pin` the
     # size of the node's CPU set.
     num_threads: int | None = None
@@ -74,6 +75,7 @@ class LauncherConfig:
             (0 < self.port < 65536, f"--port must be in [1, 65535], got {self.port}"),
             (self.dtype in ("auto", "float32", "bfloat16", "float16"), f"bad --dtype {self.dtype!r}"),
             (self.kv_memory_mib >= 1, "--kv-memory must be >= 1 MiB"),
+            (self.kv_cache_dtype in ("auto", "fp8_e5m2", "fp8_e4m3"), f"bad --kv-cache-dtype {self.kv_cache_dtype!r}"),
             (self.num_threads is None or self.num_threads >= 1, "--num-threads must be >= 1"),
             (set(self.cpus) <= os.sched_getaffinity(0), f"--cpus {self.cpus} are not all usable here"),
             (not self.cpus or self.pin, "--cpus needs --pin"),
@@ -161,6 +163,7 @@ def build_config(args: Any, resolve_model: Callable[[str | None], ResolvedModel]
     return LauncherConfig(
         model=str(model.path), model_name=args.model_name or model.name, num_prefill=args.prefill,
         num_decode=args.decode, host=args.host, port=args.port, dtype=args.dtype, kv_memory_mib=args.kv_memory,
+        kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
         num_threads=args.num_threads, pin=bool(getattr(args, "pin", False)),
         cpus=parse_cpus(args.cpus) if getattr(args, "cpus", None) else (), cluster=args.cluster,
         runs_dir=Path(args.runs_dir) if args.runs_dir else default_runs_dir(), lease_ttl_s=args.lease_ttl,

@@ -5,7 +5,14 @@
 // softmax (running max and sum in float32). Splits of one sequence are merged by their log-sum-exp.
 // Work items are handed out dynamically, so ragged context lengths keep both cores busy.
 //
-// The cache element type is float32, bfloat16 or float16; all arithmetic is float32.
+// The cache element type is float32, bfloat16, float16, float8_e5m2 or float8_e4m3fn; all arithmetic is float32. An e5m2
+// byte is the top byte of a float16 (same sign/exponent layout, 2 of its 10 mantissa bits), so it widens
+// exactly as (uint16)b << 8 reinterpreted as float16: no scale, and the AVX-512 path reuses the F16C
+// conversion. An e4m3fn byte (bias 7, 3 mantissa bits) becomes exact float16 bits the same way: its 7
+// magnitude bits shifted left by 7 read as a float16 are the value times 2^-8, subnormals included (both
+// formats' subnormals line up), so widen and multiply by 256. (e4m3fn's NaN, 0x7F, reads as 480: the pool
+// never stores one, since torch's conversion saturates at +-448.) At one byte per element either halves the
+// DRAM traffic that bounds decode attention.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -28,6 +35,14 @@ inline float to_float(at::BFloat16 x) {
   return f;
 }
 inline float to_float(at::Half x) { return static_cast<float>(x); }
+inline float to_float(at::Float8_e5m2 x) {
+  return static_cast<float>(c10::Half(static_cast<uint16_t>(x.x) << 8, c10::Half::from_bits()));
+}
+inline float to_float(at::Float8_e4m3fn x) {
+  const uint16_t b = x.x;
+  const float mag = 256.f * static_cast<float>(c10::Half(static_cast<uint16_t>((b & 0x7F) << 7), c10::Half::from_bits()));
+  return (b & 0x80) ? -mag : mag;
+}
 
 template <typename T>
 inline void row_to_float(const T* __restrict src, float* __restrict dst, int64_t d) {
@@ -88,6 +103,16 @@ inline __m512 load16(const T* p) {
   } else if constexpr (std::is_same_v<T, at::BFloat16>) {
     const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+  } else if constexpr (std::is_same_v<T, at::Float8_e5m2>) {
+    // 16 bytes -> 16 float16 (each byte as the high byte) -> 16 float32
+    const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm512_cvtph_ps(_mm256_slli_epi16(w, 8));
+  } else if constexpr (std::is_same_v<T, at::Float8_e4m3fn>) {
+    // 16 bytes -> float16 bits -> float32, times 2^8. Sign-extending puts the sign in bits 8-15, so after
+    // the shift by 7 bit 15 is the sign and bit 14 a copy of it, which the mask clears.
+    const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m256i h = _mm256_and_si256(_mm256_slli_epi16(w, 7), _mm256_set1_epi16(static_cast<int16_t>(0xBFFF)));
+    return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.f));
   } else {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
@@ -330,6 +355,16 @@ torch::Tensor paged_decode(torch::Tensor q,             // [B, Hq, D] float32
     case at::kHalf:
       decode_kernel<at::Half>(q.data_ptr<float>(), k_cache.data_ptr<at::Half>(), v_cache.data_ptr<at::Half>(), tp, cp,
                               out.data_ptr<float>(), po, pl, B, Hq, Hkv, D, BS, MB, splits, blocks_per_split, scale);
+      break;
+    case at::kFloat8_e5m2:
+      decode_kernel<at::Float8_e5m2>(q.data_ptr<float>(), k_cache.data_ptr<at::Float8_e5m2>(),
+                                     v_cache.data_ptr<at::Float8_e5m2>(), tp, cp, out.data_ptr<float>(), po, pl, B, Hq,
+                                     Hkv, D, BS, MB, splits, blocks_per_split, scale);
+      break;
+    case at::kFloat8_e4m3fn:
+      decode_kernel<at::Float8_e4m3fn>(q.data_ptr<float>(), k_cache.data_ptr<at::Float8_e4m3fn>(),
+                                       v_cache.data_ptr<at::Float8_e4m3fn>(), tp, cp, out.data_ptr<float>(), po, pl, B,
+                                       Hq, Hkv, D, BS, MB, splits, blocks_per_split, scale);
       break;
     default:
       TORCH_CHECK(false, "unsupported cache dtype ", k_cache.scalar_type());
