@@ -241,6 +241,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
         rates = [r["rate"] for r in shape["runs"]]
         a1.plot(rates, [1000 * r["measured"]["tpot_p99"] for r in shape["runs"]], "o-", label=label)
         a2.plot(rates, [r["measured"]["goodput"] for r in shape["runs"]], "o-", label=label)
+    for slo in parse_slos(result["slo"]):
+        if slo.metric == "tpot":
+            a1.axhline(1000 * slo.threshold_s, ls="--", color="grey", label=f"SLO {slo.name}")
     a1.set(xlabel="offered rate (req/s)", ylabel="TPOT p99 (ms)", title=f"{result['workload']}: TPOT p99")
     a2.set(xlabel="offered rate (req/s)", ylabel="goodput (req/s within SLO)", title="goodput")
     for a in (a1, a2):
