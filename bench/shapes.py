@@ -79,7 +79,8 @@ class Measured:
 
 def figures(s: Summary) -> dict[str, float]:
     return {"ttft_p90": s.latency["ttft"].p90, "tpot_p99": s.latency["tpot"].p99,
-            "goodput": s.goodput_rate, "attainment": s.attainment, "errors": float(s.failed)}
+            "goodput": s.goodput_rate, "attainment": s.attainment, "errors": float(s.failed),
+            "meets_target": float(s.meets_target)}
 
 
 def profile_here(model: str, out: Path, cpu: int, quick: bool) -> Profile:
@@ -214,18 +215,11 @@ def compare(args: argparse.Namespace, name: str, rates: list[float], cpus: tuple
                      if pred else ""), flush=True)
             if not m.summary.meets_target and not args.full_sweep:
                 break
-        good = [r["rate"] for r in runs if r["measured"]["attainment"] >= args.attainment
-                and r["measured"]["errors"] == 0 and _slos_pass(r, slos)]
+        good = [r["rate"] for r in runs if r["measured"]["meets_target"]]
         out["shapes"][label] = {"runs": runs, "highest_rate_within_slo": max(good) if good else None}
     print("\n  highest rate within the SLOs: " + ", ".join(
         f"{k} {v['highest_rate_within_slo']}" for k, v in out["shapes"].items()), flush=True)
     return out
-
-
-def _slos_pass(run_: dict[str, Any], slos: list[SLO]) -> bool:
-    m = run_["measured"]
-    return all(not (s.metric == "ttft" and s.pct == 90) or m["ttft_p90"] <= s.threshold_s for s in slos) and \
-        all(not (s.metric == "tpot" and s.pct == 99) or m["tpot_p99"] <= s.threshold_s for s in slos)
 
 
 def plot(result: dict[str, Any], path: Path) -> None:

@@ -72,6 +72,12 @@ class NodeConfig:
             object.__setattr__(self, "model_name", Path(self.engine.model).name)
 
     @property
+    def prefills_every_prompt(self) -> bool:
+        """Whether this node prefills every prompt itself (a colocated decode node): its registry record
+        says so, so that its pool counts as ready without prefill nodes."""
+        return False
+
+    @property
     def grpc_public_host(self) -> str:
         return self.advertise_host or self.grpc_host
 

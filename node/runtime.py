@@ -164,7 +164,7 @@ async def _join(node: _Node) -> int | None:
         dtype=str(engine.dtype).removeprefix("torch."), block_size=config.engine.block_size,
         prefix_hash_seed=config.engine.prefix_hash_seed,
         capacity=NodeCapacity(engine.num_blocks, config.engine.max_num_seqs, config.engine.max_num_batched_tokens),
-        colocated=bool(getattr(config, "colocated", False)),  # a decode node kind's field
+        colocated=config.prefills_every_prompt,
     )
     try:
         await ctx.view.start(sync_timeout_s=config.join_timeout_s)

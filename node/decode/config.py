@@ -40,6 +40,10 @@ class DecodeNodeConfig(NodeConfig):
             if not ok:
                 raise ValueError(f"DecodeNodeConfig: {msg}")
 
+    @property
+    def prefills_every_prompt(self) -> bool:
+        return self.colocated
+
     @classmethod
     def from_argv(cls, argv: list[str] | None) -> tuple[DecodeNodeConfig, str]:
         """Parses the command line; returns the config and the log level."""
