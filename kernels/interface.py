@@ -28,6 +28,13 @@ import torch
 KV_LAYOUT_VERSION = 1
 
 
+def fp8_as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A uint8 view (same memory) of a float8 tensor, else the tensor itself. Copies and transports that
+    lack float8 kernels or types (torch's index_copy_, gloo) move an fp8 pool's elements as bytes, which
+    are exactly the same bits."""
+    return t.view(torch.uint8) if t.element_size() == 1 and t.dtype.is_floating_point else t
+
+
 class KernelOps(ABC):
     """Attention and KV-movement operations over a paged KV pool. Implementations never allocate
     pool memory; they only read it, or write the slots/blocks they are given."""

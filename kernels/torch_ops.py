@@ -30,7 +30,7 @@ from kernels.checks import (
     check_wire_buffer,
     wire_shape,
 )
-from kernels.interface import KernelOps
+from kernels.interface import KernelOps, fp8_as_bytes
 from kernels.torch_plan import AttentionPlan, _ChunkPlan, _plan_chunks, plan_sorted_chunks, sort_batch
 
 __all__ = ["AttentionPlan", "TorchOps", "_plan_chunks"]  # the plan lives in kernels.torch_plan
@@ -74,12 +74,6 @@ def _gather(
     if k.dtype != torch.float32:  # a half-precision or fp8 pool: attend in float32 (copies)
         k, v = k.float(), v.float()
     return k, v
-
-
-def _bytes_if_fp8(t: torch.Tensor) -> torch.Tensor:
-    """A uint8 view of a float8 tensor (same memory), else the tensor: torch's index_copy_ has no float8
-    kernel, and moving one-byte elements as bytes is exactly the same copy."""
-    return t.view(torch.uint8) if t.element_size() == 1 and t.dtype.is_floating_point else t
 
 
 def _zero_padding(k: torch.Tensor, v: torch.Tensor, c: _ChunkPlan) -> None:
@@ -153,8 +147,8 @@ class TorchOps(KernelOps):
             key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
         slots = slot_mapping.long()
         # an fp8 pool: the values are rounded to fp8 here (round to nearest even), then copied as bytes
-        _bytes_if_fp8(k_cache.view(nb * bs, h, d)).index_copy_(0, slots, _bytes_if_fp8(key.to(k_cache.dtype)))
-        _bytes_if_fp8(v_cache.view(nb * bs, h, d)).index_copy_(0, slots, _bytes_if_fp8(value.to(v_cache.dtype)))
+        fp8_as_bytes(k_cache.view(nb * bs, h, d)).index_copy_(0, slots, fp8_as_bytes(key.to(k_cache.dtype)))
+        fp8_as_bytes(v_cache.view(nb * bs, h, d)).index_copy_(0, slots, fp8_as_bytes(value.to(v_cache.dtype)))
 
     def decode_attention(
         self,
@@ -355,4 +349,4 @@ class TorchOps(KernelOps):
             raise ValueError(f"buffer must have wire-format shape {shape}, got {tuple(buffer.shape)}")
         dst = kv_cache if layer is None else kv_cache[layer]
         dim = 2 if layer is None else 1
-        _bytes_if_fp8(dst).index_copy_(dim, block_ids.long(), _bytes_if_fp8(buffer.to(dst.dtype)))
+        fp8_as_bytes(dst).index_copy_(dim, block_ids.long(), fp8_as_bytes(buffer.to(dst.dtype)))

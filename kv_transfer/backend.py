@@ -21,15 +21,8 @@ from typing import Any
 import torch
 from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo, TCPStore
 
+from kernels.interface import fp8_as_bytes
 from kv_transfer.types import ChannelError, ChannelKey, NodeAddress
-
-
-def wire_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """A uint8 view (same memory) of a one-byte float tensor, else the tensor: gloo has no float8 types,
-    and sending an fp8 pool's blocks as bytes moves exactly the same bits."""
-    if tensor.element_size() == 1 and tensor.dtype.is_floating_point:
-        return tensor.view(torch.uint8)
-    return tensor
 
 
 class TransferTimeout(ChannelError):
@@ -101,10 +94,10 @@ class GlooPair(PairGroup):
         return self._pg
 
     def isend(self, tensor: torch.Tensor, peer: int, tag: int) -> PendingOp:
-        return _GlooOp(self._live().send([wire_bytes(tensor)], peer, tag), "send")
+        return _GlooOp(self._live().send([fp8_as_bytes(tensor)], peer, tag), "send")
 
     def irecv(self, tensor: torch.Tensor, peer: int, tag: int) -> PendingOp:
-        return _GlooOp(self._live().recv([wire_bytes(tensor)], peer, tag), "recv")
+        return _GlooOp(self._live().recv([fp8_as_bytes(tensor)], peer, tag), "recv")
 
     def abort(self) -> None:
         pg = self._pg
