@@ -6,7 +6,10 @@ measurement, in one run on this machine.
 
 1. Profile (unless `--profile` gives one): `pdserve profile` pinned to one CPU with one torch thread, the
    cost of one node in every shape below (each node runs on one core).
-2. `--validate`: for each workload, the planner (`planner.plan`, the simulator) finds each shape's highest
+2. `--validate`: first the serving overheads the profile's engine steps leave out (`calibrate_overheads`:
+   the nodes' CPU around their steps, the frontend's and the load generator's latency and CPU, which
+   here share the nodes' cores), measured on other traffic than the validated runs'; then for each
+   workload the planner (`planner.plan`, the simulator) finds each shape's highest
    rate within the workload's SLOs (at most 2 nodes, a core each), then plans at a rate between the two
    best shapes' highest rates, where one fits and the other does not; the recommended shape and that
    alternative are each
@@ -27,9 +30,13 @@ go to `--out` as JSON (and a PNG of TPOT p99 and goodput against rate with `--co
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import math
 import os
+import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -49,7 +56,7 @@ from loadgen.runner import LoadConfig, run  # noqa: E402
 from loadgen.workload import WorkloadConfig, parse_dist  # noqa: E402
 from planner.plan import PlanConfig, Planner  # noqa: E402
 from planner.profile_model import Profile, load_profile  # noqa: E402
-from planner.sim import Shape  # noqa: E402
+from planner.sim import Overheads, Shape, SimRequest, simulate  # noqa: E402
 from planner.traffic import Traffic  # noqa: E402
 from tests.up_cluster import UpCluster  # noqa: E402
 
@@ -94,6 +101,139 @@ def profile_here(model: str, out: Path, cpu: int, quick: bool) -> Profile:
     return load_profile(out)
 
 
+@dataclass
+class CpuUse:
+    """CPU seconds used so far: the load generator and the cluster's processes other than its nodes (the
+    launcher, etcd, the frontend and its worker processes) as "host"; each node's outside its busiest
+    thread (the engine thread, which runs the steps the profile times)."""
+
+    host: float = 0.0
+    prefill_outside_steps: float = 0.0
+    decode_outside_steps: float = 0.0
+
+    def __sub__(self, other: CpuUse) -> CpuUse:
+        return CpuUse(self.host - other.host, self.prefill_outside_steps - other.prefill_outside_steps,
+                      self.decode_outside_steps - other.decode_outside_steps)
+
+    @classmethod
+    def now(cls, up: UpCluster) -> CpuUse:
+        import psutil
+
+        own = resource.getrusage(resource.RUSAGE_SELF)
+        use = cls(host=own.ru_utime + own.ru_stime)
+        kinds: dict[int, str] = {}
+        for pid, cmdline in up.processes().items():
+            kind = "prefill" if " node.prefill " in cmdline else "decode" if " node.decode " in cmdline else "host"
+            with contextlib.suppress(psutil.NoSuchProcess):
+                for p in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]:
+                    if kinds.get(p.pid, "host") == "host":  # the launcher's children include the nodes
+                        kinds[p.pid] = kind
+        for pid, kind in kinds.items():
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc = psutil.Process(pid)
+                if kind == "host":
+                    t = proc.cpu_times()
+                    use.host += t.user + t.system
+                    continue
+                threads = [t.user_time + t.system_time for t in proc.threads()]
+                outside = sum(threads) - max(threads)
+                if kind == "prefill":
+                    use.prefill_outside_steps += outside
+                else:
+                    use.decode_outside_steps += outside
+        return use
+
+
+ALONE_PROMPTS = (128, 1024)  # prompt lengths whose TTFT alone fits the latency
+
+
+@dataclass
+class ClusterCosts:
+    """One shape's measured costs beyond the engine steps (seconds of CPU), and one request's TTFT alone."""
+
+    host_per_request: float
+    host_per_token: float
+    prefill_per_request: float
+    decode_per_request: float
+    decode_per_token: float
+    ttft_alone: dict[int, float]  # prompt tokens -> TTFT p50 of such requests sent one at a time
+    note: str
+
+
+def cluster_costs(model: str, shape: Shape, cpus: tuple[int, ...], workdir: Path) -> ClusterCosts:
+    """`shape` pinned to `cpus` (the frontend and the load generator float over every CPU, as in the
+    measured shapes), with other traffic than the validated runs': CPU by process for two loads, short
+    and long outputs, solved for the cost per request and per streamed token; then 128-token prompts one
+    at a time."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    up = UpCluster.start(workdir, up_args(model, shape, cpus), timeout_s=600)
+    try:
+        target = Target(api_base(up.base_url), "", "completions", None, True, 0.0)
+
+        def load(output: int, n: int, concurrency: int, seed: int, prompt: int = 128) -> tuple[Summary, CpuUse]:
+            # a seed of its own for each load: no prompt hits the prefix cache
+            wl = WorkloadConfig(parse_dist(str(prompt)), parse_dist(str(output)), seed=seed, tokenizer=model)
+            before = CpuUse.now(up)
+            res = run(LoadConfig(target, wl, concurrency=concurrency, max_requests=n, timeout_s=600.0,
+                                 progress=False))
+            if res.summary.failed:
+                raise RuntimeError(f"calibration load failed: {res.summary.errors}")
+            return res.summary, CpuUse.now(up) - before
+
+        load(4, 4, 1, seed=1000)  # warm-up
+        short, cpu_short = load(8, 32, 4, seed=1001)
+        long, cpu_long = load(128, 32, 8, seed=1002)
+        alone = {prompt: load(2, 6, 1, seed=1003 + i, prompt=prompt)[0].latency["ttft"].p50
+                 for i, prompt in enumerate(ALONE_PROMPTS)}
+    finally:
+        try:
+            up.interrupt(timeout_s=120)
+        finally:
+            up.close()
+    (n1, t1), (n2, t2) = ((x.succeeded, x.output_tokens) for x in (short, long))
+
+    def per_request_and_token(c1: float, c2: float) -> tuple[float, float]:
+        # c = requests * per_request + tokens * per_token, for both loads
+        per_token = max(0.0, (n1 * c2 - n2 * c1) / (n1 * t2 - n2 * t1))
+        return max(0.0, (c1 - t1 * per_token) / n1), per_token
+
+    host = per_request_and_token(cpu_short.host, cpu_long.host)
+    decode = per_request_and_token(cpu_short.decode_outside_steps, cpu_long.decode_outside_steps)
+    prefill = (cpu_short.prefill_outside_steps + cpu_long.prefill_outside_steps) / (n1 + n2)
+    note = (f"{shape.label}: host {host[0] * 1e3:.2f} ms a request + {host[1] * 1e3:.3f} ms a token, decode node "
+            f"{decode[0] * 1e3:.2f} ms + {decode[1] * 1e3:.3f} ms"
+            + (f", prefill node {prefill * 1e3:.2f} ms a prompt" if shape.prefill else "")
+            + "; TTFT alone " + ", ".join(f"{v * 1e3:.1f} ms at {k} tokens" for k, v in alone.items()))
+    return ClusterCosts(*host, prefill, *decode, alone, note)
+
+
+def calibrate_overheads(model: str, profile: Profile, cpus: tuple[int, ...], workdir: Path) -> Overheads:
+    """What serving costs here beyond the profile's engine steps (`planner.sim.Overheads`): `cluster_costs`
+    of 1P+1D on cpus[0] and cpus[1] (remote prefills) and of one colocated node on cpus[0] (local
+    prefills). The latency is the client's TTFT of a request alone less its simulated TTFT."""
+    print(f"measuring serving overheads beyond the engine steps on CPUs {cpus[:2]}", flush=True)
+    remote = cluster_costs(model, Shape(1, 1), cpus[:2], workdir / "remote")
+    print(f"  {remote.note}", flush=True)
+    local = cluster_costs(model, Shape(0, 1), cpus[:1], workdir / "local")
+    print(f"  {local.note}", flush=True)
+    partial = Overheads(prefill_cpu_per_request_s=remote.prefill_per_request,
+                        decode_cpu_per_remote_request_s=remote.decode_per_request,
+                        decode_cpu_per_local_request_s=local.decode_per_request,
+                        decode_cpu_per_token_s=(remote.decode_per_token + local.decode_per_token) / 2)
+    # measured less simulated TTFT of a request alone, fitted as a + b * prompt tokens over both shapes
+    points = [(n, ttft - simulate(profile, shape, [SimRequest(0, 0.0, n, 2)], overheads=partial).records[0].ttft_s)
+              for costs, shape in ((remote, Shape(1, 1)), (local, Shape(0, 1))) for n, ttft in costs.ttft_alone.items()]
+    lo, hi = ALONE_PROMPTS
+    gap = {n: statistics.mean(g for m, g in points if m == n) for n in ALONE_PROMPTS}
+    per_token = max(0.0, (gap[hi] - gap[lo]) / (hi - lo))
+    overheads = dataclasses.replace(
+        partial, latency_s=max(0.0, gap[lo] - per_token * lo), latency_per_prompt_token_s=per_token,
+        host_cpu_per_request_s=(remote.host_per_request + local.host_per_request) / 2,
+        host_cpu_per_token_s=(remote.host_per_token + local.host_per_token) / 2, host_cores=len(cpus))
+    print(f"  overheads: {overheads}", flush=True)
+    return overheads
+
+
 def up_args(model: str, shape: Shape, cpus: tuple[int, ...]) -> list[str]:
     return ["--model", model, "--prefill", str(shape.prefill), "--decode", str(shape.decode), "--pin",
             "--cpus", ",".join(map(str, cpus)), "--lease-ttl", "2"]
@@ -131,15 +271,15 @@ def _ratio(measured: float, predicted: float) -> float:
     return measured / predicted
 
 
-def validate(args: argparse.Namespace, profile: Profile, cpus: tuple[int, ...], workdir: Path,
-             ) -> list[dict[str, Any]]:
+def validate(args: argparse.Namespace, profile: Profile, overheads: Overheads | None, cpus: tuple[int, ...],
+             workdir: Path) -> list[dict[str, Any]]:
     rows = []
     for name in args.validate:
         prompt, output, slo_text = WORKLOADS[name]
         slos = parse_slos(args.slo or slo_text)
         traffic = Traffic.parse(prompt, output, seed=args.seed)
         sweep = Planner(PlanConfig(profile, slos, args.attainment, len(cpus), None, True, traffic,
-                                   requests=args.sim_requests)).run()
+                                   requests=args.sim_requests, overheads=overheads)).run()
         by_max = sorted(sweep.results, key=lambda r: r.max_rate or 0.0, reverse=True)
         top, runner = by_max[0].max_rate or 0.0, by_max[1].max_rate or 0.0
         if top <= 0:
@@ -149,7 +289,10 @@ def validate(args: argparse.Namespace, profile: Profile, cpus: tuple[int, ...], 
         # and the other does not, which the measurement confirms or refutes.
         rate = float(f"{math.sqrt(top * runner) if runner > 0 else 0.7 * top:.3g}")
         plan = Planner(PlanConfig(profile, slos, args.attainment, len(cpus), rate, False, traffic,
-                                  requests=args.requests)).run()
+                                  requests=args.requests, overheads=overheads)).run()
+        # the same simulation without the overheads, for the record: what modelling them changed
+        bare = Planner(PlanConfig(profile, slos, args.attainment, len(cpus), rate, False, traffic,
+                                  requests=args.requests))
         by_label = {r.shape.label: r for r in plan.results}
         rec = plan.recommended or by_label[by_max[0].shape.label]
         alt = by_label[by_max[1].shape.label] if rec.shape.label != by_max[1].shape.label \
@@ -167,11 +310,14 @@ def validate(args: argparse.Namespace, profile: Profile, cpus: tuple[int, ...], 
                "shapes": []}
         for res in (rec, alt):
             pred, meas = figures(res.at_rate.summary), measured[res.shape.label].figures()
+            pred_bare = figures(bare.simulate(res.shape, rate).summary)
             entry = {"shape": res.shape.label, "recommended": res is rec, "predicted": pred, "measured": meas,
-                     "ratio": {k: _ratio(meas[k], pred[k]) for k in ("ttft_p90", "tpot_p99", "goodput")}}
+                     "ratio": {k: _ratio(meas[k], pred[k]) for k in ("ttft_p90", "tpot_p99", "goodput")},
+                     "predicted_without_overheads": pred_bare}
             out["shapes"].append(entry)
             print(f"  {res.shape.label:<6}{' (rec)' if res is rec else '      '} "
-                  + "  ".join(f"{k} pred {pred[k]:.3f} meas {meas[k]:.3f} (x{entry['ratio'][k]:.2f})"
+                  + "  ".join(f"{k} pred {pred[k]:.3f} meas {meas[k]:.3f} (x{entry['ratio'][k]:.2f}; "
+                              f"x{_ratio(meas[k], pred_bare[k]):.2f} without overheads)"
                               for k in ("ttft_p90", "tpot_p99", "goodput"))
                   + f"  attainment pred {pred['attainment']:.2f} meas {meas['attainment']:.2f}", flush=True)
         meas_order = sorted((rec, alt), key=lambda r: rank_key(r.shape, measured[r.shape.label].summary),
@@ -262,6 +408,8 @@ def main() -> int:
     ap.add_argument("--slo", default="", help="override every workload's SLOs, e.g. ttft_p90=4s,tpot_p99=150ms")
     ap.add_argument("--attainment", type=float, default=0.9)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-overheads", action="store_true",
+                    help="--validate: simulate the profile's engine steps alone (skips measuring the overheads)")
     ap.add_argument("--out", default="shapes-result", help="directory for JSON and plots")
     args = ap.parse_args()
     args.model = str(resolve_model(args.model).path)
@@ -291,7 +439,12 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="shapes-") as tmp:
         if args.validate:
             assert profile is not None
-            result["validation"] = validate(args, profile, cpus, Path(tmp))
+            overheads = None if args.no_overheads else calibrate_overheads(args.model, profile, cpus,
+                                                                            Path(tmp) / "overheads")
+            if overheads is not None:
+                overheads.save(out / "overheads.json")
+                result["overheads"] = dataclasses.asdict(overheads)
+            result["validation"] = validate(args, profile, overheads, cpus, Path(tmp))
         result["compare"] = []
         for name, rates in compares:
             result["compare"].append(compare(args, name, rates, cpus, Path(tmp), profile))

@@ -56,6 +56,10 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     n.add_argument("--max-num-seqs", type=int, default=None)
     n.add_argument("--max-num-batched-tokens", type=int, default=None)
     n.add_argument("--num-kv-blocks", type=int, default=None)
+    n.add_argument("--overheads", default=None, metavar="FILE.json",
+                   help="costs beyond the profile's engine steps (node CPU around steps, the frontend's latency "
+                        "and CPU when it shares the nodes' cores), as `bench/shapes.py` measures them; "
+                        "default: none")
     o = p.add_argument_group("output")
     o.add_argument("--values-out", default=None, metavar="FILE.yaml",
                    help="write the recommended replica counts (prefill.replicas, decode.replicas) for deploy/k8s")

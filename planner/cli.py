@@ -16,7 +16,7 @@ from rich.table import Table
 from loadgen.metrics import parse_slos
 from planner.plan import Plan, PlanConfig, Planner, ShapeResult, write_values
 from planner.profile_model import load_profile
-from planner.sim import NodeSettings, SimResult
+from planner.sim import NodeSettings, SimResult, load_overheads
 from planner.traffic import Traffic, trace_requests
 
 
@@ -48,8 +48,9 @@ def config_from_args(args: argparse.Namespace) -> PlanConfig:
     settings = NodeSettings.of(profile, local_prefill_threshold=args.local_prefill_threshold,
                                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                num_kv_blocks=args.num_kv_blocks)
+    overheads = load_overheads(args.overheads) if args.overheads else None
     return PlanConfig(profile, parse_slos(args.slo), args.attainment, args.max_nodes, args.rate, args.sweep,
-                      traffic, trace, args.requests, settings)
+                      traffic, trace, args.requests, settings, overheads)
 
 
 def _ms(x: float) -> str:

@@ -19,7 +19,7 @@ import yaml
 
 from loadgen.metrics import SLO
 from planner.profile_model import Profile
-from planner.sim import NodeSettings, Shape, SimRequest, SimResult, simulate
+from planner.sim import NodeSettings, Overheads, Shape, SimRequest, SimResult, simulate
 from planner.traffic import Traffic
 
 # How finely the sweep brackets a shape's highest rate: it stops when hi / lo is within this factor.
@@ -41,6 +41,7 @@ class PlanConfig:
     trace: list[SimRequest] | None = None
     requests: int = 400
     settings: NodeSettings | None = None
+    overheads: Overheads | None = None  # costs beyond the profile's engine steps (none by default)
 
     def __post_init__(self) -> None:
         if (self.traffic is None) == (self.trace is None):
@@ -151,7 +152,8 @@ class Planner:
 
     def simulate(self, shape: Shape, rate: float) -> SimResult:
         cfg = self.cfg
-        return simulate(cfg.profile, shape, self.requests_at(rate), cfg.slos, cfg.attainment, cfg.settings, rate)
+        return simulate(cfg.profile, shape, self.requests_at(rate), cfg.slos, cfg.attainment, cfg.settings, rate,
+                        cfg.overheads)
 
     def run(self) -> Plan:
         """Every shape at the target rate (and swept, with --sweep); the recommendation."""

@@ -15,10 +15,15 @@ the cluster's do):
   free blocks), the prefill node batches prompts into chunked steps under the same token budget, the
   first token is the client's first token, then the K/V ship over the (prefill, decode) pair channel,
   one transfer at a time per pair, and the sequence joins the decode batch;
-- a step's time: `Profile.step_s` (fixed cost + decodes + K/V read + prefill tokens + attention).
+- a step's time: `Profile.step_s` (fixed cost + decodes + K/V read + prefill tokens + attention);
+- `Overheads`, what a profile's engine steps leave out: a node's own CPU around its steps (per prompt on
+  a prefill node, per request and per streamed token on a decode node) added to the step that causes it; the frontend's
+  and clients' latency, added to every token's arrival; and, when they share the nodes' cores, their CPU
+  per request and per streamed token taken from the nodes' steps (each step stretched by the share of
+  a core they used over the last second).
 
 Not modelled: prefix-cache hits, the prefill node's own KV capacity, network contention between pairs,
-the frontend's CPU, failures. Output: one `loadgen.client.RequestRecord` a request, summarised by
+failures. Output: one `loadgen.client.RequestRecord` a request, summarised by
 `loadgen.metrics.summarize` (the same TTFT/TPOT/ITL/e2e, SLO, attainment and goodput definitions as
 `pdserve bench`). The nodes are in `planner.sim_nodes`. Deterministic: no clock and no randomness beyond the workload's seeded draws.
 """
@@ -27,13 +32,16 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import json
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from loadgen.client import RequestRecord
 from loadgen.metrics import SLO, Summary, summarize
 from planner.profile_model import Profile
-from planner.sim_nodes import DecodeNode, PrefillNode, Seq
+from planner.sim_nodes import DecodeNode, PrefillNode, Seq, Stepper
 
 
 @dataclass(frozen=True)
@@ -97,6 +105,60 @@ class NodeSettings:
         return cls(**base)
 
 
+@dataclass(frozen=True)
+class Overheads:
+    """What serving costs beyond the engine steps a profile times: the nodes' own work around their steps
+    (gRPC, KV sends and receives, streaming), and the processes outside the nodes on a request's path (the
+    frontend, the clients: "host"). The default costs nothing. `bench/shapes.py` measures them here."""
+
+    latency_s: float = 0.0  # added to every token's arrival at the client (HTTP, tokenizing, gRPC hops)
+    latency_per_prompt_token_s: float = 0.0  # and per prompt token (tokenizing, the request's bytes)
+    prefill_cpu_per_request_s: float = 0.0  # a prefill node's CPU outside its engine steps, per prompt
+    decode_cpu_per_remote_request_s: float = 0.0  # a decode node's CPU outside its steps, per request prefilled
+    decode_cpu_per_local_request_s: float = 0.0  # elsewhere (reserving, receiving K/V) or here
+    decode_cpu_per_token_s: float = 0.0  # and per streamed token
+    host_cpu_per_request_s: float = 0.0  # the frontend's and clients' CPU per request
+    host_cpu_per_token_s: float = 0.0  # and per streamed token
+    host_cores: int = 0  # cores the nodes share with them (0: they have their own); a node has a core of its own
+
+    WINDOW_S = 1.0  # a step is stretched by the host CPU of the last second
+    MAX_SHARE = 0.5  # a node's thread and a runnable host thread on one core each get half of it
+
+    def __post_init__(self) -> None:
+        costs = (self.latency_s, self.latency_per_prompt_token_s, self.prefill_cpu_per_request_s,
+                 self.decode_cpu_per_remote_request_s, self.decode_cpu_per_local_request_s, self.decode_cpu_per_token_s,
+                 self.host_cpu_per_request_s, self.host_cpu_per_token_s, self.host_cores)
+        if min(costs) < 0:
+            raise ValueError(f"overheads must be >= 0: {self}")
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(asdict(self), indent=1) + "\n", encoding="utf-8")
+
+    @property
+    def host_shares_cores(self) -> bool:
+        return self.host_cores > 0 and (self.host_cpu_per_request_s > 0 or self.host_cpu_per_token_s > 0)
+
+    def host_share(self, shape: Shape, prefill_node: bool, cpu_per_s: float) -> float:
+        """The fraction of one node's core the host processes take when they use `cpu_per_s` CPU seconds
+        a second. They use the cores no node has first; the rest lands on the prefill nodes of a
+        disaggregated shape (a decode node steps back to back while it has sequences, a prefill node
+        sleeps between prompts, so the scheduler wakes the frontend and clients on its core and they share
+        it once a prompt comes), and on every node of a colocated one."""
+        need = cpu_per_s - max(0, self.host_cores - shape.nodes)
+        if not self.host_shares_cores or need <= 0 or (shape.prefill and not prefill_node):
+            return 0.0
+        return min(self.MAX_SHARE, need / (shape.prefill or shape.decode))
+
+
+def load_overheads(path: str | Path) -> Overheads:
+    """Reads an `Overheads` JSON file (`Overheads.save`). Raises ValueError (bad content) or OSError."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        return Overheads(**data)
+    except (json.JSONDecodeError, TypeError) as err:
+        raise ValueError(f"{path}: not an overheads file: {err}") from None
+
+
 class _Events:
     """The event queue: callbacks ordered by time, then by scheduling order (deterministic ties)."""
 
@@ -129,9 +191,11 @@ class Simulation:
     """One run of `requests` on `shape`. Build, then `run()` once."""
 
     def __init__(self, profile: Profile, shape: Shape, requests: list[SimRequest],
-                 settings: NodeSettings | None = None) -> None:
+                 settings: NodeSettings | None = None, overheads: Overheads | None = None) -> None:
         self.profile, self.shape = profile, shape
         self.settings = settings or NodeSettings.of(profile)
+        self.overheads = overheads or Overheads()
+        self._host_cpu: deque[tuple[float, float]] = deque()  # (when, host CPU seconds) of the last WINDOW_S
         self.requests = sorted(requests, key=lambda r: (r.arrival_s, r.index))
         self.events = _Events()
         self.prefill_nodes = [PrefillNode(self, i) for i in range(shape.prefill)]
@@ -143,8 +207,34 @@ class Simulation:
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.settings.block_size)
 
+    def step_s(self, node: Stepper, plan: list[tuple[Seq, int]]) -> float:
+        """One node step's time: the profile's for the plan's work, plus the node's own overhead for the
+        prompts it finishes (prefill) or the tokens it emits (decode), stretched by the host processes'
+        share of the node's core."""
+        o = self.overheads
+        t = self.profile.step_s(*Stepper.step_cost(plan))
+        ending = [s for s, n in plan if s.computed + n >= s.tokens]  # prompts done, or tokens emitted
+        prefill_node = isinstance(node, PrefillNode)
+        if prefill_node:
+            t += len(ending) * o.prefill_cpu_per_request_s
+        else:
+            t += len(ending) * o.decode_cpu_per_token_s
+            for s in ending:  # a request's first step here pays its per-request overhead
+                if not s.joined:
+                    s.joined = True
+                    t += o.decode_cpu_per_local_request_s if s.local else o.decode_cpu_per_remote_request_s
+        if o.host_shares_cores:
+            horizon = self.events.now - Overheads.WINDOW_S
+            while self._host_cpu and self._host_cpu[0][0] < horizon:
+                self._host_cpu.popleft()
+            used = sum(cpu for _, cpu in self._host_cpu) / Overheads.WINDOW_S
+            t /= 1.0 - o.host_share(self.shape, prefill_node, used)
+        return t
+
     def emit(self, seq: Seq, t: float) -> None:
-        """A token reaches the client at `t`."""
+        """A token leaves its node at `t` (it reaches the client `overheads.latency_s` later)."""
+        if self.overheads.host_shares_cores:
+            self._host_cpu.append((t, self.overheads.host_cpu_per_token_s))
         if seq.first_s is None:
             seq.first_s = t
         else:
@@ -165,11 +255,14 @@ class Simulation:
         node.outstanding -= 1
 
     def _arrive(self, req: SimRequest) -> None:
+        if self.overheads.host_shares_cores:
+            self._host_cpu.append((self.events.now, self.overheads.host_cpu_per_request_s))
         seq = Seq(req, req.prompt_tokens)
         self.seqs.append(seq)
         d = min(self.decode_nodes, key=lambda n: (n.outstanding, n.index))
         d.outstanding += 1
         if not self.prefill_nodes or req.prompt_tokens < self.settings.local_prefill_threshold:
+            seq.local = True
             d.add_local(seq)
             return
         p = min(self.prefill_nodes, key=lambda n: (n.outstanding, n.index))
@@ -184,14 +277,16 @@ class Simulation:
         for node in self.decode_nodes:
             assert node.free == self.settings.num_kv_blocks and not node.running, "blocks leaked"
             assert node.outstanding == 0
-        records = [self._record(s) for s in self.seqs]
+        o = self.overheads
+        records = [self._record(s, o.latency_s + o.latency_per_prompt_token_s * s.req.prompt_tokens)
+                   for s in self.seqs]
         start = min((r.arrival_s for r in self.requests), default=0.0)
         end = max((s.end_s or 0.0 for s in self.seqs), default=start)
         return SimResult(self.shape, rate, records, summarize(records, end - start, slos, attainment),
                          self.preemptions)
 
     @staticmethod
-    def _record(seq: Seq) -> RequestRecord:
+    def _record(seq: Seq, latency_s: float) -> RequestRecord:
         req = seq.req
         rec = RequestRecord(index=req.index, start_s=req.arrival_s, max_tokens=req.output_tokens,
                             usage_prompt_tokens=req.prompt_tokens)
@@ -199,16 +294,17 @@ class Simulation:
             rec.fail(seq.error or "unfinished", "the simulated pool cannot fit the request")
             return rec
         rec.ok, rec.finish_reason = True, "length"
-        rec.ttft_s = seq.first_s - req.arrival_s
+        rec.ttft_s = seq.first_s + latency_s - req.arrival_s
         rec.itl_s = seq.gaps
         rec.chunks = seq.generated
         rec.usage_output_tokens = seq.generated
-        rec.finish(seq.end_s - req.arrival_s)
+        rec.finish(seq.end_s + latency_s - req.arrival_s)
         return rec
 
 
 def simulate(profile: Profile, shape: Shape, requests: list[SimRequest], slos: list[SLO] | None = None,
-             attainment: float = 0.9, settings: NodeSettings | None = None, rate: float | None = None) -> SimResult:
+             attainment: float = 0.9, settings: NodeSettings | None = None, rate: float | None = None,
+             overheads: Overheads | None = None) -> SimResult:
     """One simulated run (see `Simulation`)."""
-    return Simulation(profile, shape, requests, settings).run(slos, attainment, rate)
+    return Simulation(profile, shape, requests, settings, overheads).run(slos, attainment, rate)
 

@@ -21,6 +21,8 @@ class Seq:
     computed: int = 0  # tokens whose K/V are in the node's cache
     generated: int = 0
     blocks: int = 0  # blocks held on the decode node
+    local: bool = False  # prefilled by its decode node
+    joined: bool = False  # a decode node step has emitted one of its tokens (its per-request overhead paid)
     first_s: float | None = None
     last_s: float | None = None
     gaps: list[float] = field(default_factory=list)
@@ -57,13 +59,17 @@ class Stepper:
                 self.retry = False
                 self.kick()
             return
-        t = self.sim.profile.step_s(*self.step_cost(plan))
+        t = self.sim.step_s(self, plan)
         self.sim.events.at(self.sim.events.now + t, lambda: self._end(plan))
 
     def _end(self, plan: list[tuple[Seq, int]]) -> None:
         self.apply(plan)  # may kick this node (a request ended): still busy, so that starts nothing yet
+        self.between_steps()
         self.busy = False
         self.kick()
+
+    def between_steps(self) -> None:
+        """What the node's engine thread does after a step, before it plans the next (nothing here)."""
 
     @staticmethod
     def step_cost(plan: list[tuple[Seq, int]]) -> tuple[int, int, int, float]:
@@ -126,7 +132,13 @@ class DecodeNode(Stepper):
         self.kick()
 
     def add_remote(self, seq: Seq, p: int) -> None:
+        # The engine thread reserves blocks between steps: a request that arrives mid-step waits for the
+        # step to end (on a busy decode node that is most of a step's time added to its TTFT).
         self.reserving.append((seq, p))
+        if not self.busy:
+            self.admit_reservations()
+
+    def between_steps(self) -> None:
         self.admit_reservations()
 
     def admit_reservations(self) -> None:

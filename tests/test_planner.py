@@ -15,7 +15,7 @@ import pytest
 
 from loadgen.metrics import parse_slos
 from planner.profile_model import EngineFacts, Linear, Profile, fit_linear, load_profile
-from planner.sim import NodeSettings, Shape, SimRequest, simulate
+from planner.sim import NodeSettings, Overheads, Shape, SimRequest, load_overheads, simulate
 from planner.traffic import Traffic
 
 
@@ -77,6 +77,75 @@ def test_remote_prefill_adds_the_transfer_and_decodes_on_the_decode_node() -> No
     short = simulate(prof, Shape(1, 1), [SimRequest(0, 0.0, 10, 2)]).records[0]
     assert short.ttft_s == pytest.approx(0.02 + 1e-4 * 10 + 1e-6 * 100)
     assert short.e2e_s == pytest.approx(short.ttft_s + 0.01 + 1e-3 + 1e-5 * 11)
+
+
+def test_a_busy_decode_node_reserves_blocks_between_steps() -> None:
+    """The engine thread reserves a remote prompt's blocks only between steps: a request that arrives
+    while the decode node is mid-step reaches the prefill node when that step ends."""
+    prof = synthetic(decode=Linear(0.1), prefill=Linear(0.02))
+    busy = SimRequest(0, 0.0, 10, 20)  # local (under the threshold): the node decodes it from t=0.02
+    late = SimRequest(1, 0.05, 500, 2)  # arrives in the middle of the first step (0.02 .. 0.12)
+    res = simulate(prof, Shape(1, 1), [busy, late])
+    assert res.records[1].ttft_s == pytest.approx(0.12 - 0.05 + 0.02)
+    # An idle decode node reserves at once.
+    alone = simulate(prof, Shape(1, 1), [SimRequest(0, 0.05, 500, 2)]).records[0]
+    assert alone.ttft_s == pytest.approx(0.02)
+
+
+def test_overheads_add_what_they_say() -> None:
+    """Each overhead alone, against the bare simulation of one request: latency delays every token (TTFT
+    and e2e, not the gaps); a prefill node's per-prompt CPU lengthens its step; a decode node's per-request
+    CPU lengthens its first step there, its per-token CPU every step."""
+    prof = synthetic(decode=Linear(0.01), prefill=Linear(0.02), transfer=Linear(0.0))
+    req = [SimRequest(0, 0.0, 500, 4)]
+    bare = simulate(prof, Shape(1, 1), req).records[0]
+    assert bare.ttft_s == pytest.approx(0.02) and bare.e2e_s == pytest.approx(0.05)
+
+    def one(shape: Shape = Shape(1, 1), **costs: float) -> Any:
+        return simulate(prof, shape, req, overheads=Overheads(**costs)).records[0]
+
+    lat = one(latency_s=0.005, latency_per_prompt_token_s=1e-5)
+    assert lat.ttft_s == pytest.approx(0.02 + 0.005 + 0.005) and lat.e2e_s == pytest.approx(0.05 + 0.01)
+    assert lat.itl_s == pytest.approx(bare.itl_s)
+    assert one(prefill_cpu_per_request_s=0.003).ttft_s == pytest.approx(0.023)
+    remote = one(decode_cpu_per_remote_request_s=0.004, decode_cpu_per_local_request_s=1.0)
+    assert remote.itl_s == pytest.approx([0.014, 0.01, 0.01])
+    local = one(Shape(0, 1), decode_cpu_per_remote_request_s=1.0, decode_cpu_per_local_request_s=0.004)
+    # colocated: the prefill step emits the first token, which is the request's first step there
+    assert local.ttft_s == pytest.approx(0.024) and local.itl_s == pytest.approx([0.01, 0.01, 0.01])
+    tok = one(decode_cpu_per_token_s=0.001)
+    assert tok.itl_s == pytest.approx([0.011, 0.011, 0.011])
+
+
+def test_host_processes_take_the_cores_the_nodes_leave_then_the_prefill_nodes() -> None:
+    o = Overheads(host_cpu_per_token_s=1e-3, host_cores=2)
+    assert o.host_share(Shape(0, 1), False, 0.8) == 0.0  # one node on two cores: the other core absorbs it
+    assert o.host_share(Shape(0, 1), False, 1.3) == pytest.approx(0.3)
+    assert o.host_share(Shape(1, 1), True, 0.3) == pytest.approx(0.3)  # disaggregated: the prefill node's core
+    assert o.host_share(Shape(1, 1), False, 0.3) == 0.0
+    assert o.host_share(Shape(0, 2), False, 0.3) == pytest.approx(0.15)  # colocated: spread over the nodes
+    assert o.host_share(Shape(1, 1), True, 3.0) == Overheads.MAX_SHARE
+    assert Overheads(host_cpu_per_token_s=1e-3).host_share(Shape(1, 1), True, 3.0) == 0.0  # cores of their own
+    # In a run: streamed tokens slow the prefill node, so a later prompt's TTFT grows; decode steps do not.
+    prof = synthetic(decode=Linear(0.01), prefill=Linear(0.1))
+    reqs = [SimRequest(i, 0.3 * i, 500, 100) for i in range(8)]
+    bare = simulate(prof, Shape(1, 1), reqs).records
+    shared = simulate(prof, Shape(1, 1), reqs, overheads=Overheads(host_cpu_per_token_s=2e-3, host_cores=2)).records
+    assert shared[0].ttft_s == pytest.approx(bare[0].ttft_s)  # nothing streamed yet
+    assert shared[-1].ttft_s > 1.2 * bare[-1].ttft_s
+    assert all(gap == pytest.approx(0.01) for r in shared for gap in r.itl_s[1:])  # after the join: 10 ms steps
+    with pytest.raises(ValueError):
+        Overheads(latency_s=-1.0)
+
+
+def test_overheads_round_trip_and_bad_files_are_refused(tmp_path: Path) -> None:
+    path = tmp_path / "overheads.json"
+    o = Overheads(latency_s=0.01, prefill_cpu_per_request_s=0.02, host_cpu_per_token_s=3e-4, host_cores=2)
+    o.save(path)
+    assert load_overheads(path) == o
+    path.write_text('{"latency": 1}')
+    with pytest.raises(ValueError, match="not an overheads file"):
+        load_overheads(path)
 
 
 def test_throughput_saturates_at_the_profile_capacity() -> None:
@@ -265,10 +334,12 @@ def test_plan_cli_prints_json_and_writes_a_values_file_the_render_accepts(
     from deploy.k8s.render import load_values, render_objects
 
     values = tmp_path / "values.yaml"
+    overheads = tmp_path / "overheads.json"
+    Overheads(latency_s=0.01, prefill_cpu_per_request_s=0.005).save(overheads)
     rc, out = _run_cli(_plan_args("--profile", str(_long_prompt_profile(tmp_path)), "--workload",
                                   "prompt=uniform:100:3000,output=64", "--rate", "4", "--slo",
                                   "ttft_p90=1s,tpot_p99=18ms", "--max-nodes", "4", "--requests", "300",
-                                  "--values-out", str(values), "--json"), capsys)
+                                  "--overheads", str(overheads), "--values-out", str(values), "--json"), capsys)
     assert rc == 0
     result = json.loads(out)
     rec = result["recommended"]
