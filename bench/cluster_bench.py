@@ -36,7 +36,7 @@ from engine.gguf_import import StderrProgress  # noqa: E402
 from loadgen.client import Target  # noqa: E402
 from loadgen.runner import LoadConfig, RunResult, run  # noqa: E402
 from loadgen.workload import RequestSpec, Workload, WorkloadConfig, parse_dist  # noqa: E402
-from tests.up_cluster import UpCluster  # noqa: E402
+from testing.up_cluster import UpCluster  # noqa: E402
 
 
 def load_average() -> str:

@@ -58,7 +58,7 @@ from planner.plan import PlanConfig, Planner  # noqa: E402
 from planner.profile_model import Profile, load_profile  # noqa: E402
 from planner.sim import Overheads, Shape, SimRequest, simulate  # noqa: E402
 from planner.traffic import Traffic  # noqa: E402
-from tests.up_cluster import UpCluster  # noqa: E402
+from testing.up_cluster import UpCluster  # noqa: E402
 
 # Workloads: prompt tokens, output tokens, and the SLOs each is judged by (what its users would ask for).
 # prompt-heavy: documents of 512-1k tokens, short answers (prefill-bound; TTFT matters, TPOT loosely).

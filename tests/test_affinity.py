@@ -11,7 +11,7 @@ import textwrap
 import pytest
 
 from node.affinity import format_cpus, parse_cpus, split_cpus
-from tests.up_cluster import REPO_ROOT
+from testing.up_cluster import REPO_ROOT
 
 
 def test_parse_and_format() -> None:

@@ -34,7 +34,7 @@ from deploy.launcher import registry_keys
 from node.health import FAULT_ENV, StepFault
 from node.ready import EXIT_UNHEALTHY
 from registry import EtcdServer
-from tests.up_cluster import REPO_ROOT, UpCluster
+from testing.up_cluster import REPO_ROOT, UpCluster
 
 pytestmark = [
     pytest.mark.timeout(420),

@@ -34,7 +34,7 @@ from loadgen.workload import (
     poisson_arrivals,
     read_trace,
 )
-from tests.up_cluster import REPO_ROOT, UpCluster
+from testing.up_cluster import REPO_ROOT, UpCluster
 
 # --- distributions and schedules ------------------------------------------------------------------
 

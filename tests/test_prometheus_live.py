@@ -32,7 +32,7 @@ import yaml
 from deploy.metrics_render import RenderConfig, expand, load_panels, query, render
 from frontend.tenants import hash_key
 from registry.etcd_server import free_port
-from tests.up_cluster import REPO_ROOT, UpCluster
+from testing.up_cluster import REPO_ROOT, UpCluster
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -1,6 +1,6 @@
-"""`pdserve up` as a real subprocess, for tests: start it, read what it prints, run `pdserve status`,
-press Ctrl-C, and find every process it started (their command lines carry the cluster's unique name),
-so that teardown leaves none behind even when a test fails half-way.
+"""`pdserve up` as a real subprocess, for tests and benchmarks: start it, read what it prints, run
+`pdserve status`, press Ctrl-C, and find every process it started (their command lines carry the
+cluster's unique name), so that teardown leaves none behind even when a test fails half-way.
 
     up = UpCluster.start(tmp_path)
     ...                             # up.base_url serves the OpenAI API
