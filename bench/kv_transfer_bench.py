@@ -45,7 +45,9 @@ from kv_transfer import (
     KVReceiver,
     KVSender,
     SendHandle,
+    StageSeconds,
     TransferMeta,
+    TransferResult,
     message_ranges,
 )
 
@@ -81,6 +83,45 @@ class Case:
 
 
 @dataclass(frozen=True)
+class Side:
+    """One side's per-transfer means over a batch, in seconds: `seconds` is the job's execution time,
+    `stages` its split (`StageSeconds`); the remainder is bookkeeping."""
+
+    seconds: float
+    stages: StageSeconds
+
+    @staticmethod
+    def of(results: list[TransferResult]) -> Side:
+        n = len(results)
+        stages = [r.stages or StageSeconds() for r in results]
+        return Side(sum(r.seconds for r in results) / n, StageSeconds(
+            layers=sum(s.layers for s in stages) / n, copy=sum(s.copy for s in stages) / n,
+            digest=sum(s.digest for s in stages) / n, wire=sum(s.wire for s in stages) / n))
+
+    @property
+    def other(self) -> float:
+        return self.seconds - self.stages.total
+
+
+def median_side(sides: list[Side]) -> Side:
+    """The stage-wise median over batches."""
+    med = statistics.median
+    return Side(med(s.seconds for s in sides), StageSeconds(
+        layers=med(s.stages.layers for s in sides), copy=med(s.stages.copy for s in sides),
+        digest=med(s.stages.digest for s in sides), wire=med(s.stages.wire for s in sides)))
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    """Per-transfer medians for one case and mode: the raw and path times, and each side's stages."""
+
+    raw_s: float
+    path_s: float
+    sender: Side
+    receiver: Side
+
+
+@dataclass(frozen=True)
 class Row:
     case: Case
     mode: str
@@ -88,6 +129,7 @@ class Row:
     raw_gib_s: float  # median over the repeats, same message sizes as the mode
     memcpy_gib_s: float
     ratios: tuple[float, ...]  # path/raw of each interleaved repeat
+    breakdown: Breakdown
 
 
 TINY = Geometry("tiny 4Lx2Hx64", layers=4, kv_heads=2, head_dim=64)
@@ -109,6 +151,7 @@ def _decode_main(conn: Connection) -> None:
     mgr = ChannelManager(ChannelConfig("bench-d", "decode", "127.0.0.1:0", idle_timeout_s=600.0))
     conn.send(mgr.kv_address)
     pool: torch.Tensor | None = None
+    raw_bufs: list[torch.Tensor] | None = None
     while True:
         cmd, arg = conn.recv()
         if cmd == "stop":
@@ -131,13 +174,16 @@ def _decode_main(conn: Connection) -> None:
             results = [h.result(180) for h in handles]
             end = time.perf_counter()
             bad = [r.error for r in results if not r.ok]
-            conn.send((end, bad))
+            conn.send((end, bad, Side.of(results)))
         elif cmd == "raw":
             sizes, count, addr, prefill_id, epoch = arg
             ch = mgr.channel_from(prefill_id, addr, epoch)
             group = ch.wait_connected(60.0)
             # Double-buffered like the receiver: message i+1 is posted before message i is waited.
-            bufs = [torch.empty(max(sizes), dtype=torch.uint8) for _ in range(2)]
+            # Kept across batches (as the receiver's staging is): no page faults inside the timing.
+            if raw_bufs is None or raw_bufs[0].numel() < max(sizes):
+                raw_bufs = [torch.zeros(max(sizes), dtype=torch.uint8) for _ in range(2)]
+            bufs = raw_bufs
             plan = sizes * count
             deadline = time.monotonic() + 120.0
             ops_ = [group.irecv(bufs[0][: plan[0]], ch.peer, RAW_TAG)]
@@ -145,7 +191,7 @@ def _decode_main(conn: Connection) -> None:
                 if i + 1 < len(plan):
                     ops_.append(group.irecv(bufs[(i + 1) % 2][: plan[i + 1]], ch.peer, RAW_TAG))
                 ops_.pop(0).wait(deadline)
-            conn.send((time.perf_counter(), []))
+            conn.send((time.perf_counter(), [], None))
     mgr.close()
     conn.send(None)
 
@@ -160,6 +206,7 @@ class Bench:
         self.decode_addr = self.conn.recv()
         self.mgr = ChannelManager(ChannelConfig("bench-p", "prefill", "127.0.0.1:0", idle_timeout_s=600.0))
         self.sender = KVSender(get_kernel_ops("torch"), message_bytes=message_bytes)
+        self._raw_buf: torch.Tensor | None = None
 
     def call(self, cmd: str, arg: Any) -> Any:
         self.conn.send((cmd, arg))
@@ -180,8 +227,9 @@ class Bench:
         dst = torch.randperm(dst_pool, generator=gen)[: case.blocks].tolist()
         return kv, src, dst
 
-    def path(self, kv: torch.Tensor, src: list[int], dst: list[int], iters: int, layerwise: bool) -> float:
-        """Seconds for `iters` back-to-back transfers, submission to the receiver's last unpack."""
+    def path(self, kv: torch.Tensor, src: list[int], dst: list[int], iters: int, layerwise: bool) -> tuple[float, Side, Side]:
+        """Seconds for `iters` back-to-back transfers, submission to the receiver's last unpack, and
+        the sender's and receiver's per-transfer stage means."""
         ch = self.mgr.channel_to("bench-d")
         t0 = time.perf_counter()
         handles = [
@@ -192,9 +240,10 @@ class Bench:
         if layerwise:
             for h in handles:
                 h.all_layers_ready()
-        end, bad = self.call("path", ([h.meta.to_dict() for h in handles], dst, self.mgr.kv_address, False))
-        assert not bad and all(h.result(60).ok for h in handles), bad
-        return end - t0
+        end, bad, received = self.call("path", ([h.meta.to_dict() for h in handles], dst, self.mgr.kv_address, False))
+        sent = [h.result(60) for h in handles]
+        assert not bad and all(r.ok for r in sent), bad
+        return end - t0, Side.of(sent), received
 
     def message_sizes(self, case: Case, layerwise: bool) -> list[int]:
         """Bytes of each message of one transfer of `case`, as the sender plans them."""
@@ -204,18 +253,22 @@ class Bench:
         return [(l1 - l0) * layer_bytes for l0, l1 in message_ranges(layers, k, case.blocks)]
 
     def raw(self, sizes: list[int], iters: int) -> float:
-        """Seconds for `iters` transfers of plain messages of `sizes` bytes each, first post to the
-        receiver's last completion."""
+        """Seconds for `iters` transfers of plain messages of `sizes` bytes each, from the command to
+        the receiver (the hop the path's metadata takes too) to the receiver's last completion."""
         ch = self.mgr.channel_to("bench-d")
-        self.conn.send(("raw", (sizes, iters, self.mgr.kv_address, ch.key.prefill_id, ch.key.epoch)))
         group = ch.wait_connected(60.0)
-        buf = torch.empty(max(sizes), dtype=torch.uint8)
+        # Real bytes, kept across batches: an untouched buffer would be read from the kernel's zero
+        # page (one 4 KiB page, always in L1), which no staged message is.
+        if self._raw_buf is None or self._raw_buf.numel() < max(sizes):
+            self._raw_buf = torch.randint(0, 256, (max(sizes),), dtype=torch.uint8)
+        buf = self._raw_buf
         deadline = time.monotonic() + 120.0
         t0 = time.perf_counter()
+        self.conn.send(("raw", (sizes, iters, self.mgr.kv_address, ch.key.prefill_id, ch.key.epoch)))
         pending = [group.isend(buf[:size], ch.peer, RAW_TAG) for _ in range(iters) for size in sizes]
         for op in pending:
             op.wait(deadline)
-        end, _ = self.conn.recv()
+        end, _, _ = self.conn.recv()
         return end - t0
 
     def exposed(self, kv: torch.Tensor, src: list[int], dst: list[int], layer_s: float, layerwise: bool) -> float:
@@ -235,7 +288,7 @@ class Bench:
         if h is None:
             h = self.sender.send(ch, kv, src, request_id="x", num_tokens=len(src) * 16, timeout_s=120.0)
             self.conn.send(("path", ([h.meta.to_dict()], dst, self.mgr.kv_address, False)))
-        end, bad = self.conn.recv()
+        end, bad, _ = self.conn.recv()
         assert not bad and h.result(60).ok, bad
         return end - computed
 
@@ -265,17 +318,44 @@ def measure(bench: Bench, case: Case, iters: int, repeats: int) -> list[Row]:
     # hits both alike; medians, since the machine is shared and single batches vary a lot.
     raw: dict[str, list[float]] = {mode: [] for mode in modes}
     path: dict[str, list[float]] = {mode: [] for mode in modes}
+    sent: dict[str, list[Side]] = {mode: [] for mode in modes}
+    received: dict[str, list[Side]] = {mode: [] for mode in modes}
     for _ in range(repeats):
         for mode, layerwise in modes.items():
             raw[mode].append(bench.raw(sizes[mode], n))
-            path[mode].append(bench.path(kv, src, dst, n, layerwise=layerwise))
+            seconds, s, r = bench.path(kv, src, dst, n, layerwise=layerwise)
+            path[mode].append(seconds)
+            sent[mode].append(s)
+            received[mode].append(r)
     mem = memcpy_seconds(case.nbytes, 5)
     total = n * case.nbytes
+    med = statistics.median
     return [
-        Row(case, mode, total / statistics.median(path[mode]) / GiB, total / statistics.median(raw[mode]) / GiB,
-            case.nbytes / mem / GiB, tuple(r / p for r, p in zip(raw[mode], path[mode], strict=True)))
+        Row(case, mode, total / med(path[mode]) / GiB, total / med(raw[mode]) / GiB,
+            case.nbytes / mem / GiB, tuple(r / p for r, p in zip(raw[mode], path[mode], strict=True)),
+            Breakdown(med(raw[mode]) / n, med(path[mode]) / n, median_side(sent[mode]), median_side(received[mode])))
         for mode in modes
     ]
+
+
+def print_breakdown(rows: list[Row]) -> None:
+    """Where a transfer's time goes, per transfer, medians over the batches (ms). The path's extra
+    work over raw is the sender's copy + digest and the receiver's digest + copy; on a machine with
+    fewer cores than the two processes' busy threads, that work competes with the wire for CPU."""
+    print("\nPer-transfer breakdown (ms, medians over batches): sender S and receiver R stages of the path")
+    print(f"{'tokens':>6} {'mode':<15} {'raw':>7} {'path':>7} {'gap':>7} | {'S copy':>7} {'S dig':>6} {'S wire':>7} "
+          f"{'S lay':>6} {'S oth':>6} | {'R wire':>7} {'R dig':>6} {'R copy':>7} {'R oth':>6} | {'extra':>6} {'gap-extra':>9}")
+    for r in rows:
+        b = r.breakdown
+        s, v = b.sender, b.receiver
+        extra = s.stages.copy + s.stages.digest + v.stages.digest + v.stages.copy
+        gap = b.path_s - b.raw_s
+        ms = 1e3
+        print(f"{r.case.tokens:>6} {r.mode:<15} {ms * b.raw_s:>7.3f} {ms * b.path_s:>7.3f} {ms * gap:>7.3f} | "
+              f"{ms * s.stages.copy:>7.3f} {ms * s.stages.digest:>6.3f} {ms * s.stages.wire:>7.3f} "
+              f"{ms * s.stages.layers:>6.3f} {ms * s.other:>6.3f} | {ms * v.stages.wire:>7.3f} "
+              f"{ms * v.stages.digest:>6.3f} {ms * v.stages.copy:>7.3f} {ms * v.other:>6.3f} | "
+              f"{ms * extra:>6.3f} {ms * (gap - extra):>9.3f}")
 
 
 def sweep(case: Case, iters: int, repeats: int) -> None:
@@ -292,7 +372,7 @@ def sweep(case: Case, iters: int, repeats: int) -> None:
             raws, paths = [], []
             for _ in range(repeats):
                 raws.append(bench.raw(sizes, n))
-                paths.append(bench.path(kv, src, dst, n, layerwise=False))
+                paths.append(bench.path(kv, src, dst, n, layerwise=False)[0])
             raw, path = statistics.median(raws), statistics.median(paths)
             label = f"{mib} MiB" if mib else "one message"
             print(f"  {label:>12}: path {n * case.nbytes / path / GiB:5.2f} GiB/s, raw {n * case.nbytes / raw / GiB:5.2f} "
@@ -342,6 +422,7 @@ def main() -> None:
             print(f"{r.case.geometry.name:<16} {r.case.tokens:>6} {r.case.nbytes / (1 << 20):>8.2f} {r.mode:<15} "
                   f"{r.path_gib_s:>10.2f} {r.raw_gib_s:>10.2f} {r.memcpy_gib_s:>12.2f} "
                   f"{100 * r.path_gib_s / r.raw_gib_s:>7.0f}% {spread:>28}")
+        print_breakdown(rows)
 
         print("\nExposed transfer time after a simulated prefill (per-layer compute = per-layer wire time)")
         print(f"{'geometry':<16} {'tokens':>6} {'layer ms':>8} {'whole ms':>9} {'layer-by-layer ms':>18}")

@@ -4,6 +4,7 @@ contract: `kv_transfer.transfer`."""
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
 
@@ -88,15 +89,21 @@ class _RecvJob(ChannelJob):
                 if isinstance(nxt, _RecvJob):
                     nxt.prepost(ctx, (self._slot_base + i + 1) % StagingBuffers.NUM_SLOTS)
             slot, op, l0, l1 = posted.popleft()
+            t0 = time.perf_counter()
             op.wait(self.deadline)
+            t1 = time.perf_counter()
+            self.stages.wire += t1 - t0
             total += slot.wire.numel() * slot.wire.element_size()
             if self._kv is None:
                 continue
             self._digest.update(slot.wire)
+            t2 = time.perf_counter()
             if slot.mirrored:
                 slot.compute.copy_(slot.wire, non_blocking=True)
             self._unpack(slot, l0, l1)
             sync_device(ctx)  # the slot is reposted next round, and on_layer promises the blocks are written
+            self.stages.digest += t2 - t1
+            self.stages.copy += time.perf_counter() - t2
             if self._on_layer is not None:
                 for layer in range(l0, l1):
                     self._on_layer(layer)

@@ -135,11 +135,15 @@ class _SendJob(ChannelJob):
         if ctx.stream is not None:
             for event in events:
                 ctx.stream.wait_event(event)
+        t0 = time.perf_counter()
         self._pack(slot, l0, l1)  # [l1-l0, 2, n, BS, Hkv, D]
         if slot.mirrored:
             slot.wire.copy_(slot.compute, non_blocking=True)
             sync_device(ctx)  # gloo reads the pinned mirror from the host
+        t1 = time.perf_counter()
         self._digest.update(slot.wire)
+        self.stages.copy += t1 - t0
+        self.stages.digest += time.perf_counter() - t1
         if self._corrupt and i == 0:
             flip_one_byte(slot.wire)
 
@@ -167,9 +171,13 @@ class _SendJob(ChannelJob):
                 slot, op = self._present
                 self._present = None
             else:
+                t0 = time.perf_counter()
                 events = self._gate.wait(l0, l1, self.deadline)
+                t1 = time.perf_counter()
                 if len(in_flight) == StagingBuffers.NUM_SLOTS:
                     in_flight.popleft().wait(self.deadline)  # frees the slot this message reuses
+                self.stages.layers += t1 - t0
+                self.stages.wire += time.perf_counter() - t1
                 slot = self._slot(ctx, i)
                 self._fill(ctx, slot, i, events)
                 op = ctx.group.isend(slot.wire, ctx.peer, self._tag)
@@ -178,10 +186,14 @@ class _SendJob(ChannelJob):
         nxt = ctx.peek(self.seq_no + 1)
         if isinstance(nxt, _SendJob):
             if len(in_flight) == StagingBuffers.NUM_SLOTS:
+                t0 = time.perf_counter()
                 in_flight.popleft().wait(self.deadline)  # frees the slot the next job packs into
+                self.stages.wire += time.perf_counter() - t0
             nxt.presend(ctx, (self._slot_base + len(self._ranges)) % StagingBuffers.NUM_SLOTS)
+        t0 = time.perf_counter()
         for op in in_flight:
             op.wait(self.deadline)
+        self.stages.wire += time.perf_counter() - t0
         self.checksum = self._digest.value()
         return total
 
