@@ -30,7 +30,9 @@ from __future__ import annotations
 import argparse
 import gc
 import multiprocessing as mp
+import os
 import statistics
+import threading
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -50,6 +52,7 @@ from kv_transfer import (
     TransferResult,
     message_ranges,
 )
+from kv_transfer.staging import StagingBuffers
 
 RAW_TAG = 1 << 30  # far above any transfer's seq_no on the bench's fresh channel
 GiB = float(1 << 30)
@@ -103,6 +106,32 @@ class Side:
         return self.seconds - self.stages.total
 
 
+Cpu = tuple[float, float]  # CPU seconds of (the channel worker threads, every other thread) of a process
+
+
+def cpu_now() -> Cpu:
+    """This process's CPU time so far, split into its channel workers and the rest (gloo's I/O
+    threads doing the socket copies, the main thread); from the scheduler's per-thread ns counters."""
+    workers = {t.native_id for t in threading.enumerate() if t.name.startswith("kv-channel")}
+    worker = rest = 0
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/schedstat") as f:
+                ns = int(f.read().split()[0])
+        except OSError:  # the thread exited meanwhile
+            continue
+        if int(task) in workers:
+            worker += ns
+        else:
+            rest += ns
+    return worker / 1e9, rest / 1e9
+
+
+def cpu_since(start: Cpu) -> Cpu:
+    now = cpu_now()
+    return now[0] - start[0], now[1] - start[1]
+
+
 def median_side(sides: list[Side]) -> Side:
     """The stage-wise median over batches."""
     med = statistics.median
@@ -119,6 +148,9 @@ class Breakdown:
     path_s: float
     sender: Side
     receiver: Side
+    # CPU seconds per transfer, (sender, receiver), each split as `Cpu` (kernel time in syscalls included).
+    raw_cpu: tuple[Cpu, Cpu]
+    path_cpu: tuple[Cpu, Cpu]
 
 
 @dataclass(frozen=True)
@@ -144,8 +176,9 @@ def _pool(g: Geometry, blocks: int, random: bool) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------- decode process
-def _decode_main(conn: Connection) -> None:
+def _decode_main(conn: Connection, window: int) -> None:
     gc.freeze()  # see main()
+    StagingBuffers.NUM_SLOTS = window
     ops = get_kernel_ops("torch")
     receiver = KVReceiver(ops)
     mgr = ChannelManager(ChannelConfig("bench-d", "decode", "127.0.0.1:0", idle_timeout_s=600.0))
@@ -162,6 +195,7 @@ def _decode_main(conn: Connection) -> None:
             pool = _pool(g, blocks, random=False)
             conn.send(None)
         elif cmd == "path":
+            cpu0 = cpu_now()
             metas, dst, addr, ready_layers = arg
             metas = [TransferMeta.from_dict(m) for m in metas]
             ch = mgr.channel_from(metas[0].prefill_id, addr, metas[0].epoch)
@@ -174,24 +208,28 @@ def _decode_main(conn: Connection) -> None:
             results = [h.result(180) for h in handles]
             end = time.perf_counter()
             bad = [r.error for r in results if not r.ok]
-            conn.send((end, bad, Side.of(results)))
+            conn.send((end, bad, Side.of(results), cpu_since(cpu0)))
         elif cmd == "raw":
+            cpu0 = cpu_now()
             sizes, count, addr, prefill_id, epoch = arg
             ch = mgr.channel_from(prefill_id, addr, epoch)
             group = ch.wait_connected(60.0)
-            # Double-buffered like the receiver: message i+1 is posted before message i is waited.
-            # Kept across batches (as the receiver's staging is): no page faults inside the timing.
+            # As deep as the receiver: messages up to i + NUM_SLOTS - 1 are posted before message i
+            # is waited. Kept across batches (as the receiver's staging is): no page faults inside
+            # the timing.
+            window = StagingBuffers.NUM_SLOTS
             if raw_bufs is None or raw_bufs[0].numel() < max(sizes):
-                raw_bufs = [torch.zeros(max(sizes), dtype=torch.uint8) for _ in range(2)]
+                raw_bufs = [torch.zeros(max(sizes), dtype=torch.uint8) for _ in range(window)]
             bufs = raw_bufs
             plan = sizes * count
             deadline = time.monotonic() + 120.0
-            ops_ = [group.irecv(bufs[0][: plan[0]], ch.peer, RAW_TAG)]
+            ops_ = [group.irecv(bufs[j][: plan[j]], ch.peer, RAW_TAG) for j in range(min(window - 1, len(plan)))]
             for i in range(len(plan)):
-                if i + 1 < len(plan):
-                    ops_.append(group.irecv(bufs[(i + 1) % 2][: plan[i + 1]], ch.peer, RAW_TAG))
+                j = i + window - 1
+                if j < len(plan):
+                    ops_.append(group.irecv(bufs[j % window][: plan[j]], ch.peer, RAW_TAG))
                 ops_.pop(0).wait(deadline)
-            conn.send((time.perf_counter(), [], None))
+            conn.send((time.perf_counter(), [], None, cpu_since(cpu0)))
     mgr.close()
     conn.send(None)
 
@@ -201,7 +239,7 @@ class Bench:
     def __init__(self, message_bytes: int | None) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_decode_main, args=(child,), daemon=True)
+        self.proc = ctx.Process(target=_decode_main, args=(child, StagingBuffers.NUM_SLOTS), daemon=True)
         self.proc.start()
         self.decode_addr = self.conn.recv()
         self.mgr = ChannelManager(ChannelConfig("bench-p", "prefill", "127.0.0.1:0", idle_timeout_s=600.0))
@@ -227,10 +265,13 @@ class Bench:
         dst = torch.randperm(dst_pool, generator=gen)[: case.blocks].tolist()
         return kv, src, dst
 
-    def path(self, kv: torch.Tensor, src: list[int], dst: list[int], iters: int, layerwise: bool) -> tuple[float, Side, Side]:
-        """Seconds for `iters` back-to-back transfers, submission to the receiver's last unpack, and
-        the sender's and receiver's per-transfer stage means."""
+    def path(
+        self, kv: torch.Tensor, src: list[int], dst: list[int], iters: int, layerwise: bool
+    ) -> tuple[float, Side, Side, tuple[Cpu, Cpu]]:
+        """Seconds for `iters` back-to-back transfers, submission to the receiver's last unpack; the
+        sender's and receiver's per-transfer stage means; both processes' CPU seconds."""
         ch = self.mgr.channel_to("bench-d")
+        cpu0 = cpu_now()
         t0 = time.perf_counter()
         handles = [
             self.sender.send(ch, kv, src, request_id=f"b{i}", num_tokens=len(src) * 16, timeout_s=120.0,
@@ -240,10 +281,11 @@ class Bench:
         if layerwise:
             for h in handles:
                 h.all_layers_ready()
-        end, bad, received = self.call("path", ([h.meta.to_dict() for h in handles], dst, self.mgr.kv_address, False))
+        end, bad, received, cpu_r = self.call("path", ([h.meta.to_dict() for h in handles], dst, self.mgr.kv_address, False))
         sent = [h.result(60) for h in handles]
+        cpu_s = cpu_since(cpu0)
         assert not bad and all(r.ok for r in sent), bad
-        return end - t0, Side.of(sent), received
+        return end - t0, Side.of(sent), received, (cpu_s, cpu_r)
 
     def message_sizes(self, case: Case, layerwise: bool) -> list[int]:
         """Bytes of each message of one transfer of `case`, as the sender plans them."""
@@ -252,7 +294,7 @@ class Bench:
         k = self.sender.layers_per_message(layers, layer_bytes, layerwise)
         return [(l1 - l0) * layer_bytes for l0, l1 in message_ranges(layers, k, case.blocks)]
 
-    def raw(self, sizes: list[int], iters: int) -> float:
+    def raw(self, sizes: list[int], iters: int) -> tuple[float, tuple[Cpu, Cpu]]:
         """Seconds for `iters` transfers of plain messages of `sizes` bytes each, from the command to
         the receiver (the hop the path's metadata takes too) to the receiver's last completion."""
         ch = self.mgr.channel_to("bench-d")
@@ -263,13 +305,14 @@ class Bench:
             self._raw_buf = torch.randint(0, 256, (max(sizes),), dtype=torch.uint8)
         buf = self._raw_buf
         deadline = time.monotonic() + 120.0
+        cpu0 = cpu_now()
         t0 = time.perf_counter()
         self.conn.send(("raw", (sizes, iters, self.mgr.kv_address, ch.key.prefill_id, ch.key.epoch)))
         pending = [group.isend(buf[:size], ch.peer, RAW_TAG) for _ in range(iters) for size in sizes]
         for op in pending:
             op.wait(deadline)
-        end, _, _ = self.conn.recv()
-        return end - t0
+        end, _, _, cpu_r = self.conn.recv()
+        return end - t0, (cpu_since(cpu0), cpu_r)
 
     def exposed(self, kv: torch.Tensor, src: list[int], dst: list[int], layer_s: float, layerwise: bool) -> float:
         """Seconds from the last layer's simulated compute to the receiver's completion."""
@@ -288,7 +331,7 @@ class Bench:
         if h is None:
             h = self.sender.send(ch, kv, src, request_id="x", num_tokens=len(src) * 16, timeout_s=120.0)
             self.conn.send(("path", ([h.meta.to_dict()], dst, self.mgr.kv_address, False)))
-        end, bad, _ = self.conn.recv()
+        end, bad, _, _ = self.conn.recv()
         assert not bad and h.result(60).ok, bad
         return end - computed
 
@@ -314,6 +357,8 @@ def measure(bench: Bench, case: Case, iters: int, repeats: int) -> list[Row]:
     for mode, layerwise in modes.items():  # warm up channel, staging, both pools and both plans
         bench.path(kv, src, dst, 2, layerwise=layerwise)
         bench.raw(sizes[mode], 2)
+    cpu_raw: dict[str, list[tuple[Cpu, Cpu]]] = {mode: [] for mode in modes}
+    cpu_path: dict[str, list[tuple[Cpu, Cpu]]] = {mode: [] for mode in modes}
     # Interleaved, raw right before path in each repeat, so a burst of load from other processes
     # hits both alike; medians, since the machine is shared and single batches vary a lot.
     raw: dict[str, list[float]] = {mode: [] for mode in modes}
@@ -322,9 +367,12 @@ def measure(bench: Bench, case: Case, iters: int, repeats: int) -> list[Row]:
     received: dict[str, list[Side]] = {mode: [] for mode in modes}
     for _ in range(repeats):
         for mode, layerwise in modes.items():
-            raw[mode].append(bench.raw(sizes[mode], n))
-            seconds, s, r = bench.path(kv, src, dst, n, layerwise=layerwise)
+            seconds, cpu = bench.raw(sizes[mode], n)
+            raw[mode].append(seconds)
+            cpu_raw[mode].append(cpu)
+            seconds, s, r, cpu = bench.path(kv, src, dst, n, layerwise=layerwise)
             path[mode].append(seconds)
+            cpu_path[mode].append(cpu)
             sent[mode].append(s)
             received[mode].append(r)
     mem = memcpy_seconds(case.nbytes, 5)
@@ -333,9 +381,18 @@ def measure(bench: Bench, case: Case, iters: int, repeats: int) -> list[Row]:
     return [
         Row(case, mode, total / med(path[mode]) / GiB, total / med(raw[mode]) / GiB,
             case.nbytes / mem / GiB, tuple(r / p for r, p in zip(raw[mode], path[mode], strict=True)),
-            Breakdown(med(raw[mode]) / n, med(path[mode]) / n, median_side(sent[mode]), median_side(received[mode])))
+            Breakdown(med(raw[mode]) / n, med(path[mode]) / n, median_side(sent[mode]), median_side(received[mode]),
+                      median_cpu(cpu_raw[mode], n), median_cpu(cpu_path[mode], n)))
         for mode in modes
     ]
+
+
+def median_cpu(batches: list[tuple[Cpu, Cpu]], n: int) -> tuple[Cpu, Cpu]:
+    """Per-transfer medians over batches of `n` transfers each."""
+    med = statistics.median
+    return tuple(  # type: ignore[return-value]
+        (med(b[side][0] for b in batches) / n, med(b[side][1] for b in batches) / n) for side in (0, 1)
+    )
 
 
 def print_breakdown(rows: list[Row]) -> None:
@@ -356,6 +413,20 @@ def print_breakdown(rows: list[Row]) -> None:
               f"{ms * s.stages.layers:>6.3f} {ms * s.other:>6.3f} | {ms * v.stages.wire:>7.3f} "
               f"{ms * v.stages.digest:>6.3f} {ms * v.stages.copy:>7.3f} {ms * v.other:>6.3f} | "
               f"{ms * extra:>6.3f} {ms * (gap - extra):>9.3f}")
+    print("\nCPU per transfer (ms, kernel time in syscalls included) against wall time: each side's channel "
+          "worker W and all its other threads O (gloo's I/O thread, main)")
+    print(f"{'tokens':>6} {'mode':<15} {'raw S':>6} {'raw R':>6} {'raw wall':>8} | {'path SW':>7} {'SO':>6} "
+          f"{'RW':>6} {'RO':>6} {'path wall':>9} | {'extra CPU':>9} {'path CPU/cores':>14}")
+    cores = os.cpu_count() or 1
+    for r in rows:
+        b = r.breakdown
+        raw_total = sum(map(sum, b.raw_cpu))
+        path_total = sum(map(sum, b.path_cpu))
+        (sw, so), (rw, ro) = b.path_cpu
+        ms = 1e3
+        print(f"{r.case.tokens:>6} {r.mode:<15} {ms * sum(b.raw_cpu[0]):>6.2f} {ms * sum(b.raw_cpu[1]):>6.2f} "
+              f"{ms * b.raw_s:>8.3f} | {ms * sw:>7.2f} {ms * so:>6.2f} {ms * rw:>6.2f} {ms * ro:>6.2f} "
+              f"{ms * b.path_s:>9.3f} | {ms * (path_total - raw_total):>9.3f} {ms * path_total / cores:>14.3f}")
 
 
 def sweep(case: Case, iters: int, repeats: int) -> None:
@@ -371,7 +442,7 @@ def sweep(case: Case, iters: int, repeats: int) -> None:
             bench.raw(sizes, 2)
             raws, paths = [], []
             for _ in range(repeats):
-                raws.append(bench.raw(sizes, n))
+                raws.append(bench.raw(sizes, n)[0])
                 paths.append(bench.path(kv, src, dst, n, layerwise=False)[0])
             raw, path = statistics.median(raws), statistics.median(paths)
             label = f"{mib} MiB" if mib else "one message"
@@ -392,7 +463,12 @@ def main() -> None:
                     help="smollm2: the default model's sizes (128 to 4,096-token prompts); all: the tiny "
                          "and big synthetic geometries too")
     ap.add_argument("--sweep", action="store_true", help="only sweep the whole-request message size")
+    ap.add_argument("--tokens", type=int, nargs="+", default=[128, 1024, 4096], help="prompt lengths to measure")
+    ap.add_argument("--window", type=int, default=StagingBuffers.NUM_SLOTS,
+                    help="messages in flight per side (staging slots), for both the path and raw")
+    ap.add_argument("--no-exposed", action="store_true", help="skip the exposed-time table")
     args = ap.parse_args()
+    StagingBuffers.NUM_SLOTS = args.window
     if args.sweep:
         for case in (Case(TINY, 1024), Case(TINY, 8192)):
             sweep(case, args.iters, args.repeats)
@@ -401,7 +477,7 @@ def main() -> None:
     # A full collection over the torch-sized heap takes ~100 ms here and stalls every thread; move
     # the startup objects out of the collector's reach (what a serving process should do too).
     gc.freeze()
-    cases = [Case(SMOLLM2, 128), Case(SMOLLM2, 1024), Case(SMOLLM2, 4096)]
+    cases = [Case(SMOLLM2, t) for t in args.tokens]
     if args.geometry == "all":
         cases += [Case(TINY, 128), Case(TINY, 1024), Case(TINY, 8192)]
         if not args.quick:
@@ -412,7 +488,8 @@ def main() -> None:
         for case in cases:
             rows.extend(measure(bench, case, args.iters, args.repeats))
         print(f"\nKV transfer, 2 processes over loopback gloo, torch {torch.__version__}, "
-              f"{torch.get_num_threads()} torch threads, message size {args.message_mib} MiB")
+              f"{torch.get_num_threads()} torch threads, message size {args.message_mib} MiB, "
+              f"{args.window} messages in flight per side")
         print("medians of interleaved batches; raw uses the mode's own message sizes; 'layer-by-layer' is "
               "what node/prefill/server.py sends by default")
         print(f"{'geometry':<16} {'tokens':>6} {'MiB':>8} {'mode':<15} {'path GiB/s':>10} {'raw GiB/s':>10} "
@@ -424,6 +501,8 @@ def main() -> None:
                   f"{100 * r.path_gib_s / r.raw_gib_s:>7.0f}% {spread:>28}")
         print_breakdown(rows)
 
+        if args.no_exposed:
+            return
         print("\nExposed transfer time after a simulated prefill (per-layer compute = per-layer wire time)")
         print(f"{'geometry':<16} {'tokens':>6} {'layer ms':>8} {'whole ms':>9} {'layer-by-layer ms':>18}")
         for case in [c for c in cases if c.tokens >= 1024]:

@@ -28,8 +28,10 @@ class StagingSlot:
 
 
 class StagingBuffers:
-    """Two byte buffers (slots) per side, grown on demand and kept until the channel closes."""
+    """`NUM_SLOTS` byte buffers (slots) per side, grown on demand and kept until the channel closes."""
 
+    # Messages in flight per side. Two would be enough if the sides took turns perfectly; on a
+    # loaded machine a deeper window lets the wire run on while one side is descheduled.
     NUM_SLOTS = 2
 
     def __init__(self, device: torch.device, host_mirror: bool) -> None:

@@ -152,7 +152,7 @@ class StageSeconds:
     layers: float = 0.0  # a layer-by-layer send waiting for the compute to mark layers ready
     copy: float = 0.0  # the sender's gather into staging, the receiver's scatter into the pool
     digest: float = 0.0  # the checksum pass over the staged bytes
-    wire: float = 0.0  # blocked on the transport: waiting for a posted send or receive to complete
+    wire: float = 0.0  # in the transport: posting a send or receive, waiting for one to complete
 
     @property
     def total(self) -> float:
