@@ -189,7 +189,10 @@ def _decode_main(conn: Connection, window: int) -> None:
         cmd, arg = conn.recv()
         if cmd == "stop":
             break
-        if cmd == "pool":
+        if cmd == "window":
+            StagingBuffers.NUM_SLOTS = arg
+            conn.send(None)
+        elif cmd == "pool":
             g, blocks = arg
             pool = None  # free the previous pool before the next one
             pool = _pool(g, blocks, random=False)
@@ -218,7 +221,7 @@ def _decode_main(conn: Connection, window: int) -> None:
             # is waited. Kept across batches (as the receiver's staging is): no page faults inside
             # the timing.
             window = StagingBuffers.NUM_SLOTS
-            if raw_bufs is None or raw_bufs[0].numel() < max(sizes):
+            if raw_bufs is None or len(raw_bufs) < window or raw_bufs[0].numel() < max(sizes):
                 raw_bufs = [torch.zeros(max(sizes), dtype=torch.uint8) for _ in range(window)]
             bufs = raw_bufs
             plan = sizes * count
@@ -245,6 +248,12 @@ class Bench:
         self.mgr = ChannelManager(ChannelConfig("bench-p", "prefill", "127.0.0.1:0", idle_timeout_s=600.0))
         self.sender = KVSender(get_kernel_ops("torch"), message_bytes=message_bytes)
         self._raw_buf: torch.Tensor | None = None
+
+    def set_window(self, window: int) -> None:
+        """Messages in flight per side from now on, in both processes (at most the startup value,
+        which sized the staging slot lists); call only between batches."""
+        StagingBuffers.NUM_SLOTS = window
+        self.call("window", window)
 
     def call(self, cmd: str, arg: Any) -> Any:
         self.conn.send((cmd, arg))
@@ -348,13 +357,18 @@ def memcpy_seconds(nbytes: int, reps: int) -> float:
     return statistics.median(times)
 
 
-def measure(bench: Bench, case: Case, iters: int, repeats: int) -> list[Row]:
+def measure(bench: Bench, case: Case, iters: int, repeats: int, windows: list[int]) -> list[Row]:
     kv, src, dst = bench.setup(case)
     # Scale the batch so small prompts still move enough bytes to time (at least ~64 MiB per batch).
     n = max(iters, min(200, (64 << 20) // case.nbytes))
-    modes = {"whole": False, "layer-by-layer": True}
-    sizes = {mode: bench.message_sizes(case, layerwise) for mode, layerwise in modes.items()}
-    for mode, layerwise in modes.items():  # warm up channel, staging, both pools and both plans
+    # Each mode at each window depth, interleaved batch by batch, so the depths see the same load.
+    modes = {f"{name}{f' w{w}' if len(windows) > 1 else ''}": (layerwise, w)
+             for name, layerwise in (("whole", False), ("layer-by-layer", True)) for w in windows}
+    sizes = {mode: bench.message_sizes(case, layerwise) for mode, (layerwise, _) in modes.items()}
+    # Warm up channel, staging, both pools and both plans; the deepest window first, since the
+    # channel's staging is created at its first transfer with that many slots.
+    for mode, (layerwise, w) in sorted(modes.items(), key=lambda m: -m[1][1]):
+        bench.set_window(w)
         bench.path(kv, src, dst, 2, layerwise=layerwise)
         bench.raw(sizes[mode], 2)
     cpu_raw: dict[str, list[tuple[Cpu, Cpu]]] = {mode: [] for mode in modes}
@@ -366,7 +380,8 @@ def measure(bench: Bench, case: Case, iters: int, repeats: int) -> list[Row]:
     sent: dict[str, list[Side]] = {mode: [] for mode in modes}
     received: dict[str, list[Side]] = {mode: [] for mode in modes}
     for _ in range(repeats):
-        for mode, layerwise in modes.items():
+        for mode, (layerwise, w) in modes.items():
+            bench.set_window(w)
             seconds, cpu = bench.raw(sizes[mode], n)
             raw[mode].append(seconds)
             cpu_raw[mode].append(cpu)
@@ -400,7 +415,7 @@ def print_breakdown(rows: list[Row]) -> None:
     work over raw is the sender's copy + digest and the receiver's digest + copy; on a machine with
     fewer cores than the two processes' busy threads, that work competes with the wire for CPU."""
     print("\nPer-transfer breakdown (ms, medians over batches): sender S and receiver R stages of the path")
-    print(f"{'tokens':>6} {'mode':<15} {'raw':>7} {'path':>7} {'gap':>7} | {'S copy':>7} {'S dig':>6} {'S wire':>7} "
+    print(f"{'tokens':>6} {'mode':<18} {'raw':>7} {'path':>7} {'gap':>7} | {'S copy':>7} {'S dig':>6} {'S wire':>7} "
           f"{'S lay':>6} {'S oth':>6} | {'R wire':>7} {'R dig':>6} {'R copy':>7} {'R oth':>6} | {'extra':>6} {'gap-extra':>9}")
     for r in rows:
         b = r.breakdown
@@ -408,14 +423,14 @@ def print_breakdown(rows: list[Row]) -> None:
         extra = s.stages.copy + s.stages.digest + v.stages.digest + v.stages.copy
         gap = b.path_s - b.raw_s
         ms = 1e3
-        print(f"{r.case.tokens:>6} {r.mode:<15} {ms * b.raw_s:>7.3f} {ms * b.path_s:>7.3f} {ms * gap:>7.3f} | "
+        print(f"{r.case.tokens:>6} {r.mode:<18} {ms * b.raw_s:>7.3f} {ms * b.path_s:>7.3f} {ms * gap:>7.3f} | "
               f"{ms * s.stages.copy:>7.3f} {ms * s.stages.digest:>6.3f} {ms * s.stages.wire:>7.3f} "
               f"{ms * s.stages.layers:>6.3f} {ms * s.other:>6.3f} | {ms * v.stages.wire:>7.3f} "
               f"{ms * v.stages.digest:>6.3f} {ms * v.stages.copy:>7.3f} {ms * v.other:>6.3f} | "
               f"{ms * extra:>6.3f} {ms * (gap - extra):>9.3f}")
     print("\nCPU per transfer (ms, kernel time in syscalls included) against wall time: each side's channel "
           "worker W and all its other threads O (gloo's I/O thread, main)")
-    print(f"{'tokens':>6} {'mode':<15} {'raw S':>6} {'raw R':>6} {'raw wall':>8} | {'path SW':>7} {'SO':>6} "
+    print(f"{'tokens':>6} {'mode':<18} {'raw S':>6} {'raw R':>6} {'raw wall':>8} | {'path SW':>7} {'SO':>6} "
           f"{'RW':>6} {'RO':>6} {'path wall':>9} | {'extra CPU':>9} {'path CPU/cores':>14}")
     cores = os.cpu_count() or 1
     for r in rows:
@@ -424,7 +439,7 @@ def print_breakdown(rows: list[Row]) -> None:
         path_total = sum(map(sum, b.path_cpu))
         (sw, so), (rw, ro) = b.path_cpu
         ms = 1e3
-        print(f"{r.case.tokens:>6} {r.mode:<15} {ms * sum(b.raw_cpu[0]):>6.2f} {ms * sum(b.raw_cpu[1]):>6.2f} "
+        print(f"{r.case.tokens:>6} {r.mode:<18} {ms * sum(b.raw_cpu[0]):>6.2f} {ms * sum(b.raw_cpu[1]):>6.2f} "
               f"{ms * b.raw_s:>8.3f} | {ms * sw:>7.2f} {ms * so:>6.2f} {ms * rw:>6.2f} {ms * ro:>6.2f} "
               f"{ms * b.path_s:>9.3f} | {ms * (path_total - raw_total):>9.3f} {ms * path_total / cores:>14.3f}")
 
@@ -464,11 +479,12 @@ def main() -> None:
                          "and big synthetic geometries too")
     ap.add_argument("--sweep", action="store_true", help="only sweep the whole-request message size")
     ap.add_argument("--tokens", type=int, nargs="+", default=[128, 1024, 4096], help="prompt lengths to measure")
-    ap.add_argument("--window", type=int, default=StagingBuffers.NUM_SLOTS,
-                    help="messages in flight per side (staging slots), for both the path and raw")
+    ap.add_argument("--window", type=int, nargs="+", default=[StagingBuffers.NUM_SLOTS],
+                    help="messages in flight per side (staging slots), for both the path and raw; several "
+                         "values are measured interleaved")
     ap.add_argument("--no-exposed", action="store_true", help="skip the exposed-time table")
     args = ap.parse_args()
-    StagingBuffers.NUM_SLOTS = args.window
+    StagingBuffers.NUM_SLOTS = max(args.window)  # sizes the slot lists; set_window picks each depth
     if args.sweep:
         for case in (Case(TINY, 1024), Case(TINY, 8192)):
             sweep(case, args.iters, args.repeats)
@@ -486,17 +502,17 @@ def main() -> None:
     try:
         rows: list[Row] = []
         for case in cases:
-            rows.extend(measure(bench, case, args.iters, args.repeats))
+            rows.extend(measure(bench, case, args.iters, args.repeats, args.window))
         print(f"\nKV transfer, 2 processes over loopback gloo, torch {torch.__version__}, "
               f"{torch.get_num_threads()} torch threads, message size {args.message_mib} MiB, "
-              f"{args.window} messages in flight per side")
+              f"{'/'.join(map(str, args.window))} messages in flight per side")
         print("medians of interleaved batches; raw uses the mode's own message sizes; 'layer-by-layer' is "
               "what node/prefill/server.py sends by default")
-        print(f"{'geometry':<16} {'tokens':>6} {'MiB':>8} {'mode':<15} {'path GiB/s':>10} {'raw GiB/s':>10} "
+        print(f"{'geometry':<16} {'tokens':>6} {'MiB':>8} {'mode':<18} {'path GiB/s':>10} {'raw GiB/s':>10} "
               f"{'memcpy GiB/s':>12} {'path/raw':>8} {'per-batch path/raw min..max':>28}")
         for r in rows:
             spread = f"{100 * min(r.ratios):.0f}%..{100 * max(r.ratios):.0f}%"
-            print(f"{r.case.geometry.name:<16} {r.case.tokens:>6} {r.case.nbytes / (1 << 20):>8.2f} {r.mode:<15} "
+            print(f"{r.case.geometry.name:<16} {r.case.tokens:>6} {r.case.nbytes / (1 << 20):>8.2f} {r.mode:<18} "
                   f"{r.path_gib_s:>10.2f} {r.raw_gib_s:>10.2f} {r.memcpy_gib_s:>12.2f} "
                   f"{100 * r.path_gib_s / r.raw_gib_s:>7.0f}% {spread:>28}")
         print_breakdown(rows)
@@ -505,9 +521,10 @@ def main() -> None:
             return
         print("\nExposed transfer time after a simulated prefill (per-layer compute = per-layer wire time)")
         print(f"{'geometry':<16} {'tokens':>6} {'layer ms':>8} {'whole ms':>9} {'layer-by-layer ms':>18}")
+        bench.set_window(args.window[0])
         for case in [c for c in cases if c.tokens >= 1024]:
             kv, src, dst = bench.setup(case)
-            raw_row = next(r for r in rows if r.case == case and r.mode == "layer-by-layer")
+            raw_row = next(r for r in rows if r.case == case and r.mode.startswith("layer-by-layer"))
             layer_s = case.nbytes / (raw_row.raw_gib_s * GiB) / case.geometry.layers
             whole = statistics.median(bench.exposed(kv, src, dst, layer_s, False) for _ in range(args.repeats))
             lbl = statistics.median(bench.exposed(kv, src, dst, layer_s, True) for _ in range(args.repeats))
