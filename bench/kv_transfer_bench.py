@@ -18,11 +18,18 @@ default model's (SmolLM2-135M, bf16) at 128, 1,024 and 4,096 prompt tokens.
 Both processes call gc.freeze() after startup, as a serving process should: otherwise a full
 collection over torch's heap (~100 ms on a small machine) lands inside some timed batch.
 
-A second table shows what layer-by-layer is for: with a simulated prefill that takes as long per
+Two more tables say where the path's extra time goes, per transfer: each side's stages (copy, digest,
+wire, layer waits: `TransferResult.stages`) against the raw and path times, and each process's CPU time
+(its channel worker, and its other threads: gloo's I/O thread doing the socket copies, the main thread)
+against raw's. On a machine with fewer cores than busy threads the gap is about the extra CPU divided
+by the cores, plus what the pipeline leaves idle. `--window 2 4` compares staging depths interleaved.
+
+A last table shows what layer-by-layer is for: with a simulated prefill that takes as long per
 layer as the wire does, the KV still "exposed" after the last layer is computed (whole-request must
 then move all of it; layer-by-layer only the last layer).
 
     .venv/bin/python bench/kv_transfer_bench.py [--iters 8] [--message-mib 1] [--geometry smollm2|all] [--quick]
+        [--tokens 128 1024 4096] [--window 2] [--no-exposed]
 """
 
 from __future__ import annotations
