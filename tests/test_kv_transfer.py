@@ -319,6 +319,11 @@ def test_grouped_layers_ship_once_the_whole_group_is_ready(cluster: Cluster) -> 
     assert sent.ok and got.ok, (sent, got)
     assert sent.bytes == got.bytes == 4 * 2 * 4 * (16 * 2 * 64 * 4)
     assert sent.checksum == got.checksum is not None
+    # Each side's stage split: the layer wait, copy, digest and wire times it measured, within its run time.
+    for side in (sent, got):
+        assert side.stages is not None and side.stages.copy > 0 and side.stages.digest > 0 and side.stages.wire > 0
+        assert side.stages.total <= side.seconds
+    assert sent.stages.layers > 0 and got.stages.layers == 0  # the sender waited for layer 3
     _expect_blocks(c, "d0", src, dst)
 
 
