@@ -24,7 +24,7 @@ import torch
 
 from kv_transfer.backend import PairGroup, TransferTimeout
 from kv_transfer.staging import StagingBuffers
-from kv_transfer.types import ChannelError, ChannelKey, ChannelState, TransferResult
+from kv_transfer.types import ChannelError, ChannelKey, ChannelState, StageSeconds, TransferResult
 
 
 @dataclass
@@ -62,6 +62,7 @@ class ChannelJob(ABC):
         # Set by jobs that consume their messages but must still report failure (a rejected receive).
         self.rejection: str | None = None
         self.checksum: int | None = None  # set by `execute` once every message was digested
+        self.stages = StageSeconds()  # accumulated by `execute` (and by a previous job's look-ahead)
 
     @abstractmethod
     def execute(self, ctx: WorkerContext) -> int:
@@ -85,6 +86,7 @@ class ChannelJob(ABC):
         result = TransferResult(
             ok=True, bytes=nbytes, seconds=time.monotonic() - start, request_id=self.request_id,
             seq_no=self.seq_no, queued_seconds=start - self.submitted, checksum=self.checksum,
+            stages=self.stages,
         )
         return JobOutcome(result, True)
 

@@ -4,6 +4,7 @@ contract: `kv_transfer.transfer`."""
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
 
@@ -50,53 +51,69 @@ class _RecvJob(ChannelJob):
         self._tag = meta.seq_no % TAG_SPACE
         self._ranges = message_ranges(meta.geometry[0], meta.layers_per_message, meta.num_blocks)
         self._slot_base = 0
-        self._preposted: tuple[StagingSlot, PendingOp, int, int] | None = None
+        # Receives posted and not yet waited, in message order (the first ones maybe by `prepost`).
+        self._posted: deque[tuple[StagingSlot, PendingOp, int, int]] = deque()
+        self._next_post = 0  # the next message to post; the slot base is fixed once it is past 0
         self._digest = KVDigest()  # over the received messages, in order, before they are unpacked
         self._host_ids: np.ndarray | None = None  # [n] int64, set when the pool takes hostcopy.scatter
         if kv_cache is not None and ids is not None and hostcopy.supported(kv_cache):
             self._host_ids = ids.numpy()
 
-    def prepost(self, ctx: WorkerContext, slot_base: int) -> None:
-        """Posts this job's first receive while the previous job finishes, so the sender never waits
-        for the receiver between transfers. Called by the previous job, on the worker thread."""
-        if self._ranges and self._preposted is None:
+    def prepost(self, ctx: WorkerContext, slot_base: int, upto: int) -> None:
+        """Posts this job's receives [0, upto) (those not yet posted) while the previous job finishes,
+        so the sender never waits for the receiver between transfers. Called by the previous job, on
+        the worker thread, with the slots of those messages free; `slot_base` must not change."""
+        if self._next_post == 0:
             self._slot_base = slot_base
-            self._preposted = self._post(ctx, 0)
+        self._post_upto(ctx, upto)
+
+    def _post_upto(self, ctx: WorkerContext, upto: int) -> None:
+        """Posts this job's receives up to (not including) message `upto`."""
+        while self._next_post < min(upto, len(self._ranges)):
+            self._posted.append(self._post(ctx, self._next_post))
+            self._next_post += 1
 
     def _post(self, ctx: WorkerContext, i: int) -> tuple[StagingSlot, PendingOp, int, int]:
         _, bs, h, d = self.meta.geometry
         l0, l1 = self._ranges[i]
         index = (self._slot_base + i) % StagingBuffers.NUM_SLOTS
         slot = ctx.staging.slot(index, (l1 - l0, 2, self.meta.num_blocks, bs, h, d), self._dtype)
-        return slot, ctx.group.irecv(slot.wire, ctx.peer, self._tag), l0, l1
+        t0 = time.perf_counter()
+        op = ctx.group.irecv(slot.wire, ctx.peer, self._tag)  # waits for gloo's lock while it reads
+        self.stages.wire += time.perf_counter() - t0
+        return slot, op, l0, l1
 
     def execute(self, ctx: WorkerContext) -> int:
         ranges = self._ranges
-        posted: deque[tuple[StagingSlot, PendingOp, int, int]] = deque()
-        if self._preposted is not None:
-            posted.append(self._preposted)
-            self._preposted = None
-        elif ranges:
-            posted.append(self._post(ctx, 0))
+        window = StagingBuffers.NUM_SLOTS
+        posted = self._posted
         total = 0
         for i in range(len(ranges)):
-            # The slot posted now held message i-1 (or the previous job's last), already unpacked.
-            if i + 1 < len(ranges):
-                posted.append(self._post(ctx, i + 1))
-            else:
+            # Keep `window` receives posted: message j reuses the slot of message j - window, which
+            # was unpacked in an earlier round. Past this job's end, the next queued job's first
+            # messages take the free slots, so the stream never waits for the receiver to catch up.
+            self._post_upto(ctx, i + window)
+            beyond = i + window - len(ranges)
+            if beyond > 0:
                 nxt = ctx.peek(self.seq_no + 1)
                 if isinstance(nxt, _RecvJob):
-                    nxt.prepost(ctx, (self._slot_base + i + 1) % StagingBuffers.NUM_SLOTS)
+                    nxt.prepost(ctx, (self._slot_base + len(ranges)) % window, beyond)
             slot, op, l0, l1 = posted.popleft()
+            t0 = time.perf_counter()
             op.wait(self.deadline)
+            t1 = time.perf_counter()
+            self.stages.wire += t1 - t0
             total += slot.wire.numel() * slot.wire.element_size()
             if self._kv is None:
                 continue
             self._digest.update(slot.wire)
+            t2 = time.perf_counter()
             if slot.mirrored:
                 slot.compute.copy_(slot.wire, non_blocking=True)
             self._unpack(slot, l0, l1)
             sync_device(ctx)  # the slot is reposted next round, and on_layer promises the blocks are written
+            self.stages.digest += t2 - t1
+            self.stages.copy += time.perf_counter() - t2
             if self._on_layer is not None:
                 for layer in range(l0, l1):
                     self._on_layer(layer)

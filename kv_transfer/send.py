@@ -135,11 +135,15 @@ class _SendJob(ChannelJob):
         if ctx.stream is not None:
             for event in events:
                 ctx.stream.wait_event(event)
+        t0 = time.perf_counter()
         self._pack(slot, l0, l1)  # [l1-l0, 2, n, BS, Hkv, D]
         if slot.mirrored:
             slot.wire.copy_(slot.compute, non_blocking=True)
             sync_device(ctx)  # gloo reads the pinned mirror from the host
+        t1 = time.perf_counter()
         self._digest.update(slot.wire)
+        self.stages.copy += t1 - t0
+        self.stages.digest += time.perf_counter() - t1
         if self._corrupt and i == 0:
             flip_one_byte(slot.wire)
 
@@ -157,7 +161,9 @@ class _SendJob(ChannelJob):
         self._slot_base = slot_base
         slot = self._slot(ctx, 0)
         self._fill(ctx, slot, 0, events)
+        t0 = time.perf_counter()
         self._present = (slot, ctx.group.isend(slot.wire, ctx.peer, self._tag))
+        self.stages.wire += time.perf_counter() - t0
 
     def execute(self, ctx: WorkerContext) -> int:
         in_flight: deque[PendingOp] = deque()
@@ -167,21 +173,31 @@ class _SendJob(ChannelJob):
                 slot, op = self._present
                 self._present = None
             else:
+                t0 = time.perf_counter()
                 events = self._gate.wait(l0, l1, self.deadline)
+                t1 = time.perf_counter()
                 if len(in_flight) == StagingBuffers.NUM_SLOTS:
                     in_flight.popleft().wait(self.deadline)  # frees the slot this message reuses
+                self.stages.layers += t1 - t0
+                self.stages.wire += time.perf_counter() - t1
                 slot = self._slot(ctx, i)
                 self._fill(ctx, slot, i, events)
-                op = ctx.group.isend(slot.wire, ctx.peer, self._tag)
+                t0 = time.perf_counter()
+                op = ctx.group.isend(slot.wire, ctx.peer, self._tag)  # gloo may write the bytes right here
+                self.stages.wire += time.perf_counter() - t0
             in_flight.append(op)
             total += slot.wire.numel() * slot.wire.element_size()
         nxt = ctx.peek(self.seq_no + 1)
         if isinstance(nxt, _SendJob):
             if len(in_flight) == StagingBuffers.NUM_SLOTS:
+                t0 = time.perf_counter()
                 in_flight.popleft().wait(self.deadline)  # frees the slot the next job packs into
+                self.stages.wire += time.perf_counter() - t0
             nxt.presend(ctx, (self._slot_base + len(self._ranges)) % StagingBuffers.NUM_SLOTS)
+        t0 = time.perf_counter()
         for op in in_flight:
             op.wait(self.deadline)
+        self.stages.wire += time.perf_counter() - t0
         self.checksum = self._digest.value()
         return total
 
@@ -197,18 +213,27 @@ class _SendJob(ChannelJob):
 class KVSender:
     """Prefill side: ships KV blocks from the local pool over a channel (rank 0)."""
 
-    def __init__(self, ops: KernelOps, message_bytes: int | None = 1 << 20, *, fault_corrupt: bool = False) -> None:
+    def __init__(
+        self, ops: KernelOps, message_bytes: int | None = 1 << 20, *, layerwise_min_bytes: int = 256 << 10,
+        fault_corrupt: bool = False,
+    ) -> None:
         # message_bytes: target size of a whole-request message (at least one layer each);
         # None sends a whole request as a single message.
+        # layerwise_min_bytes: a layer-by-layer message holds as few whole layers as reach this size.
+        # Every message costs a fixed ~0.1 ms on each side (a rendezvous with the peer and thread
+        # wake-ups, measured by bench/kv_transfer_bench.py), as much as moving ~200 KiB; layers below
+        # that travel in groups, so a short prompt's transfer pays a few such costs instead of one per
+        # layer, at the price of the last group's first layers leaving a little later.
         self._ops = ops
         self._message_bytes = message_bytes
+        self._layerwise_min_bytes = layerwise_min_bytes
         # Test fault injection, off by default: every send flips one byte of its first staged message
         # after the checksum was taken, so the receiver's checksum differs.
         self._fault_corrupt = fault_corrupt
 
     def layers_per_message(self, num_layers: int, layer_bytes: int, layerwise: bool) -> int:
-        if layerwise:
-            return 1
+        if layerwise:  # the fewest layers that reach layerwise_min_bytes
+            return max(1, min(num_layers, -(-self._layerwise_min_bytes // max(layer_bytes, 1))))
         if self._message_bytes is None or layer_bytes == 0:
             return num_layers
         return max(1, min(num_layers, self._message_bytes // layer_bytes))

@@ -28,8 +28,12 @@ class StagingSlot:
 
 
 class StagingBuffers:
-    """Two byte buffers (slots) per side, grown on demand and kept until the channel closes."""
+    """`NUM_SLOTS` byte buffers (slots) per side, grown on demand and kept until the channel closes."""
 
+    # Messages in flight per side: one on the wire while the other is packed or unpacked. Four
+    # (`bench/kv_transfer_bench.py --window 4`) measured no faster on a 2-core machine, where the
+    # two sides' copies, digests and socket copies already keep both cores busy; it would double
+    # the staging memory.
     NUM_SLOTS = 2
 
     def __init__(self, device: torch.device, host_mirror: bool) -> None:

@@ -3,11 +3,12 @@
 Wire: a transfer is a sequence of messages tagged with its `seq_no`. Message i holds layers
 ``[i * k, min((i + 1) * k, L))`` with ``k = meta.layers_per_message``, packed with the kernel
 ops' `pack_blocks` (wire format v1), so the concatenation of all messages is exactly the v1
-buffer ``[L, 2, n, BS, Hkv, D]``. Layer-by-layer transfers use k = 1; whole-request transfers
-use the largest k whose message fits `message_bytes`. Each side double-buffers: the sender packs
-message i+1 while message i is on the wire, the receiver posts the receive of message i+1 before
-unpacking message i, and both reach into the next queued transfer for its first message, so
-back-to-back transfers stream without a gap. A transfer of zero blocks sends no message.
+buffer ``[L, 2, n, BS, Hkv, D]``. Layer-by-layer transfers use the smallest k whose message reaches
+`layerwise_min_bytes` (k = 1 once a layer is that big); whole-request transfers use the largest k
+whose message fits `message_bytes`. Each side has `StagingBuffers.NUM_SLOTS` slots: the sender packs
+message i+1 while message i is on the wire, the receiver keeps that many receives posted while it
+unpacks, and both reach into the next queued transfer for its first messages, so back-to-back
+transfers stream without a gap. A transfer of zero blocks sends no message.
 
 Integrity: the wire carries only the packed bytes. Each side digests the messages in order as they sit
 in its staging slot (`kv_transfer.checksum`: the sender after packing, before the send; the receiver on

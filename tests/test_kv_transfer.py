@@ -268,9 +268,10 @@ def test_layer_by_layer_overlaps_with_compute(cluster: Cluster) -> None:
     c = cluster
     assert c.peer.addresses["d1"].startswith("127.0.0.2:")  # d1 is reached on its own address
     num_layers = GEOMETRY[0]
-    src = _shuffled_ids(12, PREFILL_BLOCKS, seed=3)
-    dst = _shuffled_ids(12, DECODE_BLOCKS, seed=4)
-    h = c.sender.send(c.prefill.channel_to("d1"), c.kv, src, request_id="lbl", num_tokens=12 * 16,
+    # 16 blocks: 256 KiB a layer, the sender's default layerwise_min_bytes, so one message per layer.
+    src = _shuffled_ids(16, PREFILL_BLOCKS, seed=3)
+    dst = _shuffled_ids(16, DECODE_BLOCKS, seed=4)
+    h = c.sender.send(c.prefill.channel_to("d1"), c.kv, src, request_id="lbl", num_tokens=16 * 16,
                       timeout_s=20.0, layerwise=True)
     assert h.meta.layers_per_message == 1
     c.peer.recv([_item(c, h, "lbl", dst)])
@@ -285,6 +286,45 @@ def test_layer_by_layer_overlaps_with_compute(cluster: Cluster) -> None:
     assert h.result(20).ok and got.ok, (h.result(), got)
     assert got.checksum is not None and h.result().checksum == got.checksum
     _expect_blocks(c, "d1", src, dst)
+
+
+def test_small_layers_travel_in_groups_layer_by_layer() -> None:
+    """A layer-by-layer message holds the fewest whole layers that reach `layerwise_min_bytes`."""
+    sender = KVSender(get_kernel_ops("torch"))  # 256 KiB by default
+    assert sender.layers_per_message(30, 92_160, layerwise=True) == 3  # 128 tokens of the default model
+    assert sender.layers_per_message(30, 737_280, layerwise=True) == 1  # 1,024 tokens
+    assert sender.layers_per_message(4, 16 << 10, layerwise=True) == 4  # never more than all layers
+    assert KVSender(get_kernel_ops("torch"), layerwise_min_bytes=0).layers_per_message(30, 1, layerwise=True) == 1
+
+
+@pytest.mark.timeout(60)
+def test_grouped_layers_ship_once_the_whole_group_is_ready(cluster: Cluster) -> None:
+    """With 64 KiB layers and a 128 KiB minimum, layers go in pairs: the decode node gets layers 0 and 1
+    once both are ready, the last pair only when layer 3 is, and every byte lands intact."""
+    c = cluster
+    sender = KVSender(get_kernel_ops("torch"), layerwise_min_bytes=128 << 10)
+    src = _shuffled_ids(4, PREFILL_BLOCKS, seed=21)
+    dst = _shuffled_ids(4, DECODE_BLOCKS, seed=22)
+    h = sender.send(c.prefill.channel_to("d0"), c.kv, src, request_id="pairs", num_tokens=4 * 16,
+                    timeout_s=20.0, layerwise=True)
+    assert h.meta.layers_per_message == 2
+    c.peer.recv([_item(c, h, "pairs", dst)])
+    for layer in range(3):
+        h.layer_ready(layer)
+    assert c.peer.call("layers", ("pairs", 2, 10.0)) == [0, 1]
+    assert not h.done()  # layer 2 waits in its group for layer 3
+    h.layer_ready(3)
+    got = c.peer.wait(["pairs"])["pairs"]
+    sent = h.result(20)
+    assert sent.ok and got.ok, (sent, got)
+    assert sent.bytes == got.bytes == 4 * 2 * 4 * (16 * 2 * 64 * 4)
+    assert sent.checksum == got.checksum is not None
+    # Each side's stage split: the layer wait, copy, digest and wire times it measured, within its run time.
+    for side in (sent, got):
+        assert side.stages is not None and side.stages.copy > 0 and side.stages.digest > 0 and side.stages.wire > 0
+        assert side.stages.total <= side.seconds
+    assert sent.stages.layers > 0 and got.stages.layers == 0  # the sender waited for layer 3
+    _expect_blocks(c, "d0", src, dst)
 
 
 @pytest.mark.timeout(60)
