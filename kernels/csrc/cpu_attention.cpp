@@ -14,11 +14,12 @@
 // that one transpose-and-add tree reduces to one vector of 16 scores (instead of 16 horizontal reductions).
 // Softmax on that vector, with a running max that is only raised when a score passes it by more than 8, so
 // most blocks need neither a max reduction nor a rescale. P.V in float32 FMAs, each V row widened once for up
-// to 4 query heads. fp8 rows become bfloat16 exactly (both fp8 formats fit bfloat16's exponent range, their
-// subnormals as normal numbers) by two VPERMI2B table lookups (low and high byte of the bfloat16 bits of the
-// 128 magnitudes) and the sign or-ed in. At 32 sequences x 512 tokens x 30 layers of the default model the
-// kernel is bound by streaming the pool from DRAM: 1.5x faster than the per-token version when the pool is
-// cache-resident, 1.0-1.1x from DRAM.
+// to 4 query heads. fp8 K rows become bfloat16 exactly (both fp8 formats fit bfloat16's exponent range,
+// their subnormals as normal numbers) by two VPERMI2B table lookups (low and high byte of the bfloat16 bits
+// of the 128 magnitudes) and the sign or-ed in; V rows are widened to float32 as on the other path. At 32
+// sequences x 512 tokens x 30 layers of the default model the kernel is bound by streaming the pool from
+// DRAM (bench/decode_kernel_cpu.py): it is 1.5x (bf16) and 1.1-1.2x (fp8) faster than the per-token
+// version when the pool is cache-resident, but only 1.0-1.2x from DRAM.
 //
 // Other pools and head dims (attend_item, attend_item_generic) convert each K/V row to float32 once and take
 // one horizontal reduction per token and query head. An e5m2 byte is the top byte of a float16 (same
@@ -263,10 +264,6 @@ inline void fp8x64_to_bf16(const void* src, const Fp8Tables& tb, uint16_t* dst) 
   _mm512_storeu_si512(dst + 32, _mm512_permutex2var_epi8(lo, _mm512_load_si512(idx[1]), hi));
 }
 
-inline __m512 bf16x16_to_f32(const uint16_t* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
-
 inline __m512bh load_bh(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
 
 // Scores of 16 tokens for one query head: lane t is q . k[t] (unscaled), by VDPBF16PS over bfloat16 K rows
@@ -289,14 +286,14 @@ inline __m512 scores16(const uint16_t* qp, int64_t part_stride, const uint16_t* 
 
 // acc[g][d0 .. d0+63] += sum over t < n of p[g][t] * v[t][d0 .. d0+63] for GC query heads at once: each V
 // row is widened once for all of them (GC * 4 accumulators + 4 rows in registers).
-template <int GC>
-inline void pv_pass(const uint16_t* const* vrow, int64_t n, int64_t d0, const float* p, float* acc, int64_t D) {
+template <int GC, typename T>
+inline void pv_pass(const T* const* vrow, int64_t n, int64_t d0, const float* p, float* acc, int64_t D) {
   __m512 a[GC][4];
   for (int g = 0; g < GC; ++g)
     for (int c = 0; c < 4; ++c) a[g][c] = _mm512_loadu_ps(acc + g * D + d0 + 16 * c);
   for (int64_t t = 0; t < n; ++t) {
     __m512 v[4];
-    for (int c = 0; c < 4; ++c) v[c] = bf16x16_to_f32(vrow[t] + d0 + 16 * c);
+    for (int c = 0; c < 4; ++c) v[c] = load16(vrow[t] + d0 + 16 * c);
     for (int g = 0; g < GC; ++g) {
       const __m512 pb = _mm512_set1_ps(p[g * 16 + t]);
       for (int c = 0; c < 4; ++c) a[g][c] = _mm512_fmadd_ps(pb, v[c], a[g][c]);
@@ -309,10 +306,10 @@ inline void pv_pass(const uint16_t* const* vrow, int64_t n, int64_t d0, const fl
 // Per-thread working memory of attend_item_bf16.
 struct Bf16Work {
   std::vector<uint16_t> qp;  // [3, H, D] q as bfloat16 parts, largest first
-  std::vector<uint16_t> kbuf, vbuf;  // [16, D] fp8 rows widened to bfloat16
+  std::vector<uint16_t> kbuf;  // [16, D] fp8 K rows widened to bfloat16
   std::vector<float> p, lv;  // [H, 16] probabilities of the current 16 tokens; running sums, per lane
   // H: the query heads of an item
-  Bf16Work(int64_t H, int64_t D) : qp(3 * H * D), kbuf(16 * D), vbuf(16 * D), p(H * 16), lv(H * 16) {}
+  Bf16Work(int64_t H, int64_t D) : qp(3 * H * D), kbuf(16 * D), p(H * 16), lv(H * 16) {}
 };
 
 // Scores may exceed the running max by this much before it is raised (and what was accumulated rescaled):
@@ -335,7 +332,7 @@ void attend_item_bf16_impl(float scale, const T* k_cache, const T* v_cache, cons
   const __m512 scale_v = _mm512_set1_ps(scale);
   const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const uint16_t* krow[16];
-  const uint16_t* vrow[16];
+  const T* vrow[16];
   for (int64_t j = j0; j < j1; ++j) {
     const int64_t blk = table[j];
     const int64_t n = std::min(BS, ctx - j * BS);
@@ -362,18 +359,13 @@ void attend_item_bf16_impl(float scale, const T* k_cache, const T* v_cache, cons
         for (int64_t t = 0; t < 16; ++t) {
           const int64_t r = c0 + std::min(t, nn - 1);
           if constexpr (kFp8) {
-            if (t < nn) {
-              for (int c = 0; c < D; c += 64) {
-                fp8x64_to_bf16(kb + r * row_stride + c, *tb, w.kbuf.data() + t * D + c);
-                fp8x64_to_bf16(vb + r * row_stride + c, *tb, w.vbuf.data() + t * D + c);
-              }
-            }
+            if (t < nn)
+              for (int c = 0; c < D; c += 64) fp8x64_to_bf16(kb + r * row_stride + c, *tb, w.kbuf.data() + t * D + c);
             krow[t] = w.kbuf.data() + std::min(t, nn - 1) * D;
-            vrow[t] = w.vbuf.data() + std::min(t, nn - 1) * D;
           } else {
             krow[t] = reinterpret_cast<const uint16_t*>(kb + r * row_stride);
-            vrow[t] = reinterpret_cast<const uint16_t*>(vb + r * row_stride);
           }
+          vrow[t] = vb + r * row_stride;  // widened to float32 in the V pass
         }
         const __mmask16 valid = static_cast<__mmask16>((1u << nn) - 1);
         for (int64_t g = 0; g < G; ++g) {
