@@ -305,24 +305,23 @@ inline void pv_pass(const T* const* vrow, int64_t n, int64_t d0, const float* p,
 
 // Per-thread working memory of attend_item_bf16.
 struct Bf16Work {
-  std::vector<uint16_t> qp;  // [3, H, D] q as bfloat16 parts, largest first
+  std::vector<uint16_t> qp;  // [3, G, D] q as bfloat16 parts, largest first
   std::vector<uint16_t> kbuf;  // [16, D] fp8 K rows widened to bfloat16
-  std::vector<float> p, lv;  // [H, 16] probabilities of the current 16 tokens; running sums, per lane
-  // H: the query heads of an item
-  Bf16Work(int64_t H, int64_t D) : qp(3 * H * D), kbuf(16 * D), p(H * 16), lv(H * 16) {}
+  std::vector<float> p, lv;  // [G, 16] probabilities of the current 16 tokens; running sums, per lane
+  Bf16Work(int64_t G, int64_t D) : qp(3 * G * D), kbuf(16 * D), p(G * 16), lv(G * 16) {}
 };
 
 // Scores may exceed the running max by this much before it is raised (and what was accumulated rescaled):
 // the max only keeps exp() in range (p <= e^8 here), so most blocks skip the reduction and the rescale.
 constexpr float kMaxSlack = 8.f;
 
-// One (sequence, KV heads h0 .. h0 + nh - 1, split) item over a bfloat16 or fp8 pool, head dim D = 64 or 128,
+// One (sequence, KV head h, split) item over a bfloat16 or fp8 pool, head dim D = 64 or 128,
 // 16 tokens at a time: scores by VDPBF16PS and one reduction tree per query head, the softmax on whole
-// vectors, and one V pass serving up to 4 query heads. q ([NQ, nh * G, D] in w.qp) is unscaled; the scale is
+// vectors, and one V pass serving up to 4 query heads. q ([NQ, G, D] in w.qp) is unscaled; the scale is
 // applied to the scores.
 template <typename T, int D, int NQ>
 void attend_item_bf16_impl(float scale, const T* k_cache, const T* v_cache, const int32_t* table, int64_t ctx,
-                           int64_t j0, int64_t j1, int64_t G, int64_t h0, int64_t nh, int64_t BS, int64_t row_stride,
+                           int64_t j0, int64_t j1, int64_t G, int64_t h, int64_t BS, int64_t row_stride,
                            float* acc, float* m, float* l, Bf16Work& w) {
   constexpr int NK = D / 32;
   constexpr bool kFp8 = !std::is_same_v<T, at::BFloat16>;
@@ -337,77 +336,70 @@ void attend_item_bf16_impl(float scale, const T* k_cache, const T* v_cache, cons
     const int64_t blk = table[j];
     const int64_t n = std::min(BS, ctx - j * BS);
     if (j + 2 < j1) {  // blocks sit anywhere in the pool: ask for the rows two blocks ahead while this one computes
-      const int64_t nxt = table[j + 2] * BS * row_stride + h0 * D;
-      const int64_t row_bytes = nh * D * static_cast<int64_t>(sizeof(T));  // the item's heads are adjacent
+      const int64_t nxt = table[j + 2] * BS * row_stride + h * D;
+      constexpr int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
       for (int64_t t = 0; t < BS; ++t)
         for (int64_t c = 0; c < row_bytes; c += 64) {
           _mm_prefetch(reinterpret_cast<const char*>(k_cache + nxt + t * row_stride) + c, _MM_HINT_T0);
           _mm_prefetch(reinterpret_cast<const char*>(v_cache + nxt + t * row_stride) + c, _MM_HINT_T0);
         }
     }
-    for (int64_t hi = 0; hi < nh; ++hi) {
-      const T* kb = k_cache + blk * BS * row_stride + (h0 + hi) * D;
-      const T* vb = v_cache + blk * BS * row_stride + (h0 + hi) * D;
-      float* acc_h = acc + hi * G * D;  // [G, D] of this KV head's query heads
-      float* m_h = m + hi * G;
-      float* lv_h = w.lv.data() + hi * G * 16;
-      const uint16_t* qh = w.qp.data() + hi * G * D;
-      const int64_t part_stride = nh * G * D;
-      for (int64_t c0 = 0; c0 < n; c0 += 16) {
-        const int64_t nn = std::min<int64_t>(16, n - c0);
-        // lanes past the context read the last valid row (never an unowned slot) and are masked to -inf
-        for (int64_t t = 0; t < 16; ++t) {
-          const int64_t r = c0 + std::min(t, nn - 1);
-          if constexpr (kFp8) {
-            if (t < nn)
-              for (int c = 0; c < D; c += 64) fp8x64_to_bf16(kb + r * row_stride + c, *tb, w.kbuf.data() + t * D + c);
-            krow[t] = w.kbuf.data() + std::min(t, nn - 1) * D;
-          } else {
-            krow[t] = reinterpret_cast<const uint16_t*>(kb + r * row_stride);
-          }
-          vrow[t] = vb + r * row_stride;  // widened to float32 in the V pass
+    const T* kb = k_cache + blk * BS * row_stride + h * D;
+    const T* vb = v_cache + blk * BS * row_stride + h * D;
+    for (int64_t c0 = 0; c0 < n; c0 += 16) {
+      const int64_t nn = std::min<int64_t>(16, n - c0);
+      // lanes past the context read the last valid row (never an unowned slot) and are masked to -inf
+      for (int64_t t = 0; t < 16; ++t) {
+        const int64_t r = c0 + std::min(t, nn - 1);
+        if constexpr (kFp8) {
+          if (t < nn)
+            for (int c = 0; c < D; c += 64) fp8x64_to_bf16(kb + r * row_stride + c, *tb, w.kbuf.data() + t * D + c);
+          krow[t] = w.kbuf.data() + std::min(t, nn - 1) * D;
+        } else {
+          krow[t] = reinterpret_cast<const uint16_t*>(kb + r * row_stride);
         }
-        const __mmask16 valid = static_cast<__mmask16>((1u << nn) - 1);
-        for (int64_t g = 0; g < G; ++g) {
-          __m512 s = _mm512_mul_ps(scores16<NK, NQ>(qh + g * D, part_stride, krow), scale_v);
-          s = _mm512_mask_blend_ps(valid, ninf, s);
-          if (_mm512_cmp_ps_mask(s, _mm512_set1_ps(m_h[g] + kMaxSlack), _CMP_GT_OQ)) {
-            const float mx = _mm512_reduce_max_ps(s);
-            const float alpha = m_h[g] == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(m_h[g] - mx);
-            m_h[g] = mx;
-            const __m512 av = _mm512_set1_ps(alpha);
-            _mm512_storeu_ps(lv_h + g * 16, _mm512_mul_ps(av, _mm512_loadu_ps(lv_h + g * 16)));
-            for (int c = 0; c < D; c += 16) _mm512_storeu_ps(acc_h + g * D + c, _mm512_mul_ps(av, _mm512_loadu_ps(acc_h + g * D + c)));
-          }
-          const __m512 p = exp16(_mm512_sub_ps(s, _mm512_set1_ps(m_h[g])));
-          _mm512_storeu_ps(w.p.data() + g * 16, p);
-          _mm512_storeu_ps(lv_h + g * 16, _mm512_add_ps(p, _mm512_loadu_ps(lv_h + g * 16)));
+        vrow[t] = vb + r * row_stride;  // widened to float32 in the V pass
+      }
+      const __mmask16 valid = static_cast<__mmask16>((1u << nn) - 1);
+      for (int64_t g = 0; g < G; ++g) {
+        __m512 s = _mm512_mul_ps(scores16<NK, NQ>(w.qp.data() + g * D, G * D, krow), scale_v);
+        s = _mm512_mask_blend_ps(valid, ninf, s);
+        if (_mm512_cmp_ps_mask(s, _mm512_set1_ps(m[g] + kMaxSlack), _CMP_GT_OQ)) {
+          const float mx = _mm512_reduce_max_ps(s);
+          const float alpha = m[g] == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(m[g] - mx);
+          m[g] = mx;
+          const __m512 av = _mm512_set1_ps(alpha);
+          _mm512_storeu_ps(w.lv.data() + g * 16, _mm512_mul_ps(av, _mm512_loadu_ps(w.lv.data() + g * 16)));
+          for (int c = 0; c < D; c += 16) _mm512_storeu_ps(acc + g * D + c, _mm512_mul_ps(av, _mm512_loadu_ps(acc + g * D + c)));
         }
-        for (int64_t d0 = 0; d0 < D; d0 += 64) {
-          for (int64_t g0 = 0; g0 < G; g0 += 4) {
-            const float* p = w.p.data() + g0 * 16;
-            float* a = acc_h + g0 * D;
-            switch (std::min<int64_t>(4, G - g0)) {
-              case 1: pv_pass<1>(vrow, nn, d0, p, a, D); break;
-              case 2: pv_pass<2>(vrow, nn, d0, p, a, D); break;
-              case 3: pv_pass<3>(vrow, nn, d0, p, a, D); break;
-              default: pv_pass<4>(vrow, nn, d0, p, a, D); break;
-            }
+        const __m512 p = exp16(_mm512_sub_ps(s, _mm512_set1_ps(m[g])));
+        _mm512_storeu_ps(w.p.data() + g * 16, p);
+        _mm512_storeu_ps(w.lv.data() + g * 16, _mm512_add_ps(p, _mm512_loadu_ps(w.lv.data() + g * 16)));
+      }
+      for (int64_t d0 = 0; d0 < D; d0 += 64) {
+        for (int64_t g0 = 0; g0 < G; g0 += 4) {
+          const float* p = w.p.data() + g0 * 16;
+          float* a = acc + g0 * D;
+          switch (std::min<int64_t>(4, G - g0)) {
+            case 1: pv_pass<1>(vrow, nn, d0, p, a, D); break;
+            case 2: pv_pass<2>(vrow, nn, d0, p, a, D); break;
+            case 3: pv_pass<3>(vrow, nn, d0, p, a, D); break;
+            default: pv_pass<4>(vrow, nn, d0, p, a, D); break;
           }
         }
       }
     }
   }
-  for (int64_t g = 0; g < nh * G; ++g) l[g] = _mm512_reduce_add_ps(_mm512_loadu_ps(w.lv.data() + g * 16));
+  for (int64_t g = 0; g < G; ++g) l[g] = _mm512_reduce_add_ps(_mm512_loadu_ps(w.lv.data() + g * 16));
 }
 
-// Splits q ([nh * G, D] float32) into three bfloat16 parts (hi + mid + lo; each the rounding of what the
+// Splits q ([G, D] float32) into three bfloat16 parts (hi + mid + lo; each the rounding of what the
 // previous ones leave) and runs the item on the first part alone where the others are all zero.
 template <typename T, int D>
 void attend_item_bf16(const float* q, float scale, const T* k_cache, const T* v_cache, const int32_t* table,
-                      int64_t ctx, int64_t j0, int64_t j1, int64_t G, int64_t h0, int64_t nh, int64_t BS,
+                      int64_t ctx, int64_t j0, int64_t j1, int64_t G, int64_t h, int64_t BS,
                       int64_t row_stride, float* acc, float* m, float* l, Bf16Work& w) {
-  const int64_t n = nh * G * D;
+  const int64_t n = G * D;
   __mmask16 rest = 0;
   for (int64_t i = 0; i < n; i += 16) {
     __m512 x = _mm512_loadu_ps(q + i);
@@ -419,9 +411,9 @@ void attend_item_bf16(const float* q, float scale, const T* k_cache, const T* v_
     }
   }
   if (rest)
-    attend_item_bf16_impl<T, D, 3>(scale, k_cache, v_cache, table, ctx, j0, j1, G, h0, nh, BS, row_stride, acc, m, l, w);
+    attend_item_bf16_impl<T, D, 3>(scale, k_cache, v_cache, table, ctx, j0, j1, G, h, BS, row_stride, acc, m, l, w);
   else
-    attend_item_bf16_impl<T, D, 1>(scale, k_cache, v_cache, table, ctx, j0, j1, G, h0, nh, BS, row_stride, acc, m, l, w);
+    attend_item_bf16_impl<T, D, 1>(scale, k_cache, v_cache, table, ctx, j0, j1, G, h, BS, row_stride, acc, m, l, w);
 }
 #endif  // AVX512-BF16 and VBMI
 #endif
@@ -488,19 +480,17 @@ void decode_kernel(const float* q,          // [B, Hq, D]
 #endif
   // An item is one KV head: items covering all of a sequence's heads (reading its blocks' rows whole)
   // measured slower, the prefetches of whole blocks outrunning what the cores keep in flight.
-  const int64_t hpi = 1;  // KV heads per item
-  const int64_t groups = Hkv / hpi;
-  const int64_t items = B * groups * splits;
+  const int64_t items = B * Hkv * splits;
 #pragma omp parallel num_threads(threads)
   {
-    std::vector<float> kf(D), s(BS * G), m(hpi * G), l(hpi * G), acc(hpi * G * D), qs(G * D);
+    std::vector<float> kf(D), s(BS * G), m(G), l(G), acc(G * D), qs(G * D);
 #if defined(PDSERVE_BF16_PATH)
-    Bf16Work work(bf16_path ? hpi * G : 0, bf16_path ? D : 0);
+    Bf16Work work(bf16_path ? G : 0, bf16_path ? D : 0);
 #endif
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < items; ++item) {
-      const int64_t b = item / (groups * splits);
-      const int64_t h0 = (item / splits) % groups * hpi;  // KV heads h0 .. h0 + hpi - 1
+      const int64_t b = item / (Hkv * splits);
+      const int64_t h = (item / splits) % Hkv;
       const int64_t split = item % splits;
       const int64_t ctx = ctx_lens[b];
       const int64_t nblocks = (ctx + BS - 1) / BS;
@@ -513,15 +503,14 @@ void decode_kernel(const float* q,          // [B, Hq, D]
       if (bf16_path) {
 #if defined(PDSERVE_BF16_PATH)
         if constexpr (kBf16Path) {
-          const float* qr = q + (b * Hq + h0 * G) * D;  // [hpi * G, D], unscaled
+          const float* qr = q + (b * Hq + h * G) * D;  // [G, D], unscaled
           if (D == 64)
-            attend_item_bf16<T, 64>(qr, scale, k_cache, v_cache, table, ctx, j0, j1, G, h0, hpi, BS, row_stride, acc.data(), m.data(), l.data(), work);
+            attend_item_bf16<T, 64>(qr, scale, k_cache, v_cache, table, ctx, j0, j1, G, h, BS, row_stride, acc.data(), m.data(), l.data(), work);
           else
-            attend_item_bf16<T, 128>(qr, scale, k_cache, v_cache, table, ctx, j0, j1, G, h0, hpi, BS, row_stride, acc.data(), m.data(), l.data(), work);
+            attend_item_bf16<T, 128>(qr, scale, k_cache, v_cache, table, ctx, j0, j1, G, h, BS, row_stride, acc.data(), m.data(), l.data(), work);
         }
 #endif
       } else {
-        const int64_t h = h0;  // hpi == 1
         for (int64_t g = 0; g < G; ++g) {  // the query rows of this KV head, pre-scaled
           const float* qr = q + (b * Hq + h * G + g) * D;
           for (int64_t i = 0; i < D; ++i) qs[g * D + i] = qr[i] * scale;
@@ -536,10 +525,9 @@ void decode_kernel(const float* q,          // [B, Hq, D]
           attend_item_generic<T>(qs.data(), k_cache, v_cache, table, ctx, j0, j1, G, D, BS, row_stride, h, acc.data(),
                                  m.data(), l.data(), s.data(), kf.data());
       }
-      for (int64_t hg = 0; hg < hpi * G; ++hg) {  // query heads h0 * G + hg
-        const int64_t h = h0 + hg / G, g = hg % G;
-        const float* a = acc.data() + hg * D;
-        const float inv = l[hg] > 0.f ? 1.f / l[hg] : 0.f;
+      for (int64_t g = 0; g < G; ++g) {
+        const float* a = acc.data() + g * D;
+        const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
         if (splits == 1) {
           float* o = out + (b * Hq + h * G + g) * D;
           for (int64_t i = 0; i < D; ++i) o[i] = a[i] * inv;
@@ -547,7 +535,7 @@ void decode_kernel(const float* q,          // [B, Hq, D]
           const int64_t p = ((b * Hkv + h) * splits + split) * G + g;
           float* o = part_out + p * D;
           for (int64_t i = 0; i < D; ++i) o[i] = a[i] * inv;
-          part_lse[p] = l[hg] > 0.f ? m[hg] + std::log(l[hg]) : -std::numeric_limits<float>::infinity();
+          part_lse[p] = l[g] > 0.f ? m[g] + std::log(l[g]) : -std::numeric_limits<float>::infinity();
         }
       }
     }
