@@ -17,9 +17,9 @@
 // to 4 query heads. fp8 K rows become bfloat16 exactly (both fp8 formats fit bfloat16's exponent range,
 // their subnormals as normal numbers) by two VPERMI2B table lookups (low and high byte of the bfloat16 bits
 // of the 128 magnitudes) and the sign or-ed in; V rows are widened to float32 as on the other path. At 32
-// sequences x 512 tokens x 30 layers of the default model the kernel is bound by streaming the pool from
-// DRAM (bench/decode_kernel_cpu.py): it is 1.5x (bf16) and 1.1-1.2x (fp8) faster than the per-token
-// version when the pool is cache-resident, but only 1.0-1.2x from DRAM.
+// sequences x 512 tokens x 30 layers of the default model (bench/decode_kernel_cpu.py) this is 1.45x (bf16)
+// and 1.2-1.3x (fp8) faster than the per-token version, 1.7x and 1.3-1.5x with the pool cache-resident: from
+// DRAM it is bound by the cache lines the two cores keep in flight, not by its instructions.
 //
 // Other pools and head dims (attend_item, attend_item_generic) convert each K/V row to float32 once and take
 // one horizontal reduction per token and query head. An e5m2 byte is the top byte of a float16 (same
