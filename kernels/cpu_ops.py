@@ -6,9 +6,12 @@ conversion of a half-precision pool) costs more than the attention itself. `CpuO
 prefill (dominated by its matmuls) and the KV movement, and attends decode batches with
 `csrc/cpu_attention.cpp`: one work item per (sequence, KV head, context split) walks the block table,
 converts each K/V row to float32 once for the G query heads of its KV head, and keeps an online softmax
-in float32. AVX-512 builds hold head dims 64 and 128 in registers; other head dims and machines take a
+in float32. bfloat16 and fp8 pools at head dims 64 and 128 on AVX512-BF16 CPUs take 16 tokens at a time
+(VDPBF16PS scores reduced by one transpose-and-add tree, fp8 rows widened to bfloat16 by table lookup);
+other AVX-512 builds hold head dims 64 and 128 in registers; other head dims and machines take a
 compiler-vectorized loop. Pools may be float32, bfloat16, float16, float8_e5m2 or float8_e4m3fn (one byte
-per element, half the DRAM traffic of bf16; both widened through float16 bits, see the source).
+per element, half the DRAM traffic of bf16; widened exactly, see the source). `build_extension` also
+builds other versions of the source (the benches time an earlier revision's kernel against this one).
 
 The extension is compiled on first use with `torch.utils.cpp_extension` (g++ and ninja, about 30 s) for
 this machine's instruction set, and cached (`extension_dir`) keyed by source, flags and CPU; later loads
@@ -76,27 +79,37 @@ def load_extension() -> ModuleType:
             return _loaded
         if _error is not None:
             raise _error
-        key = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode() + _cpu_signature().encode())
-        name = f"pdserve_cpu_attention_{key.hexdigest()[:12]}"
-        build = extension_dir() / name
         try:
-            from torch.utils.cpp_extension import load
-
-            build.mkdir(parents=True, exist_ok=True)
-            # torch's own build lock is a plain file its waiters poll: a builder killed mid-build (a node
-            # SIGKILLed, Ctrl-C during the first start) leaves it behind and every later start waits
-            # forever. An flock, which the kernel releases with its holder, guards the build instead,
-            # and under it a leftover torch lock can only be a dead builder's.
-            with open(build / "pdserve-build.lock", "w") as guard:
-                fcntl.flock(guard, fcntl.LOCK_EX)
-                (build / "lock").unlink(missing_ok=True)
-                _loaded = load(name=name, sources=[str(SOURCE)], extra_cflags=list(CFLAGS),
-                               extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=False)
+            _loaded = build_extension(SOURCE.read_bytes(), "pdserve_cpu_attention")
         except Exception as e:  # noqa: BLE001 - any build failure means "not here"; keep the reason
-            _error = ExtensionUnavailable(f"the CPU attention extension could not be built in {build}: "
+            _error = ExtensionUnavailable(f"the CPU attention extension could not be built in {extension_dir()}: "
                                           f"{type(e).__name__}: {str(e)[-600:]}")
             raise _error from e
         return _loaded
+
+
+def build_extension(source: bytes, prefix: str) -> ModuleType:
+    """Builds (or loads the cached build of) the extension from `source` (the C++ text) in a directory
+    of extension_dir() named by `prefix` and a digest of source, flags and CPU. Raises what the build
+    raises."""
+    from torch.utils.cpp_extension import load
+
+    key = hashlib.sha256(source + " ".join(CFLAGS).encode() + _cpu_signature().encode())
+    name = f"{prefix}_{key.hexdigest()[:12]}"
+    build = extension_dir() / name
+    build.mkdir(parents=True, exist_ok=True)
+    src = build / "cpu_attention.cpp"
+    if not src.exists() or src.read_bytes() != source:
+        src.write_bytes(source)
+    # torch's own build lock is a plain file its waiters poll: a builder killed mid-build (a node
+    # SIGKILLed, Ctrl-C during the first start) leaves it behind and every later start waits
+    # forever. An flock, which the kernel releases with its holder, guards the build instead,
+    # and under it a leftover torch lock can only be a dead builder's.
+    with open(build / "pdserve-build.lock", "w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        (build / "lock").unlink(missing_ok=True)
+        return load(name=name, sources=[str(src)], extra_cflags=list(CFLAGS), extra_ldflags=["-fopenmp"],
+                    build_directory=str(build), verbose=False)
 
 
 @dataclass(frozen=True)

@@ -154,3 +154,62 @@ def test_e4m3_widening_is_exact_for_every_byte() -> None:
         q = torch.randn(rows.shape[0], 1, d)
         out = OPS.decode_attention(q, k, v, tables, lens, 0.125)
         assert torch.equal(out, rows.view(-1, 1, d)), fp8
+
+
+# The bfloat16/fp8 path (AVX512-BF16 builds, head dims 64 and 128): an item covers every KV head of its
+# sequence once a batch has at least 4 items per thread, else one KV head; both are checked.
+BF16_PATH_DTYPES = [torch.bfloat16, torch.float8_e5m2, torch.float8_e4m3fn]
+
+
+def _pool_problem(lens: list[int], g: int, hkv: int, d: int, bs: int, dtype: torch.dtype, q_dtype: torch.dtype,
+                  seed: int, q_gain: float = 1.0):
+    p = make_paged_problem(lens, hkv * g, hkv, d, bs, torch.float32, seed=seed, poison_unused=True)
+    if dtype == torch.bfloat16:
+        k, v = p.k_cache.to(dtype), p.v_cache.to(dtype)
+    else:  # unowned slots: NaN (e5m2), or +-448 (e4m3fn saturates): huge scores if read
+        k, v = p.k_cache.nan_to_num(1e6).to(dtype), p.v_cache.nan_to_num(1e6).to(dtype)
+    return (p.q * q_gain).to(q_dtype), k, v, p
+
+
+@pytest.mark.parametrize("dtype", BF16_PATH_DTYPES)
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("bs", "d", "g"), [(16, 64, 3), (16, 128, 3), (8, 64, 1), (32, 64, 2), (16, 64, 4),
+                                            (32, 128, 8), (16, 128, 5)])
+@pytest.mark.parametrize("batch", ["few", "many"])
+def test_bf16_path_matches_reference(dtype: torch.dtype, q_dtype: torch.dtype, bs: int, d: int, g: int,
+                                     batch: str) -> None:
+    """Ragged lengths with tails of every size below 16 (1, 5, 15, 17, 31, ...), shuffled tables, NaN or
+    saturated unowned slots; "many" has enough sequences for items of all KV heads, "few" for one each.
+    A float32 q takes the path's second (low) bfloat16 part of q, a bfloat16 q does not need it."""
+    hkv = 2
+    lens = [1, 5, 15, 16, 17, 31, 33, 2 * bs + 7, 100, 257]
+    if batch == "many":
+        lens = lens * (1 + 4 * torch.get_num_threads() // len(lens))
+    q, k, v, p = _pool_problem(lens, g, hkv, d, bs, dtype, q_dtype, seed=bs + d + g)
+    expected = ref.decode_attention(q, k, v, p.block_tables, p.context_lens, p.scale)
+    out = OPS.decode_attention(q, k, v, p.block_tables, p.context_lens, p.scale)
+    torch.testing.assert_close(out.float(), expected, **tolerance(q_dtype))
+
+
+@pytest.mark.parametrize("dtype", BF16_PATH_DTYPES)
+def test_bf16_path_wide_score_range(dtype: torch.dtype) -> None:
+    """q scaled up 12x: scores spread over +-50, so the running max is raised (and what was accumulated
+    rescaled) again and again along a sequence, and most tokens' weights underflow to 0. Scores that
+    large carry float32 rounding of ~1e-5 in any summation order, hence the looser tolerance; a wrong
+    rescale would be off by factors up to e^8."""
+    lens = [700, 513, 64, 3] * (1 + torch.get_num_threads())
+    q, k, v, p = _pool_problem(lens, 3, 3, 64, 16, dtype, torch.float32, seed=11, q_gain=12.0)
+    expected = ref.decode_attention(q, k, v, p.block_tables, p.context_lens, p.scale)
+    out = OPS.decode_attention(q, k, v, p.block_tables, p.context_lens, p.scale)
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", BF16_PATH_DTYPES)
+@pytest.mark.parametrize("splits", [2, 7])
+def test_bf16_path_splits_merge(dtype: torch.dtype, splits: int) -> None:
+    """Context splits (each item a share of the blocks) merged by log-sum-exp, for both item shapes."""
+    for lens in ([1, 40, 129, 300], [1, 40, 129, 300] * (2 * torch.get_num_threads())):
+        q, k, v, p = _pool_problem(lens, 3, 3, 64, 16, dtype, torch.float32, seed=splits)
+        expected = ref.decode_attention(q, k, v, p.block_tables, p.context_lens, p.scale)
+        out = OPS._ext.paged_decode(q.contiguous(), k, v, p.block_tables, p.context_lens, p.scale, splits)
+        torch.testing.assert_close(out, expected, **tolerance(torch.float32))
