@@ -196,6 +196,7 @@ class Simulation:
         self.settings = settings or NodeSettings.of(profile)
         self.overheads = overheads or Overheads()
         self._host_cpu: deque[tuple[float, float]] = deque()  # (when, host CPU seconds) of the last WINDOW_S
+        self._host_cpu_sum = 0.0  # their sum
         self.requests = sorted(requests, key=lambda r: (r.arrival_s, r.index))
         self.events = _Events()
         self.prefill_nodes = [PrefillNode(self, i) for i in range(shape.prefill)]
@@ -208,33 +209,26 @@ class Simulation:
         return -(-tokens // self.settings.block_size)
 
     def step_s(self, node: Stepper, plan: list[tuple[Seq, int]]) -> float:
-        """One node step's time: the profile's for the plan's work, plus the node's own overhead for the
-        prompts it finishes (prefill) or the tokens it emits (decode), stretched by the host processes'
-        share of the node's core."""
+        """One node step's time: the profile's for the plan's work plus the node's own CPU around it
+        (`Stepper.own_cpu_s`), stretched by the host processes' share of the node's core."""
+        t = self.profile.step_s(*Stepper.step_cost(plan)) + node.own_cpu_s(plan)
         o = self.overheads
-        t = self.profile.step_s(*Stepper.step_cost(plan))
-        ending = [s for s, n in plan if s.computed + n >= s.tokens]  # prompts done, or tokens emitted
-        prefill_node = isinstance(node, PrefillNode)
-        if prefill_node:
-            t += len(ending) * o.prefill_cpu_per_request_s
-        else:
-            t += len(ending) * o.decode_cpu_per_token_s
-            for s in ending:  # a request's first step here pays its per-request overhead
-                if not s.joined:
-                    s.joined = True
-                    t += o.decode_cpu_per_local_request_s if s.local else o.decode_cpu_per_remote_request_s
         if o.host_shares_cores:
             horizon = self.events.now - Overheads.WINDOW_S
             while self._host_cpu and self._host_cpu[0][0] < horizon:
-                self._host_cpu.popleft()
-            used = sum(cpu for _, cpu in self._host_cpu) / Overheads.WINDOW_S
-            t /= 1.0 - o.host_share(self.shape, prefill_node, used)
+                self._host_cpu_sum -= self._host_cpu.popleft()[1]
+            t /= 1.0 - o.host_share(self.shape, isinstance(node, PrefillNode), self._host_cpu_sum / Overheads.WINDOW_S)
         return t
+
+    def _host_used(self, t: float, cpu_s: float) -> None:
+        """The host processes spend `cpu_s` CPU seconds at `t` (when they share the nodes' cores)."""
+        if self.overheads.host_shares_cores:
+            self._host_cpu.append((t, cpu_s))
+            self._host_cpu_sum += cpu_s
 
     def emit(self, seq: Seq, t: float) -> None:
         """A token leaves its node at `t` (it reaches the client `overheads.latency_s` later)."""
-        if self.overheads.host_shares_cores:
-            self._host_cpu.append((t, self.overheads.host_cpu_per_token_s))
+        self._host_used(t, self.overheads.host_cpu_per_token_s)
         if seq.first_s is None:
             seq.first_s = t
         else:
@@ -255,8 +249,7 @@ class Simulation:
         node.outstanding -= 1
 
     def _arrive(self, req: SimRequest) -> None:
-        if self.overheads.host_shares_cores:
-            self._host_cpu.append((self.events.now, self.overheads.host_cpu_per_request_s))
+        self._host_used(self.events.now, self.overheads.host_cpu_per_request_s)
         seq = Seq(req, req.prompt_tokens)
         self.seqs.append(seq)
         d = min(self.decode_nodes, key=lambda n: (n.outstanding, n.index))

@@ -78,6 +78,10 @@ class Stepper:
         return (len(decodes), sum(s.tokens for s in decodes), sum(n for _, n in chunks),
                 float(sum(n * (s.computed + n) for s, n in chunks)))
 
+    def own_cpu_s(self, plan: list[tuple[Seq, int]]) -> float:
+        """The node's CPU around this step beyond the engine's (`Overheads`); may mark sequences as charged."""
+        raise NotImplementedError
+
     def plan(self) -> list[tuple[Seq, int]]:
         raise NotImplementedError
 
@@ -92,6 +96,11 @@ class PrefillNode(Stepper):
     def __init__(self, sim: Simulation, index: int) -> None:
         super().__init__(sim, index)
         self.queue: deque[tuple[Seq, int]] = deque()  # (request, its decode node)
+
+    def own_cpu_s(self, plan: list[tuple[Seq, int]]) -> float:
+        # per prompt this step finishes (the first token, the KV send)
+        done = sum(1 for s, n in plan if s.computed + n >= s.tokens)
+        return done * self.sim.overheads.prefill_cpu_per_request_s
 
     def plan(self) -> list[tuple[Seq, int]]:
         cfg, budget, out = self.sim.settings, self.sim.settings.max_num_batched_tokens, []
@@ -186,6 +195,18 @@ class DecodeNode(Stepper):
         self.kick()
 
     # ---------------------------------------------------------------------------- one step
+
+    def own_cpu_s(self, plan: list[tuple[Seq, int]]) -> float:
+        # per token emitted, and per request at its first emitting step here (reserving, receiving K/V)
+        o, t = self.sim.overheads, 0.0
+        for s, n in plan:
+            if s.computed + n < s.tokens:
+                continue
+            t += o.decode_cpu_per_token_s
+            if not s.joined:
+                s.joined = True
+                t += o.decode_cpu_per_local_request_s if s.local else o.decode_cpu_per_remote_request_s
+        return t
 
     def _alloc(self, seq: Seq, n: int) -> bool:
         need = self.sim.blocks_for(seq.computed + n) - seq.blocks
