@@ -137,6 +137,27 @@ class CpuOps(TorchOps):
     def create(cls) -> CpuOps:
         return cls(load_extension())
 
+    def store_kv(
+        self,
+        key: torch.Tensor,  # [N, Hkv, D]
+        value: torch.Tensor,  # [N, Hkv, D]
+        k_cache: torch.Tensor,  # [NB, BS, Hkv, D]
+        v_cache: torch.Tensor,  # [NB, BS, Hkv, D]
+        slot_mapping: torch.Tensor,  # [N]; -1 = skip
+    ) -> None:
+        """As TorchOps.store_kv (fp8 pools: rounded by torch's conversion, then copied as bytes), in one
+        extension call: writes only the slots' rows of both caches."""
+        if k_cache.device.type != "cpu":
+            return super().store_kv(key, value, k_cache, v_cache, slot_mapping)
+        check_cache_pair(k_cache, v_cache)
+        check_rank("slot_mapping", slot_mapping, 1, "[N]")
+        key, value = (t.to(k_cache.dtype) for t in (key, value))  # no copy when the dtype already matches
+        if key.stride(-1) != 1 or key.stride(-2) != key.shape[-1]:
+            key = key.contiguous()
+        if value.stride(-1) != 1 or value.stride(-2) != value.shape[-1]:
+            value = value.contiguous()
+        self._ext.store_kv(key, value, k_cache, v_cache, slot_mapping.contiguous())
+
     def plan(
         self,
         q: torch.Tensor,  # [T, Hq, D]; only its shape is read

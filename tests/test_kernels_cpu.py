@@ -213,3 +213,30 @@ def test_bf16_path_splits_merge(dtype: torch.dtype, splits: int) -> None:
         expected = ref.decode_attention(q, k, v, p.block_tables, p.context_lens, p.scale)
         out = OPS._ext.paged_decode(q.contiguous(), k, v, p.block_tables, p.context_lens, p.scale, splits)
         torch.testing.assert_close(out, expected, **tolerance(torch.float32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, *FP8])
+@pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32])
+def test_store_kv_matches_reference(dtype: torch.dtype, slot_dtype: torch.dtype) -> None:
+    """The extension's store writes exactly the reference's rows: shuffled slots, skipped -1 slots, K/V
+    as strided views of a fused projection (as the model passes them), fp8 rounded as torch rounds."""
+    gen = torch.Generator().manual_seed(5)
+    nb, bs, h, d, n = 7, 16, 3, 64, 40
+    ops = CpuOps.create()
+    k_cache = torch.randn(nb, bs, h, d, generator=gen).to(dtype)
+    v_cache = torch.randn(nb, bs, h, d, generator=gen).to(dtype)
+    slots = torch.randperm(nb * bs, generator=gen)[:n]
+    slots[[3, 17, 31]] = -1
+    qkv = torch.randn(n, (9 + 2 * h) * d, generator=gen) * 3  # [N, (Hq + 2 Hkv) D]
+    qkv[0, 9 * d] = 1e4  # beyond e4m3's +-448: saturates, never NaN
+    src_dtype = torch.bfloat16 if dtype.is_floating_point and dtype.itemsize == 1 else dtype
+    qkv = qkv.to(src_dtype)
+    key = qkv[:, 9 * d : (9 + h) * d].view(n, h, d)  # strided rows, as split from the fused projection
+    value = qkv[:, (9 + h) * d :].view(n, h, d)
+    k_expected, v_expected = k_cache.clone(), v_cache.clone()
+    ref.store_kv(key, value, k_expected, v_expected, slots)
+    ops.store_kv(key, value, k_cache, v_cache, slots.to(slot_dtype))
+    bits = (lambda t: t.view(torch.uint8)) if dtype.itemsize == 1 else (lambda t: t)
+    assert torch.equal(bits(k_cache), bits(k_expected)) and torch.equal(bits(v_cache), bits(v_expected))
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        ops.store_kv(key[:1], value[:1], k_cache, v_cache, torch.tensor([nb * bs]))
