@@ -176,7 +176,7 @@ def steady_decode(model_dir: str, dtype: str, n: int, ctx: int, vocab: int, step
             engine.step()
         prof_wall = time.perf_counter() - t1
     events = prof.key_averages()
-    in_ops = sum(e.self_cpu_time_total for e in events if e.key.startswith(("aten::", "pdserve::"))) / 1e6
+    in_ops = sum(e.self_cpu_time_total for e in events if e.key.startswith(("aten::", "mkldnn::", "pdserve::"))) / 1e6
     # self CPU time adds up over threads; an op runs on this thread while its workers help, so count
     # the ops' share of the caller's wall time by the caller thread's own events only
     in_ops_main = min(in_ops, prof_wall)

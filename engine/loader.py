@@ -82,9 +82,12 @@ def load_model(
     device: str | torch.device = "cpu",
     *,
     ops: KernelOps | None = None,
+    pack_weights: bool = True,
 ) -> LoadedModel:
     """Builds the model of a Hugging Face directory with its weights, in `dtype` (default: the config's
     dtype; "auto": see `engine.dtype.resolve_dtype`, logged) on `device`. `ops` defaults to the kernels `get_kernel_ops("auto", device)` picks.
+    `pack_weights`: pack the linear weights for oneDNN where `CausalLM.pack_cpu_weights` can (the same
+    output bits, faster GEMMs).
     Raises ModelLoadError naming the file and field/tensor for a directory that cannot be served."""
     root = Path(path)
     config = load_model_config(root)
@@ -103,4 +106,6 @@ def load_model(
     finally:
         reader.close()
     model.eval()
+    if pack_weights and model.pack_cpu_weights():
+        log.info("linear weights packed for oneDNN (bfloat16 on CPU)")
     return LoadedModel(config=config, model=model, path=root)

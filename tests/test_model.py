@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 
 from engine.attention import AttentionMetadata
 from engine.loader import CheckpointReader, LoadedModel, load_model
-from engine.model import CausalLM
+from engine.model import CausalLM, cpu_weight_packing
 from engine.model_config import ModelLoadError, load_model_config, weight_files
 from engine.tiny import default_model_dir, make_tiny_model
 from engine.tokenizer import ChatTemplateError, Tokenizer
@@ -266,6 +266,27 @@ def test_half_precision_load_close_to_fp32(pairs: dict[str, Pair], tiny_llama_di
         span = float(r.max() - r.min())
         assert float((g - r).abs().max()) < 0.08 * span
         assert float((g.argmax(-1) == r.argmax(-1)).float().mean()) >= 0.8
+
+
+def test_packed_cpu_weights_give_the_same_bits(tiny_llama_dir: Path) -> None:
+    """bf16 on a CPU with oneDNN: the packed linear weights give exactly F.linear's logits, through a
+    ragged prefill and a decode step, and replace the layers' plain weights."""
+    if not cpu_weight_packing(torch.bfloat16):
+        pytest.skip("no oneDNN bfloat16 packing on this CPU")
+    packed = load_model(tiny_llama_dir, dtype=torch.bfloat16)
+    plain = load_model(tiny_llama_dir, dtype=torch.bfloat16, pack_weights=False)
+    assert packed.model.lm_head_packed is not None and plain.model.lm_head_packed is None
+    assert all(layer.mlp.down_weight.numel() == 0 for layer in packed.model.layers)
+    prompts = random_prompts([9, 26, 1], packed.config.vocab_size, seed=7)
+    logits = {}
+    for name, m in (("packed", packed), ("plain", plain)):
+        seqs, pool, blocks = [PagedSeq(list(p)) for p in prompts], new_pool(m), BlockPool.shuffled(NUM_BLOCKS, 0)
+        first = run_step(m.model, pool, blocks, [], [(s, len(s.tokens)) for s in seqs])
+        for s, lg in zip(seqs, first, strict=True):
+            s.tokens.append(int(lg[-1].argmax()))
+        logits[name] = [*first, *run_step(m.model, pool, blocks, seqs, [])]
+    for a, b in zip(logits["packed"], logits["plain"], strict=True):
+        assert torch.equal(a, b)
 
 
 # ---------------------------------------------------------------------------------------------------
