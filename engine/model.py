@@ -3,7 +3,8 @@
 Every op is batched over the T packed tokens of a step; attention goes through `engine.attention`.
 Numerics follow the Hugging Face reference so fp32 greedy outputs agree token for token: RMSNorm in
 float32 then cast back, RoPE tables in float32 with the rotate-half convention, SiLU-gated MLP. q/k/v and
-gate/up are fused into one matmul each at load time.
+gate/up are fused into one matmul each at load time; bf16 weights on a CPU are then packed for oneDNN
+(`CausalLM.pack_cpu_weights`, the same output bits).
 """
 
 from __future__ import annotations
