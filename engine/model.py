@@ -48,8 +48,12 @@ def cpu_weight_packing(dtype: torch.dtype) -> bool:
     try:
         w = torch.linspace(-1, 1, 24 * 40).reshape(24, 40).to(dtype)  # [out, in]
         x = torch.linspace(-2, 2, 3 * 40).reshape(3, 40).to(dtype)  # [M, in]
+        b = torch.linspace(-3, 3, 24).to(dtype)  # [out]
         packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_HINT)
-        return torch.equal(torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""), F.linear(x, w))
+        return all(
+            torch.equal(torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], ""), F.linear(x, w, bias))
+            for bias in (None, b)
+        )
     except (RuntimeError, AttributeError):
         return False
 

@@ -268,13 +268,14 @@ def test_half_precision_load_close_to_fp32(pairs: dict[str, Pair], tiny_llama_di
         assert float((g.argmax(-1) == r.argmax(-1)).float().mean()) >= 0.8
 
 
-def test_packed_cpu_weights_give_the_same_bits(tiny_llama_dir: Path) -> None:
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])  # qwen2: q/k/v biases; qwen3: q/k norms
+def test_packed_cpu_weights_give_the_same_bits(tiny_model_dir: Callable[[str], Path], arch: str) -> None:
     """bf16 on a CPU with oneDNN: the packed linear weights give exactly F.linear's logits, through a
     ragged prefill and a decode step, and replace the layers' plain weights."""
     if not cpu_weight_packing(torch.bfloat16):
         pytest.skip("no oneDNN bfloat16 packing on this CPU")
-    packed = load_model(tiny_llama_dir, dtype=torch.bfloat16)
-    plain = load_model(tiny_llama_dir, dtype=torch.bfloat16, pack_weights=False)
+    packed = load_model(tiny_model_dir(arch), dtype=torch.bfloat16)
+    plain = load_model(tiny_model_dir(arch), dtype=torch.bfloat16, pack_weights=False)
     assert packed.model.lm_head_packed is not None and plain.model.lm_head_packed is None
     assert all(layer.mlp.down_weight.numel() == 0 for layer in packed.model.layers)
     prompts = random_prompts([9, 26, 1], packed.config.vocab_size, seed=7)
