@@ -90,22 +90,27 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:  # [D/2] float32
 
 class Rope(NamedTuple):
     cos: torch.Tensor  # [P, D] table, or [T, 1, D] gathered for a step
-    sin: torch.Tensor
+    sin: torch.Tensor  # the same, with its first half negated (rotate-half's sign, see apply_rope)
 
 
 def rope_tables(inv_freq: torch.Tensor, length: int) -> Rope:  # [P, D] float32 each
-    """cos/sin for positions [0, length), in the layout rotate-half expects (frequencies repeated twice)."""
+    """cos/sin for positions [0, length), in the layout rotate-half expects (frequencies repeated twice),
+    the sin table's first half negated."""
     pos = torch.arange(length, device=inv_freq.device, dtype=torch.int64).float()
     freqs = pos[:, None] * inv_freq[None, :]  # [P, D/2]
     emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
-    return Rope(emb.cos(), emb.sin())
+    sin = emb.sin()
+    sin[:, : freqs.shape[1]].neg_()
+    return Rope(emb.cos(), sin)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D] rotated by cos/sin [T, 1, D] (already in x's dtype); returns a new tensor."""
+    """x [T, H, D] rotated by cos/sin [T, 1, D] (already in x's dtype; sin signed as rope_tables makes it);
+    returns a new tensor: x*cos + rotate_half(x)*sin, rotate_half(x) = cat(-x2, x1). The sign lives in the
+    table, which gives the same bits ((-a)*b == a*(-b) exactly) with one op fewer per call."""
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return (x * cos).add_(rotated.mul_(sin))  # x*cos + rotated*sin, summing into the fresh products
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return (x * cos).add_(swapped.mul_(sin))  # summing into the fresh products
 
 
 class RMSNorm(nn.Module):
