@@ -35,6 +35,7 @@ from registry.connect import (
     BackoffPolicy,
     EtcdConnector,
     RegistryUnavailable,
+    cancel_and_wait,
     close_quietly,
 )
 from registry.records import NodeLoad, NodeRecord, RecordError, nodes_prefix
@@ -162,11 +163,7 @@ class NodeRegistration:
             return
         self._state = RegistrationState.CLOSED
         if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+            await cancel_and_wait(self._task, f"node {self.record.node_id}")
             self._task = None
         await self._abandon()
 

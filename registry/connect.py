@@ -92,3 +92,15 @@ async def close_quietly(client: aetcd.Client | None) -> None:
         await asyncio.wait_for(client.close(), timeout=2.0)
     except (*TRANSIENT_ERRORS, RuntimeError) as err:
         log.debug("closing etcd client: %r", err)
+
+
+async def cancel_and_wait(task: asyncio.Task[None], what: str, timeout_s: float = 5.0) -> None:
+    """Cancels a background task and waits for it to end, at most `timeout_s`: a task stuck in an etcd call
+    that ignores cancellation (seen once after etcd restarted without its data) must not hang close().
+    Left running past the timeout, it is logged and abandoned. Raises nothing."""
+    task.cancel()
+    done, _ = await asyncio.wait({task}, timeout=timeout_s)
+    if not done:
+        log.warning("%s: background task did not stop within %.0fs of its cancellation; abandoned", what, timeout_s)
+    elif not task.cancelled() and task.exception() is not None:
+        log.warning("%s: background task ended with %r", what, task.exception())

@@ -24,6 +24,7 @@ from registry.connect import (
     BackoffPolicy,
     EtcdConnector,
     RegistryUnavailable,
+    cancel_and_wait,
     close_quietly,
 )
 from registry.records import NodeLoad, NodeRecord, RecordError, cluster_prefix, parse_key
@@ -173,11 +174,7 @@ class RegistryView:
         """Stops watching; the last membership stays readable."""
         task, self._task = self._task, None
         if task is not None:
-            task.cancel()
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
+            await cancel_and_wait(task, f"registry view {self.cluster}")
         self._connected = False
 
     async def __aenter__(self) -> RegistryView:
