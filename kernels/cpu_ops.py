@@ -123,6 +123,13 @@ class DecodePlan:
     splits: int
 
 
+def _pool_rows(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # [N, Hkv, D]
+    """`t` in the pool's dtype with each token's Hkv * D elements contiguous, as the extension's store reads
+    them; no copy when it already is (the model's K/V: strided views of the fused projection)."""
+    t = t.to(dtype)
+    return t if t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] else t.contiguous()
+
+
 class CpuOps(TorchOps):
     """TorchOps with decode attention in the C++ extension (TorchOps.decode_attention reaches it through
     `plan` / `attend_planned`). Construct through `create`, which builds or loads the extension first."""
@@ -151,11 +158,7 @@ class CpuOps(TorchOps):
             return super().store_kv(key, value, k_cache, v_cache, slot_mapping)
         check_cache_pair(k_cache, v_cache)
         check_rank("slot_mapping", slot_mapping, 1, "[N]")
-        key, value = (t.to(k_cache.dtype) for t in (key, value))  # no copy when the dtype already matches
-        if key.stride(-1) != 1 or key.stride(-2) != key.shape[-1]:
-            key = key.contiguous()
-        if value.stride(-1) != 1 or value.stride(-2) != value.shape[-1]:
-            value = value.contiguous()
+        key, value = (_pool_rows(t, k_cache.dtype) for t in (key, value))
         self._ext.store_kv(key, value, k_cache, v_cache, slot_mapping.contiguous())
 
     def plan(
