@@ -191,6 +191,10 @@ class ChaosRun:
         self.report = ChaosReport()
         self.book = _CounterBook()
         self._stop = threading.Event()  # the load and the faults end
+        # Fault kinds not yet injected once: the run goes on past duration_s (up to 3x) until they all were,
+        # so a slow machine, where restarted nodes take long to come back, still covers every kind.
+        self._pending: list[str] = []
+        self._overtime = threading.Event()  # past duration_s: only pending kinds are injected, no more kills
         self._watching = threading.Event()  # set while the observer thread should keep scraping
         self._lock = threading.Lock()
         self.cluster: LocalCluster | None = None
@@ -234,8 +238,11 @@ class ChaosRun:
         watcher = start_thread(self._watch, name="chaos-watch")
         clients = [start_thread(self._client, i, name=f"chaos-client-{i}") for i in range(cfg.clients)]
         faults = start_thread(self._faults, name="chaos-faults")
-        deadline = time.monotonic() + cfg.duration_s
-        while time.monotonic() < deadline and not faults.done():
+        start = time.monotonic()
+        deadline, cap = start + cfg.duration_s, start + 3 * cfg.duration_s
+        while not faults.done() and (time.monotonic() < deadline or (self._pending and time.monotonic() < cap)):
+            if time.monotonic() >= deadline:
+                self._overtime.set()
             time.sleep(0.2)
         self._stop.set()
         faults.result(timeout=120)  # re-raises a harness failure (a node that did not come back)
@@ -322,10 +329,12 @@ class ChaosRun:
         cfg = self.config
         kinds = ["kill_decode", "kill_prefill"]
         # Every kind once first (a short run covers them all), then random kills.
-        pending = [*kinds, *(["sigstop"] if cfg.sigstop else []), *(["etcd_restart"] if cfg.etcd_restart else [])]
+        pending = self._pending
+        pending[:] = [*kinds, *(["sigstop"] if cfg.sigstop else []), *(["etcd_restart"] if cfg.etcd_restart else [])]
         while not self._stop.wait(self.rng.uniform(*cfg.fault_interval_s)):
             # The first pending kind that can be injected now (its pool has every node up), else a kill.
-            for kind in [*pending, self.rng.choice(kinds)] if pending else [self.rng.choice(kinds)]:
+            extra = [] if self._overtime.is_set() else [self.rng.choice(kinds)]
+            for kind in [*pending, *extra]:
                 if self._inject(kind):
                     if kind in pending:
                         pending.remove(kind)
