@@ -51,6 +51,7 @@ def main() -> None:
     ap.add_argument("--seqs", type=int, default=32)
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--heads", default="9,3,64", help="query heads, KV heads, head dim")
+    ap.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     ap.add_argument("--fp32-q", action="store_true", help="q not rounded to bfloat16")
     args = ap.parse_args()
     hq, hkv, d = (int(x) for x in args.heads.split(","))
@@ -58,7 +59,7 @@ def main() -> None:
     if args.baseline:
         impls = {"base": load_revision(args.baseline), **impls}
     lens = [args.context] * args.seqs
-    shape_p = make_paged_problem(lens, hq, hkv, d, 16, torch.float32, seed=0, spare_blocks=3, poison_unused=False)
+    shape_p = make_paged_problem(lens, hq, hkv, d, args.block_size, torch.float32, seed=0, spare_blocks=3, poison_unused=False)
     tables, ctx, scale = shape_p.block_tables, shape_p.context_lens, shape_p.scale
     pool_shape = shape_p.k_cache.shape  # [NB, BS, Hkv, D]
     del shape_p
@@ -67,7 +68,7 @@ def main() -> None:
     if not args.fp32_q:
         qs = [q.bfloat16().float() for q in qs]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {args.layers} layers of {args.seqs} x "
-          f"{args.context}, {hq}/{hkv} heads, D {d}; q {'float32' if args.fp32_q else 'bfloat16-exact'}; "
+          f"{args.context}, {hq}/{hkv} heads, D {d}, block size {args.block_size}; q {'float32' if args.fp32_q else 'bfloat16-exact'}; "
           f"min/median of {args.reps}")
     for name in args.dtypes.split(","):
         dtype = DTYPES[name]
