@@ -136,7 +136,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.block_manager, max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens
         )
-        self.sampler = Sampler(seed=cfg.seed, device=cfg.device)
+        self.sampler = Sampler(seed=cfg.seed, device=cfg.device, ops=self.ops)
         self.runner = ModelRunner(self.model, self.kv_cache, cfg.block_size, self.sampler, capture_logits)
         self._requests: dict[str, _Request] = {}  # every request whose finished output is still to come
         self.num_blocks = num_blocks

@@ -90,7 +90,7 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:  # [D/2] float32
 
 class Rope(NamedTuple):
     cos: torch.Tensor  # [P, D] table, or [T, 1, D] gathered for a step
-    sin: torch.Tensor  # the same, with its first half negated (rotate-half's sign, see apply_rope)
+    sin: torch.Tensor  # the same, with its first half negated (rotate-half's sign, see KernelOps.rotary)
 
 
 def rope_tables(inv_freq: torch.Tensor, length: int) -> Rope:  # [P, D] float32 each
@@ -104,15 +104,6 @@ def rope_tables(inv_freq: torch.Tensor, length: int) -> Rope:  # [P, D] float32 
     return Rope(emb.cos(), sin)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D] rotated by cos/sin [T, 1, D] (already in x's dtype; sin signed as rope_tables makes it);
-    returns a new tensor: x*cos + rotate_half(x)*sin, rotate_half(x) = cat(-x2, x1). The sign lives in the
-    table, which gives the same bits ((-a)*b == a*(-b) exactly) with one op fewer per call."""
-    half = x.shape[-1] // 2
-    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
-    return (x * cos).add_(swapped.mul_(sin))  # summing into the fresh products
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
         super().__init__()
@@ -120,8 +111,9 @@ class RMSNorm(nn.Module):
         self.weight = _param(dim, dtype=dtype)
 
     def _normalized(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim] float32, a fresh tensor (never x)
-        xf = x.float()
-        return xf * xf.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_()
+        # F.rms_norm without a weight is x * rsqrt(mean(x^2) + eps) in float32: the same ops as the Hugging
+        # Face reference (tests/test_model.py checks the bits), issued as one call instead of five
+        return F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim] -> same shape, in the weight's dtype
         # rounded to the weight dtype before the scale, as transformers does
@@ -163,10 +155,10 @@ class Attention(nn.Module):
         qkv = _linear(x, self.qkv_weight, self.qkv_bias, self.qkv_packed).view(t, hq + 2 * hkv, self.head_dim)  # [T, Hq+2Hkv, D]
         v = qkv[:, hq + hkv :]  # [T, Hkv, D]
         if self.q_norm is not None and self.k_norm is not None:
-            q = apply_rope(self.q_norm(qkv[:, :hq]), cos, sin)  # [T, Hq, D]
-            k = apply_rope(self.k_norm(qkv[:, hq : hq + hkv]), cos, sin)  # [T, Hkv, D]
+            q = self.ops.rotary(self.q_norm(qkv[:, :hq]), cos, sin)  # [T, Hq, D]
+            k = self.ops.rotary(self.k_norm(qkv[:, hq : hq + hkv]), cos, sin)  # [T, Hkv, D]
         else:  # q and k heads side by side: one rotation for both
-            qk = apply_rope(qkv[:, : hq + hkv], cos, sin)  # [T, Hq+Hkv, D]
+            qk = self.ops.rotary(qkv[:, : hq + hkv], cos, sin)  # [T, Hq+Hkv, D]
             q, k = qk[:, :hq], qk[:, hq:]
         out = paged_attention(self.ops, q, k, v, k_cache, v_cache, meta, self.scale)  # [T, Hq, D]
         return _linear(out.reshape(t, self.q_size), self.o_weight, self.o_bias, self.o_packed)
@@ -284,7 +276,7 @@ class CausalLM(nn.Module):
         logits = _linear(hidden.to(w.dtype), w, None, self.lm_head_packed).float()  # [N, V]
         if w.dtype == torch.float32 or logits.numel() == 0:
             return logits
-        top = logits.topk(min(REFINE_TOP, logits.shape[1]), dim=1).indices  # [N, K]
+        top = self.ops.topk(logits, min(REFINE_TOP, logits.shape[1]))[1]  # [N, K]
         exact = torch.bmm(w[top].float(), hidden.float()[:, :, None])[:, :, 0]  # [N, K, H] x [N, H, 1]
         return logits.scatter_(1, top, exact)
 

@@ -15,6 +15,7 @@ import torch
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, TokenLogprob
 from engine.structured import apply_grammar_masks, apply_logit_bias
+from kernels import KernelOps
 
 
 @dataclass
@@ -164,10 +165,14 @@ class Sampler:
     token was drawn from."""
 
     def __init__(
-        self, seed: int | None = None, device: str | torch.device | None = None, min_temperature: float = 1e-5
+        self, seed: int | None = None, device: str | torch.device | None = None, min_temperature: float = 1e-5,
+        ops: KernelOps | None = None,
     ) -> None:
         self.seed = seed  # seeds the shared generator of unseeded rows; None draws a fresh seed
         self.min_temperature = min_temperature  # below this, dividing by temperature overflows: go greedy
+        # Takes the row-wise argmax of greedy rows and of the exponential race (the same indices as
+        # torch's argmax, faster on a CPU); None: torch's.
+        self.ops = ops
         self._generators: dict[torch.device, torch.Generator] = {}
         if device is not None:  # where logits will arrive; other devices get their generator on first use
             dev = torch.device(device)
@@ -189,7 +194,7 @@ class Sampler:
         constrained = any(s.grammar is not None for s in seqs)
         ks = [p.logprobs for p in params]
         if not sampled and not needs_penalty and not biased and not constrained and all(k is None for k in ks):
-            return SamplerOutput(token_ids=logits.argmax(dim=-1).tolist(), logprobs=[None] * len(seqs))
+            return SamplerOutput(token_ids=self._argmax(logits).tolist(), logprobs=[None] * len(seqs))
 
         scores = apply_penalties(logits, seqs) if needs_penalty else logits  # [N, V]
         if biased:
@@ -199,13 +204,16 @@ class Sampler:
         if len(sampled) == len(seqs):
             tokens = self._sample(scores, seqs)  # [N]
         else:
-            tokens = scores.argmax(dim=-1)  # [N]
+            tokens = self._argmax(scores)  # [N]
             if sampled:
                 idx = torch.tensor(sampled, dtype=torch.long, device=logits.device)
                 tokens.index_copy_(
                     0, idx, self._sample(scores.index_select(0, idx), [seqs[i] for i in sampled])
                 )
         return SamplerOutput(token_ids=tokens.tolist(), logprobs=compute_logprobs(logits, tokens, ks))
+
+    def _argmax(self, x: torch.Tensor) -> torch.Tensor:  # [N, V] -> [N] int64
+        return self.ops.argmax(x) if self.ops is not None else x.argmax(dim=-1)
 
     def _sample(self, scores: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:  # [M]
         """Draws one token per row of `scores` [M, V] after temperature, top-k and top-p."""
@@ -220,7 +228,7 @@ class Sampler:
             top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)  # [M]
             scaled = apply_top_k_top_p(scaled, top_k, top_p)
         probs = scaled.softmax(dim=-1)  # [M, V]
-        return (probs / self._exponential_noise(seqs, probs)).argmax(dim=-1)
+        return self._argmax(probs / self._exponential_noise(seqs, probs))
 
     def _exponential_noise(self, seqs: list[Sequence], like: torch.Tensor) -> torch.Tensor:  # [M, V]
         """Returns Exponential(1) noise shaped like `like` [M, V]: seeded rows from their own generator

@@ -31,7 +31,7 @@ from types import ModuleType
 
 import torch
 
-from kernels.checks import check_cache_pair, check_dim, check_gqa, check_rank
+from kernels.checks import KV_DTYPES, check_cache_pair, check_dim, check_dtype, check_gqa, check_rank
 from kernels.torch_ops import TorchOps
 
 log = logging.getLogger(__name__)
@@ -121,6 +121,7 @@ class DecodePlan:
     block_tables: torch.Tensor  # [B, MB] int32, contiguous
     context_lens: torch.Tensor  # [B] int32, contiguous
     splits: int
+    q_shape: tuple[int, int, int]  # [B, Hq, D] of the queries the plan was made for (checked then)
 
 
 def _pool_rows(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # [N, Hkv, D]
@@ -153,13 +154,18 @@ class CpuOps(TorchOps):
         slot_mapping: torch.Tensor,  # [N]; -1 = skip
     ) -> None:
         """As TorchOps.store_kv (fp8 pools: rounded by torch's conversion, then copied as bytes), in one
-        extension call: writes only the slots' rows of both caches."""
+        extension call: writes only the slots' rows of both caches. The extension checks every argument
+        (a slot outside the pool: RuntimeError) before it writes; a malformed cache pair or slot mapping
+        is then named by the ValueError of the shared checks."""
         if k_cache.device.type != "cpu":
             return super().store_kv(key, value, k_cache, v_cache, slot_mapping)
-        check_cache_pair(k_cache, v_cache)
-        check_rank("slot_mapping", slot_mapping, 1, "[N]")
-        key, value = (_pool_rows(t, k_cache.dtype) for t in (key, value))
-        self._ext.store_kv(key, value, k_cache, v_cache, slot_mapping.contiguous())
+        try:
+            self._ext.store_kv(_pool_rows(key, k_cache.dtype), _pool_rows(value, k_cache.dtype), k_cache, v_cache,
+                               slot_mapping)
+        except RuntimeError:
+            check_cache_pair(k_cache, v_cache)
+            check_rank("slot_mapping", slot_mapping, 1, "[N]")
+            raise
 
     def plan(
         self,
@@ -174,14 +180,19 @@ class CpuOps(TorchOps):
         if cu_seqlens_q is not None or k_cache.device.type != "cpu":
             return super().plan(q, k_cache, block_tables, context_lens, cu_seqlens_q)
         check_rank("k_cache", k_cache, 4, "[NB, BS, Hkv, D]")
+        check_dtype("k_cache", k_cache, KV_DTYPES)
         nb, bs, hkv, d = k_cache.shape
+        check_rank("q", q, 3, "[B, Hq, D]")
+        check_gqa(q.shape[1], hkv)
+        check_dim("q", q, 2, d, "head dim of the cache")
         b = block_tables.shape[0]
+        check_dim("q", q, 0, b, "sequences of the block tables")
         items = max(1, b * hkv)
         want = MIN_ITEMS_PER_THREAD * torch.get_num_threads()
         splits = max(1, min(-(-want // items), block_tables.shape[1])) if items < want else 1
         return DecodePlan((nb, bs, hkv, d, k_cache.dtype, k_cache.device),
                           block_tables.to(torch.int32).contiguous(), context_lens.to(torch.int32).contiguous(),
-                          splits)
+                          splits, tuple(q.shape))
 
     def attend_planned(
         self,
@@ -191,20 +202,52 @@ class CpuOps(TorchOps):
         plan: object,
         scale: float,
     ) -> torch.Tensor:  # [T, Hq, D] in q.dtype
-        """Decode plans run in the extension, others in TorchOps. Changes nothing outside the result."""
+        """Decode plans run in the extension, others in TorchOps. Changes nothing outside the result.
+        Called once per layer: the plan checked q and the cache geometry when it was made, so here a few
+        comparisons with the plan stand for those checks (the full ones run only to name a mismatch), and
+        the extension takes q in its own dtype and returns the result in it (the same conversions)."""
         if not isinstance(plan, DecodePlan):
             return super().attend_planned(q, k_cache, v_cache, plan, scale)  # type: ignore[arg-type]
-        check_cache_pair(k_cache, v_cache)
-        check_rank("q", q, 3, "[B, Hq, D]")
-        nb, bs, hkv, d = k_cache.shape
-        check_gqa(q.shape[1], hkv)
-        check_dim("q", q, 2, d, "head dim of the cache")
-        check_dim("q", q, 0, plan.block_tables.shape[0], "sequences of the plan")
-        if plan.geometry != (nb, bs, hkv, d, k_cache.dtype, k_cache.device):
-            raise ValueError(f"the plan was made for a cache of (NB, BS, Hkv, D, dtype, device) {plan.geometry}, "
-                             f"got {(nb, bs, hkv, d, k_cache.dtype, k_cache.device)}")
+        if (q.shape != plan.q_shape or k_cache.shape != plan.geometry[:4] or k_cache.dtype != plan.geometry[4]
+                or k_cache.device != plan.geometry[5] or v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype):
+            _explain_plan_mismatch(q, k_cache, v_cache, plan)
         if q.shape[0] == 0:
             return torch.empty_like(q)
-        out = self._ext.paged_decode(q.float().contiguous(), k_cache, v_cache, plan.block_tables,
-                                     plan.context_lens, float(scale), plan.splits)  # [B, Hq, D] float32
-        return out if q.dtype == torch.float32 else out.to(q.dtype)
+        return self._ext.paged_decode(q, k_cache, v_cache, plan.block_tables, plan.context_lens, float(scale),
+                                      plan.splits)  # [B, Hq, D] in q.dtype
+
+
+    def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """As KernelOps.rotary (the same bits), in one extension call for float32 and bfloat16 on a CPU."""
+        if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16) or x.stride(-1) != 1:
+            return super().rotary(x, cos, sin)
+        return self._ext.rotary(x, cos, sin)
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """As KernelOps.argmax (the same indices), rows in parallel, for float32 rows on a CPU."""
+        if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] == 0:
+            return super().argmax(x)
+        return self._ext.argmax_rows(x.contiguous())
+
+    def topk(self, x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """As KernelOps.topk (the same values; of equal values at the k-th place the lowest index), for
+        float32 rows on a CPU: one pass per row that skips, 16 at a time, values below the current k-th.
+        Rows holding a NaN go to torch.topk."""
+        if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2 or not 1 <= k <= x.shape[1]:
+            return super().topk(x, k)
+        values, indices = self._ext.topk_rows(x.contiguous(), k)
+        return (values, indices) if values.numel() else super().topk(x, k)
+
+
+def _explain_plan_mismatch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DecodePlan) -> None:
+    """Raises the ValueError that says how q or the caches differ from what `plan` was made for."""
+    check_cache_pair(k_cache, v_cache)
+    check_rank("q", q, 3, "[B, Hq, D]")
+    nb, bs, hkv, d = k_cache.shape
+    check_gqa(q.shape[1], hkv)
+    check_dim("q", q, 2, d, "head dim of the cache")
+    check_dim("q", q, 0, plan.block_tables.shape[0], "sequences of the plan")
+    if plan.geometry != (nb, bs, hkv, d, k_cache.dtype, k_cache.device):
+        raise ValueError(f"the plan was made for a cache of (NB, BS, Hkv, D, dtype, device) {plan.geometry}, "
+                         f"got {(nb, bs, hkv, d, k_cache.dtype, k_cache.device)}")
+    raise ValueError(f"the plan was made for queries of shape {plan.q_shape}, got {tuple(q.shape)}")

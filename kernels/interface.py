@@ -123,3 +123,31 @@ class KernelOps(ABC):
     ) -> torch.Tensor:  # [T, Hq, D]
         """The attention `plan` was made for, over this layer's cache. Changes nothing."""
         raise NotImplementedError(f"kernel backend {self.name!r} makes no attention plans")
+
+    # Small per-step ops of the model and the sampler. The torch versions below define the results;
+    # a backend may replace them with a faster version giving the same bits (same indices for argmax,
+    # same values for topk).
+
+    def rotary(
+        self,
+        x: torch.Tensor,  # [T, H, D]
+        cos: torch.Tensor,  # [T, 1, D] in x's dtype
+        sin: torch.Tensor,  # [T, 1, D] in x's dtype, its first half negated (rotate-half's sign)
+    ) -> torch.Tensor:  # [T, H, D], a new tensor
+        """Rotate-half RoPE: x * cos + cat(x2, x1) * sin, each op rounded to x's dtype. With the sign in the
+        table, (-a) * b == a * (-b) exactly, so this is the Hugging Face rotation with one op fewer. Changes
+        nothing."""
+        half = x.shape[-1] // 2
+        swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+        return (x * cos).add_(swapped.mul_(sin))  # summing into the fresh products
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:  # [N, V] -> [N] int64
+        """Index of each row's largest value (the first of equal ones; the first NaN if any). Changes
+        nothing."""
+        return x.argmax(dim=-1)
+
+    def topk(self, x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:  # [N, k] values, indices
+        """The k largest values of each row of x [N, V], descending, and their indices (which of equal
+        values is taken is up to the backend). Changes nothing."""
+        top = x.topk(k, dim=-1)
+        return top.values, top.indices

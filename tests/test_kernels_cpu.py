@@ -240,3 +240,48 @@ def test_store_kv_matches_reference(dtype: torch.dtype, slot_dtype: torch.dtype)
     assert torch.equal(bits(k_cache), bits(k_expected)) and torch.equal(bits(v_cache), bits(v_expected))
     with pytest.raises(RuntimeError, match="outside the pool"):
         ops.store_kv(key[:1], value[:1], k_cache, v_cache, torch.tensor([nb * bs]))
+
+
+# The small per-step ops (KernelOps.rotary / argmax / topk): the same bits as the torch definitions.
+TORCH_OPS = get_kernel_ops("torch", "cpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rotary_gives_the_torch_bits(dtype: torch.dtype) -> None:
+    """q and k heads as strided views of a fused projection (as the model passes them), ragged head counts
+    and dims, [T, 1, D] tables; float16 goes through torch."""
+    gen = torch.Generator().manual_seed(9)
+    for t, h, d in ((32, 12, 64), (7, 5, 128), (1, 3, 64), (100, 15, 32), (3, 2, 10)):
+        qkv = (torch.randn(t, h + 3, d, generator=gen) * 4).to(dtype)  # [T, H + Hkv, D]
+        x = qkv[:, :h]
+        cos = torch.randn(t, 1, d, generator=gen).to(dtype)
+        sin = torch.randn(t, 1, d, generator=gen).to(dtype)
+        out = OPS.rotary(x, cos, sin)
+        assert out.dtype == dtype and out.is_contiguous()
+        assert torch.equal(out, TORCH_OPS.rotary(x, cos, sin)), (t, h, d)
+
+
+def test_argmax_gives_torch_indices() -> None:
+    """Random rows, bf16-rounded rows full of ties, all -inf, NaN (the first NaN wins), widths that are not a
+    multiple of the vector width."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(32, 49152, generator=gen) * 5
+    rows = [x, x.bfloat16().float(), torch.full((3, 100), -float("inf")), torch.randn(5, 17, generator=gen),
+            torch.tensor([[1.0, float("nan"), 3.0, float("nan")], [2.0, 2.0, 1.0, 2.0]]), torch.zeros(1, 1)]
+    for t in rows:
+        assert torch.equal(OPS.argmax(t), t.argmax(-1))
+
+
+def test_topk_gives_torch_values_and_the_lowest_index_of_ties() -> None:
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(32, 49152, generator=gen) * 5
+    for t in (x, x.bfloat16().float(), torch.randn(3, 17, generator=gen)):
+        values, indices = OPS.topk(t, 16)
+        assert torch.equal(values, t.topk(16, dim=-1).values)
+        assert torch.equal(t.gather(1, indices), values)
+    values, indices = OPS.topk(x, 16)
+    assert torch.equal(indices, x.topk(16, dim=-1).indices)  # no ties: the same indices
+    row = torch.tensor([[0.0, 5.0, 1.0, 1.0, 1.0, 5.0, 1.0]])
+    assert OPS.topk(row, 4)[1].tolist() == [[1, 5, 2, 3]]  # equal values: lower index first, and kept
+    nan = torch.tensor([[1.0, float("nan"), 3.0]])  # torch ranks NaN first; such rows go to torch.topk
+    assert OPS.topk(nan, 2)[1].tolist() == nan.topk(2, dim=-1).indices.tolist()

@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 
 from engine.attention import AttentionMetadata
 from engine.loader import CheckpointReader, LoadedModel, load_model
-from engine.model import CausalLM, cpu_weight_packing
+from engine.model import CausalLM, RMSNorm, cpu_weight_packing
 from engine.model_config import ModelLoadError, load_model_config, weight_files
 from engine.tiny import default_model_dir, make_tiny_model
 from engine.tokenizer import ChatTemplateError, Tokenizer
@@ -288,6 +288,27 @@ def test_packed_cpu_weights_give_the_same_bits(tiny_model_dir: Callable[[str], P
         logits[name] = [*first, *run_step(m.model, pool, blocks, seqs, [])]
     for a, b in zip(logits["packed"], logits["plain"], strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_gives_the_reference_bits(dtype: torch.dtype) -> None:
+    """RMSNorm (one F.rms_norm call) equals the Hugging Face formula bit for bit: float32 throughout,
+    rounded to the weight dtype before the scale; fp32 weights also against LlamaRMSNorm itself."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    gen = torch.Generator().manual_seed(5)
+    for dim, rows, eps in ((576, 32, 1e-5), (64, 9, 1e-6), (960, 7, 1e-6), (100, 1, 1e-8), (2048, 3, 1e-5)):
+        norm = RMSNorm(dim, eps, dtype)
+        norm.weight.copy_(torch.randn(dim, generator=gen).to(dtype))
+        x = torch.randn(rows, dim, generator=gen) * torch.rand(rows, 1, generator=gen) * 30  # [rows, dim] fp32
+        expected = (x * x.pow(2).mean(-1, keepdim=True).add(eps).rsqrt()).to(dtype) * norm.weight
+        assert torch.equal(norm(x), expected)
+        assert torch.equal(norm.forward_float32(x), x * x.pow(2).mean(-1, keepdim=True).add(eps).rsqrt()
+                           * norm.weight.float())
+        if dtype == torch.float32:
+            hf = LlamaRMSNorm(dim, eps)
+            hf.weight.data.copy_(norm.weight)
+            assert torch.equal(norm(x), hf(x))
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -37,6 +37,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -582,13 +583,20 @@ void decode_kernel(const float* q,          // [B, Hq, D]
   }
 }
 
-torch::Tensor paged_decode(torch::Tensor q,             // [B, Hq, D] float32
+// Returns [B, Hq, D] in q's dtype. q may be float32, bfloat16 or float16, any strides: it is widened to a
+// contiguous float32 copy here and the float32 result rounded back to q's dtype at the end, which are the
+// same conversions (and bits) as q.float() and out.to(q.dtype) in Python without their dispatch cost.
+torch::Tensor paged_decode(torch::Tensor q_in,          // [B, Hq, D]
                            torch::Tensor k_cache,       // [NB, BS, Hkv, D]
                            torch::Tensor v_cache,       // [NB, BS, Hkv, D]
                            torch::Tensor block_tables,  // [B, MB] int32
                            torch::Tensor context_lens,  // [B] int32
                            double scale, int64_t splits) {
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q must be contiguous float32 [B, Hq, D]");
+  TORCH_CHECK(q_in.dim() == 3, "q must be [B, Hq, D]");
+  const auto q_dtype = q_in.scalar_type();
+  TORCH_CHECK(q_dtype == at::kFloat || q_dtype == at::kBFloat16 || q_dtype == at::kHalf,
+              "q must be float32, bfloat16 or float16");
+  const torch::Tensor q = q_in.to(at::kFloat).contiguous();
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous [NB, BS, Hkv, D]");
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type(), "k/v cache mismatch");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() && block_tables.dim() == 2, "block_tables must be contiguous int32 [B, MB]");
@@ -637,7 +645,7 @@ torch::Tensor paged_decode(torch::Tensor q,             // [B, Hq, D] float32
     default:
       TORCH_CHECK(false, "unsupported cache dtype ", k_cache.scalar_type());
   }
-  return out;
+  return q_dtype == at::kFloat ? out : out.to(q_dtype);
 }
 
 // This step's K and V rows into their pool slots, as raw bytes (the caller has rounded them to the pool's
@@ -688,9 +696,221 @@ void store_kv(torch::Tensor key,           // [N, Hkv, D], the pool's dtype; row
     TORCH_CHECK(false, "slot_mapping must be int32 or int64");
 }
 
+// ---------------------------------------------------------------------------------------------------
+// Small per-step ops of the model and the sampler, each the same bits as the torch ops it replaces, in one
+// call instead of several (at a decode step's 32 rows each torch op costs more in dispatch than in work).
+
+// float -> bfloat16 bits, round to nearest even (c10::BFloat16's rounding; NaN becomes a quiet NaN).
+inline uint16_t bf16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  const uint16_t rounded = static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+  return f != f ? static_cast<uint16_t>(0x7FC0) : rounded;
+}
+inline float bf16_float(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+// out[i] = x[i] * cos[i] + x[(i + D/2) % D] * sin[i] for one row, every product and the sum rounded to the
+// element type as torch's x * cos, cat(x2, x1) * sin and add_ round them (bfloat16: each op's float32 result
+// rounded; float32: no fused multiply-add, which the attribute forbids here: g++ contracts a * b + c in C++
+// by default, and a lambda would not inherit the attribute, hence a function per row).
+template <typename T>
+__attribute__((optimize("fp-contract=off"), noinline)) void rotary_row(const T* xr, const T* c, const T* s, T* o,
+                                                                        int64_t D) {
+  const int64_t half = D / 2;
+  if constexpr (std::is_same_v<T, float>) {
+#pragma omp simd
+    for (int64_t i = 0; i < D; ++i) {
+      const float a = xr[i] * c[i];
+      const float b = xr[i < half ? i + half : i - half] * s[i];
+      o[i] = a + b;
+    }
+  } else {
+    const uint16_t* xb = reinterpret_cast<const uint16_t*>(xr);
+    const uint16_t* cb = reinterpret_cast<const uint16_t*>(c);
+    const uint16_t* sb = reinterpret_cast<const uint16_t*>(s);
+    uint16_t* ob = reinterpret_cast<uint16_t*>(o);
+#pragma omp simd
+    for (int64_t i = 0; i < D; ++i) {
+      const float a = bf16_float(bf16_bits(bf16_float(xb[i]) * bf16_float(cb[i])));
+      const float b = bf16_float(bf16_bits(bf16_float(xb[i < half ? i + half : i - half]) * bf16_float(sb[i])));
+      ob[i] = bf16_bits(a + b);
+    }
+  }
+}
+
+template <typename T>
+void rotary_rows(const T* x, const T* cs, const T* sn, T* out, int64_t T_, int64_t H, int64_t D, int64_t xs_t,
+                 int64_t xs_h, int64_t cs_t) {
+  at::parallel_for(0, T_ * H, 64, [&](int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; ++r) {
+      const int64_t t = r / H, h = r % H;
+      rotary_row<T>(x + t * xs_t + h * xs_h, cs + t * cs_t, sn + t * cs_t, out + r * D, D);
+    }
+  });
+}
+
+torch::Tensor rotary(torch::Tensor x,     // [T, H, D] float32 or bfloat16, unit last stride
+                     torch::Tensor cos,   // [T, D] or [T, 1, D], x's dtype, unit last stride
+                     torch::Tensor sin) { // the same
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "x must be [T, H, D] with unit last stride");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x must be float32 or bfloat16");
+  const int64_t T_ = x.size(0), H = x.size(1), D = x.size(2);
+  TORCH_CHECK(D % 2 == 0, "head dim must be even");
+  auto table = [&](const torch::Tensor& t, const char* name) {
+    torch::Tensor v = t.dim() == 3 ? t.select(1, 0) : t;
+    TORCH_CHECK(v.dim() == 2 && v.size(0) == T_ && v.size(1) == D && v.stride(1) == 1 &&
+                    v.scalar_type() == x.scalar_type(), name, " must be [T, D] or [T, 1, D] in x's dtype");
+    return v;
+  };
+  const torch::Tensor c = table(cos, "cos"), s = table(sin, "sin");
+  TORCH_CHECK(c.stride(0) == s.stride(0), "cos and sin must have the same row stride");
+  auto out = torch::empty({T_, H, D}, x.options());
+  if (x.scalar_type() == at::kFloat)
+    rotary_rows<float>(x.data_ptr<float>(), c.data_ptr<float>(), s.data_ptr<float>(), out.data_ptr<float>(), T_, H,
+                       D, x.stride(0), x.stride(1), c.stride(0));
+  else
+    rotary_rows<at::BFloat16>(x.data_ptr<at::BFloat16>(), c.data_ptr<at::BFloat16>(), s.data_ptr<at::BFloat16>(),
+                              out.data_ptr<at::BFloat16>(), T_, H, D, x.stride(0), x.stride(1), c.stride(0));
+  return out;
+}
+
+// Row scans of [V] float32 for the sampler's ops: the largest value and whether a NaN occurs; the first
+// index at which `hit` holds. AVX-512: 16 lanes a step with masked tails; else compiler-vectorized loops.
+inline float row_max(const float* row, int64_t V, bool* nan) {
+#if defined(__AVX512F__)
+  __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __mmask16 unord = 0;
+  for (int64_t i = 0; i < V; i += 16) {
+    const __mmask16 m = V - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (V - i)) - 1);
+    const __m512 v = _mm512_maskz_loadu_ps(m, row + i);
+    mx = _mm512_mask_max_ps(mx, m, mx, v);
+    unord |= _mm512_mask_cmp_ps_mask(m, v, v, _CMP_UNORD_Q);
+  }
+  *nan = unord != 0;
+  return _mm512_reduce_max_ps(mx);
+#else
+  float mx = -std::numeric_limits<float>::infinity();
+  int64_t nans = 0;
+#pragma omp simd reduction(max : mx) reduction(+ : nans)
+  for (int64_t i = 0; i < V; ++i) {
+    mx = std::max(mx, row[i]);
+    nans += row[i] != row[i];
+  }
+  *nan = nans != 0;
+  return mx;
+#endif
+}
+
+// First index of `target` in row (NaN target: of the first NaN); V if none.
+inline int64_t row_find(const float* row, int64_t V, float target) {
+  const bool nan = target != target;
+#if defined(__AVX512F__)
+  const __m512 t = _mm512_set1_ps(target);
+  for (int64_t i = 0; i < V; i += 16) {
+    const __mmask16 m = V - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (V - i)) - 1);
+    const __m512 v = _mm512_maskz_loadu_ps(m, row + i);
+    const __mmask16 hit = nan ? _mm512_mask_cmp_ps_mask(m, v, v, _CMP_UNORD_Q) : _mm512_mask_cmp_ps_mask(m, v, t, _CMP_EQ_OQ);
+    if (hit) return i + __builtin_ctz(hit);
+  }
+  return V;
+#else
+  for (int64_t i = 0; i < V; ++i)
+    if (nan ? row[i] != row[i] : row[i] == target) return i;
+  return V;
+#endif
+}
+
+// Row-wise argmax of [N, V] float32: the first index of the largest value, or of the first NaN (torch's
+// argmax rule), rows in parallel.
+torch::Tensor argmax_rows(torch::Tensor x) {  // [N, V] float32, contiguous -> [N] int64
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) > 0,
+              "x must be contiguous float32 [N, V], V > 0");
+  const int64_t N = x.size(0), V = x.size(1);
+  auto out = torch::empty({N}, x.options().dtype(at::kLong));
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, N, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; ++r) {
+      bool nan = false;
+      const float mx = row_max(xp + r * V, V, &nan);
+      op[r] = row_find(xp + r * V, V, nan ? std::numeric_limits<float>::quiet_NaN() : mx);
+    }
+  });
+  return out;
+}
+
+// The k largest values of each row of [N, V] float32 and their indices, in descending order of value; equal
+// values in ascending order of index (so of two equal candidates for the last place, the lower index wins).
+// Values that cannot enter (not above the current k-th) are skipped 16 at a time. Returns empty tensors when
+// a row holds a NaN (the caller then uses torch.topk, which ranks NaN first).
+std::vector<torch::Tensor> topk_rows(torch::Tensor x, int64_t k) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32 [N, V]");
+  const int64_t N = x.size(0), V = x.size(1);
+  TORCH_CHECK(k >= 1 && k <= V, "k must be in [1, V]");
+  auto values = torch::empty({N, k}, x.options());
+  auto indices = torch::empty({N, k}, x.options().dtype(at::kLong));
+  const float* xp = x.data_ptr<float>();
+  float* vp = values.data_ptr<float>();
+  int64_t* ip = indices.data_ptr<int64_t>();
+  std::atomic<bool> any_nan{false};
+  at::parallel_for(0, N, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; ++r) {
+      const float* row = xp + r * V;
+      float* bv = vp + r * k;
+      int64_t* bi = ip + r * k;
+      int64_t n = 0;  // entries held, sorted: value descending, index ascending among equals
+      auto insert = [&](float v, int64_t i) {
+        int64_t pos = n < k ? n : k - 1;  // full: the smallest leaves
+        while (pos > 0 && bv[pos - 1] < v) {
+          bv[pos] = bv[pos - 1];
+          bi[pos] = bi[pos - 1];
+          --pos;
+        }
+        bv[pos] = v;
+        bi[pos] = i;
+        n = std::min(n + 1, k);
+      };
+      bool nan = false;
+      int64_t i = 0;
+      for (; i < k; ++i) {
+        nan = nan || row[i] != row[i];
+        insert(row[i], i);
+      }
+#if defined(__AVX512F__)
+      for (; i < V; i += 16) {
+        const __mmask16 m = V - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (V - i)) - 1);
+        const __m512 v = _mm512_maskz_loadu_ps(m, row + i);
+        nan = nan || _mm512_mask_cmp_ps_mask(m, v, v, _CMP_UNORD_Q) != 0;
+        for (__mmask16 hit = _mm512_mask_cmp_ps_mask(m, v, _mm512_set1_ps(bv[k - 1]), _CMP_GT_OQ); hit;
+             hit &= hit - 1) {
+          const int64_t j = i + __builtin_ctz(hit);
+          if (row[j] > bv[k - 1]) insert(row[j], j);  // the k-th may have risen within these 16
+        }
+      }
+#else
+      for (; i < V; ++i) {
+        nan = nan || row[i] != row[i];
+        if (row[i] > bv[k - 1]) insert(row[i], i);
+      }
+#endif
+      if (nan) any_nan = true;
+    }
+  });
+  if (any_nan) return {torch::empty({0}, x.options()), torch::empty({0}, x.options().dtype(at::kLong))};
+  return {values, indices};
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention over a CPU KV pool, blocks read in place");
   m.def("store_kv", &store_kv, "this step's K/V rows into their CPU pool slots");
+  m.def("rotary", &rotary, "rotate-half RoPE of [T, H, D] rows, the same bits as the torch ops");
+  m.def("argmax_rows", &argmax_rows, "row-wise argmax of [N, V] float32, torch's ties and NaN rule");
+  m.def("topk_rows", &topk_rows, "the k largest of each row of [N, V] float32, sorted; lower index wins ties");
 }
