@@ -5,12 +5,14 @@
 transformers generates the same N chat prompts (the same chat template, checked to give the same token
 ids as the server's tokenizer) as one static fp32 batch, left-padded, with max_new_tokens = min_new_tokens
 = 128, greedy. Prints both output-token rates and their ratio (target >= 3x), with the loadgen's TTFT and
-TPOT percentiles, once per node thread count in --num-threads (e.g. 1,2: 1+1 threads on a 2-core machine
-vs 2+2 oversubscribed), and the load average at each phase (the machine may be shared).
+TPOT percentiles, once per node thread count in --num-threads (default: what `pdserve up` gives each node;
+e.g. 1,2 on a 2-core machine) and per decode-node --max-prefill-queue-tokens (default: `pdserve up`'s; 0
+sends every prompt above the local threshold to the prefill node), and the load average at each phase
+(the machine may be shared).
 
     .venv/bin/python bench/cluster_bench.py [--model DIR|tiny] [--dtype auto|float32|bfloat16]
-        [--num-threads 1,2] [--requests 32] [--max-tokens 128] [--prompt-tokens uniform:64:256]
-        [--hf-threads N] [--skip-hf]
+        [--num-threads default,1,2] [--max-prefill-queue-tokens default,0] [--requests 32] [--max-tokens 128]
+        [--prompt-tokens uniform:64:256] [--hf-threads N] [--skip-hf]
 
 Default model: SmolLM2-135M-Instruct (fetched and imported on first use); default dtype: what
 `pdserve up` serves (bf16 on AVX512-BF16/AMX CPUs). The transformers baseline is always float32.
@@ -115,11 +117,14 @@ def served_dtype(up: UpCluster) -> str:
     return "?"
 
 
-def cluster_run(args: argparse.Namespace, threads: int, specs: list[RequestSpec], warmup: list[RequestSpec],
-                workdir: Path) -> tuple[RunResult, str]:
-    """Starts `pdserve up` with `threads` torch threads per node, warms it up, sends every spec at once,
-    stops it; returns the measured run and the dtype served."""
-    extra = ["--num-threads", str(threads), "--dtype", args.dtype]
+def cluster_run(args: argparse.Namespace, threads: str, queue: str, specs: list[RequestSpec],
+                warmup: list[RequestSpec], workdir: Path) -> tuple[RunResult, str]:
+    """Starts `pdserve up` with `threads` torch threads per node (and the decode nodes'
+    --max-prefill-queue-tokens `queue` unless "default"), warms it up, sends every spec at once, stops it;
+    returns the measured run and the dtype served."""
+    extra = ["--dtype", args.dtype] + (["--num-threads", threads] if threads != "default" else [])
+    if queue != "default":
+        extra += ["--max-prefill-queue-tokens", queue]
     if args.model is not None:
         extra += ["--model", args.model]
     up = UpCluster.start(workdir, extra, timeout_s=600)
@@ -135,9 +140,10 @@ def cluster_run(args: argparse.Namespace, threads: int, specs: list[RequestSpec]
     return result, dtype
 
 
-def print_cluster(threads: int, dtype: str, res: RunResult, hf: BatchResult | None, ids: list[list[int]]) -> None:
+def print_cluster(threads: str, queue: str, dtype: str, res: RunResult, hf: BatchResult | None,
+                  ids: list[list[int]]) -> None:
     s = res.summary
-    label = f"pdserve up ({dtype}, {threads}+{threads} threads/node)"
+    label = f"pdserve up ({dtype}, {threads} threads/node, prefill queue {queue})"
     print(f"{label:<44} {s.output_tokens} tokens in {s.duration_s:6.2f} s = {s.output_token_rate:7.1f} tok/s"
           + (f"  -> {s.output_token_rate / hf.rate:.2f}x transformers (target >= 3x)" if hf else ""))
     if s.failed:
@@ -155,7 +161,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="model directory or tiny (default: SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--num-threads", default="1", help="torch threads per node; a comma list runs each")
+    p.add_argument("--num-threads", default="default",
+                   help="torch threads per node (default: pdserve up's); a comma list runs each")
+    p.add_argument("--max-prefill-queue-tokens", default="default",
+                   help="the decode node's --max-prefill-queue-tokens (default: pdserve up's); a comma list runs each")
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--prompt-tokens", default="uniform:64:256", help="user-message tokens (loadgen syntax)")
@@ -177,22 +186,23 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.max_tokens} tokens (ignore_eos), chat prompts of {lengths[0]}..{lengths[-1]} tokens "
           f"(transformers and pdserve ids identical); {os.cpu_count()} CPUs")
     hf = None
-    rates: dict[int, float] = {}
+    rates: dict[tuple[str, str], float] = {}
     if not args.skip_hf:
         print(f"[{load_average()}]")
         hf = hf_batch(model_dir, ids, args.max_tokens, args.hf_threads)
         print(f"{f'transformers fp32 static batch ({args.hf_threads} threads)':<44} {hf.tokens} tokens in "
               f"{hf.seconds:6.2f} s = {hf.rate:7.1f} tok/s")
-    for threads in (int(x) for x in args.num_threads.split(",")):
-        print(f"[{load_average()}]")
-        with tempfile.TemporaryDirectory(prefix="cluster-bench-") as tmp:
-            res, dtype = cluster_run(args, threads, specs, warmup, Path(tmp))
-        print_cluster(threads, dtype, res, hf, ids)
-        rates[threads] = res.summary.output_token_rate
+    for threads in args.num_threads.split(","):
+        for queue in args.max_prefill_queue_tokens.split(","):
+            print(f"[{load_average()}]")
+            with tempfile.TemporaryDirectory(prefix="cluster-bench-") as tmp:
+                res, dtype = cluster_run(args, threads, queue, specs, warmup, Path(tmp))
+            print_cluster(threads, queue, dtype, res, hf, ids)
+            rates[threads, queue] = res.summary.output_token_rate
     print(f"[{load_average()}]")
     if len(rates) > 1:
-        best = max(rates, key=lambda t: rates[t])
-        print(f"fastest split: {best}+{best} threads/node ({rates[best]:.1f} tok/s)")
+        (t, q) = max(rates, key=lambda k: rates[k])
+        print(f"fastest: {t} threads/node, prefill queue {q} ({rates[t, q]:.1f} tok/s)")
     return 0
 
 

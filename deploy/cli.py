@@ -244,12 +244,17 @@ def _add_up_parser(sub: argparse._SubParsersAction) -> None:
     u.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e5m2", "fp8_e4m3"],
                    help="KV cache element type of every node (default auto: the model dtype; fp8_e5m2 halves bf16's bytes)")
     u.add_argument("--num-threads", type=int, default=None,
-                   help="torch threads per node (default 1, or with --pin the node's CPU count)")
+                   help="torch threads per node (default: with --pin the node's CPU count, else the usable CPUs "
+                        "divided among the nodes of its pool)")
     u.add_argument("--pin", action="store_true",
                    help="pin each node to its own CPUs (the usable CPUs split evenly, prefill nodes first); "
                         "with --prefill 0 the decode nodes are colocated nodes that prefill everything")
     u.add_argument("--cpus", default=None, metavar="LIST",
                    help="with --pin: the CPUs to split over the nodes, e.g. 0 or 0-3 (default: all usable)")
+    u.add_argument("--max-prefill-queue-tokens", type=int, default=None, metavar="N",
+                   help="decode nodes prefill a request themselves when their requests queued at the prefill "
+                        "node hold N context tokens and their own backlog is shorter (0: never; default: "
+                        "2048 unpinned, where the nodes share the cores, else 0)")
     u.add_argument("--cluster", default="default", help="registry cluster name (default 'default')")
     u.add_argument("--runs-dir", default=None, help="where logs and state go (default: runs/ in the repository)")
     u.add_argument("--lease-ttl", type=int, default=3, help="registry lease TTL of the nodes (s)")

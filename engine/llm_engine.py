@@ -301,6 +301,11 @@ class LLMEngine:
             raise KeyError(request_id)
         return self.scheduler.requeue(request_id)
 
+    def prefill_backlog_tokens(self) -> int:
+        """Context tokens this engine still has to prefill (`Scheduler.prefill_backlog_tokens`: decoding
+        and landed sequences count 0). Changes nothing."""
+        return self.scheduler.prefill_backlog_tokens()
+
     def load(self) -> EngineLoad:
         """A snapshot of queues and pool occupancy. Changes nothing."""
         bm = self.block_manager

@@ -96,6 +96,12 @@ class Scheduler:
         """RESERVED sequences: holding blocks, their prompt K/V still on the way."""
         return tuple(self._reserved.values())
 
+    def prefill_backlog_tokens(self) -> int:
+        """Tokens still to prefill over waiting, landed and running sequences: each one's tokens past its
+        computed ones where that is more than the single token a decode step computes. Changes nothing."""
+        return sum(n for s in (*self._waiting, *self._landed, *self._running)
+                   if (n := s.num_tokens - s.num_computed_tokens) > 1)
+
     @property
     def num_preemptions(self) -> int:
         """Preemptions since this scheduler was built."""

@@ -71,9 +71,37 @@ def test_launcher_splits_its_cpus_over_the_nodes(tmp_path) -> None:
     pd = LauncherConfig(model=str(tmp_path), num_prefill=1, num_decode=1, pin=True, cpus=(cpu,))
     assert pd.node_cpus() == {"prefill-0": (cpu,), "decode-0": (cpu,)}  # one CPU: both share it
     free = LauncherConfig(model=str(tmp_path), num_prefill=1, num_decode=2)
-    assert free.node_cpus() == {} and free.node_threads("decode-1") == 1
+    usable = len(os.sched_getaffinity(0))  # unpinned: the usable CPUs divided among a pool's nodes
+    assert free.node_cpus() == {} and free.node_threads("decode-1") == max(1, usable // 2)
+    assert free.node_threads("prefill-0") == usable
     assert LauncherConfig(model=str(tmp_path), num_threads=3, pin=True).node_threads("prefill-0") == 3
     with pytest.raises(ValueError, match="--cpus needs --pin"):
         LauncherConfig(model=str(tmp_path), cpus=(cpu,))
     with pytest.raises(ValueError, match="not all usable"):
         LauncherConfig(model=str(tmp_path), pin=True, cpus=(max(os.sched_getaffinity(0)) + 1000,))
+
+
+def test_decode_nodes_prefill_when_the_prefill_queue_is_full_unless_pinned(tmp_path) -> None:
+    """`pdserve up` gives decode nodes --max-prefill-queue-tokens: the default when the nodes share the
+    cores (unpinned), 0 when pinned or colocated, else what was asked; prefill nodes never get it."""
+    from deploy.cli import build_parser
+    from deploy.launcher.config import DEFAULT_LOCAL_MAX_PREFILL_QUEUE_TOKENS, LauncherConfig
+    from deploy.launcher.process import Slot, command
+    from node.decode.config import DecodeNodeConfig
+
+    def flag(cfg: LauncherConfig, pool: str) -> list[str]:
+        argv = command(cfg, Slot(f"{pool}-0", pool, tmp_path / "log"), ["127.0.0.1:2379"], tmp_path)
+        return argv[argv.index("--max-prefill-queue-tokens"):][:2] if "--max-prefill-queue-tokens" in argv else []
+
+    shared = LauncherConfig(model=str(tmp_path))
+    assert flag(shared, "decode") == ["--max-prefill-queue-tokens", str(DEFAULT_LOCAL_MAX_PREFILL_QUEUE_TOKENS)]
+    assert flag(shared, "prefill") == []
+    assert LauncherConfig(model=str(tmp_path), pin=True).decode_max_prefill_queue_tokens == 0
+    assert LauncherConfig(model=str(tmp_path), num_prefill=0).decode_max_prefill_queue_tokens == 0
+    assert flag(LauncherConfig(model=str(tmp_path), max_prefill_queue_tokens=512), "decode")[1] == "512"
+    with pytest.raises(ValueError, match="max-prefill-queue-tokens"):
+        LauncherConfig(model=str(tmp_path), max_prefill_queue_tokens=-1)
+    assert str(DEFAULT_LOCAL_MAX_PREFILL_QUEUE_TOKENS) in build_parser().format_help() + "".join(
+        a.format_help() for a in build_parser()._subparsers._group_actions[0].choices.values())
+    node_argv = ["--node-id", "d", "--etcd", "x:1", "--model", str(tmp_path), "--max-prefill-queue-tokens", "300"]
+    assert DecodeNodeConfig.from_argv(node_argv)[0].max_prefill_queue_tokens == 300

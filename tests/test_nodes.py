@@ -256,6 +256,35 @@ def test_admission_queues_then_refuses_when_blocks_run_out(cluster: LocalCluster
         cluster.kill("dq", signal.SIGTERM)
 
 
+def test_a_full_prefill_queue_sends_new_requests_to_local_prefill(cluster: LocalCluster, reference: LLMEngine) -> None:
+    """--max-prefill-queue-tokens: while this decode node's request waits at a (stopped) prefill node,
+    the next requests are prefilled on the decode node; every one matches the single-process engine."""
+    dq = cluster.spawn_node("decode", "dq", ["--local-prefill-threshold", str(THRESHOLD),
+                                             "--max-prefill-queue-tokens", "100"])
+    cluster.wait_ready([dq])
+    try:
+        rng = random.Random(17)
+        prompts = [rand_tokens(rng, 300) for _ in range(3)]
+        params = SamplingParams(max_tokens=4, ignore_eos=True)
+        expected = reference.generate(prompts, params)
+        cluster.kill("p1", signal.SIGSTOP)
+        try:
+            with ThreadPoolExecutor(1) as pool:
+                first = pool.submit(cluster.generate, "dq", prompts[0], params, prefill_node_id="p1")
+                time.sleep(0.5)  # routed to p1, where it waits: 300 queued tokens >= 100
+                local = [cluster.generate("dq", p, params, prefill_node_id="p1") for p in prompts[1:]]
+                cluster.kill("p1", signal.SIGCONT)
+                remote = first.result(timeout=60)
+        finally:
+            cluster.kill("p1", signal.SIGCONT)
+        assert remote.prefill_node_id == "p1" and [r.prefill_node_id for r in local] == ["dq", "dq"]
+        for res, exp in zip([remote, *local], expected, strict=True):
+            assert res.finish_reason == "length" and res.token_ids == exp.token_ids
+        cluster.wait_clean(["dq", "p0", "p1"])
+    finally:
+        cluster.kill("dq", signal.SIGTERM)
+
+
 def test_abort_rpc_and_load_records_in_registry(cluster: LocalCluster) -> None:
     rng = random.Random(15)
     call = start_stream(cluster, "d1", "p1", rand_tokens(rng, 100), max_tokens=3000)

@@ -150,13 +150,15 @@ def test_long_prompt_is_prefilled_in_chunks() -> None:
     sched, runner = make(max_num_seqs=2, max_num_batched_tokens=16)
     seq = make_seq("long", list(range(100, 150)), max_tokens=3)
     sched.add(seq)
-    chunks = []
+    chunks, backlog = [], [sched.prefill_backlog_tokens()]
     for _ in range(4):
         out, finished = step(sched, runner)
         assert out.decode_seqs == [] and out.prefill_seqs == [seq]
         chunks.append(out.prefill_chunk_lens[0])
+        backlog.append(sched.prefill_backlog_tokens())
         assert not finished
     assert chunks == [16, 16, 16, 2]
+    assert backlog == [50, 34, 18, 2, 0]  # a decoding sequence has nothing left to prefill
     assert seq.num_completion_tokens == 1  # sampled only once the last chunk reached the end
     out, _ = step(sched, runner)
     assert out.decode_seqs == [seq] and out.prefill_seqs == []

@@ -18,6 +18,9 @@ if TYPE_CHECKING:
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 POOLS = ("etcd", "prefill", "decode", "frontend")
+# Unpinned nodes share this machine's cores: a decode node prefills a new request itself once its requests
+# queued at the prefill node hold this many context tokens (and its own prefill backlog is shorter).
+DEFAULT_LOCAL_MAX_PREFILL_QUEUE_TOKENS = 2048
 
 
 def default_runs_dir() -> Path:
@@ -47,13 +50,17 @@ class LauncherConfig:
     dtype: str = "auto"
     kv_memory_mib: int = 512  # KV cache budget of each node
     kv_cache_dtype: str = "auto"  # KV pool element type of every node (they must agree)
-    # torch threads per node; None = 1 (several nodes share this machine's cores), or with `pin` the
-    # size of the node's CPU set.
+    # torch threads per node; None = `node_threads`' rule: with `pin` the size of the node's CPU set,
+    # unpinned the usable CPUs divided among the nodes of the node's pool.
     num_threads: int | None = None
     # Pin each node to its own CPUs (`node_cpus`): the usable CPUs split evenly over the nodes, prefill
     # nodes first. The frontend and etcd stay unpinned. Makes shapes comparable on one machine.
     pin: bool = False
     cpus: tuple[int, ...] = ()  # the CPUs `pin` splits; () = every CPU this process may use
+    # Decode nodes' --max-prefill-queue-tokens (conditional disaggregation). None: the launcher's default,
+    # DEFAULT_LOCAL_MAX_PREFILL_QUEUE_TOKENS when unpinned (the nodes share every core, so a decode node
+    # that prefills while the prefill node is backed up uses cores that would otherwise sit idle), else 0.
+    max_prefill_queue_tokens: int | None = None
     cluster: str = "default"
     runs_dir: Path = field(default_factory=default_runs_dir)
     lease_ttl_s: int = 3  # a killed node leaves the registry this fast
@@ -79,6 +86,8 @@ class LauncherConfig:
             (self.num_threads is None or self.num_threads >= 1, "--num-threads must be >= 1"),
             (set(self.cpus) <= os.sched_getaffinity(0), f"--cpus {self.cpus} are not all usable here"),
             (not self.cpus or self.pin, "--cpus needs --pin"),
+            (self.max_prefill_queue_tokens is None or self.max_prefill_queue_tokens >= 0,
+             "--max-prefill-queue-tokens must be >= 0"),
             (bool(self.cluster) and "/" not in self.cluster, f"bad --cluster {self.cluster!r}"),
             (self.lease_ttl_s >= 1, "lease TTL must be >= 1 s"),
             (self.drain_timeout_s >= 0 and self.startup_timeout_s > 0, "timeouts must be positive"),
@@ -103,11 +112,26 @@ class LauncherConfig:
         sets = split_cpus(self.cpus or tuple(sorted(os.sched_getaffinity(0))), len(self.node_names))
         return dict(zip(self.node_names, sets, strict=True))
 
+    @property
+    def decode_max_prefill_queue_tokens(self) -> int:
+        """What the decode nodes get as --max-prefill-queue-tokens."""
+        if self.max_prefill_queue_tokens is not None:
+            return self.max_prefill_queue_tokens
+        return 0 if self.pin or self.num_prefill == 0 else DEFAULT_LOCAL_MAX_PREFILL_QUEUE_TOKENS
+
     def node_threads(self, name: str) -> int:
-        """torch threads of the named node."""
+        """torch threads of the named node: --num-threads, else pinned the node's CPU count, else the
+        usable CPUs divided among its pool's nodes. Unpinned nodes share every core: a pool's nodes work
+        at the same time, the two pools largely in turn (prompts first, then their streams), so a decode
+        node alone after the last prompt has all the cores instead of leaving the prefill node's idle
+        (bench/cluster_bench.py measures the split). When both pools are busy the kernel shares the cores
+        between the nodes' sessions fairly."""
         if self.num_threads is not None:
             return self.num_threads
-        return len(self.node_cpus().get(name, ())) or 1
+        if self.pin:
+            return len(self.node_cpus().get(name, ())) or 1
+        pool = self.num_prefill if name.startswith("prefill") else self.num_decode
+        return max(1, len(os.sched_getaffinity(0)) // max(1, pool))
 
     @property
     def cluster_dir(self) -> Path:
@@ -165,6 +189,7 @@ def build_config(args: Any, resolve_model: Callable[[str | None], ResolvedModel]
         num_decode=args.decode, host=args.host, port=args.port, dtype=args.dtype, kv_memory_mib=args.kv_memory,
         kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
         num_threads=args.num_threads, pin=bool(getattr(args, "pin", False)),
+        max_prefill_queue_tokens=getattr(args, "max_prefill_queue_tokens", None),
         cpus=parse_cpus(args.cpus) if getattr(args, "cpus", None) else (), cluster=args.cluster,
         runs_dir=Path(args.runs_dir) if args.runs_dir else default_runs_dir(), lease_ttl_s=args.lease_ttl,
         drain_timeout_s=args.drain_timeout, restart=not args.no_restart,

@@ -85,7 +85,9 @@ def command(cfg: LauncherConfig, slot: Slot, etcd_endpoints: Sequence[str], logs
         "--num-threads", str(cfg.node_threads(slot.name)),
         "--lease-ttl", str(cfg.lease_ttl_s), "--drain-timeout", str(cfg.drain_timeout_s),
         "--metrics-host", "127.0.0.1", "--metrics-port", str(slot.metrics_port), *tracing,
-        *(["--colocated"] if slot.pool == "decode" and cfg.num_prefill == 0 else []), *cfg.node_args,
+        *(["--colocated"] if slot.pool == "decode" and cfg.num_prefill == 0 else []),
+        *(["--max-prefill-queue-tokens", str(cfg.decode_max_prefill_queue_tokens)] if slot.pool == "decode" else []),
+        *cfg.node_args,
     ]
 
 

@@ -13,6 +13,13 @@ class DecodeNodeConfig(NodeConfig):
     # Requests whose prompt part not in this node's prefix cache is shorter than this many tokens are
     # prefilled here: shipping their KV would cost more than computing it.
     local_prefill_threshold: int = 64
+    # Conditional disaggregation: when this node's requests queued at the chosen prefill node (routed
+    # there, no first token yet) already hold this many context tokens, and this node has less than that
+    # left to prefill itself, a new request is prefilled here instead, so the two queues drain side by side
+    # (0: every request above the threshold goes to a prefill node). Trades the decode batch's steadiness
+    # (prefill chunks join its steps) for time to first token and throughput when prefill nodes are the
+    # bottleneck, e.g. nodes sharing one machine's cores.
+    max_prefill_queue_tokens: int = 0
     reservation_queue_limit: int = 256  # requests waiting for a reservation; beyond: RESOURCE_EXHAUSTED
     reservation_timeout_s: float = 60.0  # a request that waits longer for blocks is refused
     max_local_waiting: int = 256  # locally prefilled requests queued in the engine; beyond: refused
@@ -30,6 +37,7 @@ class DecodeNodeConfig(NodeConfig):
         super().__post_init__()
         checks = [
             (self.local_prefill_threshold >= 0, "local_prefill_threshold must be >= 0"),
+            (self.max_prefill_queue_tokens >= 0, "max_prefill_queue_tokens must be >= 0"),
             (self.reservation_queue_limit >= 0, "reservation_queue_limit must be >= 0"),
             (self.reservation_timeout_s > 0, "reservation_timeout_s must be > 0"),
             (self.max_local_waiting >= 1, "max_local_waiting must be >= 1"),
@@ -50,6 +58,9 @@ class DecodeNodeConfig(NodeConfig):
         parser = argparse.ArgumentParser(prog="python -m node.decode", description="Run a pdserve decode node.")
         add_node_args(parser)
         parser.add_argument("--local-prefill-threshold", type=int, default=64)
+        parser.add_argument("--max-prefill-queue-tokens", type=int, default=0,
+                            help="prefill here when this node's requests waiting at the prefill node hold this many "
+                                 "context tokens and this node's own prefill backlog is smaller (0: never)")
         # The --admission-* spellings are the flags' earlier names, kept for existing deployments.
         parser.add_argument("--reservation-queue-limit", "--admission-queue-limit", type=int, default=256)
         parser.add_argument("--reservation-timeout", "--admission-timeout", type=float, default=60.0)
@@ -65,6 +76,7 @@ class DecodeNodeConfig(NodeConfig):
         config = cls(
             **node_kwargs(args),  # type: ignore[arg-type]
             local_prefill_threshold=args.local_prefill_threshold,
+            max_prefill_queue_tokens=args.max_prefill_queue_tokens,
             reservation_queue_limit=args.reservation_queue_limit,
             reservation_timeout_s=args.reservation_timeout,
             max_local_waiting=args.max_local_waiting,

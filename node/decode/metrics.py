@@ -40,6 +40,9 @@ class DecodeMetrics(NodeMetrics):
                                       ["reason"])
         for reason in FALLBACK_REASONS:  # every series exists from the start, at zero
             self.fallbacks.labels(**labels.values(), reason=reason)
+        self.queue_local = self.counter("pdserve_decode_queue_local_prefills",
+                                        "Requests prefilled here because the prefill node's queue was full "
+                                        "(--max-prefill-queue-tokens)")
         self.reprefills = self.counter("pdserve_decode_reprefills",
                                        "Requests whose KV transfer failed after the first token, re-prefilled here "
                                        "(prompt + tokens so far)", ["reason"])
@@ -91,6 +94,10 @@ class DecodeMetrics(NodeMetrics):
     def local_prefill_fallback(self, reason: str) -> None:
         """Counts a remote prefill that failed before its first token and is done here instead."""
         self.fallbacks.labels(**self.labels.values(), reason=reason).inc()
+
+    def queue_local_prefill(self) -> None:
+        """Counts a request prefilled here because the prefill node's queue was full."""
+        self.queue_local.inc()
 
     def reprefill(self, reason: str) -> None:
         """Counts a request re-prefilled here after its first token (its KV transfer failed)."""

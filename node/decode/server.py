@@ -4,7 +4,9 @@ rest prefilled on a prefill node whose KV it receives, and streams the generated
 Generate, per request:
   1. Route: the prefill node is the caller's hint while that node is usable, else what the cluster's one
      prefill rule (`placement.prefill`) picks; none (or force_local_prefill, or an uncached prompt part
-     below the threshold) means local prefill, an ordinary engine request the engine queues until it fits.
+     below the threshold, or with --max-prefill-queue-tokens a full queue at that node while this node's
+     own prefill backlog is shorter) means local prefill, an ordinary engine request the engine queues
+     until it fits.
   2. Reservation (remote path): the prompt's blocks are reserved before any prefill work is spent
      (`node.decode.reservations`).
   3. The prefill and the KV transfer (`node.decode.remote`), after which the request lands in the engine.
@@ -160,8 +162,11 @@ class DecodeService(NodeService, pb_grpc.DecodeNodeServicer):
         local = request.force_local_prefill or self.config.colocated
         prefill = None if local else self._prefill_node(request.prefill_node_id, ctx)
         if prefill is not None:
-            hit = await self.ctx.engine.call(lambda e: e.prefix_hit_tokens(ctx))
+            hit, backlog = await self.ctx.engine.call(lambda e: (e.prefix_hit_tokens(ctx), e.prefill_backlog_tokens()))
             if len(ctx) - hit < self.config.local_prefill_threshold:
+                prefill = None
+            elif self._prefill_queue_full(prefill.node_id, backlog):
+                self.metrics.queue_local_prefill()
                 prefill = None
         if prefill is None:
             req = DecodeRequest(rid, prompt, params, arrived, RequestStream(rid), Stage.DECODING, resume=resume,
@@ -183,6 +188,17 @@ class DecodeService(NodeService, pb_grpc.DecodeNodeServicer):
             return Resume(tuple(request.resume_token_ids), request.resume_text_chars)
         except ValueError as err:
             return str(err)
+
+    def _prefill_queue_full(self, node_id: str, local_backlog: int) -> bool:
+        """Whether a new request should be prefilled here rather than on `node_id` (with
+        --max-prefill-queue-tokens set): this node's requests waiting there (reserving or prefilling) hold
+        at least that many context tokens, and this node's own prefill backlog is smaller."""
+        bound = self.config.max_prefill_queue_tokens
+        if bound <= 0:
+            return False
+        queued = sum(len(r.context) for r in self.requests.values()
+                     if r.stage in (Stage.RESERVING, Stage.PREFILLING) and r.prefill_id == node_id)
+        return queued >= bound and local_backlog < queued
 
     def _prefill_node(self, hint: str, prompt: list[int]) -> Member | None:
         """The hinted prefill node while it is usable (in this node's pool, not draining), else the one the
