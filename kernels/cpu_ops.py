@@ -161,7 +161,7 @@ class CpuOps(TorchOps):
             return super().store_kv(key, value, k_cache, v_cache, slot_mapping)
         try:
             self._ext.store_kv(_pool_rows(key, k_cache.dtype), _pool_rows(value, k_cache.dtype), k_cache, v_cache,
-                               slot_mapping)
+                               slot_mapping.contiguous())
         except RuntimeError:
             check_cache_pair(k_cache, v_cache)
             check_rank("slot_mapping", slot_mapping, 1, "[N]")
@@ -215,7 +215,6 @@ class CpuOps(TorchOps):
             return torch.empty_like(q)
         return self._ext.paged_decode(q, k_cache, v_cache, plan.block_tables, plan.context_lens, float(scale),
                                       plan.splits)  # [B, Hq, D] in q.dtype
-
 
     def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """As KernelOps.rotary (the same bits), in one extension call for float32 and bfloat16 on a CPU."""
