@@ -278,6 +278,7 @@ def test_a_full_prefill_queue_sends_new_requests_to_local_prefill(cluster: Local
         finally:
             cluster.kill("p1", signal.SIGCONT)
         assert remote.prefill_node_id == "p1" and [r.prefill_node_id for r in local] == ["dq", "dq"]
+        assert cluster.metric("dq", "pdserve_decode_queue_local_prefills_total") == 2
         for res, exp in zip([remote, *local], expected, strict=True):
             assert res.finish_reason == "length" and res.token_ids == exp.token_ids
         cluster.wait_clean(["dq", "p0", "p1"])
