@@ -132,7 +132,12 @@ def _api(prometheus: str, path: str, params: Mapping[str, str | float]) -> Any:
         with urllib.request.urlopen(url, timeout=30) as resp:
             body = json.loads(resp.read().decode())
     except urllib.error.HTTPError as err:
-        body = json.loads(err.read().decode() or "{}")
+        try:
+            body = json.loads(err.read().decode(errors="replace") or "{}")
+        except json.JSONDecodeError:
+            # not the API's JSON (a starting Prometheus answers 503 "Service Unavailable" in plain text):
+            # the HTTP error itself, an OSError like a refused connection, which callers may retry
+            raise err from None
     if body.get("status") != "success":
         raise ValueError(f"Prometheus refused {params.get('query')!r}: {body.get('error', body)}")
     return body["data"]
