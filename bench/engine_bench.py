@@ -115,11 +115,11 @@ def run_engine(model_dir: str, dtype: str, prompts, outs, kv_cache_dtype: str = 
 class _OpTimer:
     """Wall time spent in the engine's attention and KV-store calls (wrapping its KernelOps; measurement
     only), each also marked as a profiler range so the op profile can name it. The backend's other ops
-    (rotary, argmax, topk: extension calls, not aten ops) are marked too, so the profile counts them as
+    (rotary, argmax, topk, rms_norm, silu_mul: extension calls, not aten ops) are marked too, so the profile counts them as
     ops, but their time is not attention."""
 
     NAMES = ("store_kv", "attend_planned", "decode_attention", "prefill_attention")
-    OTHER = ("rotary", "argmax", "topk")
+    OTHER = ("rotary", "argmax", "topk", "rms_norm", "silu_mul")
 
     def __init__(self, ops) -> None:
         self.t: dict[str, float] = defaultdict(float)

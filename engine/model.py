@@ -105,23 +105,22 @@ def rope_tables(inv_freq: torch.Tensor, length: int) -> Rope:  # [P, D] float32 
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, ops: KernelOps) -> None:
         super().__init__()
+        self.ops = ops
         self.eps = eps
         self.weight = _param(dim, dtype=dtype)
 
-    def _normalized(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim] float32, a fresh tensor (never x)
-        # F.rms_norm without a weight is x * rsqrt(mean(x^2) + eps) in float32: the same ops as the Hugging
-        # Face reference (tests/test_model.py checks the bits), issued as one call instead of five
-        return F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim] -> same shape, in the weight's dtype
-        # rounded to the weight dtype before the scale, as transformers does
-        return self._normalized(x).to(self.weight.dtype).mul_(self.weight)
+    def forward(self, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:  # [..., dim], weight's dtype
+        """Rounded to the weight dtype before the scale, as transformers does (KernelOps.rms_norm). `add`:
+        added into x (the float32 residual stream) first, in the same call."""
+        return self.ops.rms_norm(x, self.weight, self.eps, add)
 
     def forward_float32(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim] -> same shape, float32
-        """The same norm kept in float32 throughout (equal to `forward` for float32 weights)."""
-        return self._normalized(x).mul_(self.weight.float())
+        """The same norm kept in float32 throughout (equal to `forward` for float32 weights). F.rms_norm without
+        a weight is x * rsqrt(mean(x^2) + eps) in float32, the Hugging Face reference's ops in one call (a
+        fresh tensor: x is never changed)."""
+        return F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).mul_(self.weight.float())
 
 
 class Attention(nn.Module):
@@ -136,8 +135,8 @@ class Attention(nn.Module):
         self.qkv_bias = _param(cfg.q_size + 2 * cfg.kv_size, dtype=dt) if cfg.attention_bias else None
         self.o_weight = _param(cfg.hidden_size, cfg.q_size, dtype=dt)
         self.o_bias = _param(cfg.hidden_size, dtype=dt) if cfg.o_proj_bias else None
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dt) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dt) if cfg.qk_norm else None
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dt, ops) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dt, ops) if cfg.qk_norm else None
         self.qkv_packed: torch.Tensor | None = None  # oneDNN-packed weights (CausalLM.pack_cpu_weights)
         self.o_packed: torch.Tensor | None = None
 
@@ -165,9 +164,9 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, ops: KernelOps) -> None:
         super().__init__()
-        self.intermediate_size = cfg.intermediate_size
+        self.ops = ops
         dt = cfg.dtype
         self.gate_up_weight = _param(2 * cfg.intermediate_size, cfg.hidden_size, dtype=dt)  # rows: gate | up
         self.gate_up_bias = _param(2 * cfg.intermediate_size, dtype=dt) if cfg.mlp_bias else None
@@ -178,31 +177,32 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         gate_up = _linear(x, self.gate_up_weight, self.gate_up_bias, self.gate_up_packed)  # [T, 2I]
-        inter = self.intermediate_size
-        act = F.silu(gate_up[..., :inter]).mul_(gate_up[..., inter:])  # [T, I]
+        act = self.ops.silu_mul(gate_up)  # [T, I]
         return _linear(act, self.down_weight, self.down_bias, self.down_packed)
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, ops: KernelOps) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype, ops)
         self.self_attn = Attention(cfg, ops)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
-        self.mlp = MLP(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype, ops)
+        self.mlp = MLP(cfg, ops)
 
     def forward(
         self,
         h: torch.Tensor,  # [T, hidden] float32, changed in place
+        pending: torch.Tensor | None,  # [T, hidden]: the previous layer's MLP output, not yet in h
         cos: torch.Tensor,  # [T, 1, D]
         sin: torch.Tensor,  # [T, 1, D]
         meta: AttentionMetadata,
         layer_cache: torch.Tensor,  # [2, NB, BS, Hkv, D]
-    ) -> torch.Tensor:  # [T, hidden] float32: h
+    ) -> torch.Tensor:  # [T, hidden]: this layer's MLP output, for the caller to add into h
         # h is the float32 residual stream whatever the weights' dtype (a half-precision residual loses
-        # about a bit per layer); the sublayer outputs are added into it in place
-        h.add_(self.self_attn(self.input_layernorm(h), cos, sin, meta, layer_cache[0], layer_cache[1]))
-        return h.add_(self.mlp(self.post_attention_layernorm(h)))
+        # about a bit per layer); each sublayer's output is added into it by the norm that reads the sum
+        # (the same adds in the same order, one call fewer each)
+        attn = self.self_attn(self.input_layernorm(h, add=pending), cos, sin, meta, layer_cache[0], layer_cache[1])
+        return self.mlp(self.post_attention_layernorm(h, add=attn))
 
 
 class CausalLM(nn.Module):
@@ -217,7 +217,7 @@ class CausalLM(nn.Module):
         self.ops = ops
         self.embed_weight = _param(cfg.vocab_size, cfg.hidden_size, dtype=cfg.dtype)
         self.layers = nn.ModuleList(DecoderLayer(cfg, ops) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype, ops)
         self.lm_head_weight = (
             self.embed_weight if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size, dtype=cfg.dtype)
         )
@@ -257,10 +257,13 @@ class CausalLM(nn.Module):
         ops were issued (engine.step_hook says what that means on CUDA)."""
         cos, sin = self._rope(positions)
         h = F.embedding(input_ids, self.embed_weight).float()  # [T, hidden] float32 residual stream (fresh)
+        pending = None  # the last layer's MLP output, added by the next layer's first norm
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, meta, kv_cache[i])
+            pending = layer(h, pending, cos, sin, meta, kv_cache[i])
             if on_layer is not None:
                 on_layer(i)
+        if pending is not None:
+            h.add_(pending)
         return self.norm.forward_float32(h)
 
     @torch.no_grad()

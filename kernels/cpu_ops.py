@@ -140,6 +140,7 @@ class CpuOps(TorchOps):
     def __init__(self, ext: ModuleType, **torch_ops_args: object) -> None:
         super().__init__(**torch_ops_args)  # type: ignore[arg-type]
         self._ext = ext
+        self._norm_lanes = _torch_sum_lanes(ext)
 
     @classmethod
     def create(cls) -> CpuOps:
@@ -222,6 +223,26 @@ class CpuOps(TorchOps):
             return super().rotary(x, cos, sin)
         return self._ext.rotary(x, cos, sin)
 
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 add: torch.Tensor | None = None) -> torch.Tensor:
+        """As KernelOps.rms_norm (the same bits), in one extension call for float32 rows [T, H] and bfloat16 /
+        float16 weights on a CPU: the add, the sum of squares in the order torch's sum kernel takes (see
+        `_torch_sum_lanes`), the scale and both roundings in one pass over each row. Float32 weights and
+        other shapes take the torch ops."""
+        if (self._norm_lanes is None or x.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float16)
+                or x.dtype != torch.float32 or x.dim() != 2 or x.stride(-1) != 1):
+            return super().rms_norm(x, weight, eps, add)
+        if add is not None and (add.dim() != 2 or add.stride(-1) != 1 or add.dtype not in (torch.float32, weight.dtype)):
+            add = add.to(torch.float32).contiguous()
+        return self._ext.rms_norm_half(x, add, weight.contiguous(), float(eps), self._norm_lanes)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """As KernelOps.silu_mul, in one extension call for bfloat16 / float16 rows [T, 2I] on a CPU."""
+        if (gate_up.device.type != "cpu" or gate_up.dtype not in (torch.bfloat16, torch.float16) or gate_up.dim() != 2
+                or gate_up.stride(-1) != 1):
+            return super().silu_mul(gate_up)
+        return self._ext.silu_mul(gate_up)
+
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         """As KernelOps.argmax (the same indices), rows in parallel, for float32 rows on a CPU."""
         if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] == 0:
@@ -236,6 +257,19 @@ class CpuOps(TorchOps):
             return super().topk(x, k)
         values, indices = self._ext.topk_rows(x.contiguous(), k)
         return (values, indices) if values.numel() else super().topk(x, k)
+
+
+def _torch_sum_lanes(ext: ModuleType) -> int | None:
+    """The vector width (8 or 16 lanes) at which the extension's sums of squares equal torch's
+    x.pow(2).sum(-1) bit for bit on this CPU (torch's reduction kernels pick their width when they load),
+    checked over rows of several widths; None if neither does, and the norm then takes the torch ops."""
+    gen = torch.Generator().manual_seed(0)
+    rows = [torch.randn(4, n, generator=gen) * 3 for n in (576, 2048, 64, 100, 960, 7, 33)]  # [4, n] float32
+    for lanes in (8, 16):
+        if all(torch.equal(ext.sum_sq_rows(x, lanes), x.pow(2).sum(-1)) for x in rows):
+            return lanes
+    log.info("the CPU extension's row sums do not match torch's on this CPU; RMSNorm takes the torch ops")
+    return None
 
 
 def _explain_plan_mismatch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DecodePlan) -> None:

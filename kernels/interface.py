@@ -24,6 +24,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 import torch
+import torch.nn.functional as F
 
 KV_LAYOUT_VERSION = 1
 
@@ -126,7 +127,7 @@ class KernelOps(ABC):
 
     # Small per-step ops of the model and the sampler. The torch versions below define the results;
     # a backend may replace them with a faster version giving the same bits (same indices for argmax,
-    # same values for topk).
+    # same values for topk; silu_mul says where half-precision results may differ).
 
     def rotary(
         self,
@@ -140,6 +141,26 @@ class KernelOps(ABC):
         half = x.shape[-1] // 2
         swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
         return (x * cos).add_(swapped.mul_(sin))  # summing into the fresh products
+
+    def rms_norm(
+        self,
+        x: torch.Tensor,  # [T, H]; float32 for `add`, changed in place then
+        weight: torch.Tensor,  # [H]
+        eps: float,
+        add: torch.Tensor | None = None,  # [T, H]: added into x first (x is the residual stream)
+    ) -> torch.Tensor:  # [T, H] in weight's dtype, a new tensor
+        """RMSNorm as transformers computes it: x in float32 times rsqrt(mean(x^2) + eps), rounded to the
+        weight's dtype, times the weight. With `add`, x += add first (changes x)."""
+        if add is not None:
+            x.add_(add)
+        return F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(weight.dtype).mul_(weight)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I], a new tensor
+        """silu(gate) * up of a fused gate|up projection's rows, each op rounded to their dtype. A backend
+        may compute e^-x differently for half-precision rows (a rounded silu then differs by one ulp of the
+        dtype, rarely); float32 rows get these bits. Changes nothing."""
+        inter = gate_up.shape[-1] // 2
+        return F.silu(gate_up[..., :inter]).mul_(gate_up[..., inter:])
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:  # [N, V] -> [N] int64
         """Index of each row's largest value (the first of equal ones; the first NaN if any). Changes

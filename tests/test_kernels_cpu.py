@@ -242,7 +242,8 @@ def test_store_kv_matches_reference(dtype: torch.dtype, slot_dtype: torch.dtype)
         ops.store_kv(key[:1], value[:1], k_cache, v_cache, torch.tensor([nb * bs]))
 
 
-# The small per-step ops (KernelOps.rotary / argmax / topk): the same bits as the torch definitions.
+# The small per-step ops (KernelOps.rotary / argmax / topk): the same bits as the torch definitions;
+# rms_norm the same bits; silu_mul float32 the same bits, half precision apart in rare elements.
 TORCH_OPS = get_kernel_ops("torch", "cpu")
 
 
@@ -285,3 +286,66 @@ def test_topk_gives_torch_values_and_the_lowest_index_of_ties() -> None:
     assert OPS.topk(row, 4)[1].tolist() == [[1, 5, 2, 3]]  # equal values: lower index first, and kept
     nan = torch.tensor([[1.0, float("nan"), 3.0]])  # torch ranks NaN first; such rows go to torch.topk
     assert OPS.topk(nan, 2)[1].tolist() == nan.topk(2, dim=-1).indices.tolist()
+
+
+def _rarely_apart(out: torch.Tensor, expected: torch.Tensor) -> None:
+    """Half-precision results of another float32 rounding upstream (silu's e^x): under 1% of the elements
+    differ, each by at most two ulps of its dtype (one rounding step moved, then scaled by a second op)."""
+    diff = (out.float() - expected.float()).abs()
+    assert float((diff > 0).float().mean()) < 0.01, int((diff > 0).sum())
+    assert bool((diff <= 2 * torch.finfo(out.dtype).eps * expected.float().abs()).all()), float(diff.max())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rms_norm_with_add_matches_the_torch_ops(dtype: torch.dtype) -> None:
+    """The same bits as the torch ops: the residual add (x changed in place as torch's add_ changes it) and
+    the normed rows (the sum of squares in torch's order, see CpuOps._torch_sum_lanes).
+    Ragged widths, a strided x (a view of a wider buffer), adds in float32 and in the weights' dtype, and
+    rows far from unit scale."""
+    gen = torch.Generator().manual_seed(11)
+    for t, h, eps in ((32, 576, 1e-5), (7, 960, 1e-6), (1, 100, 1e-8), (65, 2048, 1e-5), (3, 17, 1e-6)):
+        w = (torch.randn(h, generator=gen) * 2).to(dtype)
+        wide = torch.randn(t, h + 5, generator=gen) * torch.rand(t, 1, generator=gen) * 40  # [T, H + 5] float32
+        for add in (None, torch.randn(t, h, generator=gen) * 3, (torch.randn(t, h, generator=gen) * 3).to(dtype)):
+            x_cpu, x_ref = wide.clone()[:, :h], wide.clone()[:, :h]  # [T, H] strided views
+            out = OPS.rms_norm(x_cpu, w, eps, add)
+            expected = TORCH_OPS.rms_norm(x_ref, w, eps, add)
+            assert torch.equal(x_cpu, x_ref), (t, h)  # the residual stream: the same bits
+            assert out.dtype == dtype and out.shape == (t, h)
+            assert torch.equal(out, expected), (t, h)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_silu_mul_matches_the_torch_ops(dtype: torch.dtype) -> None:
+    """Rows of a fused gate|up projection, widths with and without a vector tail, a strided batch (rows of a
+    wider buffer), large negative and positive gates (silu's tails) and zeros: float32 the same bits, half
+    precision differing in under 1% of the elements."""
+    gen = torch.Generator().manual_seed(12)
+    for t, inter in ((32, 1536), (5, 40), (1, 7), (17, 2048)):
+        wide = (torch.randn(t, 2 * inter + 3, generator=gen) * 6).to(dtype)
+        wide[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0]).to(dtype)  # tails and signed zeros
+        gate_up = wide[:, : 2 * inter]  # [T, 2I], row stride 2I + 3
+        out = OPS.silu_mul(gate_up)
+        expected = TORCH_OPS.silu_mul(gate_up)
+        assert out.dtype == dtype and out.shape == (t, inter)
+        if dtype == torch.float32:
+            assert torch.equal(out, expected), (t, inter)
+            continue
+        finite = out.isfinite() & expected.isfinite()
+        assert torch.equal(finite, expected.isfinite())
+        _rarely_apart(out[finite], expected[finite])
+
+
+def test_the_norm_sums_squares_in_torch_order() -> None:
+    """This CPU's torch reduction width is found (the extension's row sums then equal torch's bit for bit,
+    at widths with and without vector tails, cascade levels included), and rows whose sums are not exact
+    in float32 show that the order matters: the other width differs on some of them."""
+    lanes = OPS._norm_lanes
+    assert lanes in (8, 16)
+    gen = torch.Generator().manual_seed(13)
+    mismatches_other = 0
+    for n in (1, 5, 8, 17, 64, 100, 576, 960, 1536, 2048, 4099, 16384):
+        x = torch.randn(8, n, generator=gen) * 5  # [8, n] float32
+        assert torch.equal(OPS._ext.sum_sq_rows(x, lanes), x.pow(2).sum(-1)), n
+        mismatches_other += int((OPS._ext.sum_sq_rows(x, 24 - lanes) != x.pow(2).sum(-1)).sum())
+    assert mismatches_other > 0

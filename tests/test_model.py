@@ -292,13 +292,14 @@ def test_packed_cpu_weights_give_the_same_bits(tiny_model_dir: Callable[[str], P
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_gives_the_reference_bits(dtype: torch.dtype) -> None:
-    """RMSNorm (one F.rms_norm call) equals the Hugging Face formula bit for bit: float32 throughout,
-    rounded to the weight dtype before the scale; fp32 weights also against LlamaRMSNorm itself."""
+    """RMSNorm over the torch ops (one F.rms_norm call) equals the Hugging Face formula bit for bit: float32
+    throughout, rounded to the weight dtype before the scale; fp32 weights also against LlamaRMSNorm itself
+    (tests/test_kernels_cpu.py compares the CPU extension's version with these)."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
     gen = torch.Generator().manual_seed(5)
     for dim, rows, eps in ((576, 32, 1e-5), (64, 9, 1e-6), (960, 7, 1e-6), (100, 1, 1e-8), (2048, 3, 1e-5)):
-        norm = RMSNorm(dim, eps, dtype)
+        norm = RMSNorm(dim, eps, dtype, get_kernel_ops("torch", "cpu"))
         norm.weight.copy_(torch.randn(dim, generator=gen).to(dtype))
         x = torch.randn(rows, dim, generator=gen) * torch.rand(rows, 1, generator=gen) * 30  # [rows, dim] fp32
         expected = (x * x.pow(2).mean(-1, keepdim=True).add(eps).rsqrt()).to(dtype) * norm.weight

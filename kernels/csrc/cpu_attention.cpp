@@ -905,6 +905,217 @@ std::vector<torch::Tensor> topk_rows(torch::Tensor x, int64_t k) {
   return {values, indices};
 }
 
+// The two elementwise stages of a decoder layer around its GEMMs, for half-precision weights, one call each
+// instead of the 10-16 torch ops (and as many parallel regions) they take in eager mode. They round at the
+// same points as the torch ops; rms_norm_half gives their bits, silu_mul's e^x differs (see each).
+
+// Half-precision value <-> float: bfloat16 through its bits, float16 through c10::Half (round to nearest even).
+template <typename W>
+inline float half_float(W v) {
+  if constexpr (std::is_same_v<W, at::BFloat16>) return bf16_float(v.x);
+  else return static_cast<float>(v);
+}
+template <typename W>
+inline W half_round(float f) {
+  if constexpr (std::is_same_v<W, at::BFloat16>) return W(bf16_bits(f), W::from_bits());
+  else return W(f);
+}
+
+#if defined(__AVX512F__)
+// 16 floats rounded to W's bits (bfloat16: bf16_bits' rounding, NaN to a quiet NaN; float16: F16C's round to
+// nearest even, as c10::Half), and back.
+template <typename W>
+inline __m256i round16(__m512 f) {
+  if constexpr (std::is_same_v<W, at::BFloat16>) {
+    const __m512i u = _mm512_castps_si512(f);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+    return _mm512_cvtepi32_epi16(r);
+  } else {
+    return _mm512_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  }
+}
+template <typename W>
+inline __m512 widen16(__m256i bits) {
+  if constexpr (std::is_same_v<W, at::BFloat16>)
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+  else
+    return _mm512_cvtph_ps(bits);
+}
+#endif
+
+// sum(x[i]^2) over a float32 row in the order torch's sum kernel adds a contiguous row (its cascade sum),
+// so the norm's scale has torch's bits: the row read as vectors of L lanes (L: the width torch's reduction
+// kernels use on this CPU, which CpuOps finds by comparing with torch when it starts); vector v goes to
+// accumulator v % 4, the accumulators summed in levels of 2^p vectors (p = max(4, ceil(log2(n / 4L)) / 4)
+// so that only sums of similar size meet; the four then added in order, the tail elements and the L lanes
+// one by one. Rows shorter than L are the same with L = 1. No fused multiply-add: each square and each sum
+// is rounded, as torch's pow(2) and sum round them.
+template <int L>
+__attribute__((optimize("fp-contract=off"), noinline)) float torch_order_sum_sq(const float* x, int64_t n) {
+  constexpr int64_t kLevels = 4;
+  const int64_t nv = n / L, rows = nv / 4;  // whole vectors; rows of 4 of them
+  int64_t clog = 1;
+  if (rows > 2) clog = 64 - __builtin_clzll(static_cast<uint64_t>(rows - 1));
+  const int64_t lp = std::max<int64_t>(4, clog / kLevels), step = int64_t(1) << lp, mask = step - 1;
+  float acc[kLevels][4][L] = {};
+  auto add_row = [&](int64_t i) {
+    for (int k = 0; k < 4; ++k)
+      for (int l = 0; l < L; ++l) {
+        const float v = x[(i * 4 + k) * L + l];
+        const float sq = v * v;
+        acc[0][k][l] = acc[0][k][l] + sq;
+      }
+  };
+  int64_t i = 0;
+  while (i + step <= rows) {
+    for (int64_t j = 0; j < step; ++j, ++i) add_row(i);
+    for (int64_t lev = 1; lev < kLevels; ++lev) {
+      for (int k = 0; k < 4; ++k)
+        for (int l = 0; l < L; ++l) {
+          acc[lev][k][l] = acc[lev][k][l] + acc[lev - 1][k][l];
+          acc[lev - 1][k][l] = 0.f;
+        }
+      if ((i & (mask << (lev * lp))) != 0) break;
+    }
+  }
+  for (; i < rows; ++i) add_row(i);
+  for (int64_t lev = 1; lev < kLevels; ++lev)
+    for (int k = 0; k < 4; ++k)
+      for (int l = 0; l < L; ++l) acc[0][k][l] = acc[0][k][l] + acc[lev][k][l];
+  for (int64_t v = rows * 4; v < nv; ++v)  // vectors past the rows of 4
+    for (int l = 0; l < L; ++l) {
+      const float sq = x[v * L + l] * x[v * L + l];
+      acc[0][0][l] = acc[0][0][l] + sq;
+    }
+  for (int k = 1; k < 4; ++k)
+    for (int l = 0; l < L; ++l) acc[0][0][l] = acc[0][0][l] + acc[0][k][l];
+  float total = 0.f;
+  for (int64_t e = nv * L; e < n; ++e) {
+    const float sq = x[e] * x[e];
+    total = total + sq;
+  }
+  for (int l = 0; l < L; ++l) total = total + acc[0][0][l];
+  return total;
+}
+
+inline float torch_order_sum_sq(const float* x, int64_t n, int64_t lanes) {
+  if (n < lanes) return torch_order_sum_sq<1>(x, n);
+  return lanes == 16 ? torch_order_sum_sq<16>(x, n) : torch_order_sum_sq<8>(x, n);
+}
+
+// One row of rms_norm_half: x += add (float32, as torch's h.add_(a) rounds it), then
+// out = round(round(x * r) * w) with r = 1 / sqrt(sum(x^2) / H + eps), each rounding to W as torch's
+// .to(W).mul_(w) does.
+template <typename W, typename A>
+inline void rms_norm_row(float* __restrict x, const A* __restrict add, const W* __restrict w, W* __restrict out,
+                         int64_t H, float eps, int64_t lanes) {
+  if (add != nullptr) {
+#pragma omp simd
+    for (int64_t i = 0; i < H; ++i) x[i] = x[i] + to_float(add[i]);
+  }
+  const float mean = torch_order_sum_sq(x, H, lanes) / static_cast<float>(H);
+  const float r = 1.f / std::sqrt(mean + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < H; ++i) out[i] = half_round<W>(half_float(half_round<W>(x[i] * r)) * half_float(w[i]));
+}
+
+template <typename W, typename A>
+void rms_norm_rows(float* x, int64_t xs, const A* add, int64_t as, const W* w, W* out, int64_t T_, int64_t H, float eps,
+                   int64_t lanes) {
+  at::parallel_for(0, T_, std::max<int64_t>(1, 8192 / std::max<int64_t>(H, 1)), [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t)
+      rms_norm_row<W, A>(x + t * xs, add == nullptr ? nullptr : add + t * as, w, out + t * H, H, eps, lanes);
+  });
+}
+
+// The float32 sums of squares of x's rows [T, H] in torch_order_sum_sq's order for `lanes` (8 or 16), for
+// CpuOps to find the width at which they equal torch's x.pow(2).sum(-1).
+torch::Tensor sum_sq_rows(torch::Tensor x, int64_t lanes) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat, "x must be contiguous [T, H] float32");
+  TORCH_CHECK(lanes == 8 || lanes == 16, "lanes must be 8 or 16");
+  auto out = torch::empty({x.size(0)}, x.options());
+  for (int64_t t = 0; t < x.size(0); ++t)
+    out.data_ptr<float>()[t] = torch_order_sum_sq(x.data_ptr<float>() + t * x.size(1), x.size(1), lanes);
+  return out;
+}
+
+torch::Tensor rms_norm_half(torch::Tensor x,                     // [T, H] float32, unit last stride; changed
+                            c10::optional<torch::Tensor> add,    // [T, H] float32 or weight's dtype, or None
+                            torch::Tensor weight,                // [H] bfloat16 or float16, contiguous
+                            double eps,
+                            int64_t lanes) {                     // -> [T, H] in weight's dtype
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kFloat,
+              "x must be [T, H] float32 with unit last stride");
+  const int64_t T_ = x.size(0), H = x.size(1);
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == H && weight.is_contiguous() &&
+                  (weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kHalf),
+              "weight must be [H] bfloat16 or float16, contiguous");
+  const bool has_add = add.has_value() && add->defined();
+  if (has_add)
+    TORCH_CHECK(add->dim() == 2 && add->size(0) == T_ && add->size(1) == H && add->stride(1) == 1 &&
+                    (add->scalar_type() == at::kFloat || add->scalar_type() == weight.scalar_type()),
+                "add must be [T, H] with unit last stride, float32 or the weight's dtype");
+  auto out = torch::empty({T_, H}, weight.options());
+  TORCH_CHECK(lanes == 8 || lanes == 16, "lanes must be 8 or 16");
+  const float e = static_cast<float>(eps);
+  auto run = [&](auto w_tag) {
+    using W = decltype(w_tag);
+    const W* w = weight.data_ptr<W>();
+    W* o = out.data_ptr<W>();
+    if (!has_add)
+      rms_norm_rows<W, float>(x.data_ptr<float>(), x.stride(0), nullptr, 0, w, o, T_, H, e, lanes);
+    else if (add->scalar_type() == at::kFloat)
+      rms_norm_rows<W, float>(x.data_ptr<float>(), x.stride(0), add->data_ptr<float>(), add->stride(0), w, o, T_, H, e, lanes);
+    else
+      rms_norm_rows<W, W>(x.data_ptr<float>(), x.stride(0), add->data_ptr<W>(), add->stride(0), w, o, T_, H, e, lanes);
+  };
+  if (weight.scalar_type() == at::kBFloat16) run(at::BFloat16());
+  else run(at::Half());
+  return out;
+}
+
+// silu(gate) * up for the rows of a fused gate|up projection in a half-precision dtype: silu in float32 as
+// x / (1 + e^-x) rounded to the dtype, then the product rounded, as torch's F.silu(g).mul_(u) rounds. e^-x is
+// exp16's (about a float32 ulp from torch's), so a rounded silu differs by one ulp in rare elements.
+template <typename W>
+void silu_mul_rows(const W* g, int64_t gs, W* out, int64_t T_, int64_t I) {
+  at::parallel_for(0, T_, std::max<int64_t>(1, 8192 / std::max<int64_t>(I, 1)), [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) {
+      const W* gate = g + t * gs;
+      const W* up = gate + I;
+      W* o = out + t * I;
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      for (; i + 16 <= I; i += 16) {
+        const __m512 x = load16(gate + i);
+        const __m512 s = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+        const __m512 p = _mm512_mul_ps(widen16<W>(round16<W>(s)), load16(up + i));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + i), round16<W>(p));
+      }
+#endif
+      for (; i < I; ++i) {
+        const float x = half_float(gate[i]);
+        o[i] = half_round<W>(half_float(half_round<W>(x / (1.f + std::exp(-x)))) * half_float(up[i]));
+      }
+    }
+  });
+}
+
+torch::Tensor silu_mul(torch::Tensor gate_up) {  // [T, 2I] bfloat16 or float16, unit last stride -> [T, I]
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0 &&
+                  (gate_up.scalar_type() == at::kBFloat16 || gate_up.scalar_type() == at::kHalf),
+              "gate_up must be [T, 2I] bfloat16 or float16 with unit last stride");
+  const int64_t T_ = gate_up.size(0), I = gate_up.size(1) / 2;
+  auto out = torch::empty({T_, I}, gate_up.options());
+  if (gate_up.scalar_type() == at::kBFloat16)
+    silu_mul_rows<at::BFloat16>(gate_up.data_ptr<at::BFloat16>(), gate_up.stride(0), out.data_ptr<at::BFloat16>(), T_, I);
+  else
+    silu_mul_rows<at::Half>(gate_up.data_ptr<at::Half>(), gate_up.stride(0), out.data_ptr<at::Half>(), T_, I);
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -912,5 +1123,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("store_kv", &store_kv, "this step's K/V rows into their CPU pool slots");
   m.def("rotary", &rotary, "rotate-half RoPE of [T, H, D] rows, the same bits as the torch ops");
   m.def("argmax_rows", &argmax_rows, "row-wise argmax of [N, V] float32, torch's ties and NaN rule");
+  m.def("rms_norm_half", &rms_norm_half, "x += add, then RMSNorm of float32 rows into half-precision weights");
+  m.def("sum_sq_rows", &sum_sq_rows, "row sums of squares in torch's cascade-sum order at a vector width");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of fused [T, 2I] half-precision rows");
   m.def("topk_rows", &topk_rows, "the k largest of each row of [N, V] float32, sorted; lower index wins ties");
 }
