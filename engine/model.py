@@ -152,13 +152,13 @@ class Attention(nn.Module):
         t = x.shape[0]
         hq, hkv = self.num_heads, self.num_kv_heads
         qkv = _linear(x, self.qkv_weight, self.qkv_bias, self.qkv_packed).view(t, hq + 2 * hkv, self.head_dim)  # [T, Hq+2Hkv, D]
-        v = qkv[:, hq + hkv :]  # [T, Hkv, D]
         if self.q_norm is not None and self.k_norm is not None:
-            q = self.ops.rotary(self.q_norm(qkv[:, :hq]), cos, sin)  # [T, Hq, D]
-            k = self.ops.rotary(self.k_norm(qkv[:, hq : hq + hkv]), cos, sin)  # [T, Hkv, D]
+            q, k, v = qkv.split((hq, hkv, hkv), dim=1)
+            q = self.ops.rotary(self.q_norm(q), cos, sin)  # [T, Hq, D]
+            k = self.ops.rotary(self.k_norm(k), cos, sin)  # [T, Hkv, D]
         else:  # q and k heads side by side: one rotation for both
-            qk = self.ops.rotary(qkv[:, : hq + hkv], cos, sin)  # [T, Hq+Hkv, D]
-            q, k = qk[:, :hq], qk[:, hq:]
+            qk, v = qkv.split((hq + hkv, hkv), dim=1)  # [T, Hq+Hkv, D], [T, Hkv, D]
+            q, k = self.ops.rotary(qk, cos, sin).split((hq, hkv), dim=1)
         out = paged_attention(self.ops, q, k, v, k_cache, v_cache, meta, self.scale)  # [T, Hq, D]
         return _linear(out.reshape(t, self.q_size), self.o_weight, self.o_bias, self.o_packed)
 
@@ -196,12 +196,13 @@ class DecoderLayer(nn.Module):
         cos: torch.Tensor,  # [T, 1, D]
         sin: torch.Tensor,  # [T, 1, D]
         meta: AttentionMetadata,
-        layer_cache: torch.Tensor,  # [2, NB, BS, Hkv, D]
+        k_cache: torch.Tensor,  # [NB, BS, Hkv, D]
+        v_cache: torch.Tensor,  # [NB, BS, Hkv, D]
     ) -> torch.Tensor:  # [T, hidden]: this layer's MLP output, for the caller to add into h
         # h is the float32 residual stream whatever the weights' dtype (a half-precision residual loses
         # about a bit per layer); each sublayer's output is added into it by the norm that reads the sum
         # (the same adds in the same order, one call fewer each)
-        attn = self.self_attn(self.input_layernorm(h, add=pending), cos, sin, meta, layer_cache[0], layer_cache[1])
+        attn = self.self_attn(self.input_layernorm(h, add=pending), cos, sin, meta, k_cache, v_cache)
         return self.mlp(self.post_attention_layernorm(h, add=attn))
 
 
@@ -225,6 +226,7 @@ class CausalLM(nn.Module):
         # Plain tensors, not buffers: model.to(dtype) must not round the float32 tables.
         self._inv_freq = rope_inv_freq(cfg).to(self.embed_weight.device)  # [D/2]
         self._table = rope_tables(self._inv_freq, rope_table_len or min(cfg.max_model_len, DEFAULT_ROPE_TABLE_LEN))
+        self._kv_views: tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
 
     def _rope(self, positions: torch.Tensor) -> Rope:  # [T, 1, D] each, in the model dtype
         # One host sync per step (positions.max) buys the window check and the lazily grown table.
@@ -258,13 +260,20 @@ class CausalLM(nn.Module):
         cos, sin = self._rope(positions)
         h = F.embedding(input_ids, self.embed_weight).float()  # [T, hidden] float32 residual stream (fresh)
         pending = None  # the last layer's MLP output, added by the next layer's first norm
-        for i, layer in enumerate(self.layers):
-            pending = layer(h, pending, cos, sin, meta, kv_cache[i])
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, self._layer_caches(kv_cache), strict=True)):
+            pending = layer(h, pending, cos, sin, meta, k_cache, v_cache)
             if on_layer is not None:
                 on_layer(i)
         if pending is not None:
             h.add_(pending)
         return self.norm.forward_float32(h)
+
+    def _layer_caches(self, kv_cache: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's (k_cache, v_cache) views of the pool [L, 2, NB, BS, Hkv, D], made once per pool
+        tensor rather than 3 indexing ops per layer per step. Changes only this cache of views."""
+        if self._kv_views is None or self._kv_views[0] is not kv_cache:
+            self._kv_views = (kv_cache, [(layer[0], layer[1]) for layer in kv_cache])
+        return self._kv_views[1]
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] float32 -> [N, V] float32
