@@ -349,3 +349,20 @@ def test_the_norm_sums_squares_in_torch_order() -> None:
         assert torch.equal(OPS._ext.sum_sq_rows(x, lanes), x.pow(2).sum(-1)), n
         mismatches_other += int((OPS._ext.sum_sq_rows(x, 24 - lanes) != x.pow(2).sum(-1)).sum())
     assert mismatches_other > 0
+
+
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_decode_takes_strided_half_precision_q(q_dtype: torch.dtype) -> None:
+    """q as the model passes it (a strided view of the rotated q|k heads) in its own dtype: the same bits
+    as widening it to a contiguous float32 copy first and rounding the result back, with and without
+    context splits."""
+    p = make_paged_problem([1, 40, 129, 300], 6, 2, 64, 16, torch.bfloat16, seed=21)
+    qk = torch.cat((p.q, p.q[:, :2]), dim=1).to(q_dtype)  # [B, Hq + Hkv, D]
+    q = qk[:, :6]  # [B, Hq, D], row stride (Hq + Hkv) * D
+    assert not q.is_contiguous()
+    for splits in (1, 3):
+        out = OPS._ext.paged_decode(q, p.k_cache, p.v_cache, p.block_tables, p.context_lens, p.scale, splits)
+        widened = OPS._ext.paged_decode(q.float().contiguous(), p.k_cache, p.v_cache, p.block_tables,
+                                        p.context_lens, p.scale, splits)
+        assert out.dtype == q_dtype and out.is_contiguous()
+        assert torch.equal(out, widened.to(q_dtype)), splits

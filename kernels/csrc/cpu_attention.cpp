@@ -46,13 +46,22 @@
 
 namespace {
 
-inline float to_float(float x) { return x; }
-inline float to_float(at::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+// float -> bfloat16 bits, round to nearest even (c10::BFloat16's rounding; NaN becomes a quiet NaN).
+inline uint16_t bf16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  const uint16_t rounded = static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+  return f != f ? static_cast<uint16_t>(0x7FC0) : rounded;
+}
+inline float bf16_float(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
   float f;
-  std::memcpy(&f, &bits, sizeof(f));
+  std::memcpy(&f, &u, sizeof(f));
   return f;
 }
+
+inline float to_float(float x) { return x; }
+inline float to_float(at::BFloat16 x) { return bf16_float(x.x); }
 inline float to_float(at::Half x) { return static_cast<float>(x); }
 inline float to_float(at::Float8_e5m2 x) {
   return static_cast<float>(c10::Half(static_cast<uint16_t>(x.x) << 8, c10::Half::from_bits()));
@@ -583,9 +592,10 @@ void decode_kernel(const float* q,          // [B, Hq, D]
   }
 }
 
-// Returns [B, Hq, D] in q's dtype. q may be float32, bfloat16 or float16, any strides: it is widened to a
-// contiguous float32 copy here and the float32 result rounded back to q's dtype at the end, which are the
-// same conversions (and bits) as q.float() and out.to(q.dtype) in Python without their dispatch cost.
+// Returns [B, Hq, D] in q's dtype. q may be float32, bfloat16 or float16, any strides: it is widened into a
+// contiguous float32 buffer here and the float32 result rounded back to q's dtype at the end, the same
+// conversions (and bits) as q.float() and out.to(q.dtype), done in plain loops: as torch ops they were 6 ops
+// a layer, each costing more in dispatch and allocation than its 18k elements take.
 torch::Tensor paged_decode(torch::Tensor q_in,          // [B, Hq, D]
                            torch::Tensor k_cache,       // [NB, BS, Hkv, D]
                            torch::Tensor v_cache,       // [NB, BS, Hkv, D]
@@ -596,24 +606,41 @@ torch::Tensor paged_decode(torch::Tensor q_in,          // [B, Hq, D]
   const auto q_dtype = q_in.scalar_type();
   TORCH_CHECK(q_dtype == at::kFloat || q_dtype == at::kBFloat16 || q_dtype == at::kHalf,
               "q must be float32, bfloat16 or float16");
-  const torch::Tensor q = q_in.to(at::kFloat).contiguous();
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous [NB, BS, Hkv, D]");
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type(), "k/v cache mismatch");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() && block_tables.dim() == 2, "block_tables must be contiguous int32 [B, MB]");
   TORCH_CHECK(context_lens.scalar_type() == at::kInt && context_lens.is_contiguous(), "context_lens must be contiguous int32 [B]");
-  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
+  const int64_t B = q_in.size(0), Hq = q_in.size(1), D = q_in.size(2);
   const int64_t BS = k_cache.size(1), Hkv = k_cache.size(2), MB = block_tables.size(1);
   TORCH_CHECK(k_cache.size(3) == D && Hq % Hkv == 0, "head geometry mismatch");
   TORCH_CHECK(block_tables.size(0) == B && context_lens.size(0) == B, "batch mismatch");
   TORCH_CHECK(splits >= 1, "splits must be >= 1");
-  auto out = torch::empty({B, Hq, D}, q.options());
+  const bool float_q = q_dtype == at::kFloat && q_in.is_contiguous();
+  std::vector<float> q_buf(float_q ? 0 : B * Hq * D), out_buf(q_dtype == at::kFloat ? 0 : B * Hq * D);
+  if (!float_q) {  // widen (and make contiguous) q
+    const int64_t s0 = q_in.stride(0), s1 = q_in.stride(1), s2 = q_in.stride(2);
+    auto widen = [&](auto tag) {
+      using S = decltype(tag);
+      const S* src = q_in.data_ptr<S>();
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t h = 0; h < Hq; ++h)
+          for (int64_t d = 0; d < D; ++d) q_buf[(b * Hq + h) * D + d] = to_float(src[b * s0 + h * s1 + d * s2]);
+    };
+    if (q_dtype == at::kFloat) widen(float());
+    else if (q_dtype == at::kBFloat16) widen(at::BFloat16());
+    else widen(at::Half());
+  }
+  const float* q = float_q ? q_in.data_ptr<float>() : q_buf.data();
+  auto result = torch::empty({B, Hq, D}, q_in.options().dtype(q_dtype));
+  float* outp = q_dtype == at::kFloat ? result.data_ptr<float>() : out_buf.data();
+  const auto f32 = q_in.options().dtype(at::kFloat);
   const int64_t blocks_per_split = std::max<int64_t>(1, (MB + splits - 1) / splits);
   splits = std::max<int64_t>(1, (MB + blocks_per_split - 1) / blocks_per_split);
   torch::Tensor part_out, part_lse;
   float *po = nullptr, *pl = nullptr;
   if (splits > 1) {
-    part_out = torch::empty({B * Hkv * splits * (Hq / Hkv) * D}, q.options());
-    part_lse = torch::empty({B * Hkv * splits * (Hq / Hkv)}, q.options());
+    part_out = torch::empty({B * Hkv * splits * (Hq / Hkv) * D}, f32);
+    part_lse = torch::empty({B * Hkv * splits * (Hq / Hkv)}, f32);
     po = part_out.data_ptr<float>();
     pl = part_lse.data_ptr<float>();
   }
@@ -621,31 +648,38 @@ torch::Tensor paged_decode(torch::Tensor q_in,          // [B, Hq, D]
   const auto* cp = context_lens.data_ptr<int32_t>();
   switch (k_cache.scalar_type()) {
     case at::kFloat:
-      decode_kernel<float>(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), tp, cp,
-                           out.data_ptr<float>(), po, pl, B, Hq, Hkv, D, BS, MB, splits, blocks_per_split, scale);
+      decode_kernel<float>(q, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), tp, cp,
+                           outp, po, pl, B, Hq, Hkv, D, BS, MB, splits, blocks_per_split, scale);
       break;
     case at::kBFloat16:
-      decode_kernel<at::BFloat16>(q.data_ptr<float>(), k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(),
-                                  tp, cp, out.data_ptr<float>(), po, pl, B, Hq, Hkv, D, BS, MB, splits, blocks_per_split, scale);
+      decode_kernel<at::BFloat16>(q, k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(),
+                                  tp, cp, outp, po, pl, B, Hq, Hkv, D, BS, MB, splits, blocks_per_split, scale);
       break;
     case at::kHalf:
-      decode_kernel<at::Half>(q.data_ptr<float>(), k_cache.data_ptr<at::Half>(), v_cache.data_ptr<at::Half>(), tp, cp,
-                              out.data_ptr<float>(), po, pl, B, Hq, Hkv, D, BS, MB, splits, blocks_per_split, scale);
+      decode_kernel<at::Half>(q, k_cache.data_ptr<at::Half>(), v_cache.data_ptr<at::Half>(), tp, cp,
+                              outp, po, pl, B, Hq, Hkv, D, BS, MB, splits, blocks_per_split, scale);
       break;
     case at::kFloat8_e5m2:
-      decode_kernel<at::Float8_e5m2>(q.data_ptr<float>(), k_cache.data_ptr<at::Float8_e5m2>(),
-                                     v_cache.data_ptr<at::Float8_e5m2>(), tp, cp, out.data_ptr<float>(), po, pl, B, Hq,
+      decode_kernel<at::Float8_e5m2>(q, k_cache.data_ptr<at::Float8_e5m2>(),
+                                     v_cache.data_ptr<at::Float8_e5m2>(), tp, cp, outp, po, pl, B, Hq,
                                      Hkv, D, BS, MB, splits, blocks_per_split, scale);
       break;
     case at::kFloat8_e4m3fn:
-      decode_kernel<at::Float8_e4m3fn>(q.data_ptr<float>(), k_cache.data_ptr<at::Float8_e4m3fn>(),
-                                       v_cache.data_ptr<at::Float8_e4m3fn>(), tp, cp, out.data_ptr<float>(), po, pl, B,
+      decode_kernel<at::Float8_e4m3fn>(q, k_cache.data_ptr<at::Float8_e4m3fn>(),
+                                       v_cache.data_ptr<at::Float8_e4m3fn>(), tp, cp, outp, po, pl, B,
                                        Hq, Hkv, D, BS, MB, splits, blocks_per_split, scale);
       break;
     default:
       TORCH_CHECK(false, "unsupported cache dtype ", k_cache.scalar_type());
   }
-  return q_dtype == at::kFloat ? out : out.to(q_dtype);
+  if (q_dtype == at::kBFloat16) {
+    auto* o = reinterpret_cast<uint16_t*>(result.data_ptr<at::BFloat16>());
+    for (int64_t i = 0; i < B * Hq * D; ++i) o[i] = bf16_bits(out_buf[i]);
+  } else if (q_dtype == at::kHalf) {
+    auto* o = result.data_ptr<at::Half>();
+    for (int64_t i = 0; i < B * Hq * D; ++i) o[i] = at::Half(out_buf[i]);
+  }
+  return result;
 }
 
 // This step's K and V rows into their pool slots, as raw bytes (the caller has rounded them to the pool's
@@ -700,19 +734,6 @@ void store_kv(torch::Tensor key,           // [N, Hkv, D], the pool's dtype; row
 // Small per-step ops of the model and the sampler, each the same bits as the torch ops it replaces, in one
 // call instead of several (at a decode step's 32 rows each torch op costs more in dispatch than in work).
 
-// float -> bfloat16 bits, round to nearest even (c10::BFloat16's rounding; NaN becomes a quiet NaN).
-inline uint16_t bf16_bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof(u));
-  const uint16_t rounded = static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-  return f != f ? static_cast<uint16_t>(0x7FC0) : rounded;
-}
-inline float bf16_float(uint16_t b) {
-  const uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
 
 // out[i] = x[i] * cos[i] + x[(i + D/2) % D] * sin[i] for one row, every product and the sum rounded to the
 // element type as torch's x * cos, cat(x2, x1) * sin and add_ round them (bfloat16: each op's float32 result
