@@ -234,7 +234,7 @@ class CpuOps(TorchOps):
             return super().rms_norm(x, weight, eps, add)
         if add is not None and (add.dim() != 2 or add.stride(-1) != 1 or add.dtype not in (torch.float32, weight.dtype)):
             add = add.to(torch.float32).contiguous()
-        return self._ext.rms_norm_half(x, add, weight.contiguous(), float(eps), self._norm_lanes)
+        return self._ext.rms_norm_half(x, add, weight, float(eps), self._norm_lanes)  # checks weight's layout
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """As KernelOps.silu_mul, in one extension call for bfloat16 / float16 rows [T, 2I] on a CPU."""

@@ -63,6 +63,12 @@ inline float bf16_float(uint16_t b) {
 inline float to_float(float x) { return x; }
 inline float to_float(at::BFloat16 x) { return bf16_float(x.x); }
 inline float to_float(at::Half x) { return static_cast<float>(x); }
+// float -> a half-precision type, rounded to nearest even: bfloat16 through bf16_bits, float16 as c10::Half.
+template <typename W>
+inline W half_round(float f) {
+  if constexpr (std::is_same_v<W, at::BFloat16>) return W(bf16_bits(f), W::from_bits());
+  else return W(f);
+}
 inline float to_float(at::Float8_e5m2 x) {
   return static_cast<float>(c10::Half(static_cast<uint16_t>(x.x) << 8, c10::Half::from_bits()));
 }
@@ -672,13 +678,13 @@ torch::Tensor paged_decode(torch::Tensor q_in,          // [B, Hq, D]
     default:
       TORCH_CHECK(false, "unsupported cache dtype ", k_cache.scalar_type());
   }
-  if (q_dtype == at::kBFloat16) {
-    auto* o = reinterpret_cast<uint16_t*>(result.data_ptr<at::BFloat16>());
-    for (int64_t i = 0; i < B * Hq * D; ++i) o[i] = bf16_bits(out_buf[i]);
-  } else if (q_dtype == at::kHalf) {
-    auto* o = result.data_ptr<at::Half>();
-    for (int64_t i = 0; i < B * Hq * D; ++i) o[i] = at::Half(out_buf[i]);
-  }
+  auto round_out = [&](auto tag) {
+    using W = decltype(tag);
+    W* o = result.data_ptr<W>();
+    for (int64_t i = 0; i < B * Hq * D; ++i) o[i] = half_round<W>(out_buf[i]);
+  };
+  if (q_dtype == at::kBFloat16) round_out(at::BFloat16());
+  else if (q_dtype == at::kHalf) round_out(at::Half());
   return result;
 }
 
@@ -930,18 +936,6 @@ std::vector<torch::Tensor> topk_rows(torch::Tensor x, int64_t k) {
 // instead of the 10-16 torch ops (and as many parallel regions) they take in eager mode. They round at the
 // same points as the torch ops; rms_norm_half gives their bits, silu_mul's e^x differs (see each).
 
-// Half-precision value <-> float: bfloat16 through its bits, float16 through c10::Half (round to nearest even).
-template <typename W>
-inline float half_float(W v) {
-  if constexpr (std::is_same_v<W, at::BFloat16>) return bf16_float(v.x);
-  else return static_cast<float>(v);
-}
-template <typename W>
-inline W half_round(float f) {
-  if constexpr (std::is_same_v<W, at::BFloat16>) return W(bf16_bits(f), W::from_bits());
-  else return W(f);
-}
-
 #if defined(__AVX512F__)
 // 16 floats rounded to W's bits (bfloat16: bf16_bits' rounding, NaN to a quiet NaN; float16: F16C's round to
 // nearest even, as c10::Half), and back.
@@ -1039,7 +1033,7 @@ inline void rms_norm_row(float* __restrict x, const A* __restrict add, const W* 
   const float mean = torch_order_sum_sq(x, H, lanes) / static_cast<float>(H);
   const float r = 1.f / std::sqrt(mean + eps);
 #pragma omp simd
-  for (int64_t i = 0; i < H; ++i) out[i] = half_round<W>(half_float(half_round<W>(x[i] * r)) * half_float(w[i]));
+  for (int64_t i = 0; i < H; ++i) out[i] = half_round<W>(to_float(half_round<W>(x[i] * r)) * to_float(w[i]));
 }
 
 template <typename W, typename A>
@@ -1117,8 +1111,8 @@ void silu_mul_rows(const W* g, int64_t gs, W* out, int64_t T_, int64_t I) {
       }
 #endif
       for (; i < I; ++i) {
-        const float x = half_float(gate[i]);
-        o[i] = half_round<W>(half_float(half_round<W>(x / (1.f + std::exp(-x)))) * half_float(up[i]));
+        const float x = to_float(gate[i]);
+        o[i] = half_round<W>(to_float(half_round<W>(x / (1.f + std::exp(-x)))) * to_float(up[i]));
       }
     }
   });
