@@ -21,13 +21,13 @@ import argparse
 
 import torch
 
-from engine.attention import AttentionMetadata
-from engine.config import EngineConfig, kv_cache_torch_dtype
-from engine.default_model import resolve_model
-from engine.llm_engine import LLMEngine
-from engine.loader import load_model
-from engine.sampling_params import SamplingParams
-from kernels import get_kernel_ops
+from pdserve.engine.attention import AttentionMetadata
+from pdserve.engine.config import EngineConfig, kv_cache_torch_dtype
+from pdserve.engine.default_model import resolve_model
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.loader import load_model
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kernels import get_kernel_ops
 
 PROMPTS = (
     "What is the capital of France?",

@@ -33,11 +33,11 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from engine.default_model import resolve_model  # noqa: E402
-from engine.gguf_import import StderrProgress  # noqa: E402
-from loadgen.client import Target  # noqa: E402
-from loadgen.runner import LoadConfig, RunResult, run  # noqa: E402
-from loadgen.workload import RequestSpec, Workload, WorkloadConfig, parse_dist  # noqa: E402
+from pdserve.engine.default_model import resolve_model  # noqa: E402
+from pdserve.engine.gguf_import import StderrProgress  # noqa: E402
+from pdserve.planner.loadgen.client import Target  # noqa: E402
+from pdserve.planner.loadgen.runner import LoadConfig, RunResult, run  # noqa: E402
+from pdserve.planner.loadgen.workload import RequestSpec, Workload, WorkloadConfig, parse_dist  # noqa: E402
 from testing.up_cluster import UpCluster  # noqa: E402
 
 
@@ -57,7 +57,7 @@ def chat_ids(model_dir: Path, specs: list[RequestSpec]) -> list[list[int]]:
     server's tokenizer renders, so both sides run the very same prompts."""
     from transformers import AutoTokenizer
 
-    from engine.tokenizer import Tokenizer
+    from pdserve.engine.tokenizer import Tokenizer
 
     hf, ours = AutoTokenizer.from_pretrained(str(model_dir)), Tokenizer(model_dir)
     out: list[list[int]] = []
@@ -112,7 +112,7 @@ def served_dtype(up: UpCluster) -> str:
     """The dtype the decode node says it serves in (its log's loader line), else "?"."""
     for log in sorted((up.cluster_dir / "logs").glob("decode*.log")):
         for line in log.read_text(encoding="utf-8", errors="replace").splitlines():
-            if "engine.loader" in line and " dtype " in line:
+            if "pdserve.engine.loader" in line and " dtype " in line:
                 return line.split(" dtype ", 1)[1].split(":", 1)[0].strip()
     return "?"
 

@@ -27,8 +27,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels.cpu_ops import SOURCE, build_extension, load_extension  # noqa: E402
-from kernels.testing import make_paged_problem  # noqa: E402
+from pdserve.kernels.cpu_ops import SOURCE, build_extension, load_extension  # noqa: E402
+from pdserve.kernels.testing import make_paged_problem  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp8_e5m2": torch.float8_e5m2, "fp8_e4m3": torch.float8_e4m3fn,
           "fp16": torch.float16, "fp32": torch.float32}

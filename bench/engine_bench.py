@@ -35,13 +35,13 @@ from types import ModuleType
 
 import torch
 
-from engine.config import EngineConfig
-from engine.default_model import resolve_model
-from engine.dtype import resolve_dtype
-from engine.llm_engine import LLMEngine
-from engine.model_config import load_model_config
-from engine.sampling_params import SamplingParams
-from kernels.cpu_ops import CpuOps
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.default_model import resolve_model
+from pdserve.engine.dtype import resolve_dtype
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.model_config import load_model_config
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kernels.cpu_ops import CpuOps
 
 
 def workload(n: int, vocab: int, seed: int) -> tuple[list[list[int]], list[int]]:
@@ -321,7 +321,7 @@ def main() -> None:
     tables = []
     builds: dict[str, ModuleType | None] = {"current kernel": None}
     if args.baseline_kernel:
-        from kernels.cpu_ops import SOURCE, build_extension
+        from pdserve.kernels.cpu_ops import SOURCE, build_extension
 
         repo = SOURCE.parents[2]
         text = subprocess.run(["git", "show", f"{args.baseline_kernel}:{SOURCE.relative_to(repo)}"], cwd=repo,

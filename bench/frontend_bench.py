@@ -38,12 +38,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import grpc  # noqa: E402
 import orjson  # noqa: E402
 
-from engine.tiny import default_model_dir  # noqa: E402
-from frontend.tenants import hash_key  # noqa: E402
-from protos import pdserve_pb2 as pb  # noqa: E402
-from protos import pdserve_pb2_grpc as pbg  # noqa: E402
-from registry import EtcdServer  # noqa: E402
-from registry.etcd_server import free_port  # noqa: E402
+from pdserve.engine.tiny import default_model_dir  # noqa: E402
+from pdserve.frontend.tenants import hash_key  # noqa: E402
+from pdserve.registry import EtcdServer  # noqa: E402
+from pdserve.registry.etcd_server import free_port  # noqa: E402
+from pdserve.rpc import pdserve_pb2 as pb  # noqa: E402
+from pdserve.rpc import pdserve_pb2_grpc as pbg  # noqa: E402
 from testing.procs import Proc, spawn, start_frontend, start_scripted_node, wait_for_http  # noqa: E402
 
 MODEL = "tiny-llama"

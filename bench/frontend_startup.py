@@ -1,5 +1,5 @@
-"""Frontend start-up cost: seconds from `python -m frontend` to a 200 on /health, and the process's resident
-memory then; also the bare `import frontend.server` time and whether torch got imported.
+"""Frontend start-up cost: seconds from `python -m pdserve.frontend` to a 200 on /health, and the process's resident
+memory then; also the bare `import pdserve.frontend.main` time and whether torch got imported.
 
     .venv/bin/python bench/frontend_startup.py [--repeat 5] [--repo DIR]
 
@@ -39,7 +39,7 @@ def start_once(repo: Path, model_dir: str, etcd: str) -> tuple[float, float]:
     """(seconds to a healthy /health, resident MiB at that point) of one frontend process."""
     port = _free_port()
     env = dict(os.environ, PYTHONPATH=str(repo), OMP_NUM_THREADS="1")
-    argv = [sys.executable, "-m", "frontend", "--etcd", etcd, "--host", "127.0.0.1", "--port", str(port),
+    argv = [sys.executable, "-m", "pdserve.frontend", "--etcd", etcd, "--host", "127.0.0.1", "--port", str(port),
             "--model", f"tiny={model_dir}"]
     start = time.perf_counter()
     proc = subprocess.Popen(argv, cwd=repo, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -59,8 +59,8 @@ def start_once(repo: Path, model_dir: str, etcd: str) -> tuple[float, float]:
 
 
 def import_once(repo: Path) -> tuple[float, bool]:
-    """(seconds for `import frontend.server` in a fresh interpreter, whether torch was imported)."""
-    code = ("import sys, time; t = time.perf_counter(); import frontend.server; "
+    """(seconds for `import pdserve.frontend.main` in a fresh interpreter, whether torch was imported)."""
+    code = ("import sys, time; t = time.perf_counter(); import pdserve.frontend.main; "
             "print(time.perf_counter() - t, 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], cwd=repo, env=dict(os.environ, PYTHONPATH=str(repo)),
                          capture_output=True, text=True, check=True).stdout.split()
@@ -76,15 +76,15 @@ def main() -> None:
     sys.path.insert(0, str(REPO_ROOT))
     import tempfile
 
-    from engine.tiny import default_model_dir
-    from registry import EtcdServer
+    from pdserve.engine.tiny import default_model_dir
+    from pdserve.registry import EtcdServer
 
     model = args.model or str(default_model_dir("llama"))
     imports = [import_once(args.repo) for _ in range(args.repeat)]
     with tempfile.TemporaryDirectory() as tmp, EtcdServer(Path(tmp) / "etcd", log_level="warn") as etcd:
         starts = [start_once(args.repo, model, etcd.endpoints[0]) for _ in range(args.repeat)]
     print(f"repo {args.repo}")
-    print(f"import frontend.server: median {statistics.median(t for t, _ in imports):.3f}s, "
+    print(f"import frontend.main: median {statistics.median(t for t, _ in imports):.3f}s, "
           f"torch imported: {imports[0][1]}")
     print(f"start to /health: median {statistics.median(t for t, _ in starts):.3f}s, "
           f"RSS median {statistics.median(r for _, r in starts):.1f} MiB")

@@ -24,9 +24,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels import reference as ref  # noqa: E402
-from kernels.testing import PagedProblem, make_paged_problem, tolerance  # noqa: E402
-from kernels.torch_ops import TorchOps  # noqa: E402
+from pdserve.kernels import reference as ref  # noqa: E402
+from pdserve.kernels.testing import PagedProblem, make_paged_problem, tolerance  # noqa: E402
+from pdserve.kernels.torch_ops import TorchOps  # noqa: E402
 
 
 @dataclass
@@ -207,7 +207,7 @@ class Check:
                            f"{self.copy_gbps:.0f} GB/s (read + write)")
 
     def compile(self, phase: Phase) -> None:
-        from kernels import get_kernel_ops
+        from pdserve.kernels import get_kernel_ops
 
         ops = get_kernel_ops("triton", self.device)
         self.triton = ops
@@ -221,7 +221,7 @@ class Check:
             "prefill": lambda: ops.prefill_attention(p.q, p.k_cache, p.v_cache, p.block_tables, p.cu_seqlens_q,
                                                      p.context_lens, p.scale),
         }
-        from kernels.triton_decode import paged_decode_attention
+        from pdserve.kernels.triton_decode import paged_decode_attention
 
         calls["decode (split + merge)"] = lambda: paged_decode_attention(
             p.q[:2].contiguous(), p.k_cache, p.v_cache, p.block_tables, p.context_lens, p.scale, num_splits=2)
@@ -240,7 +240,7 @@ class Check:
 
     def correctness(self, phase: Phase) -> None:
         ops = self._ops()
-        from kernels.triton_decode import paged_decode_attention
+        from pdserve.kernels.triton_decode import paged_decode_attention
 
         phase.lines.append("| case | path | max abs err | tolerance (atol, rtol) | result |")
         phase.lines.append("| --- | --- | --- | --- | --- |")
@@ -324,7 +324,7 @@ class Check:
             self._time_decode(phase, case, seed=40 + i, with_torch=i == 0)
 
     def _time_decode(self, phase: Phase, case: AttnCase, seed: int, with_torch: bool) -> None:
-        from kernels.triton_decode import paged_decode_attention
+        from pdserve.kernels.triton_decode import paged_decode_attention
 
         p = _problem(case, self.device, seed=seed, poison=False)
         nbytes = _kv_bytes(case)
@@ -394,7 +394,7 @@ class Check:
 
     def _ops(self) -> object:
         if self.triton is None:
-            from kernels import get_kernel_ops
+            from pdserve.kernels import get_kernel_ops
 
             self.triton = get_kernel_ops("triton", self.device)
         return self.triton

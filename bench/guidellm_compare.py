@@ -57,13 +57,13 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from engine.default_model import resolve_model  # noqa: E402
-from loadgen.client import Target  # noqa: E402
-from loadgen.metrics import percentile  # noqa: E402
-from loadgen.report import result_json, write_json  # noqa: E402
-from loadgen.runner import LoadConfig, run  # noqa: E402
-from loadgen.workload import RequestSpec, TextMaker, WorkloadConfig, parse_dist  # noqa: E402
-from registry.etcd_server import free_port  # noqa: E402
+from pdserve.engine.default_model import resolve_model  # noqa: E402
+from pdserve.planner.loadgen.client import Target  # noqa: E402
+from pdserve.planner.loadgen.metrics import percentile  # noqa: E402
+from pdserve.planner.loadgen.report import result_json, write_json  # noqa: E402
+from pdserve.planner.loadgen.runner import LoadConfig, run  # noqa: E402
+from pdserve.planner.loadgen.workload import RequestSpec, TextMaker, WorkloadConfig, parse_dist  # noqa: E402
+from pdserve.registry.etcd_server import free_port  # noqa: E402
 from testing.cluster import LocalCluster  # noqa: E402
 from testing.procs import start_frontend  # noqa: E402
 

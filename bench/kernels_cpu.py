@@ -23,8 +23,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels.testing import PagedProblem, make_paged_problem  # noqa: E402
-from kernels.torch_ops import TorchOps  # noqa: E402
+from pdserve.kernels.testing import PagedProblem, make_paged_problem  # noqa: E402
+from pdserve.kernels.torch_ops import TorchOps  # noqa: E402
 
 
 class FirstVersion:

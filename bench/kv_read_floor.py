@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.engine_bench import copy_bandwidth  # noqa: E402 - after the path insert
-from kernels.cpu_ops import CFLAGS, extension_dir  # noqa: E402
+from pdserve.kernels.cpu_ops import CFLAGS, extension_dir  # noqa: E402
 
 SOURCE = r"""
 #include <torch/extension.h>

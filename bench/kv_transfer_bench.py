@@ -10,7 +10,7 @@ and prints GiB/s plus the ratio path/raw. A transfer's time runs from the sender
 receiver's completion (a system-wide monotonic clock on both sides), over `--iters` back-to-back
 transfers, so the control-plane hop that carries the metadata is paid once per batch, as by raw.
 Each figure is the median over `--repeats` batches, raw and path interleaved, after a warm-up.
-The production path is the "layer-by-layer" row: node/prefill/server.py sends each layer as its
+The production path is the "layer-by-layer" row: prefill_node/service.py sends each layer as its
 forward finishes it (`--no-layerwise-send` gives the "whole" row: whole-request transfers with
 KVSender's default 1 MiB messages, the bench's default `--message-mib`). The default cases are the
 default model's (SmolLM2-135M, bf16) at 128, 1,024 and 4,096 prompt tokens.
@@ -47,8 +47,8 @@ from typing import Any
 
 import torch
 
-from kernels import get_kernel_ops
-from kv_transfer import (
+from pdserve.kernels import get_kernel_ops
+from pdserve.kv_transfer import (
     ChannelConfig,
     ChannelManager,
     KVReceiver,
@@ -59,7 +59,7 @@ from kv_transfer import (
     TransferResult,
     message_ranges,
 )
-from kv_transfer.staging import StagingBuffers
+from pdserve.kv_transfer.staging import StagingBuffers
 
 RAW_TAG = 1 << 30  # far above any transfer's seq_no on the bench's fresh channel
 GiB = float(1 << 30)
@@ -514,7 +514,7 @@ def main() -> None:
               f"{torch.get_num_threads()} torch threads, message size {args.message_mib} MiB, "
               f"{'/'.join(map(str, args.window))} messages in flight per side")
         print("medians of interleaved batches; raw uses the mode's own message sizes; 'layer-by-layer' is "
-              "what node/prefill/server.py sends by default")
+              "what prefill_node/service.py sends by default")
         print(f"{'geometry':<16} {'tokens':>6} {'MiB':>8} {'mode':<18} {'path GiB/s':>10} {'raw GiB/s':>10} "
               f"{'memcpy GiB/s':>12} {'path/raw':>8} {'per-batch path/raw min..max':>28}")
         for r in rows:

@@ -28,9 +28,9 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from engine.tiny import default_model_dir  # noqa: E402
-from frontend.tenants import hash_key  # noqa: E402
-from registry.etcd_server import free_port  # noqa: E402
+from pdserve.engine.tiny import default_model_dir  # noqa: E402
+from pdserve.frontend.tenants import hash_key  # noqa: E402
+from pdserve.registry.etcd_server import free_port  # noqa: E402
 from testing.cluster import LocalCluster  # noqa: E402
 from testing.http_load import closed_loop_rate, open_loop, percentile, rss_bytes  # noqa: E402
 from testing.procs import start_frontend  # noqa: E402

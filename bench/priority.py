@@ -29,8 +29,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from engine.default_model import resolve_model  # noqa: E402
-from registry.etcd_server import free_port  # noqa: E402
+from pdserve.engine.default_model import resolve_model  # noqa: E402
+from pdserve.registry.etcd_server import free_port  # noqa: E402
 from testing.cluster import LocalCluster  # noqa: E402
 from testing.http_load import CallResult, percentile, stream_chat  # noqa: E402
 from testing.procs import start_frontend  # noqa: E402

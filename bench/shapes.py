@@ -49,15 +49,15 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from engine.default_model import resolve_model  # noqa: E402
-from loadgen.client import Target, api_base  # noqa: E402
-from loadgen.metrics import SLO, Summary, parse_slos  # noqa: E402
-from loadgen.runner import LoadConfig, run  # noqa: E402
-from loadgen.workload import WorkloadConfig, parse_dist  # noqa: E402
-from planner.plan import PlanConfig, Planner  # noqa: E402
-from planner.profile_model import Profile, load_profile  # noqa: E402
-from planner.sim import Overheads, Shape, SimRequest, simulate  # noqa: E402
-from planner.traffic import Traffic  # noqa: E402
+from pdserve.engine.default_model import resolve_model  # noqa: E402
+from pdserve.planner.loadgen.client import Target, api_base  # noqa: E402
+from pdserve.planner.loadgen.metrics import SLO, Summary, parse_slos  # noqa: E402
+from pdserve.planner.loadgen.runner import LoadConfig, run  # noqa: E402
+from pdserve.planner.loadgen.workload import WorkloadConfig, parse_dist  # noqa: E402
+from pdserve.planner.plan import PlanConfig, Planner  # noqa: E402
+from pdserve.planner.profile_model import Profile, load_profile  # noqa: E402
+from pdserve.planner.sim import Overheads, Shape, SimRequest, simulate  # noqa: E402
+from pdserve.planner.traffic import Traffic  # noqa: E402
 from testing.up_cluster import UpCluster  # noqa: E402
 
 # Workloads: prompt tokens, output tokens, and the SLOs each is judged by (what its users would ask for).
@@ -92,7 +92,7 @@ def figures(s: Summary) -> dict[str, float]:
 
 def profile_here(model: str, out: Path, cpu: int, quick: bool) -> Profile:
     """`pdserve profile` with one thread, pinned to one CPU (as each pinned node runs)."""
-    argv = [sys.executable, "-m", "deploy", "profile", "--model", model, "--num-threads", "1", "--out", str(out),
+    argv = [sys.executable, "-m", "pdserve.deploy", "profile", "--model", model, "--num-threads", "1", "--out", str(out),
             "--no-progress", *(["--quick"] if quick else [])]
     print(f"profiling on CPU {cpu}: {' '.join(argv[2:])}", flush=True)
     t0 = time.monotonic()
@@ -123,7 +123,7 @@ class CpuUse:
         use = cls(host=own.ru_utime + own.ru_stime)
         kinds: dict[int, str] = {}
         for pid, cmdline in up.processes().items():
-            kind = "prefill" if " node.prefill " in cmdline else "decode" if " node.decode " in cmdline else "host"
+            kind = "prefill" if " prefill_node " in cmdline else "decode" if " decode_node " in cmdline else "host"
             with contextlib.suppress(psutil.NoSuchProcess):
                 for p in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]:
                     if kinds.get(p.pid, "host") == "host":  # the launcher's children include the nodes

@@ -26,13 +26,13 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from engine.config import EngineConfig  # noqa: E402
-from engine.default_model import resolve_model  # noqa: E402
-from engine.dtype import resolve_dtype  # noqa: E402
-from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.model_config import load_model_config  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
-from engine.structured_spec import StructuredSpec  # noqa: E402
+from pdserve.engine.config import EngineConfig  # noqa: E402
+from pdserve.engine.default_model import resolve_model  # noqa: E402
+from pdserve.engine.dtype import resolve_dtype  # noqa: E402
+from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
+from pdserve.engine.model_config import load_model_config  # noqa: E402
+from pdserve.engine.sampling_params import SamplingParams  # noqa: E402
+from pdserve.engine.structured_spec import StructuredSpec  # noqa: E402
 
 
 def schema(i: int, chars: int) -> str:

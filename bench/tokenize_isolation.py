@@ -41,9 +41,9 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from engine.tiny import default_model_dir  # noqa: E402
-from engine.tokenizer import Tokenizer  # noqa: E402
-from registry.etcd_server import free_port  # noqa: E402
+from pdserve.engine.tiny import default_model_dir  # noqa: E402
+from pdserve.engine.tokenizer import Tokenizer  # noqa: E402
+from pdserve.registry.etcd_server import free_port  # noqa: E402
 from testing.cluster import LocalCluster  # noqa: E402
 from testing.http_load import CallResult, long_context_copy, percentile, stream_chat  # noqa: E402
 from testing.procs import FrontendProc, start_frontend  # noqa: E402

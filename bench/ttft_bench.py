@@ -39,10 +39,10 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from engine.default_model import resolve_model  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
-from node.convert import params_to_proto  # noqa: E402
-from protos import pdserve_pb2 as pb  # noqa: E402
+from pdserve.engine.default_model import resolve_model  # noqa: E402
+from pdserve.engine.sampling_params import SamplingParams  # noqa: E402
+from pdserve.node_common.convert import params_to_proto  # noqa: E402
+from pdserve.rpc import pdserve_pb2 as pb  # noqa: E402
 from testing.cluster import LocalCluster  # noqa: E402
 
 PATHS = ("layer-wise", "whole send", "colocated")

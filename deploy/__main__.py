@@ -1,3 +1,3 @@
-from deploy.cli import main
+from pdserve.deploy.cli import main
 
 main()

@@ -15,11 +15,11 @@ MODEL_HELP = (
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from engine.config import EngineConfig
-    from engine.default_model import resolve_model
-    from engine.gguf_import import StderrProgress
-    from engine.llm_engine import LLMEngine
-    from engine.sampling_params import SamplingParams
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.default_model import resolve_model
+    from pdserve.engine.gguf_import import StderrProgress
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.sampling_params import SamplingParams
 
     model = str(resolve_model(args.model, StderrProgress()).path)
     t0 = time.perf_counter()
@@ -60,7 +60,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_make_tiny(args: argparse.Namespace) -> int:
-    from engine.tiny import make_tiny_model
+    from pdserve.engine.tiny import make_tiny_model
 
     out = make_tiny_model(Path(args.dir), arch=args.arch, seed=args.seed)
     print(out)
@@ -68,22 +68,22 @@ def _cmd_make_tiny(args: argparse.Namespace) -> int:
 
 
 def _cmd_import_gguf(args: argparse.Namespace) -> int:
-    from engine.gguf_import import StderrProgress, import_gguf
+    from pdserve.engine.gguf_import import StderrProgress, import_gguf
 
     print(import_gguf(args.file, args.dir, dtype=args.dtype, progress=StderrProgress()))
     return 0
 
 
 def _cmd_fetch(args: argparse.Namespace) -> int:
-    from engine.default_model import fetch_default_model
-    from engine.gguf_import import StderrProgress
+    from pdserve.engine.default_model import fetch_default_model
+    from pdserve.engine.gguf_import import StderrProgress
 
     if args.dest is None:
         if args.source != "default" or args.location or args.sha256:
             raise ValueError("model fetch: --source, --from and --sha256 need --dest")
         print(fetch_default_model(args.dir, progress=StderrProgress()))
         return 0
-    from deploy.model_fetch import FetchSpec, fetch
+    from pdserve.deploy.model_fetch import FetchSpec, fetch
 
     spec = FetchSpec(args.source, args.location or "", tuple(args.sha256 or ()), args.dtype)
     result = fetch(spec, args.dest, progress=StderrProgress("pdserve model fetch"))
@@ -94,15 +94,15 @@ def _cmd_fetch(args: argparse.Namespace) -> int:
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
-    from deploy.launcher import Launcher, build_config
-    from engine.default_model import resolve_model
-    from engine.gguf_import import StderrProgress
+    from pdserve.deploy.launcher import Launcher, build_config
+    from pdserve.engine.default_model import resolve_model
+    from pdserve.engine.gguf_import import StderrProgress
 
     return Launcher(build_config(args, lambda spec: resolve_model(spec, StderrProgress()))).run()
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from deploy.status import build_config, run
+    from pdserve.deploy.status import build_config, run
 
     return run(build_config(args))
 
@@ -110,9 +110,9 @@ def _cmd_status(args: argparse.Namespace) -> int:
 def _cmd_drain(args: argparse.Namespace) -> int:
     import grpc
 
-    from protos import pdserve_pb2 as pb
-    from protos import pdserve_pb2_grpc as pb_grpc
-    from rpc import rpc_security_from_args
+    from pdserve.rpc import pdserve_pb2 as pb
+    from pdserve.rpc import pdserve_pb2_grpc as pb_grpc
+    from pdserve.rpc import rpc_security_from_args
 
     started = time.monotonic()
     with rpc_security_from_args(args).channel(args.grpc) as channel:
@@ -127,7 +127,7 @@ def _cmd_drain(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from loadgen.cli import main as bench_main
+    from pdserve.planner.loadgen.cli import main as bench_main
 
     return bench_main(args)
 
@@ -178,13 +178,13 @@ def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_profile(args: argparse.Namespace) -> int:
-    from planner.measure import main as profile_main
+    from pdserve.planner.measure import main as profile_main
 
     return profile_main(args)
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from planner.cli import main as plan_main
+    from pdserve.planner.cli import main as plan_main
 
     return plan_main(args)
 
@@ -197,7 +197,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_up_parser(sub)
     _add_status_parser(sub)
     _add_bench_parser(sub)
-    from planner.args import add_plan_parser, add_profile_parser  # argparse only: imports no planner code
+    from pdserve.planner.args import (  # argparse only: imports no planner code
+        add_plan_parser,
+        add_profile_parser,
+    )
 
     add_profile_parser(sub, MODEL_HELP).set_defaults(fn=_cmd_profile)
     add_plan_parser(sub).set_defaults(fn=_cmd_plan)
@@ -285,7 +288,7 @@ def _add_drain_parser(sub: argparse._SubParsersAction) -> None:
     d = sub.add_parser("drain", help="drain a node: leave the registry, finish its requests (preStop hook)")
     d.add_argument("--grpc", required=True, metavar="HOST:PORT", help="the node's gRPC address")
     d.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the node to be idle")
-    from rpc import add_rpc_args
+    from pdserve.rpc import add_rpc_args
 
     add_rpc_args(d, server=False)
     d.set_defaults(fn=_cmd_drain)
@@ -351,9 +354,9 @@ def _add_fetch_parser(msub: argparse._SubParsersAction) -> None:
 
 # Server processes own their flags; `pdserve ROLE ...` hands the rest of the command line to them.
 _SERVERS = {
-    "prefill": ("node.prefill.server", "run a prefill node"),
-    "decode": ("node.decode.server", "run a decode node"),
-    "frontend": ("frontend.server", "run the OpenAI-compatible frontend"),
+    "prefill": ("pdserve.prefill_node.service", "run a prefill node"),
+    "decode": ("pdserve.decode_node.service", "run a decode node"),
+    "frontend": ("pdserve.frontend.main", "run the OpenAI-compatible frontend"),
 }
 
 
@@ -366,7 +369,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(module.main(argv[1:]))
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from engine.default_model import ModelFetchError
+    from pdserve.engine.default_model import ModelFetchError
 
     try:
         rc = args.fn(args)

@@ -6,7 +6,7 @@ dashboard variables replaced (`--var model=...`; `cluster`, `model` and `node` d
 `$__rate_interval` = `--rate-interval`), and every returned series is drawn with the panel's legend
 format. Nothing is made up: a panel whose queries return nothing says "no data".
 
-    python -m deploy.metrics_render --prometheus http://127.0.0.1:9090 \\
+    python -m pdserve.deploy.metrics_render --prometheus http://127.0.0.1:9090 \\
         --dashboard deploy/grafana/pdserve.json --minutes 10 --out docs/dashboard.png
 """
 
@@ -232,7 +232,7 @@ def _draw(ax: Any, panel: Panel, config: RenderConfig, start: float, end: float,
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m deploy.metrics_render", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m pdserve.deploy.metrics_render", description=__doc__.splitlines()[0])
     p.add_argument("--prometheus", default="http://127.0.0.1:9090", help="Prometheus base URL")
     p.add_argument("--dashboard", default=str(Path(__file__).parent / "grafana" / "pdserve.json"))
     p.add_argument("--out", default="dashboard.png")

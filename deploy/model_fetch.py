@@ -28,10 +28,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from engine.default_model import file_lock, sha256_file
+from pdserve.engine.default_model import file_lock, sha256_file
 
 if TYPE_CHECKING:
-    from engine.gguf_import import ImportProgress
+    from pdserve.engine.gguf_import import ImportProgress
 
 MARKER = ".pdserve-fetch.json"
 SOURCES = ("default", "gguf", "dir")
@@ -136,13 +136,13 @@ def fetch(spec: FetchSpec, dest: str | Path, progress: ImportProgress | None = N
 
 
 def _fetch_default(staging: Path, model: Path, progress: ImportProgress | None) -> None:
-    from engine.default_model import fetch_default_model
+    from pdserve.engine.default_model import fetch_default_model
 
     os.replace(fetch_default_model(staging / "cache", progress=progress), model)
 
 
 def _fetch_gguf(spec: FetchSpec, staging: Path, model: Path, progress: ImportProgress | None) -> None:
-    from engine.gguf_import import import_gguf
+    from pdserve.engine.gguf_import import import_gguf
 
     if _is_url(spec.location):
         gguf = staging / "model.gguf"

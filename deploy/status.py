@@ -17,8 +17,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from deploy.launcher import ClusterState, default_runs_dir
-from registry import Member, RegistryView
+from pdserve.deploy.launcher import ClusterState, default_runs_dir
+from pdserve.registry import Member, RegistryView
 
 
 @dataclass(frozen=True)

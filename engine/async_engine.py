@@ -20,10 +20,10 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from engine.block_manager import Reservation
-from engine.llm_engine import EngineLoad, LLMEngine, RequestOutput
-from engine.sampling_params import SamplingParams
-from engine.sequence import Resume, Sequence, TokenLogprob
+from pdserve.engine.block_manager import Reservation
+from pdserve.engine.llm_engine import EngineLoad, LLMEngine, RequestOutput
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sequence import Resume, Sequence, TokenLogprob
 
 log = logging.getLogger(__name__)
 

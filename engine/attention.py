@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels import KernelOps
+from pdserve.kernels import KernelOps
 
 
 @dataclass

@@ -23,9 +23,9 @@ from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
 from weakref import WeakKeyDictionary
 
-from engine.block_types import PrefixCacheStats, Reservation
-from engine.prefix_hash import BlockHash, compute_block_hashes
-from engine.sequence import Sequence
+from pdserve.engine.block_types import PrefixCacheStats, Reservation
+from pdserve.engine.prefix_hash import BlockHash, compute_block_hashes
+from pdserve.engine.sequence import Sequence
 
 
 @dataclass(eq=False)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import BACKENDS
+from pdserve.kernels import BACKENDS
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 # KV pool element types: "auto" = the model's dtype. fp8_e5m2 is the top byte of a float16 (float16's

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the importer pulls in torch and gguf; resolving a directory should not
-    from engine.gguf_import import ImportProgress
+    from pdserve.engine.gguf_import import ImportProgress
 
 MODEL_NAME = "SmolLM2-135M-Instruct"  # the served model name
 DIR_NAME = "smollm2-135m-instruct-v1"  # bump the suffix when the imported files change
@@ -136,7 +136,7 @@ def fetch_default_model(base: str | Path | None = None, progress: ImportProgress
             _fetch_gguf(gguf_path, progress)
         if final.exists():  # a directory left half-written by something else than import_gguf
             shutil.rmtree(final)
-        from engine.gguf_import import import_gguf
+        from pdserve.engine.gguf_import import import_gguf
 
         _stage(progress, f"importing {gguf_path.name} into {final}")
         import_gguf(gguf_path, final, dtype="float32", progress=progress)
@@ -158,7 +158,7 @@ def resolve_model(spec: str | None, progress: ImportProgress | None = None) -> R
     if spec is None:
         return ResolvedModel(fetch_default_model(progress=progress), MODEL_NAME)
     if spec in TINY_ALIASES:
-        from engine.tiny import default_model_dir
+        from pdserve.engine.tiny import default_model_dir
 
         arch = TINY_ALIASES[spec]
         return ResolvedModel(default_model_dir(arch), f"tiny-{arch}")

@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.model_config import dtype_name
+from pdserve.engine.model_config import dtype_name
 
 FAST_BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.gguf_scan import GGUFFile, GGUFImportError, GGUFTensorEntry
+from pdserve.engine.gguf_scan import GGUFFile, GGUFImportError, GGUFTensorEntry
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 ROPE_FREQS = "rope_freqs.weight"  # llama3 RoPE scaling, folded into config.json's rope_scaling

@@ -32,9 +32,15 @@ from typing import Any, Protocol
 import torch
 from safetensors.torch import save_file
 
-from engine.gguf_config import ARCHITECTURES, ROPE_FREQS, GGUFMetadata, llama3_factors, llama3_rope_scaling
-from engine.gguf_plan import Plan, make_plan
-from engine.gguf_scan import SUPPORTED_TYPES, GGUFFile, GGUFImportError, GGUFTensorEntry, scan_gguf
+from pdserve.engine.gguf_config import (
+    ARCHITECTURES,
+    ROPE_FREQS,
+    GGUFMetadata,
+    llama3_factors,
+    llama3_rope_scaling,
+)
+from pdserve.engine.gguf_plan import Plan, make_plan
+from pdserve.engine.gguf_scan import SUPPORTED_TYPES, GGUFFile, GGUFImportError, GGUFTensorEntry, scan_gguf
 
 __all__ = [
     "ARCHITECTURES", "MAX_SHARD_BYTES", "OUTPUT_DTYPES", "ROPE_FREQS", "SUPPORTED_TYPES", "GGUFFile",

@@ -8,9 +8,9 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from engine.gguf_config import ROPE_FREQS, GGUFMetadata, hf_configs
-from engine.gguf_scan import GGUFFile, GGUFImportError
-from engine.model_config import ModelLoadError, parse_model_config
+from pdserve.engine.gguf_config import ROPE_FREQS, GGUFMetadata, hf_configs
+from pdserve.engine.gguf_scan import GGUFFile, GGUFImportError
+from pdserve.engine.model_config import ModelLoadError, parse_model_config
 
 GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",

@@ -10,20 +10,20 @@ from functools import cached_property
 
 import torch
 
-from engine.block_manager import BlockManager, Reservation
-from engine.config import EngineConfig, kv_cache_torch_dtype
-from engine.detokenizer import IncrementalDetokenizer
-from engine.loader import load_model
-from engine.model_runner import ModelRunner, kv_block_bytes
-from engine.sampler import Sampler
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, stop_decision
-from engine.sequence import Resume, Sequence, SequenceStatus, TokenLogprob
-from engine.step_hook import PrefillWatcher
-from engine.structured import GrammarCompiler, GrammarState
-from engine.structured_spec import GrammarError
-from engine.tokenizer import Tokenizer
-from kernels import get_kernel_ops
+from pdserve.engine.block_manager import BlockManager, Reservation
+from pdserve.engine.config import EngineConfig, kv_cache_torch_dtype
+from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.engine.loader import load_model
+from pdserve.engine.model_runner import ModelRunner, kv_block_bytes
+from pdserve.engine.sampler import Sampler
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import Scheduler, stop_decision
+from pdserve.engine.sequence import Resume, Sequence, SequenceStatus, TokenLogprob
+from pdserve.engine.step_hook import PrefillWatcher
+from pdserve.engine.structured import GrammarCompiler, GrammarState
+from pdserve.engine.structured_spec import GrammarError
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.kernels import get_kernel_ops
 
 log = logging.getLogger(__name__)
 

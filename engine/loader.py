@@ -13,9 +13,9 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from engine.dtype import resolve_dtype
-from engine.model import CausalLM
-from engine.model_config import (
+from pdserve.engine.dtype import resolve_dtype
+from pdserve.engine.model import CausalLM
+from pdserve.engine.model_config import (
     SAFETENSORS_INDEX,
     ModelConfig,
     ModelLoadError,
@@ -23,7 +23,7 @@ from engine.model_config import (
     load_model_config,
     weight_files,
 )
-from kernels import KernelOps, get_kernel_ops
+from pdserve.kernels import KernelOps, get_kernel_ops
 
 log = logging.getLogger(__name__)
 

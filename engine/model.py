@@ -17,9 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionMetadata, paged_attention
-from engine.model_config import ModelConfig
-from kernels import KernelOps
+from pdserve.engine.attention import AttentionMetadata, paged_attention
+from pdserve.engine.model_config import ModelConfig
+from pdserve.kernels import KernelOps
 
 # Returns the named Hugging Face tensor after checking it has the given shape (the loader owns the files).
 WeightGetter = Callable[[str, tuple[int, ...]], torch.Tensor]

@@ -7,10 +7,10 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import AttentionMetadata
-from engine.sampler import Sampler
-from engine.schedule import SchedulerOutput
-from engine.sequence import Sequence, TokenLogprob
+from pdserve.engine.attention import AttentionMetadata
+from pdserve.engine.sampler import Sampler
+from pdserve.engine.schedule import SchedulerOutput
+from pdserve.engine.sequence import Sequence, TokenLogprob
 
 
 @dataclass

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence, TokenLogprob
-from engine.structured import apply_grammar_masks, apply_logit_bias
-from kernels import KernelOps
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sequence import Sequence, TokenLogprob
+from pdserve.engine.structured import apply_grammar_masks, apply_logit_bias
+from pdserve.kernels import KernelOps
 
 
 @dataclass

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.structured_spec import StructuredSpec
+from pdserve.engine.structured_spec import StructuredSpec
 
 MAX_LOGIT_BIAS = 100.0  # OpenAI's bound: -100 bans a token, +100 all but forces it
 PRIORITY_BOUND = (1 << 31) - 1  # priorities travel as int32

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sequence import Sequence
 
 FINISH_REASONS = frozenset({"stop", "length", "abort"})
 

@@ -32,8 +32,8 @@ from __future__ import annotations
 
 from collections import deque
 
-from engine.block_manager import BlockManager, Reservation
-from engine.schedule import (
+from pdserve.engine.block_manager import BlockManager, Reservation
+from pdserve.engine.schedule import (
     FINISH_REASONS,
     SchedulerConfig,
     SchedulerOutput,
@@ -41,7 +41,7 @@ from engine.schedule import (
     StopDecision,
     stop_decision,
 )
-from engine.sequence import Sequence, SequenceStatus
+from pdserve.engine.sequence import Sequence, SequenceStatus
 
 __all__ = ["FINISH_REASONS", "Scheduler", "SchedulerConfig", "SchedulerOutput", "StopDecision", "stop_decision"]
 

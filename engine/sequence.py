@@ -7,10 +7,10 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from engine.sampling_params import SamplingParams
+from pdserve.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from engine.structured import GrammarState
+    from pdserve.engine.structured import GrammarState
 
 
 class SequenceStatus(enum.Enum):

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
-from engine.sequence import Sequence
+from pdserve.engine.sequence import Sequence
 
 
 class LayerHook(Protocol):

@@ -27,8 +27,8 @@ from functools import lru_cache
 import llguidance
 import torch
 
-from engine.structured_spec import GrammarError, StructuredSpec, grammar_of
-from engine.tokenizer import Tokenizer
+from pdserve.engine.structured_spec import GrammarError, StructuredSpec, grammar_of
+from pdserve.engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -44,7 +44,7 @@ from tokenizers import (
     trainers,
 )
 
-from engine.tiny_corpus import corpus_texts
+from pdserve.engine.tiny_corpus import corpus_texts
 
 FORMAT_VERSION = 2  # bump whenever the generated files change: cached directories are keyed by it
 ARCHS = ("llama", "qwen2", "qwen3")
@@ -348,7 +348,7 @@ def default_model_dir(arch: str = "llama", seed: int = 0, cache_dir: str | Path 
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m engine.tiny DIR [--arch A] [--seed N]`: writes a tiny model and prints its path."""
+    """`python -m pdserve.engine.tiny DIR [--arch A] [--seed N]`: writes a tiny model and prints its path."""
     parser = argparse.ArgumentParser(description="Write a deterministic tiny Hugging Face model directory.")
     parser.add_argument("out_dir")
     parser.add_argument("--arch", choices=ARCHS, default="llama")

@@ -21,7 +21,7 @@ import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, processors
 
-from engine.model_config import ModelLoadError, read_json
+from pdserve.engine.model_config import ModelLoadError, read_json
 
 NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
 

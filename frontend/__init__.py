@@ -1,12 +1,12 @@
 """The OpenAI-compatible frontend and gateway of a pdserve cluster.
 
-Entry point: `python -m frontend --etcd HOST:PORT --models FILE [--tenants FILE] [--host H] [--port P]`
-(`frontend.server.main(argv)`). See frontend/README.md for the configuration files and operations.
+Entry point: `python -m pdserve.frontend --etcd HOST:PORT --models FILE [--tenants FILE] [--host H] [--port P]`
+(`frontend.main.main(argv)`). See frontend/README.md for the configuration files and operations.
 
 Modules, in request order:
   app         FastAPI routes; the ASGI response that runs a generation and watches for disconnects;
               the header limit; /openapi.json (openapi.json, built by scripts/build_frontend_openapi.py)
-  service     Frontend: admission, tokenization, routing, upstream calls, streaming, accounting
+  pipeline    Frontend: admission, tokenization, routing, upstream calls, streaming, accounting
   admission   validate, tokenize, route, TTFT budget, tenant limits: the admitted Job
   workers     the bounded thread pool admission's CPU work runs on    ttft  TTFT prediction
   protocol    request validation with OpenAI-style errors          errors   the OpenAI error shape

@@ -1,7 +1,7 @@
-"""`python -m frontend --etcd HOST:PORT --models FILE [--tenants FILE] [--host H] [--port P]`."""
+"""`python -m pdserve.frontend --etcd HOST:PORT --models FILE [--tenants FILE] [--host H] [--port P]`."""
 
 from __future__ import annotations
 
-from frontend.server import main
+from pdserve.frontend.main import main
 
 raise SystemExit(main())

@@ -8,12 +8,12 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from engine.version import pdserve_version
-from frontend.config import FrontendConfig
-from frontend.errors import APIError
-from frontend.job import CHAT, Choice, Job, serving_path
-from frontend.metrics import FrontendMetrics
-from frontend.request_log import RequestLog
+from pdserve.engine.version import pdserve_version
+from pdserve.frontend.config import FrontendConfig
+from pdserve.frontend.errors import APIError
+from pdserve.frontend.job import CHAT, Choice, Job, serving_path
+from pdserve.frontend.metrics import FrontendMetrics
+from pdserve.frontend.request_log import RequestLog
 
 
 @dataclass(frozen=True)

@@ -22,19 +22,19 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
-from frontend.config import FrontendConfig
-from frontend.errors import OVERLOADED, APIError
-from frontend.job import CHAT, AdmissionStamps, Choice, Job, client_request_id
-from frontend.limits import TenantLimiter
-from frontend.metrics import FrontendMetrics
-from frontend.models import ModelCatalog, ServedModel
-from frontend.prepare import parse_request, tokenize
-from frontend.protocol import INT64_MAX, SEED_MIN, GenerationRequest, effective_priority
-from frontend.routing import NoRoute, RouteDecision, Router
-from frontend.tenants import Tenant
-from frontend.ttft import TTFTEstimator
-from frontend.upstream import sampling_message
-from frontend.workers import PrepareWorkers
+from pdserve.frontend.config import FrontendConfig
+from pdserve.frontend.errors import OVERLOADED, APIError
+from pdserve.frontend.job import CHAT, AdmissionStamps, Choice, Job, client_request_id
+from pdserve.frontend.limits import TenantLimiter
+from pdserve.frontend.metrics import FrontendMetrics
+from pdserve.frontend.models import ModelCatalog, ServedModel
+from pdserve.frontend.prepare import parse_request, tokenize
+from pdserve.frontend.protocol import INT64_MAX, SEED_MIN, GenerationRequest, effective_priority
+from pdserve.frontend.routing import NoRoute, RouteDecision, Router
+from pdserve.frontend.tenants import Tenant
+from pdserve.frontend.ttft import TTFTEstimator
+from pdserve.frontend.upstream import sampling_message
+from pdserve.frontend.workers import PrepareWorkers
 
 T = TypeVar("T")
 

@@ -26,10 +26,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from frontend.errors import NOT_FOUND, SERVER, APIError
-from frontend.render import DONE, KEEPALIVE, error_event
-from frontend.service import CHAT, COMPLETION, Frontend, Job, client_request_id
-from frontend.tracing import TRACE_ID_HEADER, start_request
+from pdserve.frontend.errors import NOT_FOUND, SERVER, APIError
+from pdserve.frontend.pipeline import CHAT, COMPLETION, Frontend, Job, client_request_id
+from pdserve.frontend.render import DONE, KEEPALIVE, error_event
+from pdserve.frontend.tracing import TRACE_ID_HEADER, start_request
 
 log = logging.getLogger(__name__)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import grpc
 from grpc_health.v1 import health_pb2_grpc
 
-from protos import pdserve_pb2_grpc as pbg
-from rpc import RpcSecurity
+from pdserve.rpc import RpcSecurity
+from pdserve.rpc import pdserve_pb2_grpc as pbg
 
 _CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 << 20),

@@ -37,9 +37,9 @@ from typing import Any
 
 import yaml
 
-from frontend.protocol import RequestLimits
-from rpc import RpcSecurity, add_rpc_args, rpc_security_from_args
-from tracing import TracingConfig, add_tracing_args, tracing_config_from_args
+from pdserve.frontend.protocol import RequestLimits
+from pdserve.rpc import RpcSecurity, add_rpc_args, rpc_security_from_args
+from pdserve.rpc.tracing import TracingConfig, add_tracing_args, tracing_config_from_args
 
 
 class ConfigError(ValueError):
@@ -317,7 +317,7 @@ class FrontendConfig:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m frontend", description="pdserve OpenAI-compatible frontend and gateway"
+        prog="python -m pdserve.frontend", description="pdserve OpenAI-compatible frontend and gateway"
     )
     p.add_argument("--etcd", action="append", default=[], metavar="HOST:PORT",
                    help="etcd endpoint (repeatable, or comma-separated)")

@@ -7,17 +7,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from frontend.errors import APIError
-from frontend.limits import Admission
-from frontend.models import ServedModel
-from frontend.protocol import GenerationRequest
-from frontend.render import usage_dict
-from frontend.routing import RouteDecision, RouteLease
-from frontend.tenants import Tenant
-from protos import pdserve_pb2 as pb
+from pdserve.frontend.errors import APIError
+from pdserve.frontend.limits import Admission
+from pdserve.frontend.models import ServedModel
+from pdserve.frontend.protocol import GenerationRequest
+from pdserve.frontend.render import usage_dict
+from pdserve.frontend.routing import RouteDecision, RouteLease
+from pdserve.frontend.tenants import Tenant
+from pdserve.rpc import pdserve_pb2 as pb
 
 if TYPE_CHECKING:
-    from frontend.tracing import RequestTrace
+    from pdserve.frontend.tracing import RequestTrace
 
 CHAT = "chat"
 COMPLETION = "completion"

@@ -21,8 +21,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from frontend.errors import QUOTA, RATE_LIMIT, APIError
-from frontend.tenants import Tenant, TenantLimits
+from pdserve.frontend.errors import QUOTA, RATE_LIMIT, APIError
+from pdserve.frontend.tenants import Tenant, TenantLimits
 
 SECONDS_PER_DAY = 86400.0
 _SHARED_LIMITS = ("requests_per_minute", "input_tokens_per_minute", "output_tokens_per_minute",

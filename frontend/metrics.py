@@ -12,8 +12,8 @@ from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from engine.version import pdserve_version
-from frontend.models import ServedModel
+from pdserve.engine.version import pdserve_version
+from pdserve.frontend.models import ServedModel
 
 POOL = "frontend"
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)

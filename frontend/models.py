@@ -17,12 +17,12 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from engine.model_config import ModelLoadError, parse_model_config, read_json
-from engine.tokenizer import ChatTemplateError, Tokenizer
-from engine.version import short_digest
-from frontend.config import ConfigError, ModelSpec
-from frontend.errors import APIError, bad_request
-from frontend.tools import ToolSpec, template_input
+from pdserve.engine.model_config import ModelLoadError, parse_model_config, read_json
+from pdserve.engine.tokenizer import ChatTemplateError, Tokenizer
+from pdserve.engine.version import short_digest
+from pdserve.frontend.config import ConfigError, ModelSpec
+from pdserve.frontend.errors import APIError, bad_request
+from pdserve.frontend.tools import ToolSpec, template_input
 
 log = logging.getLogger(__name__)
 

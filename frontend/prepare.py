@@ -6,17 +6,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from frontend.errors import APIError
-from frontend.job import CHAT
-from frontend.models import ServedModel
-from frontend.protocol import (
+from pdserve.frontend.errors import APIError
+from pdserve.frontend.job import CHAT
+from pdserve.frontend.models import ServedModel
+from pdserve.frontend.protocol import (
     GenerationRequest,
     RequestLimits,
     parse_chat_request,
     parse_completion_request,
     parse_json_body,
 )
-from frontend.structured import check_logit_bias
+from pdserve.frontend.structured import check_logit_bias
 
 
 @dataclass(frozen=True)

@@ -17,10 +17,10 @@ from typing import Any, Literal
 
 import orjson
 
-from engine.structured_spec import StructuredSpec
-from frontend.errors import APIError, bad_request, invalid_type, invalid_value, missing_parameter
-from frontend.structured import parse_logit_bias, parse_response_format
-from frontend.tools import ToolSpec, parse_tool_calls, parse_tools
+from pdserve.engine.structured_spec import StructuredSpec
+from pdserve.frontend.errors import APIError, bad_request, invalid_type, invalid_value, missing_parameter
+from pdserve.frontend.structured import parse_logit_bias, parse_response_format
+from pdserve.frontend.tools import ToolSpec, parse_tool_calls, parse_tools
 
 ROLES = ("system", "user", "assistant", "tool", "developer", "function")
 MAX_STOP_STRINGS = 4

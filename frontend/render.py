@@ -13,10 +13,10 @@ from typing import Any, NamedTuple
 
 import orjson
 
-from frontend.models import TokenTexts
-from frontend.protocol import Kind
-from frontend.tools import ToolEvent
-from protos import pdserve_pb2 as pb
+from pdserve.frontend.models import TokenTexts
+from pdserve.frontend.protocol import Kind
+from pdserve.frontend.tools import ToolEvent
+from pdserve.rpc import pdserve_pb2 as pb
 
 DONE = b"data: [DONE]\n\n"
 # An SSE comment: sent while a stream waits, so proxies with idle timeouts keep the connection; clients

@@ -6,7 +6,7 @@ sequence capacity, and KV blocks in use; a node without enough free blocks for t
 With a session key the node is instead the session's owner on a consistent-hash ring of decode nodes,
 under bounded load, so a conversation keeps finding its KV prefix there.
 
-Prefill node: `placement.prefill.choose_prefill`, the cluster's one prefill rule (prefix affinity on a
+Prefill node: `registry.placement.choose_prefill`, the cluster's one prefill rule (prefix affinity on a
 consistent-hash ring with bounded loads); the decode node follows the choice while that node is usable.
 """
 
@@ -17,9 +17,9 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from placement.prefill import choose_prefill, usable_prefill
-from placement.ring import HashRing, RingCache, bounded_pick, ring_hash
-from registry.view import Member
+from pdserve.registry.placement import choose_prefill, usable_prefill
+from pdserve.registry.ring import HashRing, RingCache, bounded_pick, ring_hash
+from pdserve.registry.view import Member
 
 __all__ = ["Backlog", "HashRing", "NoRoute", "PoolStatus", "RouteDecision", "RouteLease", "Router", "bounded_pick",
            "ring_hash"]

@@ -10,8 +10,8 @@ from typing import Any
 
 import orjson
 
-from engine.structured_spec import GrammarError, StructuredSpec, check_spec
-from frontend.errors import APIError, invalid_type, invalid_value, json_type_name, missing_parameter
+from pdserve.engine.structured_spec import GrammarError, StructuredSpec, check_spec
+from pdserve.frontend.errors import APIError, invalid_type, invalid_value, json_type_name, missing_parameter
 
 MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's bound
 MAX_LOGIT_BIAS = 100.0

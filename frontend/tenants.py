@@ -4,7 +4,7 @@ Tenants file (YAML or TOML)::
 
     tenants:
       - name: acme
-        keys_sha256: ["9f86d0...", ...]   # `python -m frontend --hash-key KEY` prints a key's digest
+        keys_sha256: ["9f86d0...", ...]   # `python -m pdserve.frontend --hash-key KEY` prints a key's digest
         models: ["tiny-llama"]            # served names or aliases; "*" allows every model
         requests_per_minute: 600          # any limit may be omitted or null: unlimited
         input_tokens_per_minute: 200000
@@ -28,9 +28,9 @@ import re
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from frontend.config import ConfigError, check_keys, load_config_file, optional_positive_int
-from frontend.errors import APIError
-from frontend.protocol import parse_priority
+from pdserve.frontend.config import ConfigError, check_keys, load_config_file, optional_positive_int
+from pdserve.frontend.errors import APIError
+from pdserve.frontend.protocol import parse_priority
 
 _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 LOCAL_TENANT = "local"

@@ -32,8 +32,8 @@ from typing import Any, Literal
 
 import orjson
 
-from engine.structured_spec import GrammarError, StructuredSpec, check_spec
-from frontend.errors import APIError, invalid_type, invalid_value, json_type_name, missing_parameter
+from pdserve.engine.structured_spec import GrammarError, StructuredSpec, check_spec
+from pdserve.frontend.errors import APIError, invalid_type, invalid_value, json_type_name, missing_parameter
 
 MAX_TOOLS = 128  # OpenAI's bound
 ChoiceMode = Literal["none", "auto", "required", "named"]

@@ -1,5 +1,5 @@
 """The frontend's spans of one HTTP generation request (`RequestTrace`); exists only when tracing is on
-(`tracing.start_tracing` gave a tracer), so an untraced request costs one `is None` check per hook.
+(`rpc.tracing.start_tracing` gave a tracer), so an untraced request costs one `is None` check per hook.
 
 Spans (times are the perf_counter readings the job already keeps for its metrics):
 
@@ -25,12 +25,12 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from frontend.errors import APIError
-from frontend.job import Choice, Job
-from tracing import TTFT_STAGE as STAGE
+from pdserve.frontend.errors import APIError
+from pdserve.frontend.job import Choice, Job
+from pdserve.rpc.tracing import TTFT_STAGE as STAGE
 
 if TYPE_CHECKING:
-    from tracing.tracer import Tracer
+    from pdserve.rpc.tracing.tracer import Tracer
 
 TRACE_ID_HEADER = "x-trace-id"
 

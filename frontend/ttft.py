@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from frontend.routing import Backlog, RouteLease
+from pdserve.frontend.routing import Backlog, RouteLease
 
 _ALPHA = 0.2  # weight of the newest sample in the moving means
 

@@ -30,14 +30,14 @@ from collections.abc import AsyncIterator
 import grpc
 from grpc_health.v1 import health_pb2
 
-from frontend.channels import UpstreamPool
-from frontend.config import FrontendConfig
-from frontend.errors import OVERLOADED, SERVER, APIError
-from frontend.job import Choice, Job, UpstreamError
-from frontend.metrics import FrontendMetrics
-from frontend.protocol import SamplingOptions
-from frontend.routing import NoRoute, Router
-from protos import pdserve_pb2 as pb
+from pdserve.frontend.channels import UpstreamPool
+from pdserve.frontend.config import FrontendConfig
+from pdserve.frontend.errors import OVERLOADED, SERVER, APIError
+from pdserve.frontend.job import Choice, Job, UpstreamError
+from pdserve.frontend.metrics import FrontendMetrics
+from pdserve.frontend.protocol import SamplingOptions
+from pdserve.frontend.routing import NoRoute, Router
+from pdserve.rpc import pdserve_pb2 as pb
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXH
 # cancel raises asyncio.CancelledError instead).
 MIGRATABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL,
                         grpc.StatusCode.UNKNOWN})
-# The finish_reason a draining decode node ends a request's stream with (protos/pdserve.proto): the
+# The finish_reason a draining decode node ends a request's stream with (rpc/pdserve.proto): the
 # request is not done, another node continues it.
 HANDOVER = "migrate"
 # How long a decode node that left the registry has to answer a health check before the calls streaming

@@ -30,11 +30,11 @@ from concurrent.futures.process import BrokenProcessPool
 from multiprocessing.connection import wait
 from typing import TypeVar
 
-from frontend.config import ModelSpec
-from frontend.errors import OVERLOADED, APIError
-from frontend.models import ModelCatalog, ServedModel
-from frontend.prepare import Tokenized, parse_request, tokenize
-from frontend.protocol import GenerationRequest, RequestLimits
+from pdserve.frontend.config import ModelSpec
+from pdserve.frontend.errors import OVERLOADED, APIError
+from pdserve.frontend.models import ModelCatalog, ServedModel
+from pdserve.frontend.prepare import Tokenized, parse_request, tokenize
+from pdserve.frontend.protocol import GenerationRequest, RequestLimits
 
 T = TypeVar("T")
 

@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from kernels.interface import KV_LAYOUT_VERSION, KernelOps
+from pdserve.kernels.interface import KV_LAYOUT_VERSION, KernelOps
 
 __all__ = ["BACKENDS", "KV_LAYOUT_VERSION", "KernelOps", "get_kernel_ops"]
 
@@ -26,7 +26,7 @@ def get_kernel_ops(backend: str = "auto", device: str | torch.device = "cpu") ->
     if backend == "auto":
         backend = "triton" if dev.type == "cuda" else "cpu"
         if backend == "cpu":
-            from kernels.cpu_ops import CpuOps, ExtensionUnavailable
+            from pdserve.kernels.cpu_ops import CpuOps, ExtensionUnavailable
 
             try:
                 return CpuOps.create()
@@ -34,7 +34,7 @@ def get_kernel_ops(backend: str = "auto", device: str | torch.device = "cpu") ->
                 logging.getLogger(__name__).warning("%s; using the torch path", e)
                 backend = "torch"
     if backend == "cpu":
-        from kernels.cpu_ops import CpuOps, ExtensionUnavailable
+        from pdserve.kernels.cpu_ops import CpuOps, ExtensionUnavailable
 
         if dev.type != "cpu":
             raise RuntimeError(f"kernel backend 'cpu' runs on CPU pools only, got {dev!s}")
@@ -43,11 +43,11 @@ def get_kernel_ops(backend: str = "auto", device: str | torch.device = "cpu") ->
         except ExtensionUnavailable as e:
             raise RuntimeError(f"kernel backend 'cpu' is unavailable: {e}") from e
     if backend == "torch":
-        from kernels.torch_ops import TorchOps
+        from pdserve.kernels.torch_ops import TorchOps
 
         return TorchOps()
     try:
-        from kernels.triton_ops import TritonOps, cuda_ready, interpreter_active
+        from pdserve.kernels.triton_ops import TritonOps, cuda_ready, interpreter_active
     except ImportError as e:  # triton missing or not built for this platform
         raise RuntimeError(f"kernel backend 'triton' is unavailable: {e}") from e
     if interpreter_active():

@@ -31,8 +31,8 @@ from types import ModuleType
 
 import torch
 
-from kernels.checks import KV_DTYPES, check_cache_pair, check_dim, check_dtype, check_gqa, check_rank
-from kernels.torch_ops import TorchOps
+from pdserve.kernels.checks import KV_DTYPES, check_cache_pair, check_dim, check_dtype, check_gqa, check_rank
+from pdserve.kernels.torch_ops import TorchOps
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
-from kernels.checks import (
+from pdserve.kernels.checks import (
     check_block_ids,
     check_cache_pair,
     check_dim,
@@ -30,8 +30,8 @@ from kernels.checks import (
     check_wire_buffer,
     wire_shape,
 )
-from kernels.interface import KernelOps, fp8_as_bytes
-from kernels.torch_plan import AttentionPlan, _ChunkPlan, _plan_chunks, plan_sorted_chunks, sort_batch
+from pdserve.kernels.interface import KernelOps, fp8_as_bytes
+from pdserve.kernels.torch_plan import AttentionPlan, _ChunkPlan, _plan_chunks, plan_sorted_chunks, sort_batch
 
 __all__ = ["AttentionPlan", "TorchOps", "_plan_chunks"]  # the plan lives in kernels.torch_plan
 

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.checks import (
+from pdserve.kernels.checks import (
     FLOAT_DTYPES,
     check_block_ids,
     check_dtype,
@@ -22,7 +22,7 @@ from kernels.checks import (
     check_wire_buffer,
     wire_shape,
 )
-from kernels.triton_common import check_launchable
+from pdserve.kernels.triton_common import check_launchable
 
 MAX_CHUNK = 4096
 

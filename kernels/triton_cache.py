@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.checks import (
+from pdserve.kernels.checks import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
     check_cache_pair,
@@ -20,7 +20,7 @@ from kernels.checks import (
     check_same_device,
     check_unit_last_stride,
 )
-from kernels.triton_common import check_launchable, pow2_at_least
+from pdserve.kernels.triton_common import check_launchable, pow2_at_least
 
 
 @triton.jit

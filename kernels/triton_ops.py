@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from kernels.interface import KernelOps
-from kernels.triton_blocks import pack_blocks, unpack_blocks
-from kernels.triton_cache import store_kv
-from kernels.triton_common import is_interpreted
-from kernels.triton_decode import _decode_split_kernel, paged_decode_attention
-from kernels.triton_prefill import paged_prefill_attention
+from pdserve.kernels.interface import KernelOps
+from pdserve.kernels.triton_blocks import pack_blocks, unpack_blocks
+from pdserve.kernels.triton_cache import store_kv
+from pdserve.kernels.triton_common import is_interpreted
+from pdserve.kernels.triton_decode import _decode_split_kernel, paged_decode_attention
+from pdserve.kernels.triton_prefill import paged_prefill_attention
 
 
 class TritonOps(KernelOps):

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.checks import (
+from pdserve.kernels.checks import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
     check_cache_pair,
@@ -26,7 +26,7 @@ from kernels.checks import (
     check_same_device,
     check_unit_last_stride,
 )
-from kernels.triton_common import check_launchable, dot_precisions, pow2_at_least
+from pdserve.kernels.triton_common import check_launchable, dot_precisions, pow2_at_least
 
 LOG2E = 1.4426950408889634
 

@@ -23,13 +23,13 @@ for which node hosts a pair's rendezvous and how epochs are numbered.
 
 from __future__ import annotations
 
-from kv_transfer.backend import PairGroup, PendingOp, TransferTimeout
-from kv_transfer.channel import Channel
-from kv_transfer.manager import ChannelManager
-from kv_transfer.receive import KVReceiver
-from kv_transfer.send import KVSender, SendHandle
-from kv_transfer.transfer import TransferHandle, message_ranges
-from kv_transfer.types import (
+from pdserve.kv_transfer.backend import PairGroup, PendingOp, TransferTimeout
+from pdserve.kv_transfer.channel import Channel
+from pdserve.kv_transfer.manager import ChannelManager
+from pdserve.kv_transfer.receive import KVReceiver
+from pdserve.kv_transfer.send import KVSender, SendHandle
+from pdserve.kv_transfer.transfer import TransferHandle, message_ranges
+from pdserve.kv_transfer.types import (
     DECODE_RANK,
     PREFILL_RANK,
     ChannelCapacityError,

@@ -21,8 +21,8 @@ from typing import Any
 import torch
 from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo, TCPStore
 
-from kernels.interface import fp8_as_bytes
-from kv_transfer.types import ChannelError, ChannelKey, NodeAddress
+from pdserve.kernels.interface import fp8_as_bytes
+from pdserve.kv_transfer.types import ChannelError, ChannelKey, NodeAddress
 
 
 class TransferTimeout(ChannelError):

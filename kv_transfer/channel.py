@@ -22,9 +22,9 @@ from typing import NamedTuple
 
 import torch
 
-from kv_transfer.backend import PairGroup, TransferTimeout
-from kv_transfer.staging import StagingBuffers
-from kv_transfer.types import ChannelError, ChannelKey, ChannelState, StageSeconds, TransferResult
+from pdserve.kv_transfer.backend import PairGroup, TransferTimeout
+from pdserve.kv_transfer.staging import StagingBuffers
+from pdserve.kv_transfer.types import ChannelError, ChannelKey, ChannelState, StageSeconds, TransferResult
 
 
 @dataclass

@@ -24,9 +24,9 @@ from collections import OrderedDict
 import torch
 from torch._C._distributed_c10d import ProcessGroupGloo, TCPStore
 
-from kv_transfer.backend import ConnectSpec, PairGroup, connect_pair, create_gloo_device
-from kv_transfer.channel import Channel
-from kv_transfer.types import (
+from pdserve.kv_transfer.backend import ConnectSpec, PairGroup, connect_pair, create_gloo_device
+from pdserve.kv_transfer.channel import Channel
+from pdserve.kv_transfer.types import (
     DECODE_RANK,
     PREFILL_RANK,
     ChannelCapacityError,

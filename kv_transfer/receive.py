@@ -11,13 +11,13 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from kernels.interface import KV_LAYOUT_VERSION, KernelOps
-from kv_transfer import hostcopy
-from kv_transfer.backend import PendingOp
-from kv_transfer.channel import Channel, ChannelJob, WorkerContext
-from kv_transfer.checksum import KVDigest
-from kv_transfer.staging import StagingBuffers, StagingSlot
-from kv_transfer.transfer import (
+from pdserve.kernels.interface import KV_LAYOUT_VERSION, KernelOps
+from pdserve.kv_transfer import hostcopy
+from pdserve.kv_transfer.backend import PendingOp
+from pdserve.kv_transfer.channel import Channel, ChannelJob, WorkerContext
+from pdserve.kv_transfer.checksum import KVDigest
+from pdserve.kv_transfer.staging import StagingBuffers, StagingSlot
+from pdserve.kv_transfer.transfer import (
     TAG_SPACE,
     BlockIds,
     TransferHandle,
@@ -28,7 +28,7 @@ from kv_transfer.transfer import (
     message_ranges,
     sync_device,
 )
-from kv_transfer.types import DECODE_RANK, TransferMeta
+from pdserve.kv_transfer.types import DECODE_RANK, TransferMeta
 
 
 class _RecvJob(ChannelJob):

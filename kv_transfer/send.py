@@ -11,13 +11,13 @@ from concurrent.futures import Future
 
 import torch
 
-from kernels.interface import KV_LAYOUT_VERSION, KernelOps
-from kv_transfer import hostcopy
-from kv_transfer.backend import PendingOp, TransferTimeout
-from kv_transfer.channel import Channel, ChannelJob, WorkerContext
-from kv_transfer.checksum import KVDigest, flip_one_byte
-from kv_transfer.staging import StagingBuffers, StagingSlot
-from kv_transfer.transfer import (
+from pdserve.kernels.interface import KV_LAYOUT_VERSION, KernelOps
+from pdserve.kv_transfer import hostcopy
+from pdserve.kv_transfer.backend import PendingOp, TransferTimeout
+from pdserve.kv_transfer.channel import Channel, ChannelJob, WorkerContext
+from pdserve.kv_transfer.checksum import KVDigest, flip_one_byte
+from pdserve.kv_transfer.staging import StagingBuffers, StagingSlot
+from pdserve.kv_transfer.transfer import (
     TAG_SPACE,
     BlockIds,
     TransferHandle,
@@ -26,7 +26,7 @@ from kv_transfer.transfer import (
     message_ranges,
     sync_device,
 )
-from kv_transfer.types import PREFILL_RANK, ChannelError, TransferMeta, TransferResult
+from pdserve.kv_transfer.types import PREFILL_RANK, ChannelError, TransferMeta, TransferResult
 
 
 class _LayerGate:

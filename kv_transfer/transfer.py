@@ -39,8 +39,8 @@ from concurrent.futures import Future
 
 import torch
 
-from kv_transfer.channel import WorkerContext
-from kv_transfer.types import TransferMeta, TransferResult
+from pdserve.kv_transfer.channel import WorkerContext
+from pdserve.kv_transfer.types import TransferMeta, TransferResult
 
 BlockIds = torch.Tensor | Sequence[int]
 TAG_SPACE = 1 << 31  # c10d tags are 32-bit; seq_no wraps far beyond any in-flight window

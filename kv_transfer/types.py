@@ -10,7 +10,7 @@ import enum
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-from registry.records import Role
+from pdserve.registry.records import Role
 
 BackendName = Literal["auto", "gloo", "nccl"]
 

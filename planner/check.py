@@ -26,11 +26,11 @@ from dataclasses import asdict, dataclass
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
-from loadgen.metrics import parse_slos
-from planner.plan import PlanConfig, Planner
-from planner.profile_model import load_profile
-from planner.sim import NodeSettings, Shape
-from planner.traffic import Traffic
+from pdserve.planner.loadgen.metrics import parse_slos
+from pdserve.planner.plan import PlanConfig, Planner
+from pdserve.planner.profile_model import load_profile
+from pdserve.planner.sim import NodeSettings, Shape
+from pdserve.planner.traffic import Traffic
 
 
 @dataclass
@@ -209,7 +209,7 @@ def main(args: argparse.Namespace) -> int:
     else:
         Console(width=160).print(res.verdict(), highlight=False)
     if args.values_out and res.recommended_decode is not None:
-        from planner.plan import write_values
+        from pdserve.planner.plan import write_values
 
         shape = Shape(res.recommended_prefill or 0, res.recommended_decode)
         write_values(args.values_out, shape, "pdserve plan --check: " + res.verdict())

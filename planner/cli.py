@@ -13,11 +13,11 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from loadgen.metrics import parse_slos
-from planner.plan import Plan, PlanConfig, Planner, ShapeResult, write_values
-from planner.profile_model import load_profile
-from planner.sim import NodeSettings, SimResult, load_overheads
-from planner.traffic import Traffic, trace_requests
+from pdserve.planner.loadgen.metrics import parse_slos
+from pdserve.planner.plan import Plan, PlanConfig, Planner, ShapeResult, write_values
+from pdserve.planner.profile_model import load_profile
+from pdserve.planner.sim import NodeSettings, SimResult, load_overheads
+from pdserve.planner.traffic import Traffic, trace_requests
 
 
 def parse_workload(spec: str, seed: int = 0) -> Traffic:
@@ -142,7 +142,7 @@ def main(args: argparse.Namespace) -> int:
     """Runs `pdserve plan` (or `--check`); prints the recommendation and the table (or JSON with --json);
     writes --values-out and --plot. Returns 0 when a shape fits, 1 when none does."""
     if args.check:
-        from planner.check import main as check_main
+        from pdserve.planner.check import main as check_main
 
         return check_main(args)
     cfg = config_from_args(args)

@@ -32,14 +32,14 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from engine.config import EngineConfig
-from engine.default_model import resolve_model
-from engine.gguf_import import StderrProgress
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from kernels import get_kernel_ops
-from kv_transfer import ChannelConfig, ChannelManager, KVReceiver, KVSender, TransferMeta
-from planner.profile_model import EngineFacts, Profile, fit_linear
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.default_model import resolve_model
+from pdserve.engine.gguf_import import StderrProgress
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kernels import get_kernel_ops
+from pdserve.kv_transfer import ChannelConfig, ChannelManager, KVReceiver, KVSender, TransferMeta
+from pdserve.planner.profile_model import EngineFacts, Profile, fit_linear
 
 
 @dataclass(frozen=True)

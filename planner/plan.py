@@ -3,7 +3,7 @@ SLOs for a traffic, at a target rate or at the highest rate each shape sustains;
 the Kubernetes values file for it.
 
 A shape *fits* at a rate when its simulated run meets the SLO attainment target with every SLO passing
-(`loadgen.metrics.Summary.meets_target`, the definition `pdserve bench` judges a real run by). The
+(`planner.loadgen.metrics.Summary.meets_target`, the definition `pdserve bench` judges a real run by). The
 cheapest shape is the one with the fewest nodes that fits; among equals, the one with the higher goodput.
 """
 
@@ -17,10 +17,10 @@ from typing import Any
 
 import yaml
 
-from loadgen.metrics import SLO
-from planner.profile_model import Profile
-from planner.sim import NodeSettings, Overheads, Shape, SimRequest, SimResult, simulate
-from planner.traffic import Traffic
+from pdserve.planner.loadgen.metrics import SLO
+from pdserve.planner.profile_model import Profile
+from pdserve.planner.sim import NodeSettings, Overheads, Shape, SimRequest, SimResult, simulate
+from pdserve.planner.traffic import Traffic
 
 # How finely the sweep brackets a shape's highest rate: it stops when hi / lo is within this factor.
 SWEEP_RESOLUTION = 1.05

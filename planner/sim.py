@@ -23,8 +23,8 @@ the cluster's do):
   a core they used over the last second).
 
 Not modelled: prefix-cache hits, the prefill node's own KV capacity, network contention between pairs,
-failures. Output: one `loadgen.client.RequestRecord` a request, summarised by
-`loadgen.metrics.summarize` (the same TTFT/TPOT/ITL/e2e, SLO, attainment and goodput definitions as
+failures. Output: one `planner.loadgen.client.RequestRecord` a request, summarised by
+`planner.loadgen.metrics.summarize` (the same TTFT/TPOT/ITL/e2e, SLO, attainment and goodput definitions as
 `pdserve bench`). The nodes are in `planner.sim_nodes`. Deterministic: no clock and no randomness beyond the workload's seeded draws.
 """
 
@@ -38,10 +38,10 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from loadgen.client import RequestRecord
-from loadgen.metrics import SLO, Summary, summarize
-from planner.profile_model import Profile
-from planner.sim_nodes import DecodeNode, PrefillNode, Seq, Stepper
+from pdserve.planner.loadgen.client import RequestRecord
+from pdserve.planner.loadgen.metrics import SLO, Summary, summarize
+from pdserve.planner.profile_model import Profile
+from pdserve.planner.sim_nodes import DecodeNode, PrefillNode, Seq, Stepper
 
 
 @dataclass(frozen=True)

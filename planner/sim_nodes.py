@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from planner.sim import SimRequest, Simulation
+    from pdserve.planner.sim import SimRequest, Simulation
 
 
 @dataclass(eq=False)

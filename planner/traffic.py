@@ -7,7 +7,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from loadgen.workload import (
+from pdserve.planner.loadgen.workload import (
     LengthDist,
     MixtureDist,
     TextMaker,
@@ -17,7 +17,7 @@ from loadgen.workload import (
     poisson_arrivals,
     read_trace,
 )
-from planner.sim import SimRequest
+from pdserve.planner.sim import SimRequest
 
 
 @dataclass(frozen=True)

@@ -7,16 +7,16 @@ Key layout and record formats: `registry.records`. Registration and its failure 
 
 from __future__ import annotations
 
-from registry.client import (
+from pdserve.registry.client import (
     POOL_INVARIANTS,
     NodeRegistration,
     RegistrationRefused,
     RegistrationState,
     RegistrationStatus,
 )
-from registry.connect import BackoffPolicy, RegistryUnavailable, parse_endpoint
-from registry.etcd_server import EtcdNotFoundError, EtcdServer, EtcdStartError, find_etcd_binary
-from registry.records import (
+from pdserve.registry.connect import BackoffPolicy, RegistryUnavailable, parse_endpoint
+from pdserve.registry.etcd_server import EtcdNotFoundError, EtcdServer, EtcdStartError, find_etcd_binary
+from pdserve.registry.records import (
     KEY_ROOT,
     SCHEMA_VERSION,
     NodeCapacity,
@@ -28,7 +28,7 @@ from registry.records import (
     node_key,
     parse_key,
 )
-from registry.view import Member, RegistryView, ViewChange
+from pdserve.registry.view import Member, RegistryView, ViewChange
 
 __all__ = [
     "KEY_ROOT",

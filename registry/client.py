@@ -30,7 +30,7 @@ from types import TracebackType
 import aetcd
 from aetcd.utils import prefix_range_end
 
-from registry.connect import (
+from pdserve.registry.connect import (
     TRANSIENT_ERRORS,
     BackoffPolicy,
     EtcdConnector,
@@ -38,7 +38,7 @@ from registry.connect import (
     cancel_and_wait,
     close_quietly,
 )
-from registry.records import NodeLoad, NodeRecord, RecordError, nodes_prefix
+from pdserve.registry.records import NodeLoad, NodeRecord, RecordError, nodes_prefix
 
 log = logging.getLogger(__name__)
 

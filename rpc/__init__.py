@@ -1,7 +1,9 @@
-"""How cluster processes call each other over gRPC: authentication by a shared cluster token, optional
-TLS (`rpc.security`). Torch-free: the frontend, the nodes and the operator tools share it."""
+"""What crosses between the cluster's processes: the control-plane protocol (`pdserve.proto` and its
+generated modules), who may call it (`rpc.security`: a shared cluster token, optional TLS), and the trace
+context that rides along (`rpc.tracing`). Torch-free: the frontend, the nodes and the operator tools
+share it."""
 
-from rpc.security import (
+from pdserve.rpc.security import (
     TOKEN_ENV,
     TOKEN_METADATA_KEY,
     RpcSecurity,

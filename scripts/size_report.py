@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PRODUCT = ("engine", "kernels", "kv_transfer", "registry", "placement", "node", "frontend", "deploy", "protos", "loadgen", "planner")
+PRODUCT = ("engine", "kernels", "kv_transfer", "registry", "rpc", "node_common", "prefill_node", "decode_node", "frontend",
+           "deploy", "planner")
 EXTRA = ("bench", "testing", "tests", "scripts")
 MAX_FILE_LINES = 400
 MAX_FUNCTION_LINES = 50

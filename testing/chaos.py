@@ -24,12 +24,12 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from engine.tiny import default_model_dir
-from engine.tokenizer import Tokenizer
-from registry.etcd_server import free_port
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.tiny import default_model_dir
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.registry.etcd_server import free_port
 from testing.cluster import LocalCluster
 from testing.procs import FrontendProc, start_frontend
 from testing.threads import start_thread

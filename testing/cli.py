@@ -7,7 +7,7 @@ import pytest
 
 def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
     """`pdserve ARGV` in this process: (exit code, stdout, stderr)."""
-    from deploy.cli import main
+    from pdserve.deploy.cli import main
 
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit_:

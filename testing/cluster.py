@@ -7,7 +7,7 @@ free loopback ports, a gRPC client, and teardown that kills every process it sta
         cluster.wait_clean()          # every node: no request in flight, zero used KV blocks
         cluster.check_integrity()     # every node: blocks, requests, streams and reservations agree
 
-Nodes print one ready line (see `node.ready`) once they serve and are registered; the
+Nodes print one ready line (see `node_common.ready`) once they serve and are registered; the
 harness reads it to learn each node's ports. Node logs go to `<workdir>/<node_id>.log`.
 """
 
@@ -30,15 +30,15 @@ from types import TracebackType
 import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from node.convert import params_to_proto
-from node.ready import parse_ready_line
-from protos import pdserve_pb2 as pb
-from protos import pdserve_pb2_grpc as pb_grpc
-from registry import EtcdServer, Member, RegistryView
-from rpc import RpcSecurity
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.node_common.convert import params_to_proto
+from pdserve.node_common.ready import parse_ready_line
+from pdserve.registry import EtcdServer, Member, RegistryView
+from pdserve.rpc import RpcSecurity
+from pdserve.rpc import pdserve_pb2 as pb
+from pdserve.rpc import pdserve_pb2_grpc as pb_grpc
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -126,7 +126,7 @@ class LocalCluster:
 
     def node_command(self, role: str, node_id: str, extra: Sequence[str] = (), etcd: str | None = None) -> list[str]:
         return [
-            self.python, "-m", f"node.{role}", "--node-id", node_id, "--cluster", self.cluster,
+            self.python, "-m", f"pdserve.{role}_node", "--node-id", node_id, "--cluster", self.cluster,
             "--etcd", etcd or ",".join(self.etcd_endpoints), "--model", self.model_dir,
             # float32 unless a test asks otherwise: the references are fp32 engines and transformers
             "--lease-ttl", str(self.lease_ttl_s), "--dtype", "float32", *self.node_args, *extra,

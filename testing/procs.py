@@ -119,8 +119,8 @@ class FrontendProc:
 
 def start_frontend(name: str, log_dir: Path, etcd: list[str], port: int, *args: str,
                    ready: bool = True, timeout: float = 60.0) -> FrontendProc:
-    """Starts `python -m frontend` on 127.0.0.1:`port`; waits for /health, and for /ready when `ready`."""
-    argv = [sys.executable, "-m", "frontend", *(f"--etcd={e}" for e in etcd), "--host", "127.0.0.1",
+    """Starts `python -m pdserve.frontend` on 127.0.0.1:`port`; waits for /health, and for /ready when `ready`."""
+    argv = [sys.executable, "-m", "pdserve.frontend", *(f"--etcd={e}" for e in etcd), "--host", "127.0.0.1",
             "--port", str(port), *args]
     proc = spawn(name, argv, log_dir)
     fp = FrontendProc(proc, "127.0.0.1", port)
@@ -136,7 +136,7 @@ def start_frontend(name: str, log_dir: Path, etcd: list[str], port: int, *args: 
 
 # The processes a test may start: `python -m` of these modules, these executables, and `pdserve` (the
 # launcher). Other children (a compiler, multiprocessing's helpers) are not the harness's business.
-_CLUSTER_MODULES = ("node.prefill", "node.decode", "frontend", SCRIPTED_NODE, "deploy")
+_CLUSTER_MODULES = ("pdserve.prefill_node", "pdserve.decode_node", "pdserve.frontend", SCRIPTED_NODE, "pdserve.deploy")
 _CLUSTER_EXECUTABLES = ("etcd", "prometheus", "pdserve")
 
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.llm_engine import LLMEngine
-from engine.tiny import default_model_dir
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.tiny import default_model_dir
 from testing.cluster import LocalCluster, reference_engine
 
 

@@ -47,9 +47,9 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from protos import pdserve_pb2 as pb  # noqa: E402
-from protos import pdserve_pb2_grpc as pbg  # noqa: E402
-from registry import NodeCapacity, NodeLoad, NodeRecord, NodeRegistration  # noqa: E402
+from pdserve.registry import NodeCapacity, NodeLoad, NodeRecord, NodeRegistration  # noqa: E402
+from pdserve.rpc import pdserve_pb2 as pb  # noqa: E402
+from pdserve.rpc import pdserve_pb2_grpc as pbg  # noqa: E402
 
 log = logging.getLogger("scripted_decode_node")
 DEFAULT_REPLY = (

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from registry.etcd_server import free_port
+from pdserve.registry.etcd_server import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,7 +48,7 @@ class UpCluster:
         port = free_port()
         runs_dir = workdir / "runs"
         stdout_path, stderr_path = workdir / "up.stdout", workdir / "up.stderr"
-        argv = [sys.executable, "-m", "deploy", "up", "--port", str(port), "--cluster", cluster,
+        argv = [sys.executable, "-m", "pdserve.deploy", "up", "--port", str(port), "--cluster", cluster,
                 "--runs-dir", str(runs_dir), *extra]
         with open(stdout_path, "wb") as out, open(stderr_path, "wb") as err:
             # A session of its own, like a shell job: Ctrl-C (SIGINT to its process group) reaches it alone.
@@ -98,7 +98,7 @@ class UpCluster:
     def status(self, *flags: str) -> subprocess.CompletedProcess[str]:
         """`pdserve status` for this cluster (the launcher's state file tells it where etcd is)."""
         return subprocess.run(
-            [sys.executable, "-m", "deploy", "status", "--cluster", self.cluster, "--runs-dir", str(self.runs_dir),
+            [sys.executable, "-m", "pdserve.deploy", "status", "--cluster", self.cluster, "--runs-dir", str(self.runs_dir),
              *flags], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60,
         )
 

@@ -68,7 +68,7 @@ def _stack_bytes(compiled: Any) -> int | None:
 
 
 def _decode(head_dim: int) -> dict[str, Any]:
-    from kernels import triton_decode as mod
+    from pdserve.kernels import triton_decode as mod
 
     block_n, warps = mod._tile_config(torch.bfloat16, head_dim)
     qk, pv = mod.dot_precisions(torch.bfloat16)
@@ -91,7 +91,7 @@ def _decode(head_dim: int) -> dict[str, Any]:
 
 
 def _prefill() -> dict[str, Any]:
-    from kernels import triton_prefill as mod
+    from pdserve.kernels import triton_prefill as mod
 
     block_m, block_n, warps = mod._tile_config(torch.float16, 128)
     qk, pv = mod.dot_precisions(torch.float16)
@@ -108,7 +108,7 @@ def _prefill() -> dict[str, Any]:
 
 
 def _cache_and_blocks() -> dict[str, Any]:
-    from kernels import triton_blocks, triton_cache
+    from pdserve.kernels import triton_blocks, triton_cache
 
     out = {
         "store_kv": _compile(

@@ -18,7 +18,7 @@ os.environ.setdefault("PDSERVE_CLUSTER_TOKEN", "pdserve-test-" + os.urandom(12).
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from engine.tiny import default_model_dir
+from pdserve.engine.tiny import default_model_dir
 
 
 @pytest.fixture(autouse=True)

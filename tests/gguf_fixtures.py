@@ -218,8 +218,8 @@ def write_gguf(
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """The default model's directory (SmolLM2-135M-Instruct imported from its GGUF), fetched on first use."""
-    from engine.default_model import fetch_default_model
-    from engine.gguf_import import StderrProgress
+    from pdserve.engine.default_model import fetch_default_model
+    from pdserve.engine.gguf_import import StderrProgress
 
     return fetch_default_model(progress=StderrProgress("smollm2 fixture"))
 
@@ -227,7 +227,7 @@ def smollm2_dir() -> Path:
 @pytest.fixture(scope="session")
 def smollm2_gguf(smollm2_dir: Path) -> Path:
     """The verified GGUF the default model was imported from (kept in the model cache)."""
-    from engine.default_model import GGUF_MEMBER
+    from pdserve.engine.default_model import GGUF_MEMBER
 
     path = smollm2_dir.parent / Path(GGUF_MEMBER).name
     assert path.is_file(), f"{path} should sit beside {smollm2_dir}"

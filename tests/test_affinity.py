@@ -1,4 +1,4 @@
-"""`node.affinity`: CPU lists, the even split `pdserve up --pin` uses, and pinning every thread of a
+"""`node_common.pinning`: CPU lists, the even split `pdserve up --pin` uses, and pinning every thread of a
 process (a real child process with a thread started before the pin)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from node.affinity import format_cpus, parse_cpus, split_cpus
+from pdserve.node_common.pinning import format_cpus, parse_cpus, split_cpus
 from testing.up_cluster import REPO_ROOT
 
 
@@ -35,7 +35,7 @@ def test_pin_process_moves_threads_started_before_it() -> None:
     cpu = min(os.sched_getaffinity(0))
     script = textwrap.dedent(f"""
         import os, threading
-        from node.affinity import pin_process
+        from pdserve.node_common.pinning import pin_process
         started, stop = threading.Event(), threading.Event()
         seen = {{}}
         def early():
@@ -57,13 +57,13 @@ def test_pin_process_moves_threads_started_before_it() -> None:
 
 
 def test_pinning_outside_the_usable_cpus_is_refused() -> None:
-    from node.affinity import pin_process
+    from pdserve.node_common.pinning import pin_process
     with pytest.raises(ValueError, match="not within"):
         pin_process((max(os.sched_getaffinity(0)) + 1000,))
 
 
 def test_launcher_splits_its_cpus_over_the_nodes(tmp_path) -> None:
-    from deploy.launcher.config import LauncherConfig
+    from pdserve.deploy.launcher.config import LauncherConfig
 
     cpu = min(os.sched_getaffinity(0))
     one = LauncherConfig(model=str(tmp_path), num_prefill=0, num_decode=1, pin=True, cpus=(cpu,))
@@ -84,10 +84,10 @@ def test_launcher_splits_its_cpus_over_the_nodes(tmp_path) -> None:
 def test_decode_nodes_prefill_when_the_prefill_queue_is_full_unless_pinned(tmp_path) -> None:
     """`pdserve up` gives decode nodes --max-prefill-queue-tokens: the default when the nodes share the
     cores (unpinned), 0 when pinned or colocated, else what was asked; prefill nodes never get it."""
-    from deploy.cli import build_parser
-    from deploy.launcher.config import DEFAULT_LOCAL_MAX_PREFILL_QUEUE_TOKENS, LauncherConfig
-    from deploy.launcher.process import Slot, command
-    from node.decode.config import DecodeNodeConfig
+    from pdserve.decode_node.config import DecodeNodeConfig
+    from pdserve.deploy.cli import build_parser
+    from pdserve.deploy.launcher.config import DEFAULT_LOCAL_MAX_PREFILL_QUEUE_TOKENS, LauncherConfig
+    from pdserve.deploy.launcher.process import Slot, command
 
     def flag(cfg: LauncherConfig, pool: str) -> list[str]:
         argv = command(cfg, Slot(f"{pool}-0", pool, tmp_path / "log"), ["127.0.0.1:2379"], tmp_path)

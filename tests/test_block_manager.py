@@ -4,10 +4,10 @@ import random
 
 import pytest
 
-from engine import prefix_hash as prefix_hash_module
-from engine.block_manager import BlockManager, compute_block_hashes
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+from pdserve.engine import prefix_hash as prefix_hash_module
+from pdserve.engine.block_manager import BlockManager, compute_block_hashes
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sequence import Sequence
 
 
 def make_seq(seq_id: str, tokens: list[int]) -> Sequence:

@@ -21,9 +21,9 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from frontend.config import ConfigError, FrontendConfig, ModelSpec
-from frontend.models import ModelCatalog
-from registry.etcd_server import free_port
+from pdserve.frontend.config import ConfigError, FrontendConfig, ModelSpec
+from pdserve.frontend.models import ModelCatalog
+from pdserve.registry.etcd_server import free_port
 from testing.cluster import LocalCluster
 from testing.procs import FrontendProc, start_frontend
 

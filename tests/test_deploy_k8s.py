@@ -32,7 +32,7 @@ from typing import Any
 import pytest
 import yaml
 
-from deploy.k8s import render as k8s
+from pdserve.deploy.k8s import render as k8s
 
 ROOT = Path(__file__).resolve().parents[1]
 PROM_DIR = ROOT / "deploy" / "prometheus"
@@ -275,7 +275,7 @@ SOURCES = [
 
 def _fetch_args(init: dict[str, Any]) -> Any:
     """An init container's command line, parsed by the real `pdserve` parser."""
-    from deploy.cli import build_parser
+    from pdserve.deploy.cli import build_parser
 
     assert init["command"] == ["pdserve", "model", "fetch"]
     return build_parser().parse_args(["model", "fetch", *init["args"]])
@@ -401,9 +401,9 @@ def test_node_command_lines_parse_into_the_drain_the_hook_waits_for(monkeypatch:
     """The rendered node arguments through the nodes' own parsers (a cached tiny model stands in for the
     weights, which the parsers check exist): the drain timeout, drain grace and KV interface they end up
     with are the values' and the preStop hook's."""
-    from engine.tiny import default_model_dir
-    from node.decode.config import DecodeNodeConfig
-    from node.prefill.config import PrefillNodeConfig
+    from pdserve.decode_node.config import DecodeNodeConfig
+    from pdserve.engine.tiny import default_model_dir
+    from pdserve.prefill_node.config import PrefillNodeConfig
 
     monkeypatch.setenv("PDSERVE_CLUSTER_TOKEN", secrets.token_hex(16))  # what the Secret provides
     model = default_model_dir("llama")
@@ -516,8 +516,8 @@ def test_frontend_service_config_maps_and_probes() -> None:
         assert str(path.parent) == mount and path.name in files, flag
 
     # The files are in the frontend's formats: keys it accepts, digests only, models that are served.
-    from frontend.config import ModelSpec
-    from frontend.tenants import TenantLimits
+    from pdserve.frontend.config import ModelSpec
+    from pdserve.frontend.tenants import TenantLimits
 
     models = yaml.safe_load(files["models.yaml"])["models"]
     assert {k for m in models for k in m} <= {f.name for f in dataclasses.fields(ModelSpec)}
@@ -537,7 +537,7 @@ def test_frontend_service_config_maps_and_probes() -> None:
 
 
 def test_tenants_configmap_is_a_loadable_tenants_file(tmp_path: Path) -> None:
-    from frontend.tenants import TenantTable
+    from pdserve.frontend.tenants import TenantTable
 
     path = tmp_path / "tenants.yaml"
     path.write_text(_one(_render(*TENANT_SETS), "ConfigMap", "pdserve-tenants")["data"]["tenants.yaml"])
@@ -554,7 +554,7 @@ def test_defaults_run_in_local_mode_and_published_keys_are_refused(default_objs:
     assert _one(default_objs, "Service", "pdserve-frontend")["spec"]["type"] == "ClusterIP"
     assert not [o for o in default_objs if o["metadata"]["name"] == "pdserve-tenants"]
     # The keys this repository prints (the former example digests among them) are refused with a recipe.
-    from frontend.tenants import hash_key
+    from pdserve.frontend.tenants import hash_key
 
     for key in ("sk-pdserve-example-acme", "sk-pdserve-example-beta", "sk-test", "test"):
         values = k8s.load_values(sets=TENANT_SETS)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from engine.detokenizer import DetokenizerDelta, IncrementalDetokenizer
+from pdserve.engine.detokenizer import DetokenizerDelta, IncrementalDetokenizer
 
 END = "<|end|>"
 

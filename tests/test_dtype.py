@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from engine.dtype import checkpoint_dtype_name, cpu_bf16_flags, resolve_dtype
+from pdserve.engine.dtype import checkpoint_dtype_name, cpu_bf16_flags, resolve_dtype
 
 BF16_CPU = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16\n"
 AMX_CPU = "flags\t\t: avx512f amx_bf16 amx_tile\n"

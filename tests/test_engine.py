@@ -9,10 +9,10 @@ import sys
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from engine.tiny import default_model_dir
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.tiny import default_model_dir
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +75,7 @@ def test_multibyte_characters_come_out_whole(engine):
 
 def test_split_multibyte_prompt_echo(engine):
     # Feed the byte tokens of a CJK string as "generated" tokens one at a time through the detokenizer.
-    from engine.detokenizer import IncrementalDetokenizer
+    from pdserve.engine.detokenizer import IncrementalDetokenizer
 
     ids = engine.tokenizer.encode("汉字🙂ok", add_special_tokens=False)
     det = IncrementalDetokenizer(engine.tokenizer, [1], [])
@@ -117,7 +117,7 @@ def test_validation(engine):
 
 
 def test_cli_generate_prints_only_text():
-    cmd = [sys.executable, "-m", "deploy", "generate", "--model", "tiny", "--prompt", "Hello there", "--max-tokens", "8"]
+    cmd = [sys.executable, "-m", "pdserve.deploy", "generate", "--model", "tiny", "--prompt", "Hello there", "--max-tokens", "8"]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True)
     assert "[pdserve]" in p.stderr and "completion_tokens=8" in p.stderr
     assert "[pdserve]" not in p.stdout and p.stdout.strip()

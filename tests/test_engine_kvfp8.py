@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from engine.tiny import default_model_dir
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.tiny import default_model_dir
 
 MODEL = str(default_model_dir("llama"))
 
@@ -75,20 +75,20 @@ def test_unsupported_kv_cache_dtypes_are_refused(kw: dict[str, str], match: str)
 
 def test_pdserve_up_hands_the_kv_cache_dtype_to_every_node(tmp_path: Path) -> None:
     """The launcher's node command lines parse, through the nodes' own CLIs, into engines with that dtype."""
-    from deploy.launcher.config import LauncherConfig
-    from deploy.launcher.process import Slot, command
-    from node.decode.config import DecodeNodeConfig
-    from node.prefill.config import PrefillNodeConfig
+    from pdserve.decode_node.config import DecodeNodeConfig
+    from pdserve.deploy.launcher.config import LauncherConfig
+    from pdserve.deploy.launcher.process import Slot, command
+    from pdserve.prefill_node.config import PrefillNodeConfig
 
     cfg = LauncherConfig(model=MODEL, kv_cache_dtype="fp8_e4m3", runs_dir=tmp_path)
     for pool, parse in (("prefill", PrefillNodeConfig.from_argv), ("decode", DecodeNodeConfig.from_argv)):
         argv = command(cfg, Slot(f"{pool[0]}0", pool, tmp_path / "log"), ["127.0.0.1:2379"], tmp_path)
-        node_config, _ = parse(argv[argv.index(f"node.{pool}") + 1 :])
+        node_config, _ = parse(argv[argv.index(f"pdserve.{pool}_node") + 1 :])
         assert node_config.engine.kv_cache_dtype == "fp8_e4m3"
 
 
 def test_cli_generate_with_an_fp8_kv_cache() -> None:
-    cmd = [sys.executable, "-m", "deploy", "generate", "--model", "tiny", "--prompt", "Hello there",
+    cmd = [sys.executable, "-m", "pdserve.deploy", "generate", "--model", "tiny", "--prompt", "Hello there",
            "--max-tokens", "8", "--kv-cache-dtype", "fp8_e4m3"]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True)
     assert "completion_tokens=8" in p.stderr and p.stdout.strip()

@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from engine.tiny import default_model_dir
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.tiny import default_model_dir
 from tests.logit_reference import assert_fp32_close, forward_logits, load_float64_reference
 
 DEVICE = os.environ.get("PDSERVE_TEST_DEVICE", "cpu")

@@ -10,11 +10,11 @@ from dataclasses import dataclass
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine, RequestOutput
-from engine.sampling_params import SamplingParams
-from engine.sequence import Resume, TokenLogprob
-from engine.tiny import default_model_dir
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine, RequestOutput
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sequence import Resume, TokenLogprob
+from pdserve.engine.tiny import default_model_dir
 
 PROMPT = "The quick brown fox " * 6
 

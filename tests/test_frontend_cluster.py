@@ -28,15 +28,15 @@ import openai
 import orjson
 import pytest
 
-from engine.config import EngineConfig
-from engine.llm_engine import GenerationResult, LLMEngine
-from engine.sampling_params import SamplingParams
-from engine.tokenizer import Tokenizer
-from frontend.models import TokenTexts
-from frontend.tenants import hash_key
-from protos import pdserve_pb2 as pb
-from registry import Member
-from registry.etcd_server import free_port
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import GenerationResult, LLMEngine
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.frontend.models import TokenTexts
+from pdserve.frontend.tenants import hash_key
+from pdserve.registry import Member
+from pdserve.registry.etcd_server import free_port
+from pdserve.rpc import pdserve_pb2 as pb
 from testing.bad_inputs import bad_inputs, check_bad_inputs
 from testing.cluster import LocalCluster
 from testing.openapi import OpenAPISchemas

@@ -27,7 +27,7 @@ import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 from schemathesis import checks
 
-from registry.etcd_server import free_port
+from pdserve.registry.etcd_server import free_port
 from testing.cluster import LocalCluster
 from testing.procs import FrontendProc, start_frontend
 

@@ -21,12 +21,12 @@ import pytest
 import tokenizers
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.version import pdserve_version, short_digest
-from frontend.tenants import hash_key
-from protos import pdserve_pb2 as pb
-from protos import pdserve_pb2_grpc as pbg
-from registry import EtcdServer
-from registry.etcd_server import free_port
+from pdserve.engine.version import pdserve_version, short_digest
+from pdserve.frontend.tenants import hash_key
+from pdserve.registry import EtcdServer
+from pdserve.registry.etcd_server import free_port
+from pdserve.rpc import pdserve_pb2 as pb
+from pdserve.rpc import pdserve_pb2_grpc as pbg
 from testing.bad_inputs import bad_inputs, check_bad_inputs
 from testing.openapi import OpenAPISchemas
 from testing.procs import FrontendProc, Proc, start_frontend, start_scripted_node

@@ -18,8 +18,8 @@ from typing import Any
 import orjson
 import pytest
 
-from frontend.tenants import hash_key
-from registry.etcd_server import free_port
+from pdserve.frontend.tenants import hash_key
+from pdserve.registry.etcd_server import free_port
 from testing.cluster import LocalCluster
 from testing.http_load import closed_loop_rate, open_loop, percentile, rss_bytes
 from testing.procs import start_frontend

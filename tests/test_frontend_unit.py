@@ -12,18 +12,30 @@ from typing import Any
 import orjson
 import pytest
 
-from engine.block_manager import compute_block_hashes
-from engine.structured_spec import StructuredSpec
-from frontend.config import ConfigError, FrontendConfig, ModelSpec, load_models_file
-from frontend.errors import APIError
-from frontend.limits import TenantLimiter, TokenBucket
-from frontend.models import ModelCatalog, TokenTexts
-from frontend.protocol import RequestLimits, parse_chat_request, parse_completion_request, parse_json_body
-from frontend.render import DONE, StreamEncoder, chat_logprobs, completion_logprobs, full_response, usage_dict
-from frontend.routing import HashRing, NoRoute, RouteDecision, Router, bounded_pick, ring_hash
-from frontend.tenants import Tenant, TenantLimits, TenantTable, hash_key
-from protos import pdserve_pb2 as pb
-from registry import Member, NodeCapacity, NodeLoad, NodeRecord
+from pdserve.engine.block_manager import compute_block_hashes
+from pdserve.engine.structured_spec import StructuredSpec
+from pdserve.frontend.config import ConfigError, FrontendConfig, ModelSpec, load_models_file
+from pdserve.frontend.errors import APIError
+from pdserve.frontend.limits import TenantLimiter, TokenBucket
+from pdserve.frontend.models import ModelCatalog, TokenTexts
+from pdserve.frontend.protocol import (
+    RequestLimits,
+    parse_chat_request,
+    parse_completion_request,
+    parse_json_body,
+)
+from pdserve.frontend.render import (
+    DONE,
+    StreamEncoder,
+    chat_logprobs,
+    completion_logprobs,
+    full_response,
+    usage_dict,
+)
+from pdserve.frontend.routing import HashRing, NoRoute, RouteDecision, Router, bounded_pick, ring_hash
+from pdserve.frontend.tenants import Tenant, TenantLimits, TenantTable, hash_key
+from pdserve.registry import Member, NodeCapacity, NodeLoad, NodeRecord
+from pdserve.rpc import pdserve_pb2 as pb
 from testing.openapi import COMPLETION_CHUNK, OpenAPISchemas
 
 pytestmark = pytest.mark.timeout(60)
@@ -616,7 +628,7 @@ async def _max_loop_lag_during(work: Any) -> tuple[float, float, Any]:
 def test_prepare_tokenizes_off_the_event_loop(tiny_llama_dir: Path) -> None:
     import asyncio
 
-    from frontend.service import Frontend
+    from pdserve.frontend.pipeline import Frontend
 
     words = "The quick brown fox jumps over the lazy dog, again and again; "
     body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": words * 12000}], "max_tokens": 1})
@@ -644,9 +656,9 @@ def test_prepare_tokenizes_off_the_event_loop(tiny_llama_dir: Path) -> None:
 
 
 def test_ttft_backlog_estimate_and_budget_header() -> None:
-    from frontend.admission import TTFT_BUDGET_HEADER, ttft_budget_ms
-    from frontend.routing import Backlog
-    from frontend.ttft import TTFTEstimator
+    from pdserve.frontend.admission import TTFT_BUDGET_HEADER, ttft_budget_ms
+    from pdserve.frontend.routing import Backlog
+    from pdserve.frontend.ttft import TTFTEstimator
 
     router = make_router([member("d0"), member("p0", "prefill", queue=3)])
     est = TTFTEstimator()
@@ -695,7 +707,7 @@ def test_prepare_workers_are_bounded_and_refuse_at_once() -> None:
     import asyncio
     import time
 
-    from frontend.workers import PrepareWorkers
+    from pdserve.frontend.workers import PrepareWorkers
 
     workers = PrepareWorkers(processes=1, queue_limit=1)
 
@@ -721,9 +733,9 @@ def test_prepare_worker_errors_and_deaths(tiny_llama_dir: Path) -> None:
     import asyncio
     import signal
 
-    from frontend.prepare import parse_request, tokenize
-    from frontend.protocol import RequestLimits
-    from frontend.workers import PrepareWorkers
+    from pdserve.frontend.prepare import parse_request, tokenize
+    from pdserve.frontend.protocol import RequestLimits
+    from pdserve.frontend.workers import PrepareWorkers
 
     spec = ModelSpec("m", str(tiny_llama_dir))
     workers = PrepareWorkers(processes=1, queue_limit=4, models=(spec,))
@@ -753,7 +765,7 @@ def test_prepare_worker_errors_and_deaths(tiny_llama_dir: Path) -> None:
 
 
 def test_serving_path_of_a_choice() -> None:
-    from frontend.job import Choice, serving_path
+    from pdserve.frontend.job import Choice, serving_path
 
     def choice(prefill_id: str, served_prefill: str, served_decode: str = "d0", tried: int = 1,
                migrations: int = 0) -> Choice:

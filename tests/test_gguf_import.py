@@ -25,14 +25,20 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine.config import EngineConfig
-from engine.default_model import DIR_NAME, MODEL_NAME, ResolvedModel, fetch_default_model, resolve_model
-from engine.gguf_import import GGUFImportError, import_gguf, llama3_rope_scaling, scan_gguf
-from engine.llm_engine import LLMEngine
-from engine.model_config import load_model_config
-from engine.sampling_params import SamplingParams
-from engine.tiny import default_model_dir
-from engine.tokenizer import Tokenizer
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.default_model import (
+    DIR_NAME,
+    MODEL_NAME,
+    ResolvedModel,
+    fetch_default_model,
+    resolve_model,
+)
+from pdserve.engine.gguf_import import GGUFImportError, import_gguf, llama3_rope_scaling, scan_gguf
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.model_config import load_model_config
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.tiny import default_model_dir
+from pdserve.engine.tokenizer import Tokenizer
 from testing.cli import run_cli
 from testing.threads import start_thread
 
@@ -236,7 +242,7 @@ def test_fetch_failure_is_clear_and_never_switches_model(tmp_path: Path, capsys:
 
 
 def test_concurrent_fetches_import_once(tmp_path: Path, smollm2_gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import engine.gguf_import
+    from pdserve.engine import gguf_import
 
     (tmp_path / smollm2_gguf.name).hardlink_to(smollm2_gguf)  # a cached GGUF: no download
     calls: list[Path] = []
@@ -248,14 +254,14 @@ def test_concurrent_fetches_import_once(tmp_path: Path, smollm2_gguf: Path, monk
         (Path(out) / "config.json").write_text("{}")
         return Path(out)
 
-    monkeypatch.setattr(engine.gguf_import, "import_gguf", fake_import)
+    monkeypatch.setattr(gguf_import, "import_gguf", fake_import)
     futures = [start_thread(fetch_default_model, tmp_path) for _ in range(3)]
     results = [f.result(timeout=60) for f in futures]
     assert results == [tmp_path / DIR_NAME] * 3 and calls == [tmp_path / DIR_NAME]
 
 
 def test_model_values_and_launcher_config(tmp_path: Path) -> None:
-    from deploy.launcher import build_config
+    from pdserve.deploy.launcher import build_config
 
     tiny = resolve_model("tiny")
     assert (tiny.path, tiny.name) == (default_model_dir("llama"), "tiny-llama")
@@ -408,10 +414,10 @@ def test_scan_agrees_with_gguf_reader(synthetic) -> None:
 
 
 def test_sharded_output(synthetic, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import engine.gguf_import
-    from engine.model_config import weight_files
+    from pdserve.engine import gguf_import
+    from pdserve.engine.model_config import weight_files
 
-    monkeypatch.setattr(engine.gguf_import, "MAX_SHARD_BYTES", 2 << 20)
+    monkeypatch.setattr(gguf_import, "MAX_SHARD_BYTES", 2 << 20)
     path, _, expected = synthetic("qwen2", "Q4_1")
     out = import_gguf(path, tmp_path / "sharded")
     files = weight_files(out)

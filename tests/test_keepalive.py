@@ -16,8 +16,8 @@ import pytest
 import tokenizers
 from prometheus_client.parser import text_string_to_metric_families
 
-from registry import EtcdServer
-from registry.etcd_server import free_port
+from pdserve.registry import EtcdServer
+from pdserve.registry.etcd_server import free_port
 from testing.idle_proxy import IdleProxy
 from testing.openapi import OpenAPISchemas
 from testing.procs import FrontendProc, start_frontend, start_scripted_node

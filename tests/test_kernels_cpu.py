@@ -9,10 +9,10 @@ import itertools
 import pytest
 import torch
 
-from kernels import get_kernel_ops
-from kernels import reference as ref
-from kernels.cpu_ops import CpuOps, DecodePlan, ExtensionUnavailable, load_extension
-from kernels.testing import make_paged_problem, tolerance
+from pdserve.kernels import get_kernel_ops
+from pdserve.kernels import reference as ref
+from pdserve.kernels.cpu_ops import CpuOps, DecodePlan, ExtensionUnavailable, load_extension
+from pdserve.kernels.testing import make_paged_problem, tolerance
 
 try:
     load_extension()
@@ -92,7 +92,7 @@ def test_a_builder_killed_mid_build_does_not_block_later_starts() -> None:
     import subprocess
     import sys
 
-    from kernels.cpu_ops import extension_dir
+    from pdserve.kernels.cpu_ops import extension_dir
 
     builds = [p for p in extension_dir().glob("pdserve_cpu_attention_*") if (p / "build.ninja").exists()]
     assert builds, "the module loaded the extension above"

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import reference as ref
-from kernels.testing import make_paged_problem
+from pdserve.kernels import reference as ref
+from pdserve.kernels.testing import make_paged_problem
 
 
 def _sdpa_over_context(

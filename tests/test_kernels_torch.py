@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import get_kernel_ops
-from kernels import reference as ref
-from kernels.testing import make_paged_problem, tolerance
-from kernels.torch_ops import TorchOps, _plan_chunks
+from pdserve.kernels import get_kernel_ops
+from pdserve.kernels import reference as ref
+from pdserve.kernels.testing import make_paged_problem, tolerance
+from pdserve.kernels.torch_ops import TorchOps, _plan_chunks
 
 ROOT = Path(__file__).resolve().parents[1]
 

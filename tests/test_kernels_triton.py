@@ -23,19 +23,19 @@ if torch.cuda.is_available():
 # It stays set: Triton also reads it lazily at the first launch (and on a CPU-only machine nothing else
 # can run Triton kernels anyway).
 os.environ["TRITON_INTERPRET"] = "1"
-for _name in ("kernels.triton_decode", "kernels.triton_prefill", "kernels.triton_cache", "kernels.triton_blocks",
-              "kernels.triton_ops"):
+for _name in ("pdserve.kernels.triton_decode", "pdserve.kernels.triton_prefill", "pdserve.kernels.triton_cache", "pdserve.kernels.triton_blocks",
+              "pdserve.kernels.triton_ops"):
     if _name in sys.modules:  # imported earlier in this process without the interpreter
         importlib.reload(sys.modules[_name])
 
-from kernels import get_kernel_ops  # noqa: E402
-from kernels import reference as ref  # noqa: E402
-from kernels.testing import make_paged_problem, tolerance  # noqa: E402
-from kernels.triton_blocks import pack_blocks, unpack_blocks  # noqa: E402
-from kernels.triton_cache import store_kv  # noqa: E402
-from kernels.triton_decode import paged_decode_attention  # noqa: E402
-from kernels.triton_ops import TritonOps, interpreter_active  # noqa: E402
-from kernels.triton_prefill import paged_prefill_attention  # noqa: E402
+from pdserve.kernels import get_kernel_ops  # noqa: E402
+from pdserve.kernels import reference as ref  # noqa: E402
+from pdserve.kernels.testing import make_paged_problem, tolerance  # noqa: E402
+from pdserve.kernels.triton_blocks import pack_blocks, unpack_blocks  # noqa: E402
+from pdserve.kernels.triton_cache import store_kv  # noqa: E402
+from pdserve.kernels.triton_decode import paged_decode_attention  # noqa: E402
+from pdserve.kernels.triton_ops import TritonOps, interpreter_active  # noqa: E402
+from pdserve.kernels.triton_prefill import paged_prefill_attention  # noqa: E402
 
 BLOCK_SIZES = (8, 16, 32)
 HEAD_DIMS = (32, 64, 128, 80)  # 80: not a power of two, padded and masked inside the kernels

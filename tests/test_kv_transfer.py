@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import get_kernel_ops
-from kv_transfer import (
+from pdserve.kernels import get_kernel_ops
+from pdserve.kv_transfer import (
     ChannelConfig,
     ChannelManager,
     ChannelState,
@@ -35,7 +35,7 @@ from kv_transfer import (
     TransferResult,
     message_ranges,
 )
-from kv_transfer.checksum import KVDigest
+from pdserve.kv_transfer.checksum import KVDigest
 from testing.threads import start_thread
 
 GEOMETRY = (4, 16, 2, 64)  # (L, BS, Hkv, D): the tiny model
@@ -522,8 +522,8 @@ def test_idle_channels_close_and_lru_bound_holds(cluster: Cluster) -> None:
                                    torch.float8_e4m3fn])
 def test_hostcopy_matches_the_kernel_wire_format(dtype: torch.dtype) -> None:
     """The transfer's serial CPU copies produce exactly the kernel ops' wire format v1, both ways."""
-    from kernels import get_kernel_ops
-    from kv_transfer import hostcopy
+    from pdserve.kernels import get_kernel_ops
+    from pdserve.kv_transfer import hostcopy
 
     ops = get_kernel_ops("torch", "cpu")
     gen = torch.Generator().manual_seed(3)

@@ -30,16 +30,16 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from deploy.launcher import registry_keys
-from node.health import FAULT_ENV, StepFault
-from node.ready import EXIT_UNHEALTHY
-from registry import EtcdServer
+from pdserve.deploy.launcher import registry_keys
+from pdserve.node_common.health import FAULT_ENV, StepFault
+from pdserve.node_common.ready import EXIT_UNHEALTHY
+from pdserve.registry import EtcdServer
 from testing.up_cluster import REPO_ROOT, UpCluster
 
 pytestmark = [
     pytest.mark.timeout(420),
-    pytest.mark.skipif(importlib.util.find_spec("frontend.server") is None,
-                       reason="pdserve up serves through the frontend (frontend.server), which is missing"),
+    pytest.mark.skipif(importlib.util.find_spec("pdserve.frontend.main") is None,
+                       reason="pdserve up serves through the frontend (frontend.main), which is missing"),
 ]
 
 

@@ -19,10 +19,10 @@ from typing import Any
 import httpx
 import pytest
 
-from loadgen.client import RequestRecord, Target, api_base, send
-from loadgen.metrics import SLO, is_good, parse_duration, parse_slos, percentile, summarize
-from loadgen.runner import next_auto_rate
-from loadgen.workload import (
+from pdserve.planner.loadgen.client import RequestRecord, Target, api_base, send
+from pdserve.planner.loadgen.metrics import SLO, is_good, parse_duration, parse_slos, percentile, summarize
+from pdserve.planner.loadgen.runner import next_auto_rate
+from pdserve.planner.loadgen.workload import (
     LengthDist,
     MixtureDist,
     RequestSpec,
@@ -307,7 +307,7 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpCluster]:
 
 
 def _bench(up: UpCluster, *flags: str) -> subprocess.CompletedProcess[str]:
-    result = subprocess.run([sys.executable, "-m", "deploy", "bench", up.base_url, "--no-progress", *flags],
+    result = subprocess.run([sys.executable, "-m", "pdserve.deploy", "bench", up.base_url, "--no-progress", *flags],
                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     return result

@@ -32,7 +32,7 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from registry.etcd_server import free_port
+from pdserve.registry.etcd_server import free_port
 from testing.cluster import LocalCluster
 from testing.procs import FrontendProc, start_frontend
 

@@ -22,13 +22,13 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
-from engine.attention import AttentionMetadata
-from engine.loader import CheckpointReader, LoadedModel, load_model
-from engine.model import CausalLM, RMSNorm, cpu_weight_packing
-from engine.model_config import ModelLoadError, load_model_config, weight_files
-from engine.tiny import default_model_dir, make_tiny_model
-from engine.tokenizer import ChatTemplateError, Tokenizer
-from kernels import get_kernel_ops
+from pdserve.engine.attention import AttentionMetadata
+from pdserve.engine.loader import CheckpointReader, LoadedModel, load_model
+from pdserve.engine.model import CausalLM, RMSNorm, cpu_weight_packing
+from pdserve.engine.model_config import ModelLoadError, load_model_config, weight_files
+from pdserve.engine.tiny import default_model_dir, make_tiny_model
+from pdserve.engine.tokenizer import ChatTemplateError, Tokenizer
+from pdserve.kernels import get_kernel_ops
 from testing.threads import start_thread
 from tests.logit_reference import assert_fp32_close, forward_logits, load_float64_reference
 

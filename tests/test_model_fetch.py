@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from deploy.model_fetch import MARKER
-from engine.default_model import GGUF_SHA256
-from engine.tiny import default_model_dir
+from pdserve.deploy.model_fetch import MARKER
+from pdserve.engine.default_model import GGUF_SHA256
+from pdserve.engine.tiny import default_model_dir
 from testing.cli import run_cli
 from tests.gguf_fixtures import smollm2_dir, smollm2_gguf  # noqa: F401 (fixtures)
 
@@ -152,7 +152,7 @@ def test_the_rendered_init_container_fills_what_the_node_serves(smollm2_gguf: Pa
                                                                 capsys: pytest.CaptureFixture[str]) -> None:
     """The init container's command line from deploy/k8s, run here with its two mounts mapped to local
     directories: it produces the directory the node's --model flag names, and a restart fetches nothing."""
-    from deploy.k8s import render as k8s
+    from pdserve.deploy.k8s import render as k8s
 
     mount = tmp_path / "models"
     values = k8s.load_values(sets=[f"modelStorage.mountPath={mount}"])

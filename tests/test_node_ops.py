@@ -18,13 +18,13 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from deploy.launcher import registry_keys
-from engine.sampling_params import SamplingParams
-from engine.tiny import default_model_dir
-from engine.version import pdserve_version
-from node.convert import params_to_proto
-from node.metrics import LATENCY_BUCKETS
-from protos import pdserve_pb2 as pb
+from pdserve.deploy.launcher import registry_keys
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.tiny import default_model_dir
+from pdserve.engine.version import pdserve_version
+from pdserve.node_common.convert import params_to_proto
+from pdserve.node_common.metrics import LATENCY_BUCKETS
+from pdserve.rpc import pdserve_pb2 as pb
 from testing.cluster import REPO_ROOT, LocalCluster
 from testing.threads import start_thread
 
@@ -157,7 +157,7 @@ def test_health_drain_and_graceful_exit(cluster: LocalCluster) -> None:
     readers = [start_thread(read_rest, rid) for rid in streams]
     drain_started = time.monotonic()
     drain = subprocess.run(
-        [sys.executable, "-m", "deploy", "drain", "--grpc", cluster.nodes["d0"].grpc_address, "--timeout", "90"],
+        [sys.executable, "-m", "pdserve.deploy", "drain", "--grpc", cluster.nodes["d0"].grpc_address, "--timeout", "90"],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
     )
     drain_ended = time.monotonic()

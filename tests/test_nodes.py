@@ -19,10 +19,10 @@ import grpc
 import pytest
 import torch
 
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from node.convert import params_to_proto
-from protos import pdserve_pb2 as pb
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.node_common.convert import params_to_proto
+from pdserve.rpc import pdserve_pb2 as pb
 from testing.cluster import GenerateResult, LocalCluster
 from testing.threads import start_thread
 

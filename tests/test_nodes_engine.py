@@ -12,11 +12,11 @@ import time
 
 import pytest
 
-from engine.async_engine import AsyncEngine
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from engine.tiny import default_model_dir
+from pdserve.engine.async_engine import AsyncEngine
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.tiny import default_model_dir
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.sampling_params import SamplingParams
 from testing.cluster import GenerateResult, LocalCluster, random_prompt
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("check_integrity_after_each_test")]

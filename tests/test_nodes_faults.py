@@ -13,11 +13,11 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from engine.sampling_params import SamplingParams
-from engine.tiny import default_model_dir
-from node.convert import params_to_proto
-from node.ready import EXIT_REFUSED
-from protos import pdserve_pb2 as pb
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.tiny import default_model_dir
+from pdserve.node_common.convert import params_to_proto
+from pdserve.node_common.ready import EXIT_REFUSED
+from pdserve.rpc import pdserve_pb2 as pb
 from testing.cluster import LocalCluster
 from testing.threads import start_thread
 

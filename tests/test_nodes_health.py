@@ -3,7 +3,7 @@ within its configured bound, its requests complete on the other decode node with
 uninterrupted run (greedy), and it exits with EXIT_UNHEALTHY for its supervisor to restart it.
 
 Real parts: etcd, 1 prefill + 2 decode node processes of the tiny model, a frontend process, the official
-openai SDK. The fault is the nodes' test-only hook (`PDSERVE_TEST_FAULT_STEP`, `node.health`): each decode
+openai SDK. The fault is the nodes' test-only hook (`PDSERVE_TEST_FAULT_STEP`, `node_common.health`): each decode
 node watches a trigger file of its own, and a test creates the file of the node serving its stream.
 The first test checks the engine side in-process: consecutive failures, their reset, the stall age.
 """
@@ -22,13 +22,13 @@ import httpx
 import openai
 import pytest
 
-from engine.async_engine import AsyncEngine
-from engine.config import EngineConfig
-from engine.sampling_params import SamplingParams
-from node.health import FAULT_ENV, HealthWatch, StepFault
-from node.metrics import ObservedEngine
-from node.ready import EXIT_UNHEALTHY
-from registry.etcd_server import free_port
+from pdserve.engine.async_engine import AsyncEngine
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.node_common.health import FAULT_ENV, HealthWatch, StepFault
+from pdserve.node_common.metrics import ObservedEngine
+from pdserve.node_common.ready import EXIT_UNHEALTHY
+from pdserve.registry.etcd_server import free_port
 from testing.cluster import LocalCluster, NodeProcess
 from testing.procs import FrontendProc, start_frontend
 

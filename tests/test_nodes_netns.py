@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from engine.tiny import default_model_dir
-from registry import find_etcd_binary
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.tiny import default_model_dir
+from pdserve.registry import find_etcd_binary
 from testing.cluster import REPO_ROOT, LocalCluster
 
 pytestmark = pytest.mark.timeout(300)
@@ -121,7 +121,7 @@ def test_kv_crosses_a_veth_link_between_namespaces(netns: NetnsPair, tmp_path: P
             prompt = [rng.randrange(5, 4000) for _ in range(700)]
             before = tx_bytes(netns.ns_prefill, netns.veth_prefill)
             out = subprocess.run(
-                [*netns.exec_prefix(netns.ns_decode), sys.executable, "-m", "node.decode.client",
+                [*netns.exec_prefix(netns.ns_decode), sys.executable, "-m", "pdserve.decode_node.client",
                  "--target", decode.grpc_address, "--prompt-ids", ",".join(map(str, prompt)),
                  "--max-tokens", "8", "--ignore-eos", "--prefill-node-id", "p0"],
                 capture_output=True, text=True, timeout=120, cwd=REPO_ROOT,
@@ -145,7 +145,7 @@ def test_kv_crosses_a_veth_link_between_namespaces(netns: NetnsPair, tmp_path: P
                 deadline = time.monotonic() + 20
                 while True:
                     load = json.loads(subprocess.run(
-                        [*netns.exec_prefix(ns), sys.executable, "-m", "node.decode.client", "--target",
+                        [*netns.exec_prefix(ns), sys.executable, "-m", "pdserve.decode_node.client", "--target",
                          node.grpc_address, "--load", role], capture_output=True, text=True, timeout=60,
                         cwd=REPO_ROOT, env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)),
                     ).stdout)  # fmt: skip

@@ -1,4 +1,4 @@
-"""The control-plane protocol: the checked-in generated modules match protos/pdserve.proto, and the
+"""The control-plane protocol: the checked-in generated modules match rpc/pdserve.proto, and the
 message conversions the nodes use lose nothing."""
 
 from __future__ import annotations
@@ -8,26 +8,31 @@ import subprocess
 import sys
 from pathlib import Path
 
-from engine.sampling_params import SamplingParams
-from engine.sequence import TokenLogprob
-from node.convert import logprob_from_proto, logprob_to_proto, params_from_proto, params_to_proto
-from protos import pdserve_pb2 as pb
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sequence import TokenLogprob
+from pdserve.node_common.convert import (
+    logprob_from_proto,
+    logprob_to_proto,
+    params_from_proto,
+    params_to_proto,
+)
+from pdserve.rpc import pdserve_pb2 as pb
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 GENERATED = ("pdserve_pb2.py", "pdserve_pb2.pyi", "pdserve_pb2_grpc.py")
 
 
 def test_generated_modules_are_up_to_date(tmp_path: Path) -> None:
-    (tmp_path / "protos").mkdir()
-    shutil.copy(REPO_ROOT / "protos" / "pdserve.proto", tmp_path / "protos")
+    (tmp_path / "rpc").mkdir()
+    shutil.copy(REPO_ROOT / "rpc" / "pdserve.proto", tmp_path / "rpc")
     (tmp_path / "scripts").mkdir()
     shutil.copy(REPO_ROOT / "scripts" / "gen_protos.sh", tmp_path / "scripts")
     subprocess.run(
         ["bash", "scripts/gen_protos.sh"], cwd=tmp_path, check=True, env={"PYTHON": sys.executable, "PATH": "/usr/bin:/bin"}
     )
     for name in GENERATED:
-        fresh = (tmp_path / "protos" / name).read_text()
-        assert fresh == (REPO_ROOT / "protos" / name).read_text(), f"protos/{name} is stale: run scripts/gen_protos.sh"
+        fresh = (tmp_path / "rpc" / name).read_text()
+        assert fresh == (REPO_ROOT / "rpc" / name).read_text(), f"rpc/{name} is stale: run scripts/gen_protos.sh"
 
 
 def test_sampling_params_and_logprobs_round_trip() -> None:

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from node.convert import params_to_proto
-from protos import pdserve_pb2 as pb
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.node_common.convert import params_to_proto
+from pdserve.rpc import pdserve_pb2 as pb
 from testing.cluster import LocalCluster, random_prompt
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("check_integrity_after_each_test")]

@@ -16,9 +16,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
+from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.sampling_params import SamplingParams
 from testing.cluster import GenerateResult, LocalCluster
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("check_integrity_after_each_test")]

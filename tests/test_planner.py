@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
-from loadgen.metrics import parse_slos
-from planner.profile_model import EngineFacts, Linear, Profile, fit_linear, load_profile
-from planner.sim import NodeSettings, Overheads, Shape, SimRequest, load_overheads, simulate
-from planner.traffic import Traffic
+from pdserve.planner.loadgen.metrics import parse_slos
+from pdserve.planner.profile_model import EngineFacts, Linear, Profile, fit_linear, load_profile
+from pdserve.planner.sim import NodeSettings, Overheads, Shape, SimRequest, load_overheads, simulate
+from pdserve.planner.traffic import Traffic
 
 
 def synthetic(decode: Linear = Linear(0.01), prefill: Linear = Linear(0.01), transfer: Linear = Linear(0.0),
@@ -262,9 +262,9 @@ def test_the_planner_needs_no_torch() -> None:
     import subprocess
     import sys
 
-    code = ("import sys, planner.sim, planner.traffic, planner.profile_model, planner.plan, planner.cli, "
-            "planner.check, deploy.cli\n"
-            "deploy.cli.build_parser()\n"
+    code = ("import sys, pdserve.planner.sim, pdserve.planner.traffic, pdserve.planner.profile_model, "
+            "pdserve.planner.plan, pdserve.planner.cli, pdserve.planner.check, pdserve.deploy.cli\n"
+            "pdserve.deploy.cli.build_parser()\n"
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
     out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1],
                          capture_output=True, text=True, check=True)
@@ -279,7 +279,7 @@ def _plan_args(*argv: str) -> list[str]:
 
 
 def _run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
-    from deploy.cli import build_parser
+    from pdserve.deploy.cli import build_parser
 
     args = build_parser().parse_args(argv)
     rc = args.fn(args)
@@ -296,7 +296,7 @@ def _long_prompt_profile(tmp_path: Path) -> Path:
 def test_plan_recommends_the_cheapest_fitting_shape(tmp_path: Path) -> None:
     """The recommendation is the fewest nodes that fit; every cheaper shape misses the SLOs, and the
     recommended one meets them in its own simulation."""
-    from planner.plan import PlanConfig, Planner
+    from pdserve.planner.plan import PlanConfig, Planner
 
     prof = load_profile(_long_prompt_profile(tmp_path))
     cfg = PlanConfig(prof, parse_slos("ttft_p90=1s,tpot_p99=18ms"), 0.9, 5, rate=4.0,
@@ -313,7 +313,7 @@ def test_plan_recommends_the_cheapest_fitting_shape(tmp_path: Path) -> None:
 
 
 def test_sweep_brackets_each_shapes_highest_rate(tmp_path: Path) -> None:
-    from planner.plan import SWEEP_RESOLUTION, PlanConfig, Planner
+    from pdserve.planner.plan import SWEEP_RESOLUTION, PlanConfig, Planner
 
     prof = synthetic(decode=Linear(0.01, 1e-3), prefill=Linear(0.01, 1e-4), seqs=16)
     cfg = PlanConfig(prof, parse_slos("ttft_p90=500ms"), 0.9, 2, sweep=True, traffic=Traffic.parse("32", "32"),
@@ -331,7 +331,7 @@ def test_sweep_brackets_each_shapes_highest_rate(tmp_path: Path) -> None:
 
 def test_plan_cli_prints_json_and_writes_a_values_file_the_render_accepts(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from deploy.k8s.render import load_values, render_objects
+    from pdserve.deploy.k8s.render import load_values, render_objects
 
     values = tmp_path / "values.yaml"
     overheads = tmp_path / "overheads.json"
@@ -375,7 +375,7 @@ def test_plan_replays_a_trace_at_its_own_rate(tmp_path: Path, capsys: pytest.Cap
 
 
 def test_workload_spec_errors_are_clear() -> None:
-    from planner.cli import parse_workload
+    from pdserve.planner.cli import parse_workload
 
     t = parse_workload("prompt=uniform:1:9,output=7,prefix=5")
     assert (str(t.prompt_tokens), str(t.output_tokens), t.shared_prefix_tokens) == ("uniform:1:9", "7", 5)
@@ -405,7 +405,7 @@ def test_profile_quick_then_plan_on_it(tiny_llama_dir: Path, tmp_path: Path) -> 
 
     repo = Path(__file__).resolve().parents[1]
     prof_path, values = tmp_path / "profile.json", tmp_path / "values.yaml"
-    out = subprocess.run([sys.executable, "-m", "deploy", "profile", "--model", str(tiny_llama_dir), "--quick",
+    out = subprocess.run([sys.executable, "-m", "pdserve.deploy", "profile", "--model", str(tiny_llama_dir), "--quick",
                           "--num-threads", "1", "--out", str(prof_path), "--no-progress"],
                          cwd=repo, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -419,7 +419,7 @@ def test_profile_quick_then_plan_on_it(tiny_llama_dir: Path, tmp_path: Path) -> 
     assert all(p["seconds"] > 0 for pts in data["points"].values() for p in pts)
     for fit in (prof.prefill, prof.decode, prof.transfer):
         assert fit.a >= 0 and fit.b >= 0 and fit.c >= 0
-    out = subprocess.run([sys.executable, "-m", "deploy", "plan", "--profile", str(prof_path), "--workload",
+    out = subprocess.run([sys.executable, "-m", "pdserve.deploy", "plan", "--profile", str(prof_path), "--workload",
                           "prompt=uniform:16:256,output=16", "--rate", "1", "--slo", "ttft_p90=30s",
                           "--max-nodes", "2", "--requests", "50", "--values-out", str(values)],
                          cwd=repo, capture_output=True, text=True, timeout=300)
@@ -438,7 +438,7 @@ def test_check_reads_a_live_cluster_and_judges_its_shape(tiny_llama_dir: Path, t
     shape is 1P:1D, and the verdict follows the SLO (lenient: fits; impossible: does not, nothing does)."""
     import httpx
 
-    from registry.etcd_server import free_port
+    from pdserve.registry.etcd_server import free_port
     from testing.cluster import LocalCluster
     from testing.procs import start_frontend
 
@@ -494,8 +494,8 @@ def _check_through_prometheus(cluster: Any, frontend_url: str, tmp_path: Path, p
     import httpx
     import yaml
 
-    from deploy.metrics_render import query
-    from registry.etcd_server import free_port
+    from pdserve.deploy.metrics_render import query
+    from pdserve.registry.etcd_server import free_port
     from tests.test_prometheus_live import prometheus_binary
 
     targets = [frontend_url.removeprefix("http://")]

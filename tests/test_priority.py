@@ -16,12 +16,12 @@ from pathlib import Path
 import openai
 import pytest
 
-from frontend.config import ConfigError
-from frontend.errors import APIError
-from frontend.limits import TenantLimiter
-from frontend.protocol import effective_priority, parse_chat_request
-from frontend.tenants import Tenant, TenantLimits, TenantTable
-from registry.etcd_server import free_port
+from pdserve.frontend.config import ConfigError
+from pdserve.frontend.errors import APIError
+from pdserve.frontend.limits import TenantLimiter
+from pdserve.frontend.protocol import effective_priority, parse_chat_request
+from pdserve.frontend.tenants import Tenant, TenantLimits, TenantTable
+from pdserve.registry.etcd_server import free_port
 from testing.cluster import LocalCluster
 from testing.procs import FrontendProc, start_frontend
 

@@ -29,9 +29,9 @@ import openai
 import pytest
 import yaml
 
-from deploy.metrics_render import RenderConfig, expand, load_panels, query, render
-from frontend.tenants import hash_key
-from registry.etcd_server import free_port
+from pdserve.deploy.metrics_render import RenderConfig, expand, load_panels, query, render
+from pdserve.frontend.tenants import hash_key
+from pdserve.registry.etcd_server import free_port
 from testing.up_cluster import REPO_ROOT, UpCluster
 
 pytestmark = pytest.mark.timeout(600)

@@ -25,7 +25,7 @@ import pytest
 import torch
 from pydantic import BaseModel, Field
 
-from registry.etcd_server import free_port
+from pdserve.registry.etcd_server import free_port
 from testing.cluster import LocalCluster
 from testing.openapi import OpenAPISchemas
 from testing.procs import FrontendProc, start_frontend

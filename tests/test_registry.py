@@ -17,7 +17,7 @@ from pathlib import Path
 import aetcd
 import pytest
 
-from registry import (
+from pdserve.registry import (
     EtcdNotFoundError,
     EtcdServer,
     Member,
@@ -35,8 +35,8 @@ from registry import (
     parse_endpoint,
     parse_key,
 )
-from registry.etcd_server import free_port
-from registry.records import SCHEMA_VERSION
+from pdserve.registry.etcd_server import free_port
+from pdserve.registry.records import SCHEMA_VERSION
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TTL_S = 2  # etcd's minimum lease TTL with default heartbeat/election settings
@@ -230,7 +230,7 @@ def test_mismatched_pool_member_is_refused_matching_one_joins(etcd: EtcdServer) 
 
 NODE_SCRIPT = """
 import asyncio, sys
-from registry import NodeCapacity, NodeLoad, NodeRecord, NodeRegistration
+from pdserve.registry import NodeCapacity, NodeLoad, NodeRecord, NodeRegistration
 
 async def main() -> None:
     endpoint, node_id, cluster, ttl = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
@@ -379,7 +379,7 @@ def test_unreachable_etcd_fails_start_with_clear_error() -> None:
 
 def run_cli(data_dir: Path) -> tuple[subprocess.Popen[str], dict[str, object]]:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "registry.etcd_server", "--data-dir", str(data_dir)],
+        [sys.executable, "-m", "pdserve.registry.etcd_server", "--data-dir", str(data_dir)],
         cwd=REPO_ROOT,
         stdout=subprocess.PIPE,
         text=True,

@@ -7,9 +7,9 @@ from collections import Counter
 import pytest
 import torch
 
-from engine.sampler import Sampler, apply_penalties, apply_top_k_top_p, token_counts
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+from pdserve.engine.sampler import Sampler, apply_penalties, apply_top_k_top_p, token_counts
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sequence import Sequence
 
 
 def make_seq(name: str, params: SamplingParams, prompt: list[int] | None = None) -> Sequence:

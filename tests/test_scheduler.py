@@ -6,10 +6,10 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from engine.block_manager import BlockManager
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from engine.sequence import Sequence, SequenceStatus
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pdserve.engine.sequence import Sequence, SequenceStatus
 
 TokenFn = Callable[[list[int]], int]
 

@@ -15,13 +15,13 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from node.config import NodeConfig
-from protos import pdserve_pb2 as pb
-from protos import pdserve_pb2_grpc as pb_grpc
-from rpc import TOKEN_ENV, RpcSecurity
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.node_common.config import NodeConfig
+from pdserve.rpc import TOKEN_ENV, RpcSecurity
+from pdserve.rpc import pdserve_pb2 as pb
+from pdserve.rpc import pdserve_pb2_grpc as pb_grpc
 from testing.cluster import LocalCluster
 
 pytestmark = pytest.mark.timeout(300)
@@ -151,7 +151,7 @@ def test_no_prompt_text_in_any_log_unless_enabled(cluster: LocalCluster, tmp_pat
     in no log (frontend, its request log, both nodes) unless the frontend was told --log-prompts."""
     import openai
 
-    from registry.etcd_server import free_port
+    from pdserve.registry.etcd_server import free_port
     from testing.procs import start_frontend
 
     marker = "zebra-quartz-7731"

@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 import torch
 
-from engine.async_engine import AsyncEngine
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from engine.sequence import Resume
-from engine.structured import (
+from pdserve.engine.async_engine import AsyncEngine
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sequence import Resume
+from pdserve.engine.structured import (
     GrammarCompiler,
     GrammarState,
     allow_tokens,
@@ -29,8 +29,8 @@ from engine.structured import (
     batch_bitmask,
     unpack_bitmask,
 )
-from engine.structured_spec import JSON_OPTIONS, GrammarError, StructuredSpec, check_spec
-from engine.tokenizer import Tokenizer
+from pdserve.engine.structured_spec import JSON_OPTIONS, GrammarError, StructuredSpec, check_spec
+from pdserve.engine.tokenizer import Tokenizer
 from testing.cluster import reference_engine
 
 SCHEMA: dict[str, Any] = {

@@ -18,11 +18,11 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from engine.structured_spec import StructuredSpec
-from engine.tokenizer import Tokenizer
-from registry.etcd_server import free_port
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.structured_spec import StructuredSpec
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.registry.etcd_server import free_port
 from testing.cluster import LocalCluster
 from testing.procs import FrontendProc, start_frontend
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.tiny import ARCHS, FORMAT_VERSION, corpus_texts, make_tiny_model, train_tokenizer
+from pdserve.engine.tiny import ARCHS, FORMAT_VERSION, corpus_texts, make_tiny_model, train_tokenizer
 
 PINNED_FORMAT_VERSION = 2
 CORPUS_SHA256 = "35ebb290384b1af1000e184386d1ec4d9262eaab0e6068079d525de7ba9e0d77"
@@ -53,7 +53,7 @@ ROOT = Path(__file__).resolve().parents[1]
 HASH_SCRIPT = """
 import hashlib, json, sys, tempfile
 from pathlib import Path
-from engine.tiny import make_tiny_model
+from pdserve.engine.tiny import make_tiny_model
 out = make_tiny_model(Path(tempfile.mkdtemp()) / "m", sys.argv[1], 0)
 print(json.dumps({f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(out.iterdir())}))
 """

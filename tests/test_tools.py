@@ -14,16 +14,16 @@ from typing import Any
 
 import pytest
 
-from engine.structured import GrammarCompiler
-from engine.structured_spec import GrammarError, StructuredSpec
-from engine.tokenizer import Tokenizer
-from frontend.config import ModelSpec
-from frontend.errors import APIError
-from frontend.models import ModelCatalog, ServedModel
-from frontend.prepare import tokenize
-from frontend.protocol import RequestLimits, parse_chat_request, parse_completion_request
-from frontend.render import StreamEncoder
-from frontend.tools import (
+from pdserve.engine.structured import GrammarCompiler
+from pdserve.engine.structured_spec import GrammarError, StructuredSpec
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.frontend.config import ModelSpec
+from pdserve.frontend.errors import APIError
+from pdserve.frontend.models import ModelCatalog, ServedModel
+from pdserve.frontend.prepare import tokenize
+from pdserve.frontend.protocol import RequestLimits, parse_chat_request, parse_completion_request
+from pdserve.frontend.render import StreamEncoder
+from pdserve.frontend.tools import (
     ArrayCallParser,
     NamedCallParser,
     TaggedCallParser,

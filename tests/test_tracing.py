@@ -25,7 +25,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceResponse,
 )
 
-from registry.etcd_server import free_port
+from pdserve.registry.etcd_server import free_port
 from testing.cluster import LocalCluster
 from testing.procs import FrontendProc, start_frontend
 
@@ -331,8 +331,8 @@ def test_no_tracing_objects_without_an_endpoint(tiny_llama_dir: Path) -> None:
     code = (
         "import sys, time\n"
         "from frontend.config import FrontendConfig, ModelSpec\n"
-        "from frontend.service import Frontend\n"
-        "from node.prefill.config import PrefillNodeConfig\n"
+        "from frontend.pipeline import Frontend\n"
+        "from prefill_node.config import PrefillNodeConfig\n"
         "from tracing import start_tracing\n"
         f"fe = Frontend(FrontendConfig(etcd_endpoints=('127.0.0.1:1',), models=(ModelSpec('tiny', {str(tiny_llama_dir)!r}),),"
         " prepare_workers=1))\n"
@@ -362,12 +362,12 @@ def test_pdserve_up_passes_the_tracing_options_to_every_process(tiny_llama_dir: 
     import argparse
     from types import SimpleNamespace
 
-    from deploy.cli import build_parser as pdserve_parser
-    from deploy.launcher.config import build_config
-    from deploy.launcher.process import Slot, command
-    from frontend.config import build_parser as frontend_parser
-    from node.config import add_node_args
-    from tracing import tracing_config_from_args
+    from pdserve.deploy.cli import build_parser as pdserve_parser
+    from pdserve.deploy.launcher.config import build_config
+    from pdserve.deploy.launcher.process import Slot, command
+    from pdserve.frontend.config import build_parser as frontend_parser
+    from pdserve.node_common.config import add_node_args
+    from pdserve.rpc.tracing import tracing_config_from_args
 
     def resolve(_: str | None) -> Any:
         return SimpleNamespace(path=tiny_llama_dir, name="tiny")
@@ -392,7 +392,7 @@ def test_sampling_follows_the_ratio_and_the_parent_and_shutdown_flushes(receiver
     """Ratio 0 records nothing but still propagates the context (flag "not sampled"), and a process
     following such a parent records nothing either; `shutdown` exports what is queued (no schedule delay
     waited for); a span lasts exactly end - start of the clock readings it was given."""
-    from tracing import TracingConfig, start_tracing
+    from pdserve.rpc.tracing import TracingConfig, start_tracing
 
     never = start_tracing(TracingConfig(receiver.endpoint, 0.0), "unit-never", {}, time.monotonic)
     always = start_tracing(TracingConfig(receiver.endpoint, 1.0), "unit-always", {}, time.monotonic)
@@ -414,7 +414,7 @@ def test_sampling_follows_the_ratio_and_the_parent_and_shutdown_flushes(receiver
 
 
 def test_tracing_options_are_validated() -> None:
-    from tracing import TracingConfig, add_tracing_args, tracing_config_from_args
+    from pdserve.rpc.tracing import TracingConfig, add_tracing_args, tracing_config_from_args
 
     for bad in (dict(otlp_endpoint="collector:4318"), dict(otlp_endpoint="ftp://c"), dict(sample_ratio=1.5)):
         with pytest.raises(ValueError):
@@ -434,7 +434,7 @@ def test_tracing_options_are_validated() -> None:
 def test_shutdown_does_not_wait_for_an_unreachable_receiver() -> None:
     """A process stopping while its receiver is down exits after `shutdown`'s timeout, not after the
     exporter's retries (seconds of backoff)."""
-    from tracing import TracingConfig, start_tracing
+    from pdserve.rpc.tracing import TracingConfig, start_tracing
 
     tracer = start_tracing(TracingConfig(f"http://127.0.0.1:{free_port()}"), "unit-down", {}, time.monotonic)
     assert tracer is not None
@@ -502,7 +502,7 @@ def test_migrations_and_a_mid_stream_error_event_in_the_trace(
     """Against scripted decode nodes that fail a seeded request after its second token: each Generate call
     (the first and the two migrations) is a span of its own, the superseded ones marked failed; the SSE
     error event that ends the stream names the trace (the stream's x-trace-id header does too)."""
-    from registry import EtcdServer
+    from pdserve.registry import EtcdServer
     from testing.procs import start_scripted_node
 
     fail_seed = 4242

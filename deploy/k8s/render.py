@@ -25,7 +25,7 @@ from typing import Any
 import jinja2
 import yaml
 
-from deploy.k8s.context import ValuesError, build_context, deep_merge
+from pdserve.deploy.k8s.context import ValuesError, build_context, deep_merge
 
 __all__ = ["ValuesError", "build_context", "deep_merge", "load_values", "main", "render", "render_objects", "set_value"]
 

@@ -3,10 +3,10 @@
 Processes, each in a session of its own so that a Ctrl-C in the terminal reaches only the launcher, which
 then stops them in order:
 
-    etcd        python -m registry.etcd_server    (etcd's /metrics is on its client port)
-    prefill-i   python -m node.prefill            (/metrics on a port the launcher picks)
-    decode-i    python -m node.decode
-    frontend    python -m frontend                (the OpenAI API and /metrics on --host:--port)
+    etcd        python -m pdserve.registry.etcd_server    (etcd's /metrics is on its client port)
+    prefill-i   python -m prefill_node            (/metrics on a port the launcher picks)
+    decode-i    python -m decode_node
+    frontend    python -m pdserve.frontend                (the OpenAI API and /metrics on --host:--port)
 
 Start-up: etcd, then every node at once (progress shown while the models load), then the frontend once
 the nodes are registered. A process that dies after it was ready is reported and restarted, with a
@@ -28,7 +28,7 @@ banner), `shutdown` (stop order, registry check).
 
 from __future__ import annotations
 
-from deploy.launcher.config import (
+from pdserve.deploy.launcher.config import (
     POOLS,
     REPO_ROOT,
     ClusterState,
@@ -38,9 +38,9 @@ from deploy.launcher.config import (
     pid_alive,
     write_json_atomic,
 )
-from deploy.launcher.process import Slot, StartupError
-from deploy.launcher.shutdown import registry_keys
-from deploy.launcher.supervisor import Launcher
+from pdserve.deploy.launcher.process import Slot, StartupError
+from pdserve.deploy.launcher.shutdown import registry_keys
+from pdserve.deploy.launcher.supervisor import Launcher
 
 __all__ = [
     "POOLS", "REPO_ROOT", "ClusterState", "Launcher", "LauncherConfig", "Slot", "StartupError", "build_config",

@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from node.affinity import parse_cpus, split_cpus
+from pdserve.node_common.pinning import parse_cpus, split_cpus
 
 if TYPE_CHECKING:
-    from engine.default_model import ResolvedModel
+    from pdserve.engine.default_model import ResolvedModel
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 POOLS = ("etcd", "prefill", "decode", "frontend")

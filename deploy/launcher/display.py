@@ -9,8 +9,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from deploy.launcher.config import LauncherConfig, default_runs_dir
-from deploy.launcher.process import Slot
+from pdserve.deploy.launcher.config import LauncherConfig, default_runs_dir
+from pdserve.deploy.launcher.process import Slot
 
 
 def progress_table(slots: Sequence[Slot], what: str) -> Table:
@@ -34,7 +34,7 @@ def endpoint(cfg: LauncherConfig, slot: Slot, etcd_endpoints: Sequence[str]) -> 
 
 def served_dtype(cfg: LauncherConfig) -> str:
     """The dtype the nodes will serve in and why (what each node also logs at start)."""
-    from engine.dtype import checkpoint_dtype_name, resolve_dtype
+    from pdserve.engine.dtype import checkpoint_dtype_name, resolve_dtype
 
     try:
         return resolve_dtype(cfg.dtype, checkpoint_dtype_name(cfg.model), "cpu").reason

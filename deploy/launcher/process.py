@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from deploy.launcher.config import REPO_ROOT, LauncherConfig
-from node.affinity import format_cpus
-from node.ready import READY_PREFIX
-from registry.etcd_server import free_port
+from pdserve.deploy.launcher.config import REPO_ROOT, LauncherConfig
+from pdserve.node_common.pinning import format_cpus
+from pdserve.node_common.ready import READY_PREFIX
+from pdserve.registry.etcd_server import free_port
 
 
 @dataclass(eq=False)
@@ -65,21 +65,21 @@ def command(cfg: LauncherConfig, slot: Slot, etcd_endpoints: Sequence[str], logs
     """The command line of the slot's process."""
     py = [cfg.python, "-m"]
     if slot.pool == "etcd":
-        return [*py, "registry.etcd_server", "--data-dir", str(cfg.cluster_dir / "etcd")]
+        return [*py, "pdserve.registry.etcd_server", "--data-dir", str(cfg.cluster_dir / "etcd")]
     etcd = ",".join(etcd_endpoints)
     tracing = ["--trace-sample-ratio", str(cfg.trace_sample_ratio)]
     if cfg.otlp_endpoint:
         tracing += ["--otlp-endpoint", cfg.otlp_endpoint]
     if slot.pool == "frontend":
         return [
-            *py, "frontend", "--etcd", etcd, "--cluster", cfg.cluster, "--host", cfg.host, "--port", str(cfg.port),
+            *py, "pdserve.frontend", "--etcd", etcd, "--cluster", cfg.cluster, "--host", cfg.host, "--port", str(cfg.port),
             "--model", f"{cfg.model_name}={cfg.model}", "--frontend-id", slot.name,
             "--request-log", str(logs_dir / "requests.log"), *tracing, *cfg.frontend_args,
         ]
     cpus = cfg.node_cpus().get(slot.name, ())
     pinning = ["--cpus", format_cpus(cpus)] if cpus else []
     return [
-        *py, f"node.{slot.pool}", "--node-id", slot.name, "--cluster", cfg.cluster, "--etcd", etcd,
+        *py, f"pdserve.{slot.pool}_node", "--node-id", slot.name, "--cluster", cfg.cluster, "--etcd", etcd,
         "--model", cfg.model, "--model-name", cfg.model_name, "--dtype", cfg.dtype, *pinning,
         "--kv-cache-memory-mib", str(cfg.kv_memory_mib), "--kv-cache-dtype", cfg.kv_cache_dtype,
         "--num-threads", str(cfg.node_threads(slot.name)),

@@ -11,8 +11,8 @@ from collections.abc import Iterable, Sequence
 
 from rich.console import Console
 
-from deploy.launcher.process import Slot, send_signal
-from registry import cluster_prefix, parse_endpoint
+from pdserve.deploy.launcher.process import Slot, send_signal
+from pdserve.registry import cluster_prefix, parse_endpoint
 
 STOP_ORDER = ("frontend", "decode", "prefill")  # etcd last, after the registry check
 

@@ -18,11 +18,11 @@ from typing import Any
 from rich.console import Console
 from rich.live import Live
 
-from deploy.launcher.config import ClusterState, LauncherConfig, write_json_atomic
-from deploy.launcher.display import endpoint, print_banner, progress_table
-from deploy.launcher.process import Slot, StartupError, command, http_ok, spawn
-from deploy.launcher.shutdown import STOP_ORDER, empty_registry, stop_grace_s, stop_group
-from rpc import TOKEN_ENV
+from pdserve.deploy.launcher.config import ClusterState, LauncherConfig, write_json_atomic
+from pdserve.deploy.launcher.display import endpoint, print_banner, progress_table
+from pdserve.deploy.launcher.process import Slot, StartupError, command, http_ok, spawn
+from pdserve.deploy.launcher.shutdown import STOP_ORDER, empty_registry, stop_grace_s, stop_group
+from pdserve.rpc import TOKEN_ENV
 
 _POLL_S = 0.2
 _BACKOFF_MAX_S = 30.0

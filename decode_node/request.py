@@ -1,0 +1,115 @@
+"""One object per request on a decode node (`DecodeRequest`), with its stage as an explicit, checked
+state. The servicer's request table holds it from arrival until the engine let go of the request.
+
+    local:   DECODING ───────────────────────────────────────────> ENDING ──> (dropped)
+    remote:  RESERVING ──> PREFILLING ──(KV landed)──> DECODING ──> ENDING ──> (dropped)
+                              ├──(failed before the first token: prefilled here, now local)──> DECODING
+                              ├──(KV did not land after the first token: prompt + tokens so far
+                              │    re-prefilled here, now local)──────────────────────────> DECODING
+                 └────────────┴──(refused, cancelled, first token ended it)──> ENDING
+
+KV blocks by stage (decode side): RESERVING holds none (it may wait in the reservation queue);
+PREFILLING holds its reservation (the engine's RESERVED sequence, written by the transfer, with the first
+token appended once it came); DECODING is the engine scheduler's; ENDING holds what the engine has until
+the abort that ends it is done. PREFILLING leaves for DECODING-here only once no receive can still write
+the reservation (the receive resolved, or none was posted), since the engine frees it then.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from pdserve.engine.async_engine import RequestStream
+from pdserve.engine.block_manager import Reservation
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sequence import Resume
+from pdserve.kv_transfer import Channel, TransferHandle
+from pdserve.registry import Member
+from pdserve.rpc import pdserve_pb2 as pb
+
+
+class Stage(enum.Enum):
+    RESERVING = "reserving"  # remote: waiting for its KV blocks to be reserved
+    PREFILLING = "prefilling"  # remote: blocks reserved; the prefill node computes and ships the prompt K/V
+    DECODING = "decoding"  # in the engine's scheduler: landed, or prefilled here
+    ENDING = "ending"  # refused, failed, cancelled or finished: waiting for the engine to let go
+
+
+_NEXT: dict[Stage, frozenset[Stage]] = {
+    Stage.RESERVING: frozenset({Stage.PREFILLING, Stage.ENDING}),
+    Stage.PREFILLING: frozenset({Stage.DECODING, Stage.ENDING}),
+    Stage.DECODING: frozenset({Stage.ENDING}),
+    Stage.ENDING: frozenset(),
+}
+
+
+@dataclass(eq=False)
+class RemotePrefill:
+    """Where a remote request's prefill and transfer stand (owned by its `decode_node.remote` driver)."""
+
+    prefill: Member
+    call: grpc.aio.UnaryStreamCall | None = None  # the Prefill call
+    channel: Channel | None = None
+    recv: TransferHandle | None = None
+    got_first: bool = False
+    skipped: bool = False  # the prefill node shipped nothing (TransferDone ok + skipped)
+    cached_tokens: int = 0  # the prefill node's prefix-cache hit
+    sent_checksum: tuple[str, int] | None = None  # TransferDone's (algorithm, digest) of the bytes P sent
+    # The prefill node reported its part done (TransferDone ok): its leaving the registry no longer
+    # concerns this request (a drained prefill node revokes its lease right after its last send).
+    done: bool = False
+    # Why the prefill or transfer failed (the first cause wins), for the fallback metric (before the
+    # first token: decode_node.metrics.FALLBACK_REASONS) or the re-prefill metric (REPREFILL_REASONS).
+    failure: str = ""
+    span: Any = None  # tracing on: the KV wait span (the Prefill call's parent) until it ends
+
+
+@dataclass(eq=False)
+class DecodeRequest:
+    """A request on this decode node, from arrival until the engine let go of it."""
+
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    arrived: float
+    stream: RequestStream
+    stage: Stage
+    remote: RemotePrefill | None = None  # None: prefilled here (from the start, or after a failed remote prefill)
+    reservation: Reservation | None = None  # set when RESERVING ends
+    cancelled: bool = False  # the caller went away or aborted
+    error: str | None = None  # why it failed, for the caller
+    timing: pb.Timing = field(default_factory=pb.Timing)
+    # A resumed request (GenerateRequest.resume_token_ids): the completion tokens another node delivered.
+    resume: Resume | None = None
+    landed_at: float | None = None  # time.monotonic() when its transferred KV was handed to the engine
+    local_prefill_s: float = 0.0  # prefilled here: arrival to its first message (its reported prefill time)
+    span: Any = None  # tracing on: the request's span on this node (`decode_node.trace`)
+
+    def __post_init__(self) -> None:
+        assert (self.stage == Stage.DECODING) == (self.remote is None), "local requests start decoding"
+
+    @property
+    def context(self) -> list[int]:
+        """What is prefilled: the prompt, followed by a resumed request's resumed tokens."""
+        return self.prompt + list(self.resume.token_ids) if self.resume is not None else self.prompt
+
+    @property
+    def prefill_id(self) -> str:
+        """Who prefills it ("" for this node)."""
+        return self.remote.prefill.node_id if self.remote is not None else ""
+
+    def advance(self, stage: Stage) -> None:
+        """Moves to `stage`; asserts the move is one the diagram allows."""
+        assert stage in _NEXT[self.stage], f"request {self.request_id}: {self.stage.name} -> {stage.name}"
+        self.stage = stage
+
+    def check(self) -> None:
+        """Asserts the fields agree with the stage."""
+        if self.stage == Stage.RESERVING:
+            assert self.reservation is None and self.remote is not None and self.remote.call is None
+        if self.stage == Stage.PREFILLING:
+            assert self.reservation is not None and self.remote is not None

@@ -1,0 +1,409 @@
+"""The decode node's gRPC service (RPCs only): it takes requests, prefills short ones itself, has the
+rest prefilled on a prefill node whose KV it receives, and streams the generated tokens.
+
+Generate, per request:
+  1. Route: the prefill node is the caller's hint while that node is usable, else what the cluster's one
+     prefill rule (`registry.placement`) picks; none (or force_local_prefill, or an uncached prompt part
+     below the threshold, or with --max-prefill-queue-tokens a full queue at that node while this node's
+     own prefill backlog is shorter) means local prefill, an ordinary engine request the engine queues
+     until it fits.
+  2. Reservation (remote path): the prompt's blocks are reserved before any prefill work is spent
+     (`decode_node.reservations`).
+  3. The prefill and the KV transfer (`decode_node.remote`), after which the request lands in the engine.
+  4. Tokens are streamed, batched per message when several are waiting.
+
+A resumed request (resume_token_ids: completion tokens another decode node already delivered) follows
+the same steps with prompt + those tokens as its context; responses carry only the tokens after them,
+num_completion_tokens counts them too (`engine.sequence.Resume`).
+
+Drain: once the drain's grace (`--drain-grace`) is over, `hand_over` ends every request still here with
+finish_reason "migrate" (after the tokens it produced) and frees its blocks; the frontend resumes it on
+another decode node.
+
+Every request is one `DecodeRequest` (`decode_node.request`) in `requests`, from arrival until the
+engine let go of it.
+
+Tracing on (`ctx.tracer`): the caller's `traceparent` (gRPC metadata) is the parent of the request's
+spans (`decode_node.trace`); the Prefill call carries the KV wait span's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+import grpc
+
+from pdserve.decode_node import trace
+from pdserve.decode_node.config import DecodeNodeConfig
+from pdserve.decode_node.metrics import DecodeMetrics
+from pdserve.decode_node.remote import PrefillLink
+from pdserve.decode_node.request import DecodeRequest, RemotePrefill, Stage
+from pdserve.decode_node.reservations import ReservationQueue, ReservationRefused
+from pdserve.engine.async_engine import RequestStream, abort_output
+from pdserve.engine.llm_engine import EngineRequests, RequestOutput
+from pdserve.engine.sequence import Resume
+from pdserve.node_common.config import setup_logging
+from pdserve.node_common.convert import logprob_to_proto, params_from_proto
+from pdserve.node_common.runtime import run_node
+from pdserve.node_common.service import NodeContext, NodeService
+from pdserve.registry import Member
+from pdserve.registry.placement import choose_prefill, usable_prefill
+from pdserve.rpc import pdserve_pb2 as pb
+from pdserve.rpc import pdserve_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+# The finish_reason that ends a stream whose request this node hands over (rpc/pdserve.proto): the
+# caller continues the request on another decode node.
+HANDOVER = "migrate"
+
+
+class DecodeService(NodeService, pb_grpc.DecodeNodeServicer):
+    def __init__(self, ctx: NodeContext) -> None:
+        super().__init__(ctx)
+        assert isinstance(ctx.config, DecodeNodeConfig)
+        self.config: DecodeNodeConfig = ctx.config
+        assert isinstance(ctx.metrics, DecodeMetrics)
+        self.metrics: DecodeMetrics = ctx.metrics
+        self.requests: dict[str, DecodeRequest] = {}
+        self.reservations = ReservationQueue(ctx, self.config.reservation_queue_limit,
+                                             self.config.reservation_timeout_s)
+        self.link = PrefillLink(ctx, self.config, self.metrics, self._end)
+        self._vocab = ctx.engine.engine.model_config.vocab_size
+        self.handover_after_s = self.config.drain_grace_s
+        ctx.engine.on_blocks_freed(self.reservations.kick)
+
+    def add_to_server(self, server: grpc.aio.Server) -> None:
+        pb_grpc.add_DecodeNodeServicer_to_server(self, server)
+
+    def request_stages(self) -> Mapping[str, str]:
+        return {rid: req.stage.value for rid, req in list(self.requests.items())}
+
+    def reservation_queue(self) -> int:
+        return len(self.reservations)
+
+    # -- RPCs -----------------------------------------------------------------------------------------
+
+    async def GetLoad(self, request: pb.LoadRequest, context: grpc.aio.ServicerContext) -> pb.LoadResponse:
+        return self.load_response()
+
+    async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+        req = self.requests.get(request.request_id)
+        if req is None or req.stage == Stage.ENDING:
+            return pb.AbortResponse(found=False)
+        self._cancel(req)
+        req.stream.push(abort_output(req.request_id))
+        return pb.AbortResponse(found=True)
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        arrived = time.monotonic()
+        tracer = self.ctx.tracer
+        span = trace.start_request(tracer, context, request, self.config.node_id, arrived) if tracer else None
+        try:
+            req = await self._accept(request, context, arrived, span)
+        except BaseException as err:
+            if tracer is not None:
+                trace.refused(tracer, span, context, err)
+            raise
+        completion = len(req.resume.token_ids) if req.resume is not None else 0  # resumed ones count
+        first = True
+        last: pb.GenerateResponse | None = None
+        timing: pb.Timing | None = None  # the latest reported (the last message's is complete)
+        try:
+            while True:
+                batch = await req.stream.next_batch()
+                completion += sum(len(o.new_token_ids) for o in batch)
+                last = self._response(request, req, batch, completion, first)
+                if last.HasField("timing"):
+                    timing = last.timing
+                yield last
+                first = False
+                if batch[-1].finished:
+                    break
+        finally:
+            if not req.stream.finished:  # the caller went away: stop the work and free its blocks
+                self._cancel(req)
+            elif req.stage == Stage.DECODING and self.requests.get(req.request_id) is req:
+                self._forget(req)  # finished in the engine, which already freed its blocks
+            if tracer is not None:
+                trace.end_request(tracer, req, timing, last)
+
+    # -- accepting a request --------------------------------------------------------------------------
+
+    async def _accept(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, arrived: float, span: Any
+    ) -> DecodeRequest:
+        """Validates and registers the request, starting it locally or reserving its blocks and starting
+        its remote prefill. Aborts the call (INVALID_ARGUMENT, ALREADY_EXISTS, RESOURCE_EXHAUSTED,
+        UNAVAILABLE) when it cannot be taken."""
+        await self.refuse_if_draining(context)
+        rid = request.request_id or f"req-{uuid.uuid4().hex}"
+        prompt = list(request.prompt_token_ids)
+        try:
+            params = params_from_proto(request.params)
+        except ValueError as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        if not prompt or any(not 0 <= t < self._vocab for t in prompt):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"prompt must be non-empty ids in [0, {self._vocab})")
+        resume = self._resume(request)
+        if isinstance(resume, str):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, resume)
+        if rid in self.requests:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {rid!r} is already running")
+        # A resumed request is prefilled (here or remotely, by the usual rules) from prompt + resumed tokens.
+        ctx = prompt + list(resume.token_ids) if resume is not None else prompt
+        local = request.force_local_prefill or self.config.colocated
+        prefill = None if local else self._prefill_node(request.prefill_node_id, ctx)
+        if prefill is not None:
+            hit, backlog = await self.ctx.engine.call(lambda e: (e.prefix_hit_tokens(ctx), e.prefill_backlog_tokens()))
+            if len(ctx) - hit < self.config.local_prefill_threshold:
+                prefill = None
+            elif self._prefill_queue_full(prefill.node_id, backlog):
+                self.metrics.queue_local_prefill()
+                prefill = None
+        if prefill is None:
+            req = DecodeRequest(rid, prompt, params, arrived, RequestStream(rid), Stage.DECODING, resume=resume,
+                                span=span)
+            return await self._start_local(req, context)
+        req = DecodeRequest(rid, prompt, params, arrived, RequestStream(rid), Stage.RESERVING, RemotePrefill(prefill),
+                            resume=resume, span=span)
+        return await self._start_remote(req, context)
+
+    @staticmethod
+    def _resume(request: pb.GenerateRequest) -> Resume | None | str:
+        """The request's resume point (None: a new request), or why it is malformed. The engine checks
+        the rest when it takes the request, as INVALID_ARGUMENT too (ids in the vocabulary, fewer than
+        max_tokens, the context length, a resumed token that would have ended it, text beyond what the
+        resumed tokens release)."""
+        if not request.resume_token_ids:
+            return "resume_text_chars without resume_token_ids" if request.resume_text_chars else None
+        try:
+            return Resume(tuple(request.resume_token_ids), request.resume_text_chars)
+        except ValueError as err:
+            return str(err)
+
+    def _prefill_queue_full(self, node_id: str, local_backlog: int) -> bool:
+        """Whether a new request should be prefilled here rather than on `node_id` (with
+        --max-prefill-queue-tokens set): this node's requests waiting there (reserving or prefilling) hold
+        at least that many context tokens, and this node's own prefill backlog is smaller."""
+        bound = self.config.max_prefill_queue_tokens
+        if bound <= 0:
+            return False
+        queued = sum(len(r.context) for r in self.requests.values()
+                     if r.stage in (Stage.RESERVING, Stage.PREFILLING) and r.prefill_id == node_id)
+        return queued >= bound and local_backlog < queued
+
+    def _prefill_node(self, hint: str, prompt: list[int]) -> Member | None:
+        """The hinted prefill node while it is usable (in this node's pool, not draining), else the one the
+        cluster's prefill rule picks (None: none is usable)."""
+        members = self.ctx.view.members(role="prefill", model=self.config.model_name)
+        pool = usable_prefill(members, self.ctx.fingerprint, self.config.engine.block_size)
+        by_id = {m.node_id: m for m in pool}
+        if hint in by_id:
+            return by_id[hint]
+        outstanding: dict[str, int] = {}
+        for req in self.requests.values():
+            if req.remote is not None and req.stage in (Stage.RESERVING, Stage.PREFILLING):
+                outstanding[req.prefill_id] = outstanding.get(req.prefill_id, 0) + 1
+        choice = choose_prefill(pool, prompt, outstanding)
+        return by_id.get(choice.node_id)
+
+    async def _start_local(self, req: DecodeRequest, context: grpc.aio.ServicerContext) -> DecodeRequest:
+        if self.ctx.engine.load().waiting >= self.config.max_local_waiting:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "decode node queue is full")
+        self._register(req)
+        rid = req.request_id
+        try:
+            req.stream = await self.ctx.engine.add_request(rid, req.prompt, req.params, resume=req.resume)
+        except ValueError as err:
+            self._forget(req)  # the engine refused it: nothing to free
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        except BaseException:
+            self._end_later(req)  # the add may still run: the abort follows it
+            raise
+        return req
+
+    async def _start_remote(self, req: DecodeRequest, context: grpc.aio.ServicerContext) -> DecodeRequest:
+        rid, arrived = req.request_id, req.arrived
+        self._register(req)
+        req.stream = self.ctx.engine.open_stream(rid)
+        try:
+            req.reservation = await self.reservations.reserve(req)
+        except (ReservationRefused, ValueError) as err:
+            await self._end(req)  # a reservation granted just as the wait ran out is given back here
+            code = grpc.StatusCode.INVALID_ARGUMENT if isinstance(err, ValueError) else grpc.StatusCode.RESOURCE_EXHAUSTED
+            await context.abort(code, str(err))
+        except BaseException:
+            # Cancelled while a reservation may have been made: the abort queued now runs after it.
+            self._end_later(req)
+            raise
+        req.timing.decode_admission_s = time.monotonic() - arrived
+        req.advance(Stage.PREFILLING)
+        self.ctx.spawn(self.link.drive(req), f"drive-{rid}")
+        return req
+
+    # -- the request table ----------------------------------------------------------------------------
+
+    def _register(self, req: DecodeRequest) -> DecodeRequest:
+        """Adds a request to the table before the engine hears of it."""
+        assert req.request_id not in self.requests
+        self.requests[req.request_id] = req
+        return req
+
+    def _forget(self, req: DecodeRequest) -> None:
+        """Drops a request the engine no longer holds."""
+        if self.requests.get(req.request_id) is req:
+            del self.requests[req.request_id]
+        self.ctx.engine.close_stream(req.request_id)
+        self.metrics.forget(req.request_id)
+
+    async def _end(self, req: DecodeRequest) -> None:
+        """Ends a request wherever it is: tells the caller why (if still listening), has the engine drop
+        it (freeing its blocks), then forgets it. Only called once no receive can still write its blocks."""
+        if req.stage != Stage.ENDING:
+            req.advance(Stage.ENDING)
+        if not req.stream.finished:
+            req.stream.push(abort_output(req.request_id, "abort" if req.cancelled else "error"))
+        try:
+            await self.ctx.engine.abort(req.request_id)
+        except RuntimeError:
+            pass  # the engine is stopped: it holds nothing any more
+        self._forget(req)
+
+    def _end_later(self, req: DecodeRequest) -> None:
+        """`_end` in a task of its own; the request is ENDING from now on."""
+        if req.stage != Stage.ENDING:
+            req.advance(Stage.ENDING)
+        self.ctx.spawn(self._end(req), f"end-{req.request_id}")
+
+    def _cancel(self, req: DecodeRequest) -> None:
+        """The caller is gone: stop the request wherever it is."""
+        if req.stage == Stage.DECODING:
+            req.cancelled = True
+            self._end_later(req)
+        elif req.stage == Stage.PREFILLING:
+            self.link.cancel(req)  # its driver frees what it holds
+        else:
+            req.cancelled = True  # RESERVING: its Generate call ends it; ENDING: already on its way out
+
+    def on_member_left(self, node_id: str) -> None:
+        self.link.prefill_left(node_id, list(self.requests.values()))
+
+    # -- responses ------------------------------------------------------------------------------------
+
+    def _response(
+        self, request: pb.GenerateRequest, req: DecodeRequest, batch: list[RequestOutput], completion: int,
+        first: bool,
+    ) -> pb.GenerateResponse:
+        last = batch[-1]
+        msg = pb.GenerateResponse(
+            request_id=req.request_id, token_ids=[t for o in batch for t in o.new_token_ids],
+            logprobs=[logprob_to_proto(lp) for o in batch for lp in o.new_logprobs],
+            finished=last.finished, num_prompt_tokens=len(req.prompt), num_completion_tokens=completion,
+            prefill_node_id=req.prefill_id or self.config.node_id, decode_node_id=self.config.node_id,
+        )
+        if request.return_text:
+            msg.text = "".join(o.new_text for o in batch)
+        cached = max((o.num_cached_tokens for o in batch), default=0)
+        if req.remote is not None:
+            msg.num_cached_tokens_decode = req.reservation.num_cached_tokens if req.reservation else 0
+            msg.num_cached_tokens_prefill = req.remote.cached_tokens
+            cached = max(cached, msg.num_cached_tokens_decode, msg.num_cached_tokens_prefill)
+        else:
+            msg.num_cached_tokens_decode = cached
+        msg.num_cached_tokens = cached
+        if last.finished:
+            msg.finish_reason = last.finish_reason or ""
+            if last.stop_reason is not None:
+                msg.stop_reason = str(last.stop_reason)
+            if last.finish_reason == "error":
+                msg.error = req.error or "internal error"
+        if first or last.finished:  # the last message repeats it, complete (transfer time included)
+            msg.timing.CopyFrom(self._timing(req))
+        return msg
+
+    def _timing(self, req: DecodeRequest) -> pb.Timing:
+        timing = pb.Timing()
+        # Prefilled here (from the start, or after a remote prefill that gave no first token): arrival to
+        # the first message, measured once and repeated on the last one. A request re-prefilled here after
+        # a remote first token keeps reporting that remote prefill's times.
+        if req.remote is None and (req.local_prefill_s or not req.timing.prefill_s):
+            if not req.local_prefill_s:
+                req.local_prefill_s = time.monotonic() - req.arrived
+            timing.prefill_s = req.local_prefill_s
+            return timing
+        timing.CopyFrom(req.timing)
+        first_step = self.metrics.first_step_seconds(req.request_id)
+        if first_step is not None:
+            timing.first_decode_step_s = first_step
+        return timing
+
+    # -- integrity, drain and shutdown ----------------------------------------------------------------
+
+    def check_requests(self, before: Mapping[str, str], engine: EngineRequests) -> None:
+        requests = dict(self.requests)
+        for rid, req in requests.items():
+            assert req.request_id == rid
+            req.check()
+        self.reservations.check_integrity(requests)
+        # Reserved blocks belong to requests that were reserving, prefilling or ending (a request whose
+        # stage said DECODING had its `land` queued before the engine's ids were read).
+        holding = {rid for rid, stage in before.items() if stage != Stage.DECODING.value}
+        assert engine.reserved <= holding, f"reservations of requests not prefilling: {sorted(engine.reserved - holding)}"
+        # Held (finished at the first token) blocks wait for the driver, which frees them.
+        assert engine.held <= holding, f"held blocks of requests not prefilling: {sorted(engine.held - holding)}"
+        untracked = self.metrics.tracked() - before.keys() - requests.keys()
+        assert not untracked, f"metric records of unknown requests: {sorted(untracked)}"
+
+    async def quiesce(self, deadline: float) -> None:
+        # Frontends route by registry membership and retry UNAVAILABLE elsewhere, so new work stops now;
+        # the lease stays until no request waits on a prefill node, which drops its sends to a node
+        # that leaves the registry.
+        self.accepting = False
+        loop = asyncio.get_running_loop()
+        waiting = (Stage.RESERVING, Stage.PREFILLING)
+        while loop.time() < deadline and any(r.stage in waiting for r in self.requests.values()):
+            await asyncio.sleep(0.02)
+
+    def hand_over(self) -> int:
+        """Ends every request still here so that its caller continues it on another node, and frees its
+        blocks: a decoding or prefilling request's stream ends with finish_reason HANDOVER after the
+        tokens already produced (the engine aborts a decoding one; a prefilling one's driver cancels its
+        prefill and frees its reservation); a request still waiting for a reservation is refused (it has
+        streamed nothing; its caller tries another node). Returns how many requests were handed over."""
+        moved = self.reservations.refuse_all("the decode node is draining")
+        for req in list(self.requests.values()):
+            if req.stage not in (Stage.DECODING, Stage.PREFILLING) or req.stream.finished:
+                continue
+            req.stream.push(abort_output(req.request_id, HANDOVER))
+            if req.stage == Stage.DECODING:
+                self._end_later(req)
+            else:
+                self.link.cancel(req)
+            moved += 1
+        return moved
+
+    async def close(self) -> None:
+        for req in list(self.requests.values()):
+            self._cancel(req)
+            rem = req.remote
+            if rem is not None and rem.channel is not None and req.stage == Stage.PREFILLING:
+                rem.channel.close("decode node shutting down")
+        deadline = time.monotonic() + 5.0
+        while self.requests and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        await self.link.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `python -m decode_node` (and `pdserve decode`)."""
+    config, log_level = DecodeNodeConfig.from_argv(argv)
+    setup_logging(log_level)
+    return asyncio.run(run_node(config, "decode", DecodeService, DecodeMetrics))

@@ -1,0 +1,381 @@
+"""The frontend's request path, independent of the HTTP framework: admit, tokenize, route, stream, account.
+
+`Frontend.prepare` does everything that can fail before a response starts (`frontend.admission`; auth is
+done by the caller). `Frontend.open` starts one Generate call per choice and waits for each first message
+(`frontend.upstream`), so a node that cannot take the request is replaced (or answered with a proper
+status) before any byte is sent. `stream` / `collect` then produce the SSE events or the JSON body, and
+`finish` (always called once) ends the job (`frontend.accounting`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+from pdserve.engine.version import pdserve_version
+from pdserve.frontend.accounting import Accounting
+from pdserve.frontend.admission import Admitter
+from pdserve.frontend.channels import UpstreamPool
+from pdserve.frontend.config import (
+    ConfigError,
+    FrontendConfig,
+    check_versions,
+    load_models_file,
+    version_weights,
+)
+from pdserve.frontend.errors import OVERLOADED, APIError
+from pdserve.frontend.job import CHAT, COMPLETION, Job, UpstreamError, client_request_id, usage
+from pdserve.frontend.limits import TenantLimiter
+from pdserve.frontend.metrics import FrontendMetrics
+from pdserve.frontend.models import ModelCatalog
+from pdserve.frontend.render import (
+    DONE,
+    StreamEncoder,
+    chat_logprobs,
+    completion_logprobs,
+    error_event,
+    full_response,
+)
+from pdserve.frontend.request_log import RequestLog
+from pdserve.frontend.routing import Router
+from pdserve.frontend.tenants import Tenant, TenantTable
+from pdserve.frontend.tools import ToolCallParser, message_of
+from pdserve.frontend.tracing import RequestTrace
+from pdserve.frontend.ttft import TTFTEstimator
+from pdserve.frontend.upstream import PoolFailed, UpstreamCalls
+from pdserve.frontend.workers import PrepareWorkers
+from pdserve.registry.view import RegistryView, ViewChange
+from pdserve.rpc import pdserve_pb2 as pb
+from pdserve.rpc.tracing import start_tracing
+
+__all__ = ["CHAT", "COMPLETION", "Frontend", "Job", "client_request_id"]
+
+log = logging.getLogger(__name__)
+
+_DROP_CHANNEL_AFTER_S = 30.0
+_MODELS_POLL_S = 1.0  # how often the models file is checked for new version weights
+
+
+def tool_parsers(job: Job) -> dict[int, ToolCallParser]:
+    """A tool-call parser per choice of a chat job whose model may call tools (none otherwise)."""
+    tools = job.req.tools
+    if tools is None or tools.parser() is None:
+        return {}
+    return {c.index: tools.parser() for c in job.choices}  # type: ignore[misc]
+
+
+def finish_reason(reason: str, parser: ToolCallParser | None) -> str:
+    """A choice's finish_reason: "tool_calls" when it ended by itself after calling a tool."""
+    return "tool_calls" if reason == "stop" and parser is not None and parser.calls else reason
+
+
+class Frontend:
+    """All state of one frontend process: models, tenants, limits, registry view, router, channels."""
+
+    def __init__(self, config: FrontendConfig) -> None:
+        self.config = config
+        self.catalog = ModelCatalog(config.models)
+        self.version = pdserve_version()
+        self.tenants = TenantTable.from_file(config.tenants_file) if config.tenants_file else TenantTable.local()
+        self.limiter = TenantLimiter(share=config.limit_share, index=config.limit_share_index)
+        self.metrics = FrontendMetrics(config.frontend_id)
+        for m in self.catalog.all_versions:
+            self.metrics.model_info.labels(*self.metrics.labels(m), m.pool, m.tokenizer_digest,
+                                           m.chat_template_digest, str(m.max_context)).set(1)
+        self._publish_weights()
+        self.request_log = RequestLog(config.request_log)
+        self.view = RegistryView(config.etcd_endpoints, config.cluster)
+        self.router = Router(
+            lambda role, pool: self.view.members(role=role, model=pool),
+            load_factor=config.load_factor,
+            affinity_blocks=config.affinity_blocks,
+            decode_max_queue=config.decode_max_queue,
+        )
+        self.upstream = UpstreamPool(config.rpc)
+        self.workers = PrepareWorkers(config.prepare_workers, config.prepare_queue, config.models)
+        self.ttft = TTFTEstimator()
+        self.router.on_first_token = self.ttft.observe_lease
+        self.admitter = Admitter(config, self.catalog, self.limiter, self.router, self.metrics, self.workers,
+                                 self.ttft, inflight=lambda: self.inflight + self.workers.pending)
+        self.calls = UpstreamCalls(config, self.router, self.upstream, self.metrics)
+        self.accounting = Accounting(config, self.metrics, self.request_log)
+        # None unless an OTLP endpoint is configured (then `frontend.tracing` traces every request).
+        self.tracer = start_tracing(config.tracing, "pdserve-frontend", {"service.instance.id": config.frontend_id},
+                                    time.perf_counter)
+        self.inflight = 0
+        self._addresses: dict[str, str] = {}
+        self._background: set[asyncio.Task[object]] = set()
+        unknown = self.tenants.check_models(self.catalog.served_names)
+        if unknown:
+            log.warning("tenants file allows models that are not served: %s", unknown)
+        starved = self.limiter.zero_shares(self.tenants.tenants)
+        if starved:
+            log.warning("limit share %s of %d: no share of these tenant limits here (refused with 429 + "
+                        "Retry-After, served by other frontends): %s", config.limit_share_index,
+                        config.limit_share, starved)
+
+    # --- lifecycle -------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Starts the prepare workers and the registry watch; waits up to registry_sync_timeout_s for the
+        first snapshot."""
+        workers = asyncio.ensure_future(self.workers.start())
+        self.view.subscribe(self._on_view_change)
+        await self.view.start(sync_timeout_s=None)
+        deadline = time.monotonic() + self.config.registry_sync_timeout_s
+        while self.view.last_sync is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        if self.view.last_sync is None:
+            log.error("no registry snapshot from etcd %s within %.0fs; serving 503 until it arrives",
+                      ",".join(self.config.etcd_endpoints), self.config.registry_sync_timeout_s)
+        await workers
+        if self.config.models_file is not None:
+            self._spawn(self._watch_models_file(self.config.models_file))
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _watch_models_file(self, path: str) -> None:
+        """Re-reads the models file when it changes and applies its versions' routing weights (canary
+        shifts and rollbacks without a restart). Other changes need a restart; they are logged, not applied."""
+        def stamp() -> tuple[int, int] | None:
+            try:
+                st = os.stat(path)
+            except OSError:
+                return None
+            return st.st_mtime_ns, st.st_size
+
+        seen = stamp()
+        while True:
+            await asyncio.sleep(_MODELS_POLL_S)
+            now = stamp()
+            if now is None or now == seen:
+                continue
+            seen = now
+            try:
+                specs = load_models_file(path)
+                check_versions(specs)
+            except ConfigError as err:
+                log.error("models file %s changed but cannot be used; keeping the weights in force: %s", path, err)
+                continue
+            for line in self.catalog.set_weights(version_weights(specs)):
+                log.info("models file %s: %s", path, line)
+            self._publish_weights()
+            running = {(m.name, m.version, m.pool, m.spec.path) for m in self.catalog.all_versions}
+            if {(s.name, s.version, s.pool, s.path) for s in specs} != running:
+                log.warning("models file %s: changes other than weights take effect after a restart", path)
+
+    def _publish_weights(self) -> None:
+        for m in self.catalog.all_versions:
+            self.metrics.model_weight.labels(*self.metrics.labels(m)).set(self.catalog.weight(m))
+
+    async def close(self) -> None:
+        for task in list(self._background):
+            task.cancel()
+        await self.view.close()
+        await self.upstream.close()
+        self.workers.close()
+        self.request_log.close()
+        if self.tracer is not None:
+            await asyncio.to_thread(self.tracer.shutdown)  # exports the spans still queued
+
+    def _on_view_change(self, change: ViewChange) -> None:
+        if change.member is not None and change.member.role == "decode":
+            self._addresses[change.node_id] = change.member.record.grpc_address
+        elif change.kind == "left" and change.node_id in self._addresses:
+            address = self._addresses.pop(change.node_id)
+            for coro in (self._drop_later(address), self.calls.node_left(change.node_id)):
+                self._spawn(coro)
+
+    async def _drop_later(self, address: str) -> None:
+        # Late: requests still streaming from a node that just left may finish; and a node that comes
+        # back at the same address keeps its channel.
+        await asyncio.sleep(_DROP_CHANNEL_AFTER_S)
+        if address not in self._addresses.values():
+            await self.upstream.drop(address)
+
+    # --- auth and readiness ----------------------------------------------------------------------
+
+    def authenticate(self, authorization: str | None) -> Tenant:
+        """The tenant of a request's Authorization header; 401 APIError when it has none."""
+        key = None
+        if authorization:
+            scheme, _, value = authorization.partition(" ")
+            key = value.strip() if scheme.lower() == "bearer" else None
+        tenant = self.tenants.authenticate(key)
+        if tenant is None:
+            if not authorization:
+                message = ("You didn't provide an API key. You need to provide your API key in an Authorization "
+                           "header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY).")
+            else:
+                message = "Incorrect API key provided."
+            raise APIError(401, message, param=None, code="invalid_api_key")
+        return tenant
+
+    def readiness(self) -> dict[str, Any]:
+        models: dict[str, Any] = {}
+        for m in self.catalog.models:
+            versions = {}
+            for v in self.catalog.versions_of(m):
+                st = self.router.status(v.pool)
+                versions[v.version] = {"pool": v.pool, "prefill": len(st.prefill), "decode": len(st.decode),
+                                       "ready": st.ready, "weight": self.catalog.weight(v)}
+            if len(versions) == 1:
+                models[m.name] = {k: val for k, val in versions[m.version].items() if k != "weight"}
+            else:  # ready when a version that takes new requests is
+                models[m.name] = {"ready": any(v["ready"] and v["weight"] > 0 for v in versions.values()),
+                                  "versions": versions}
+        return {"ready": any(v["ready"] for v in models.values()), "registry_connected": self.view.connected,
+                "models": models}
+
+    def list_models(self, tenant: Tenant) -> list[dict[str, Any]]:
+        out = []
+        for m in self.catalog.models:
+            names = self.catalog.names_of(m)
+            if tenant.may_use(*names):
+                fingerprints = sorted({mem.record.model_fingerprint for mem in self.view.members(model=m.pool)})
+                extra: dict[str, Any] = {"max_model_len": m.max_context, "pool": m.pool,
+                         "model_fingerprint": fingerprints[0] if len(fingerprints) == 1 else None,
+                         "tokenizer_digest": m.tokenizer_digest, "chat_template_digest": m.chat_template_digest,
+                         "pdserve_version": self.version}
+                versions = self.catalog.versions_of(m)
+                if len(versions) > 1:
+                    extra["versions"] = [{"version": v.version, "pool": v.pool, "weight": self.catalog.weight(v),
+                                          "tokenizer_digest": v.tokenizer_digest} for v in versions]
+                out += [{"id": name, "object": "model", "created": m.created, "owned_by": "pdserve", **extra}
+                        for name in names]
+        return out
+
+    # --- a job's life ----------------------------------------------------------------------------
+
+    async def prepare(self, kind: str, tenant: Tenant, body: bytes, headers: Mapping[str, str],
+                      trace: RequestTrace | None = None) -> Job:
+        """Validates, tokenizes, routes and admits a request (`Admitter.prepare`); `trace` (tracing on)
+        becomes the job's. Raises APIError (4xx/503). On success the job counts as in flight until `finish`."""
+        if self.inflight + self.workers.pending >= self.config.max_inflight:
+            raise APIError(503, "This frontend is at its in-flight request limit; retry shortly.",
+                           type=OVERLOADED, code="overloaded", headers={"retry-after": "1"})
+        job = await self.admitter.prepare(kind, tenant, body, headers)
+        job.trace = trace
+        self.inflight += 1
+        self.metrics.inflight_now.inc()
+        return job
+
+    async def open(self, job: Job) -> list[pb.GenerateResponse]:
+        """Starts every choice's Generate call and returns each one's first message; when the model's pool
+        fails the job before anything was sent, the fallback model serves it (`Admitter.fall_back`).
+        Raises APIError."""
+        try:
+            return await self.calls.open(job)
+        except PoolFailed as failed:
+            pool = job.model.name
+            if not await self.admitter.fall_back(job, failed.error.message):
+                raise failed.error from None
+        log.warning("request %s: model %s failed before the first token; %s", job.id, pool, job.fallback_reason)
+        try:
+            return await self.calls.open(job)
+        except PoolFailed as failed:
+            raise failed.error from None
+
+    async def stream(self, job: Job, firsts: list[pb.GenerateResponse]) -> AsyncIterator[bytes]:
+        """The SSE events of a streamed job; the first item also carries the chat role chunks."""
+        req = job.req
+        enc = StreamEncoder(job.kind, job.id, job.created, job.model.name, job.fingerprint, req.include_usage)
+        texts = job.model.texts
+        top = req.sampling.logprobs
+        chat = job.kind == CHAT
+        pending: list[bytes] = [enc.role(c.index) for c in job.choices] if chat else []
+        parsers = tool_parsers(job)
+        try:
+            async for c, msg in self.calls.messages(job, firsts):
+                self.calls.progress(c, msg, time.perf_counter())
+                text = msg.text
+                if c.echo_pending:
+                    text = job.echo_texts[c.prompt_index] + text
+                    c.echo_pending = False
+                lp = None
+                if top is not None and msg.logprobs:
+                    if chat:
+                        lp = {"content": chat_logprobs(msg.logprobs, texts, top), "refusal": None}
+                    else:
+                        lp, c.text_offset = completion_logprobs(msg.logprobs, texts, top, c.text_offset)
+                parser = parsers.get(c.index)
+                if parser is not None:
+                    events = parser.feed(text) + (parser.finish() if msg.finished else [])
+                    pending += [enc.tool_event(c.index, e) for e in events]
+                    if lp is not None:
+                        pending.append(enc.text(c.index, "", lp))
+                elif text or lp is not None:
+                    pending.append(enc.text(c.index, text, lp))
+                if msg.finished:
+                    pending.append(enc.finish(c.index, finish_reason(msg.finish_reason, parser)))
+                if pending:
+                    yield b"".join(pending) if len(pending) > 1 else pending[0]
+                    pending = []
+        except UpstreamError as err:
+            job.error = err.error
+            log.warning("request %s failed mid-stream: %s", job.id, err.error.message)
+            yield error_event(job.traced(err.error).to_dict()) + DONE
+            return
+        if req.include_usage:
+            yield enc.usage(usage(job)) + DONE
+        else:
+            yield DONE
+
+    async def collect(self, job: Job, firsts: list[pb.GenerateResponse]) -> bytes:
+        """The JSON body of a non-streamed job. Raises APIError when a node fails it."""
+        try:
+            async for c, msg in self.calls.messages(job, firsts):
+                self.calls.progress(c, msg, time.perf_counter())
+                if msg.text:
+                    c.text.append(msg.text)
+                if msg.logprobs:
+                    c.logprobs.extend(msg.logprobs)
+        except UpstreamError as err:
+            raise err.error from None
+        req = job.req
+        top = req.sampling.logprobs
+        texts = job.model.texts
+        parsers = tool_parsers(job)
+        choices: list[dict[str, Any]] = []
+        for c in job.choices:
+            text = "".join(c.text)
+            assert c.finish_reason is not None
+            if job.kind == CHAT:
+                lp = None if top is None else {"content": chat_logprobs(c.logprobs, texts, top), "refusal": None}
+                message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+                parser = parsers.get(c.index)
+                if parser is not None:
+                    tool_message = message_of(parser.feed(text) + parser.finish())
+                    message["content"] = tool_message.content
+                    if tool_message.tool_calls:
+                        message["tool_calls"] = tool_message.tool_calls
+                choices.append({"index": c.index, "message": message, "logprobs": lp,
+                                "finish_reason": finish_reason(c.finish_reason, parser)})
+            else:
+                lp = None if top is None else completion_logprobs(c.logprobs, texts, top, 0).logprobs
+                if req.echo:
+                    text = job.echo_texts[c.prompt_index] + text
+                choices.append({"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason})
+        return full_response(job.kind == CHAT, job.id, job.created, job.model.name, job.fingerprint, choices,
+                             usage(job))
+
+    def reject(self, kind: str, tenant: str | None, err: APIError, client_id: str | None) -> None:
+        """Accounts a request refused before it started (metrics and a request log line)."""
+        self.accounting.reject(kind, tenant, err, client_id)
+
+    def finish(self, job: Job) -> None:
+        """Ends a job exactly once (see `Accounting.finish`); it no longer counts as in flight."""
+        if job.ended:
+            return
+        self.accounting.finish(job)
+        if job.trace is not None:
+            job.trace.finish(job, time.perf_counter())
+        self.inflight -= 1
+        self.metrics.inflight_now.dec()

@@ -1,4 +1,0 @@
-"""The node runtime both node kinds share, and the two kinds themselves (`node.prefill`, `node.decode`).
-
-Nodes know the engine, the KV data plane and the registry; they know nothing of HTTP.
-"""

@@ -1,2 +1,0 @@
-"""The prefill node: batches prefills, samples each request's first token and ships its KV blocks to the
-decode node that reserved them (see `node.prefill.server`)."""

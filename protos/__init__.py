@@ -1,1 +1,0 @@
-"""Generated gRPC/protobuf modules for the pdserve control plane (see pdserve.proto)."""
