@@ -26,13 +26,13 @@ from prometheus_client import disable_created_metrics
 
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.kv_transfer import ChannelConfig, ChannelManager
-from pdserve.node.health import HealthCollector, HealthWatch, StepFault
-from pdserve.node.ready import EXIT_REFUSED, EXIT_UNAVAILABLE, EXIT_UNHEALTHY, ready_line
-from pdserve.node.service import NodeContext, NodeService
 from pdserve.node_common.config import NodeConfig
 from pdserve.node_common.drain import Drainer, NodeControlServicer
+from pdserve.node_common.health import HealthCollector, HealthWatch, StepFault
 from pdserve.node_common.metrics import MetricLabels, NodeMetrics, ObservedEngine
 from pdserve.node_common.pinning import pin_process
+from pdserve.node_common.ready import EXIT_REFUSED, EXIT_UNAVAILABLE, EXIT_UNHEALTHY, ready_line
+from pdserve.node_common.service import NodeContext, NodeService
 from pdserve.registry import (
     NodeCapacity,
     NodeRecord,
