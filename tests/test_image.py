@@ -129,7 +129,8 @@ def test_build_context_leaves_out_local_state() -> None:
     patterns = {ln.strip() for ln in ignore.splitlines() if ln.strip() and not ln.startswith("#")}
     assert {".git", ".venv", "runs", "**/__pycache__", ".cache"} <= patterns
     # What `pip install /src` needs must still be sent.
-    shipped = {"pyproject.toml", "README.md", "deploy", "engine", "kernels", "frontend", "node", "protos"}
+    shipped = {"pyproject.toml", "README.md", "deploy", "engine", "kernels", "kv_transfer", "registry", "rpc", "frontend",
+               "node_common", "prefill_node", "decode_node", "planner"}
     assert not shipped & patterns
 
 
