@@ -84,7 +84,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp, EtcdServer(Path(tmp) / "etcd", log_level="warn") as etcd:
         starts = [start_once(args.repo, model, etcd.endpoints[0]) for _ in range(args.repeat)]
     print(f"repo {args.repo}")
-    print(f"import frontend.main: median {statistics.median(t for t, _ in imports):.3f}s, "
+    print(f"import pdserve.frontend.main: median {statistics.median(t for t, _ in imports):.3f}s, "
           f"torch imported: {imports[0][1]}")
     print(f"start to /health: median {statistics.median(t for t, _ in starts):.3f}s, "
           f"RSS median {statistics.median(r for _, r in starts):.1f} MiB")

@@ -1,5 +1,5 @@
-"""A pytest plugin (`-p testing.pytest_hygiene`, in pyproject's addopts): no cluster process outlives the
-test module that started it, and no test imports a project folder bare (`testing.bare_imports`)."""
+"""A pytest plugin (`-p testing.pytest_hygiene`, loaded by tests/conftest.py): no cluster process
+outlives the test module that started it."""
 
 from __future__ import annotations
 
@@ -7,10 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from testing.bare_imports import install
 from testing.procs import reap_cluster_processes
-
-install()
 
 
 @pytest.fixture(autouse=True, scope="module")

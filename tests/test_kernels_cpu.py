@@ -98,7 +98,7 @@ def test_a_builder_killed_mid_build_does_not_block_later_starts() -> None:
     assert builds, "the module loaded the extension above"
     for build in builds:
         (build / "lock").touch()
-    code = "from kernels.cpu_ops import load_extension; load_extension(); print('loaded')"
+    code = "from pdserve.kernels.cpu_ops import load_extension; load_extension(); print('loaded')"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip() == "loaded", out.stderr[-2000:]
 

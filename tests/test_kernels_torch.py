@@ -179,7 +179,7 @@ def test_triton_unavailable_gives_a_clear_error() -> None:
         pytest.skip("CUDA is available here")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = (
-        "from kernels import get_kernel_ops\n"
+        "from pdserve.kernels import get_kernel_ops\n"
         "for dev in ('cpu', 'cuda'):\n"
         "    try:\n"
         "        get_kernel_ops('triton', dev)\n"

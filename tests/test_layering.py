@@ -4,6 +4,7 @@ frontend and the launcher need no torch, and every project import goes through t
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 import tomllib
@@ -101,6 +102,49 @@ def test_project_imports_go_through_the_pdserve_namespace() -> None:
         if names:
             bare[str(path.relative_to(REPO_ROOT))] = names
     assert not bare, f"import these as pdserve.<folder>, one of {PACKAGES}: {bare}"
+
+
+_NAMES = "|".join(PACKAGES)
+_CODE_IN_STRINGS = re.compile(rf"(?:^|;)\s*(?:from\s+(?:{_NAMES})(?:\.\w+)*\s+import\s|import\s+(?:[\w.]+,\s*)*(?:{_NAMES})\b)",
+                              re.M)
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    """ids of the docstring constants of a module, its classes and functions (prose, not code)."""
+    out = set()
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+            out.add(id(body[0].value))
+    return out
+
+
+# Trace span names that read like module paths (rpc.tracing spans of the frontend's stages).
+_SPAN_NAMES = {"frontend.admission", "frontend.limits", "frontend.routing", "frontend.upstream"}
+
+
+def _bare_in_string(value: str) -> bool:
+    if value in _SPAN_NAMES:
+        return False
+    head = value.split(".")[0]
+    dotted_module = (head in PACKAGES and " " not in value and value.count(".") >= 1
+                     and (REPO_ROOT / head / f"{value.split('.')[1]}.py").exists())
+    return dotted_module or bool(_CODE_IN_STRINGS.search(value))
+
+
+def test_code_in_strings_imports_through_the_namespace_too() -> None:
+    """Snippets run with `python -c`, and module paths handed to `-m`, importlib or monkeypatch, live in
+    string constants, where the checks above do not look; from the checkout's root a bare name there
+    would still import, as a second copy of the module."""
+    bare = {}
+    for path in _py_files(*PACKAGES, *UNPACKAGED):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        prose = _docstrings(tree)
+        hits = sorted({node.value[:80] for node in ast.walk(tree) if isinstance(node, ast.Constant)
+                       and isinstance(node.value, str) and id(node) not in prose and _bare_in_string(node.value)})
+        if hits:
+            bare[str(path.relative_to(REPO_ROOT))] = hits
+    assert not bare, f"name these pdserve.<folder>...: {bare}"
 
 
 def test_the_packaged_folders_are_the_listed_packages() -> None:

@@ -330,10 +330,10 @@ def test_no_tracing_objects_without_an_endpoint(tiny_llama_dir: Path) -> None:
     the OpenTelemetry SDK is never imported."""
     code = (
         "import sys, time\n"
-        "from frontend.config import FrontendConfig, ModelSpec\n"
-        "from frontend.pipeline import Frontend\n"
-        "from prefill_node.config import PrefillNodeConfig\n"
-        "from tracing import start_tracing\n"
+        "from pdserve.frontend.config import FrontendConfig, ModelSpec\n"
+        "from pdserve.frontend.pipeline import Frontend\n"
+        "from pdserve.prefill_node.config import PrefillNodeConfig\n"
+        "from pdserve.rpc.tracing import start_tracing\n"
         f"fe = Frontend(FrontendConfig(etcd_endpoints=('127.0.0.1:1',), models=(ModelSpec('tiny', {str(tiny_llama_dir)!r}),),"
         " prepare_workers=1))\n"
         f"node, _ = PrefillNodeConfig.from_argv(['--node-id', 'p0', '--etcd', '127.0.0.1:1', '--model', {str(tiny_llama_dir)!r}])\n"
@@ -347,7 +347,7 @@ def test_no_tracing_objects_without_an_endpoint(tiny_llama_dir: Path) -> None:
     assert out.stdout.strip() == "[]"
     # The environment variable alone turns it on.
     env["OTEL_EXPORTER_OTLP_ENDPOINT"] = "http://127.0.0.1:4318"
-    code_env = ("from frontend.config import build_parser, config_from_args\n"
+    code_env = ("from pdserve.frontend.config import build_parser, config_from_args\n"
                 f"args = build_parser().parse_args(['--etcd', 'x:1', '--model', 'tiny={tiny_llama_dir}'])\n"
                 "print(config_from_args(args).tracing.traces_url)\n")
     out = subprocess.run([sys.executable, "-c", code_env], cwd=REPO_ROOT, capture_output=True, text=True, env=env)
