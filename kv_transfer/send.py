@@ -15,7 +15,7 @@ from pdserve.kernels.interface import KV_LAYOUT_VERSION, KernelOps
 from pdserve.kv_transfer import hostcopy
 from pdserve.kv_transfer.backend import PendingOp, TransferTimeout
 from pdserve.kv_transfer.channel import Channel, ChannelJob, WorkerContext
-from pdserve.kv_transfer.checksum import KVDigest, flip_one_byte
+from pdserve.kv_transfer.checksum import KVDigest
 from pdserve.kv_transfer.staging import StagingBuffers, StagingSlot
 from pdserve.kv_transfer.transfer import (
     TAG_SPACE,
@@ -104,11 +104,10 @@ class _SendJob(ChannelJob):
 
     def __init__(
         self, meta: TransferMeta, ops: KernelOps, kv_cache: torch.Tensor, ids: torch.Tensor,
-        gate: _LayerGate, timeout_s: float, corrupt: bool = False,
+        gate: _LayerGate, timeout_s: float,
     ) -> None:
         super().__init__(meta.request_id, timeout_s)
         self._digest = KVDigest()  # over the staged messages, in order (`_fill` runs in message order)
-        self._corrupt = corrupt  # test fault injection: flip a byte of message 0 after digesting it
         self.meta = meta
         self._ops = ops
         self._kv = kv_cache  # [L, 2, NB, BS, Hkv, D]
@@ -131,6 +130,7 @@ class _SendJob(ChannelJob):
         return ctx.staging.slot(index, (l1 - l0, 2, self._ids.numel(), bs, h, d), self._kv.dtype)
 
     def _fill(self, ctx: WorkerContext, slot: StagingSlot, i: int, events: list[torch.cuda.Event]) -> None:
+        """Packs message i into `slot` and digests it; what `slot.wire` holds afterwards is what is sent."""
         l0, l1 = self._ranges[i]
         if ctx.stream is not None:
             for event in events:
@@ -144,8 +144,6 @@ class _SendJob(ChannelJob):
         self._digest.update(slot.wire)
         self.stages.copy += t1 - t0
         self.stages.digest += time.perf_counter() - t1
-        if self._corrupt and i == 0:
-            flip_one_byte(slot.wire)
 
     def presend(self, ctx: WorkerContext, slot_base: int) -> None:
         """Packs and posts this job's first message while the previous job's last one is still on
@@ -213,9 +211,11 @@ class _SendJob(ChannelJob):
 class KVSender:
     """Prefill side: ships KV blocks from the local pool over a channel (rank 0)."""
 
+    # The job that ships one send; a subclass may name one of its own (the tests' corrupting sender).
+    _job_type: type[_SendJob] = _SendJob
+
     def __init__(
         self, ops: KernelOps, message_bytes: int | None = 1 << 20, *, layerwise_min_bytes: int = 256 << 10,
-        fault_corrupt: bool = False,
     ) -> None:
         # message_bytes: target size of a whole-request message (at least one layer each);
         # None sends a whole request as a single message.
@@ -227,9 +227,6 @@ class KVSender:
         self._ops = ops
         self._message_bytes = message_bytes
         self._layerwise_min_bytes = layerwise_min_bytes
-        # Test fault injection, off by default: every send flips one byte of its first staged message
-        # after the checksum was taken, so the receiver's checksum differs.
-        self._fault_corrupt = fault_corrupt
 
     def layers_per_message(self, num_layers: int, layer_bytes: int, layerwise: bool) -> int:
         if layerwise:  # the fewest layers that reach layerwise_min_bytes
@@ -274,7 +271,7 @@ class KVSender:
                 dtype=dtype_name(kv_cache.dtype), geometry=(num_layers, bs, h, d),
                 layers_per_message=self.layers_per_message(num_layers, layer_bytes, layerwise),
             )
-            return _SendJob(meta, self._ops, kv_cache, ids, gate, timeout_s, self._fault_corrupt)
+            return self._job_type(meta, self._ops, kv_cache, ids, gate, timeout_s)
 
         job = channel.submit_next(make)
         assert isinstance(job, _SendJob)

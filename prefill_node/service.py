@@ -13,8 +13,9 @@ layer is released to the channel as the forward finishes it, so the transfer ove
 compute. The first token goes out as FirstToken as soon as it is sampled, after TransferStart. A request
 whose first token must end it (max_tokens) ships nothing; one that turns out to end at its first token
 (EOS, a stop token) had its send announced already and completes it (the decode node discards it).
-Without layer-wise sends (and under `--fault-send-delay`, which models a send after the first token)
-the send is queued after FirstToken went out.
+Without layer-wise sends the send is queued after FirstToken went out.
+
+Tests inject faults through the node's fault hook (`prefill_node.faults`), which in production does nothing.
 
 Tracing on (`ctx.tracer`): the decode node's `traceparent` (gRPC metadata) is the parent of the
 request's span; its queue, compute and KV send spans are cut, when the call ends, from the times
@@ -33,7 +34,7 @@ import enum
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,13 +48,15 @@ from pdserve.engine.sequence import Resume, Sequence
 from pdserve.engine.step_hook import LayerHook
 from pdserve.kernels import get_kernel_ops
 from pdserve.kernels.interface import KV_LAYOUT_VERSION
-from pdserve.kv_transfer import Channel, ChannelError, KVSender, SendHandle, TransferResult
+from pdserve.kv_transfer import Channel, ChannelError, SendHandle, TransferResult
 from pdserve.kv_transfer.checksum import CHECKSUM_ALGO
 from pdserve.node_common.config import setup_logging
 from pdserve.node_common.convert import logprob_to_proto, params_from_proto, transfer_start_to_proto
+from pdserve.node_common.faults import load_faults
 from pdserve.node_common.runtime import run_node
 from pdserve.node_common.service import NodeContext, NodeService
 from pdserve.prefill_node.config import PrefillNodeConfig
+from pdserve.prefill_node.faults import PrefillFaults
 from pdserve.prefill_node.metrics import PrefillMetrics, PrefillTiming
 from pdserve.rpc import pdserve_pb2 as pb
 from pdserve.rpc import pdserve_pb2_grpc as pb_grpc
@@ -120,8 +123,9 @@ class PrefillService(NodeService, pb_grpc.PrefillNodeServicer):
         assert isinstance(ctx.metrics, PrefillMetrics)
         self.metrics: PrefillMetrics = ctx.metrics
         self.requests: dict[str, PrefillRequest] = {}
-        self._sender = KVSender(get_kernel_ops(ctx.config.engine.kernel_backend, ctx.config.engine.device),
-                                fault_corrupt=self.config.fault_corrupt_kv)
+        self.faults = load_faults(PrefillFaults)
+        engine_config = ctx.config.engine
+        self._sender = self.faults.new_sender(get_kernel_ops(engine_config.kernel_backend, engine_config.device))
         engine = ctx.engine.engine
         self._eos = engine.tokenizer.eos_token_ids
         self._kv_dtype = str(engine.kv_cache.dtype).removeprefix("torch.")
@@ -227,7 +231,7 @@ class PrefillService(NodeService, pb_grpc.PrefillNodeServicer):
         """Whether the request's send is queued layer by layer in the step of its last prompt chunk
         (see the module docstring), and what it ships; None: after the first token, if at all."""
         cfg = self.config
-        if not cfg.layerwise_send or cfg.fault_send_delay_s or not request.dst_block_ids:
+        if not cfg.layerwise_send or not request.dst_block_ids:
             return None
         if num_resumed + 1 >= params.max_tokens:
             return None  # the first token is the last one: nothing will be shipped
@@ -278,8 +282,7 @@ class PrefillService(NodeService, pb_grpc.PrefillNodeServicer):
                 # The decode node is done with this request (or already holds every block): nothing to ship.
                 yield pb.PrefillResponse(transfer_done=pb.TransferDone(ok=True, skipped=True))
                 return
-            if self.config.fault_send_delay_s:  # test fault injection: a window after the first token
-                await asyncio.sleep(self.config.fault_send_delay_s)
+            await self.faults.after_first_token(req)
             seq = stream.seq
             assert seq is not None and seq.is_finished, "a prefill-only request finishes with its first token"
             start = request.num_skip_blocks
@@ -293,11 +296,6 @@ class PrefillService(NodeService, pb_grpc.PrefillNodeServicer):
         self.metrics.transfer_done(result, (req.aborted or "released") if req.released else None)
         if req.released:
             yield pb.PrefillResponse(transfer_done=pb.TransferDone(ok=False, error=req.aborted or "released"))
-            return
-        if self.config.fault_send_failed:  # test fault injection; a failed send breaks its channel, so this one's goes
-            if req.channel is not None:
-                req.channel.close("fault injection: send reported as failed")
-            yield pb.PrefillResponse(transfer_done=pb.TransferDone(ok=False, error="fault injection: send failed"))
             return
         yield pb.PrefillResponse(transfer_done=pb.TransferDone(
             ok=result.ok, error=result.error or "", transfer_s=result.seconds,
@@ -363,20 +361,13 @@ class PrefillService(NodeService, pb_grpc.PrefillNodeServicer):
         """Queues the send of `src_blocks` after the first token went out (SENDING from then on) and
         returns its TransferStart, or the TransferDone saying why nothing is sent. No await: an Abort
         cannot slip in before the send."""
-        stall = self.config.fault_send_stall_s
-        error = self._queue_send(req, src_blocks, num_tokens, layerwise=stall > 0)
+        error = self._queue_send(req, src_blocks, num_tokens, layerwise=False)
         if error is not None:
             if error.startswith("send not queued"):
                 self.metrics.transfer_done(None, error)
             return pb.PrefillResponse(transfer_done=pb.TransferDone(ok=False, error=error))
-        handle = req.handle
-        assert handle is not None
-        if stall:  # test fault injection: half the layers go now, the rest after the stall
-            num_layers = handle.meta.geometry[0]
-            for layer in range(num_layers // 2):
-                handle.layer_ready(layer)
-            self.ctx.spawn(self._release_stalled(handle, stall), f"fault-stall-{req.request_id}")
-        return pb.PrefillResponse(transfer_start=self._transfer_start(handle))
+        assert req.handle is not None
+        return pb.PrefillResponse(transfer_start=self._transfer_start(req.handle))
 
     # -- the engine thread ----------------------------------------------------------------------------
 
@@ -399,23 +390,9 @@ class PrefillService(NodeService, pb_grpc.PrefillNodeServicer):
         if not handles:
             return None
         self.metrics.layerwise_queued(len(handles))
-        # Test fault injection: the second half of the layers goes `fault_send_stall_s` after the step.
-        return _LayerSends(handles, self._stall_later if self.config.fault_send_stall_s else None)
-
-    def _stall_later(self, handle: SendHandle) -> None:
-        """Test fault injection (`fault_send_stall_s`), engine thread: the rest of a layer-wise send's
-        layers are marked that long from now, from the event loop."""
-        stall = self.config.fault_send_stall_s
-        self._loop.call_soon_threadsafe(
-            lambda: self.ctx.spawn(self._release_stalled(handle, stall), f"fault-stall-{handle.meta.request_id}"))
+        return _LayerSends(handles)
 
     # -- helpers --------------------------------------------------------------------------------------
-
-    @staticmethod
-    async def _release_stalled(handle: SendHandle, stall_s: float) -> None:
-        """Test fault injection (`fault_send_stall_s`): the rest of a stalled send's layers, later."""
-        await asyncio.sleep(stall_s)
-        handle.all_layers_ready()
 
     @staticmethod
     def _split_resumed(request: pb.PrefillRequest) -> tuple[list[int], Resume | None]:
@@ -517,23 +494,16 @@ class _LayerSends:
     failed: the send then ships whatever the blocks hold and the Prefill call reports it failed
     (TransferDone ok false), so the decode node drains the bytes and never uses them."""
 
-    def __init__(self, handles: list[SendHandle], stalled: Callable[[SendHandle], None] | None = None) -> None:
+    def __init__(self, handles: list[SendHandle]) -> None:
         self._handles = handles
-        # Test fault injection (`fault_send_stall_s`): only the first half of the layers is marked as the
-        # forward computes them; `stalled(handle)` marks the rest later.
-        self._stalled = stalled
 
     def layer_done(self, layer: int) -> None:
         for handle in self._handles:
-            if self._stalled is None or layer < handle.meta.geometry[0] // 2:
-                handle.layer_ready(layer)
+            handle.layer_ready(layer)
 
     def step_done(self, ok: bool) -> None:
         for handle in self._handles:
-            if self._stalled is None or not ok:
-                handle.all_layers_ready()
-            else:
-                self._stalled(handle)
+            handle.all_layers_ready()
 
 
 def main(argv: list[str] | None = None) -> int:
