@@ -10,7 +10,7 @@ from pdserve.kernels.interface import KernelOps
 from pdserve.kv_transfer import KVSender
 
 if TYPE_CHECKING:
-    from pdserve.prefill_node.service import PrefillRequest
+    from pdserve.prefill_node.service import PrefillCall
 
 
 class PrefillFaults:
@@ -22,7 +22,7 @@ class PrefillFaults:
         its handle reports."""
         return KVSender(ops)
 
-    async def after_first_token(self, call: PrefillRequest) -> None:
+    async def after_first_token(self, call: PrefillCall) -> None:
         """Called on the event loop once a call's FirstToken went out and its send is to be queued now
         (a send not queued layer-wise during the prefill), just before it is. May wait, which queues the
         send that much later (the call may be aborted meanwhile); changes nothing."""

@@ -66,12 +66,14 @@ log = logging.getLogger(__name__)
 
 
 class Stage(enum.Enum):
-    PREFILLING = "prefilling"  # in the engine, until its first token (then its blocks are held)
+    """Where a Prefill call is (`request_stages` reports the values)."""
+
+    IN_ENGINE = "in_engine"  # the engine's scheduler owns it, until its first token (then its blocks are held)
     SENDING = "sending"  # the send of its blocks is queued; they are held until it resolves
     ENDING = "ending"  # the call is over: blocks are given back once no send reads them
 
 
-_NEXT = {Stage.PREFILLING: {Stage.SENDING, Stage.ENDING}, Stage.SENDING: {Stage.ENDING}, Stage.ENDING: set()}
+_NEXT = {Stage.IN_ENGINE: {Stage.SENDING, Stage.ENDING}, Stage.SENDING: {Stage.ENDING}, Stage.ENDING: set()}
 
 
 @dataclass(frozen=True)
@@ -85,13 +87,13 @@ class EarlySend:
 
 
 @dataclass(eq=False)
-class PrefillRequest:
+class PrefillCall:
     """One Prefill call on this node, from arrival until the engine let go of its blocks."""
 
     request_id: str
     decode_id: str
     arrived: float
-    stage: Stage = Stage.PREFILLING
+    stage: Stage = Stage.IN_ENGINE
     aborted: str | None = None  # why, once aborted (caller's Abort, decode node gone, shutdown)
     handle: SendHandle | None = None  # set once the send is queued; blocks are held until it resolves
     channel: Channel | None = None
@@ -122,7 +124,7 @@ class PrefillService(NodeService, pb_grpc.PrefillNodeServicer):
         self.config: PrefillNodeConfig = ctx.config
         assert isinstance(ctx.metrics, PrefillMetrics)
         self.metrics: PrefillMetrics = ctx.metrics
-        self.requests: dict[str, PrefillRequest] = {}
+        self.calls: dict[str, PrefillCall] = {}
         self.faults = load_faults(PrefillFaults)
         engine_config = ctx.config.engine
         self._sender = self.faults.new_sender(get_kernel_ops(engine_config.kernel_backend, engine_config.device))
@@ -137,18 +139,18 @@ class PrefillService(NodeService, pb_grpc.PrefillNodeServicer):
             ctx.engine.post(lambda e: setattr(e, "prefill_watcher", self._prefills_completing))
 
     def request_stages(self) -> Mapping[str, str]:
-        return {rid: req.stage.value for rid, req in list(self.requests.items())}
+        return {rid: call.stage.value for rid, call in list(self.calls.items())}
 
     def in_flight(self) -> int:
-        return sum(1 for req in list(self.requests.values()) if not req.released)
+        return sum(1 for call in list(self.calls.values()) if not call.released)
 
     def check_requests(self, before: Mapping[str, str], engine: EngineRequests) -> None:
         assert not engine.reserved, f"a prefill node reserves nothing: {sorted(engine.reserved)}"
-        for rid, req in dict(self.requests).items():
-            assert req.request_id == rid
-            if req.stage == Stage.SENDING:
-                assert req.handle is not None and req.channel is not None
-        # A prefill still in the engine belongs to a call that is prefilling, or ending and about to abort it.
+        for rid, call in dict(self.calls).items():
+            assert call.request_id == rid
+            if call.stage == Stage.SENDING:
+                assert call.handle is not None and call.channel is not None
+        # A prefill still in the engine belongs to a call in the engine, or ending and about to abort it.
         # A layer-wise send is queued in the step that completes its prefill, so between steps (when this
         # runs) no request whose send is queued is still scheduled either.
         early = engine.scheduled - {rid for rid, stage in before.items() if stage != Stage.SENDING.value}
@@ -163,10 +165,10 @@ class PrefillService(NodeService, pb_grpc.PrefillNodeServicer):
         return self.load_response()
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
-        st = self.requests.get(request.request_id)
-        if st is None:
+        call = self.calls.get(request.request_id)
+        if call is None:
             return pb.AbortResponse(found=False)
-        self._abort(st, "aborted by the decode node")
+        self._abort(call, "aborted by the decode node")
         return pb.AbortResponse(found=True)
 
     async def Prefill(
@@ -174,41 +176,41 @@ class PrefillService(NodeService, pb_grpc.PrefillNodeServicer):
     ) -> AsyncIterator[pb.PrefillResponse]:
         params = await self._accept(request, context)
         prompt, resume = self._split_resumed(request)
-        req = PrefillRequest(request.request_id, request.decode_node_id, time.monotonic())
+        call = PrefillCall(request.request_id, request.decode_node_id, time.monotonic())
         tracer = self.ctx.tracer
         if tracer is not None:  # child of the decode node's KV wait span (its traceparent in the metadata)
-            req.span = tracer.span(
-                "prefill.request", parent=tracer.extract(context.invocation_metadata() or ()), start=req.arrived,
+            call.span = tracer.span(
+                "prefill.request", parent=tracer.extract(context.invocation_metadata() or ()), start=call.arrived,
                 kind="server", attributes={"rpc.system": "grpc", "rpc.method": "PrefillNode/Prefill",
-                                           "pdserve.request_id": req.request_id, "pdserve.node": self.config.node_id,
-                                           "pdserve.decode_node": req.decode_id,
+                                           "pdserve.request_id": call.request_id, "pdserve.node": self.config.node_id,
+                                           "pdserve.decode_node": call.decode_id,
                                            "pdserve.prompt_tokens": len(request.prompt_token_ids)})
         # The decode node applies stop strings and max_tokens; here only the first token is sampled
         # (the one after a resumed request's resumed tokens, which the engine counts as completion).
         num_resumed = len(resume.token_ids) if resume is not None else 0
         first_params = dataclasses.replace(params, max_tokens=num_resumed + 1, stop=[])
-        req.early = self._early_send(request, params, num_resumed)
-        self.requests[req.request_id] = req
+        call.early = self._early_send(request, params, num_resumed)
+        self.calls[call.request_id] = call
         try:
             try:
                 if num_resumed >= params.max_tokens:
                     raise ValueError(f"{num_resumed} resumed tokens leave nothing of max_tokens ({params.max_tokens})")
                 stream = await self.ctx.engine.add_request(
-                    req.request_id, prompt, first_params, hold_blocks=True, resume=resume)
+                    call.request_id, prompt, first_params, hold_blocks=True, resume=resume)
             except ValueError as err:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-            async for msg in self._serve(req, request, params, stream):
+            async for msg in self._serve(call, request, params, stream):
                 yield msg
         finally:
             # Also reached when the caller's stream is cancelled (its process died or it gave up):
             # blocks are handed back once no send can still be reading them.
             with self._send_lock:  # from here on the engine thread queues no send for it
-                req.advance(Stage.ENDING)
-            if req.handle is not None and not req.handle.done() and req.channel is not None:
-                req.channel.close(f"Prefill call for {req.request_id} ended while its send was in flight")
-            self.ctx.spawn(self._finish(req), f"prefill-finish-{req.request_id}")
-            if req.span is not None:
-                self._trace(req)
+                call.advance(Stage.ENDING)
+            if call.handle is not None and not call.handle.done() and call.channel is not None:
+                call.channel.close(f"Prefill call for {call.request_id} ended while its send was in flight")
+            self.ctx.spawn(self._finish(call), f"prefill-finish-{call.request_id}")
+            if call.span is not None:
+                self._trace(call)
 
     async def _accept(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> SamplingParams:
         """The request's sampling parameters; aborts the call when it cannot be taken."""
@@ -220,10 +222,10 @@ class PrefillService(NodeService, pb_grpc.PrefillNodeServicer):
             params = params_from_proto(request.params)
         except ValueError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-        if request.request_id in self.requests:
+        if request.request_id in self.calls:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS,
                                 f"request {request.request_id!r} is already being prefilled")
-        if len(self.requests) >= self.config.max_pending:
+        if len(self.calls) >= self.config.max_pending:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "prefill queue is full")
         return params
 
@@ -237,137 +239,137 @@ class PrefillService(NodeService, pb_grpc.PrefillNodeServicer):
             return None  # the first token is the last one: nothing will be shipped
         return EarlySend(request.num_skip_blocks, len(request.dst_block_ids), len(request.prompt_token_ids))
 
-    async def _first_output(self, req: PrefillRequest, stream: RequestStream) -> AsyncIterator[
+    async def _first_output(self, call: PrefillCall, stream: RequestStream) -> AsyncIterator[
             pb.PrefillResponse | list[RequestOutput]]:
         """Yields TransferStart as soon as the engine thread queued an early send (before or while the
         step runs), then the request's first batch of outputs. The announcement is handed to the loop
         before the step's outputs, so a queued send is always announced before the first token."""
         outputs = asyncio.ensure_future(stream.next_batch())
         try:
-            if req.early is not None:
-                announced = asyncio.ensure_future(req.announced.wait())
+            if call.early is not None:
+                announced = asyncio.ensure_future(call.announced.wait())
                 try:
                     await asyncio.wait({outputs, announced}, return_when=asyncio.FIRST_COMPLETED)
                 finally:
                     announced.cancel()
-            if req.handle is not None:
-                yield pb.PrefillResponse(transfer_start=self._transfer_start(req.handle))
+            if call.handle is not None:
+                yield pb.PrefillResponse(transfer_start=self._transfer_start(call.handle))
             yield await outputs
         finally:
             outputs.cancel()
 
     async def _serve(
-        self, req: PrefillRequest, request: pb.PrefillRequest, params: SamplingParams, stream: RequestStream,
+        self, call: PrefillCall, request: pb.PrefillRequest, params: SamplingParams, stream: RequestStream,
     ) -> AsyncIterator[pb.PrefillResponse]:
         batch: list[RequestOutput] = []
-        async for item in self._first_output(req, stream):
+        async for item in self._first_output(call, stream):
             if isinstance(item, list):
                 batch = item
             else:
                 yield item
         out = batch[-1]
-        if not out.new_token_ids or (req.aborted and req.handle is None):
-            if req.handle is not None:
+        if not out.new_token_ids or (call.aborted and call.handle is None):
+            if call.handle is not None:
                 # An announced send whose step failed (or the node is closing): its bytes are drained by
                 # the decode node, which keeps the pair channel in step, and reported failed.
-                await req.handle.wait()
-            yield pb.PrefillResponse(transfer_done=pb.TransferDone(ok=False, error=req.aborted or "aborted"))
+                await call.handle.wait()
+            yield pb.PrefillResponse(transfer_done=pb.TransferDone(ok=False, error=call.aborted or "aborted"))
             return
         token = out.new_token_ids[0]
-        yield pb.PrefillResponse(first_token=self._first_token(req, out))
-        if req.handle is None:
+        yield pb.PrefillResponse(first_token=self._first_token(call, out))
+        if call.handle is None:
             grammar_finish = stream.seq.grammar_finish if stream.seq is not None else None
             if (stop_decision(params, self._eos, token, out.num_completion_tokens, grammar_finish) is not None
                     or not request.dst_block_ids):
                 # The decode node is done with this request (or already holds every block): nothing to ship.
                 yield pb.PrefillResponse(transfer_done=pb.TransferDone(ok=True, skipped=True))
                 return
-            await self.faults.after_first_token(req)
+            await self.faults.after_first_token(call)
             seq = stream.seq
             assert seq is not None and seq.is_finished, "a prefill-only request finishes with its first token"
             start = request.num_skip_blocks
-            started = self._start_send(req, seq.block_table[start : start + len(request.dst_block_ids)],
+            started = self._start_send(call, seq.block_table[start : start + len(request.dst_block_ids)],
                                        len(request.prompt_token_ids))
             yield started
-            if req.handle is None:
+            if call.handle is None:
                 return  # `started` said why nothing is sent
-        result = await req.handle.wait()
-        req.send_result = result
-        self.metrics.transfer_done(result, (req.aborted or "released") if req.released else None)
-        if req.released:
-            yield pb.PrefillResponse(transfer_done=pb.TransferDone(ok=False, error=req.aborted or "released"))
+        result = await call.handle.wait()
+        call.send_result = result
+        self.metrics.transfer_done(result, (call.aborted or "released") if call.released else None)
+        if call.released:
+            yield pb.PrefillResponse(transfer_done=pb.TransferDone(ok=False, error=call.aborted or "released"))
             return
         yield pb.PrefillResponse(transfer_done=pb.TransferDone(
             ok=result.ok, error=result.error or "", transfer_s=result.seconds,
             kv_checksum=result.checksum or 0, kv_checksum_algo=CHECKSUM_ALGO if result.checksum is not None else "",
         ))
 
-    def _first_token(self, req: PrefillRequest, out: RequestOutput) -> pb.FirstToken:
+    def _first_token(self, call: PrefillCall, out: RequestOutput) -> pb.FirstToken:
         first = pb.FirstToken(token_id=out.new_token_ids[0], num_cached_tokens=out.num_cached_tokens)
-        timing = self.metrics.first_token(req.request_id, req.arrived)
-        req.timing = timing
+        timing = self.metrics.first_token(call.request_id, call.arrived)
+        call.timing = timing
         if timing is not None:
             first.queue_s, first.prefill_s = timing.queue_s, timing.prefill_s
         else:  # the engine thread's record is missing (it cannot be, short of a bug): all of it is prefill
-            first.prefill_s = time.monotonic() - req.arrived
+            first.prefill_s = time.monotonic() - call.arrived
         if out.new_logprobs:
             first.logprob.CopyFrom(logprob_to_proto(out.new_logprobs[0]))
         return first
 
-    def _trace(self, req: PrefillRequest) -> None:
+    def _trace(self, call: PrefillCall) -> None:
         """The Prefill call is over: its stage spans, from the times FirstToken and TransferDone reported
         (so each lasts what the TTFT breakdown says), then the request's span."""
         tracer = self.ctx.tracer
         assert tracer is not None
-        if req.timing is not None:
-            started = req.arrived + req.timing.queue_s
-            tracer.span("prefill.queue", parent=req.span, start=req.arrived, end=started,
+        if call.timing is not None:
+            started = call.arrived + call.timing.queue_s
+            tracer.span("prefill.queue", parent=call.span, start=call.arrived, end=started,
                         attributes={TTFT_STAGE: "prefill_queue"})
-            tracer.span("prefill.compute", parent=req.span, start=started, end=started + req.timing.prefill_s,
+            tracer.span("prefill.compute", parent=call.span, start=started, end=started + call.timing.prefill_s,
                         attributes={TTFT_STAGE: "prefill"})
-        result = req.send_result
-        if result is not None and req.send_queued_at is not None:
+        result = call.send_result
+        if result is not None and call.send_queued_at is not None:
             # The channel worker's own clock: it started `queued_seconds` after the send was queued.
-            start = req.send_queued_at + result.queued_seconds
-            send = tracer.span("prefill.kv_send", parent=req.span, start=start,
+            start = call.send_queued_at + result.queued_seconds
+            send = tracer.span("prefill.kv_send", parent=call.span, start=start,
                                attributes={TTFT_STAGE: "transfer", "pdserve.bytes": result.bytes})
             tracer.finish(send, start + result.seconds, error=None if result.ok else result.error or "failed")
-        tracer.finish(req.span, time.monotonic(), error=req.aborted)
+        tracer.finish(call.span, time.monotonic(), error=call.aborted)
 
     def _transfer_start(self, handle: SendHandle) -> pb.TransferStart:
         return transfer_start_to_proto(handle.meta, self.ctx.channels.kv_address)
 
-    def _queue_send(self, req: PrefillRequest, src_blocks: list[int], num_tokens: int, layerwise: bool) -> str | None:
+    def _queue_send(self, call: PrefillCall, src_blocks: list[int], num_tokens: int, layerwise: bool) -> str | None:
         """The one place a send is queued: under the send lock, unless the request was aborted or its
         call ended, queues the send of `src_blocks` and moves the request to SENDING (its blocks are held
         until the send resolves). Any thread. Returns why nothing was queued, or None."""
         with self._send_lock:
-            if req.aborted or req.stage != Stage.PREFILLING:
-                return req.aborted or "the Prefill call ended"
+            if call.aborted or call.stage != Stage.IN_ENGINE:
+                return call.aborted or "the Prefill call ended"
             try:
-                channel = self.ctx.channels.channel_to(req.decode_id)
+                channel = self.ctx.channels.channel_to(call.decode_id)
                 handle = self._sender.send(
-                    channel, self.ctx.engine.engine.kv_cache, src_blocks, request_id=req.request_id,
+                    channel, self.ctx.engine.engine.kv_cache, src_blocks, request_id=call.request_id,
                     num_tokens=num_tokens, timeout_s=self.config.transfer_timeout_s, layerwise=layerwise,
                 )
             except (ChannelError, ValueError) as err:
                 return f"send not queued: {err}"
-            req.channel, req.handle = channel, handle
-            req.send_queued_at = time.monotonic()
-            req.advance(Stage.SENDING)
+            call.channel, call.handle = channel, handle
+            call.send_queued_at = time.monotonic()
+            call.advance(Stage.SENDING)
         return None
 
-    def _start_send(self, req: PrefillRequest, src_blocks: list[int], num_tokens: int) -> pb.PrefillResponse:
+    def _start_send(self, call: PrefillCall, src_blocks: list[int], num_tokens: int) -> pb.PrefillResponse:
         """Queues the send of `src_blocks` after the first token went out (SENDING from then on) and
         returns its TransferStart, or the TransferDone saying why nothing is sent. No await: an Abort
         cannot slip in before the send."""
-        error = self._queue_send(req, src_blocks, num_tokens, layerwise=False)
+        error = self._queue_send(call, src_blocks, num_tokens, layerwise=False)
         if error is not None:
             if error.startswith("send not queued"):
                 self.metrics.transfer_done(None, error)
             return pb.PrefillResponse(transfer_done=pb.TransferDone(ok=False, error=error))
-        assert req.handle is not None
-        return pb.PrefillResponse(transfer_start=self._transfer_start(req.handle))
+        assert call.handle is not None
+        return pb.PrefillResponse(transfer_start=self._transfer_start(call.handle))
 
     # -- the engine thread ----------------------------------------------------------------------------
 
@@ -378,15 +380,15 @@ class PrefillService(NodeService, pb_grpc.PrefillNodeServicer):
         first token, which tries again and reports why."""
         handles: list[SendHandle] = []
         for seq in seqs:
-            req = self.requests.get(seq.seq_id)
-            early = req.early if req is not None else None
-            if req is None or early is None:
+            call = self.calls.get(seq.seq_id)
+            early = call.early if call is not None else None
+            if call is None or early is None:
                 continue
             src = seq.block_table[early.skip : early.skip + early.count]
-            if self._queue_send(req, src, early.num_tokens, layerwise=True) is None:
-                assert req.handle is not None
-                handles.append(req.handle)
-                self._loop.call_soon_threadsafe(req.announced.set)
+            if self._queue_send(call, src, early.num_tokens, layerwise=True) is None:
+                assert call.handle is not None
+                handles.append(call.handle)
+                self._loop.call_soon_threadsafe(call.announced.set)
         if not handles:
             return None
         self.metrics.layerwise_queued(len(handles))
@@ -428,37 +430,37 @@ class PrefillService(NodeService, pb_grpc.PrefillNodeServicer):
             return "decode_node_id is required"
         return None
 
-    def _abort(self, st: PrefillRequest, reason: str) -> None:
+    def _abort(self, call: PrefillCall, reason: str) -> None:
         """Marks the request aborted. Before its send is queued the engine drops it (freeing its blocks);
         a queued send is left to finish or fail, since the decode node drains or discards it."""
         with self._send_lock:  # no send is queued after this unless it already was
-            if st.aborted is None:
-                st.aborted = reason
-            queued = st.handle is not None
+            if call.aborted is None:
+                call.aborted = reason
+            queued = call.handle is not None
         if not queued:
-            self.ctx.spawn(self.ctx.engine.abort(st.request_id), f"prefill-abort-{st.request_id}")
+            self.ctx.spawn(self.ctx.engine.abort(call.request_id), f"prefill-abort-{call.request_id}")
 
-    async def _finish(self, st: PrefillRequest) -> None:
-        if st.handle is not None:
-            await st.handle.wait()  # the send may still be reading the blocks
-        await self.ctx.engine.abort(st.request_id)  # frees held blocks, or drops a still-queued prefill
-        self.metrics.forget(st.request_id)
-        if self.requests.get(st.request_id) is st:
-            del self.requests[st.request_id]
+    async def _finish(self, call: PrefillCall) -> None:
+        if call.handle is not None:
+            await call.handle.wait()  # the send may still be reading the blocks
+        await self.ctx.engine.abort(call.request_id)  # frees held blocks, or drops a still-queued prefill
+        self.metrics.forget(call.request_id)
+        if self.calls.get(call.request_id) is call:
+            del self.calls[call.request_id]
 
     def on_member_left(self, node_id: str) -> None:
-        for st in list(self.requests.values()):
-            if st.decode_id != node_id:
+        for call in list(self.calls.values()):
+            if call.decode_id != node_id:
                 continue
-            log.warning("decode node %s left the registry: dropping %s", node_id, st.request_id)
-            self._abort(st, f"decode node {node_id} left the registry")
-            if st.handle is not None and not st.handle.done():
-                if st.channel is not None:
-                    st.channel.close(f"decode node {node_id} left the registry")
+            log.warning("decode node %s left the registry: dropping %s", node_id, call.request_id)
+            self._abort(call, f"decode node {node_id} left the registry")
+            if call.handle is not None and not call.handle.done():
+                if call.channel is not None:
+                    call.channel.close(f"decode node {node_id} left the registry")
                 # A send blocked on a hung peer resolves only at its deadline (gloo cannot interrupt it),
                 # so the blocks are given back now; the send's outcome is reported as failed.
-                st.released = True
-                self.ctx.spawn(self.ctx.engine.abort(st.request_id), f"prefill-release-{st.request_id}")
+                call.released = True
+                self.ctx.spawn(self.ctx.engine.abort(call.request_id), f"prefill-release-{call.request_id}")
 
     async def quiesce(self, deadline: float) -> None:
         loop = asyncio.get_running_loop()
@@ -468,9 +470,9 @@ class PrefillService(NodeService, pb_grpc.PrefillNodeServicer):
             grace = self.config.load_interval_s + 0.5
             await asyncio.sleep(max(0.0, min(grace, deadline - loop.time())))
         self.accepting = False
-        had_work = bool(self.requests)
+        had_work = bool(self.calls)
         # Every send must resolve before the lease goes: decode nodes fail a prefill whose node left.
-        while self.requests and loop.time() < deadline:
+        while self.calls and loop.time() < deadline:
             await asyncio.sleep(0.02)
         if had_work:
             # The last TransferDone messages are on the wire; let the decode nodes read them before
@@ -478,12 +480,12 @@ class PrefillService(NodeService, pb_grpc.PrefillNodeServicer):
             await asyncio.sleep(min(0.25, max(0.0, deadline - loop.time())))
 
     async def close(self) -> None:
-        for st in list(self.requests.values()):
-            self._abort(st, "prefill node shutting down")
-            if st.handle is not None and not st.handle.done() and st.channel is not None:
-                st.channel.close("prefill node shutting down")
+        for call in list(self.calls.values()):
+            self._abort(call, "prefill node shutting down")
+            if call.handle is not None and not call.handle.done() and call.channel is not None:
+                call.channel.close("prefill node shutting down")
         deadline = time.monotonic() + 5.0
-        while self.requests and time.monotonic() < deadline:
+        while self.calls and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
 
 

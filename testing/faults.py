@@ -28,7 +28,7 @@ from pdserve.node_common.faults import FAULTS_ENV, FAULTS_SPEC_ENV
 from pdserve.prefill_node.faults import PrefillFaults
 
 if TYPE_CHECKING:
-    from pdserve.prefill_node.service import PrefillRequest
+    from pdserve.prefill_node.service import PrefillCall
 
 FAILED_SEND = "fault injection: send failed"
 
@@ -74,7 +74,7 @@ class SendFaults(FaultSpec, PrefillFaults):
     def new_sender(self, ops: KernelOps) -> KVSender:
         return FaultySender(ops, self) if self.stall_s or self.failed or self.corrupt else KVSender(ops)
 
-    async def after_first_token(self, call: PrefillRequest) -> None:
+    async def after_first_token(self, call: PrefillCall) -> None:
         if self.delay_s:
             await asyncio.sleep(self.delay_s)  # the fault itself, not a synchronisation
 
