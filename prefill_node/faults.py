@@ -4,13 +4,9 @@ is what every production node runs, and each of its methods is a pass-through.""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from pdserve.kernels.interface import KernelOps
 from pdserve.kv_transfer import KVSender
-
-if TYPE_CHECKING:
-    from pdserve.prefill_node.service import PrefillCall
+from pdserve.prefill_node.call import PrefillCall
 
 
 class PrefillFaults:

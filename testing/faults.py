@@ -14,7 +14,6 @@ import dataclasses
 import json
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,10 +24,8 @@ from pdserve.kv_transfer.send import _SendJob
 from pdserve.kv_transfer.staging import StagingSlot
 from pdserve.kv_transfer.transfer import BlockIds
 from pdserve.node_common.faults import FAULTS_ENV, FAULTS_SPEC_ENV
+from pdserve.prefill_node.call import PrefillCall
 from pdserve.prefill_node.faults import PrefillFaults
-
-if TYPE_CHECKING:
-    from pdserve.prefill_node.service import PrefillCall
 
 FAILED_SEND = "fault injection: send failed"
 
