@@ -25,7 +25,7 @@ _NEXT = {Stage.IN_ENGINE: {Stage.SENDING, Stage.ENDING}, Stage.SENDING: {Stage.E
 
 
 @dataclass(frozen=True)
-class EarlySend:
+class LayerwiseSend:
     """What the engine thread needs to queue a call's layer-wise send: the source blocks are
     block_table[skip : skip + count] of the call's sequence."""
 
@@ -45,13 +45,13 @@ class PrefillCall:
     aborted: str | None = None  # why, once aborted (caller's Abort, decode node gone, shutdown)
     handle: SendHandle | None = None  # set once the send is queued; blocks are held until it resolves
     channel: Channel | None = None
-    # The blocks were given back although the send had not resolved (the decode node's lease lapsed):
+    # The blocks were given back while the send was still in flight (the decode node's lease lapsed):
     # whatever the send still ships is reported as failed, so the decode node never uses it.
-    released: bool = False
-    # Set when the send is to be queued by the engine thread in the step of the last prompt chunk.
-    early: EarlySend | None = None
-    # Set (on the event loop) once the engine thread queued the early send.
-    announced: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    released_under_send: bool = False
+    # Set when the send is to be queued layer-wise by the engine thread in the step of the last prompt chunk.
+    layerwise: LayerwiseSend | None = None
+    # Set (on the event loop) once the engine thread queued that layer-wise send.
+    layerwise_queued: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     # What its spans are made of (tracing on): the call's span, the times FirstToken reported, when
     # the send was queued (time.monotonic) and how it went.
     span: Any = None

@@ -76,14 +76,14 @@ class Sends:
         handles: list[SendHandle] = []
         for seq in seqs:
             call = self._calls.get(seq.seq_id)
-            early = call.early if call is not None else None
-            if call is None or early is None:
+            send = call.layerwise if call is not None else None
+            if call is None or send is None:
                 continue
-            src = seq.block_table[early.skip : early.skip + early.count]
-            if self.queue(call, src, early.num_tokens, layerwise=True) is None:
+            src = seq.block_table[send.skip : send.skip + send.count]
+            if self.queue(call, src, send.num_tokens, layerwise=True) is None:
                 assert call.handle is not None
                 handles.append(call.handle)
-                self._loop.call_soon_threadsafe(call.announced.set)
+                self._loop.call_soon_threadsafe(call.layerwise_queued.set)
         if not handles:
             return None
         self._metrics.layerwise_queued(len(handles))

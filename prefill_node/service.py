@@ -47,7 +47,7 @@ from pdserve.node_common.convert import logprob_to_proto, params_from_proto, tra
 from pdserve.node_common.faults import load_faults
 from pdserve.node_common.runtime import run_node
 from pdserve.node_common.service import NodeContext, NodeService
-from pdserve.prefill_node.call import EarlySend, PrefillCall, Stage
+from pdserve.prefill_node.call import LayerwiseSend, PrefillCall, Stage
 from pdserve.prefill_node.config import PrefillNodeConfig
 from pdserve.prefill_node.faults import PrefillFaults
 from pdserve.prefill_node.metrics import PrefillMetrics
@@ -81,7 +81,7 @@ class PrefillService(NodeService, pb_grpc.PrefillNodeServicer):
         return {rid: call.stage.value for rid, call in list(self.calls.items())}
 
     def in_flight(self) -> int:
-        return sum(1 for call in list(self.calls.values()) if not call.released)
+        return sum(1 for call in list(self.calls.values()) if not call.released_under_send)
 
     def check_requests(self, before: Mapping[str, str], engine: EngineRequests) -> None:
         assert not engine.reserved, f"a prefill node reserves nothing: {sorted(engine.reserved)}"
@@ -91,9 +91,9 @@ class PrefillService(NodeService, pb_grpc.PrefillNodeServicer):
                 assert call.handle is not None and call.channel is not None
         # A prefill still in the engine belongs to a call in the engine, or ending and about to abort it.
         # A layer-wise send is queued in the step that completes its prefill, so between steps (when this
-        # runs) no request whose send is queued is still scheduled either.
-        early = engine.scheduled - {rid for rid, stage in before.items() if stage != Stage.SENDING.value}
-        assert not early, f"engine computes prefills whose send is already queued: {sorted(early)}"
+        # runs) no call whose send is queued is still scheduled either.
+        sent = engine.scheduled - {rid for rid, stage in before.items() if stage != Stage.SENDING.value}
+        assert not sent, f"engine computes prefills whose send is already queued: {sorted(sent)}"
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
         pb_grpc.add_PrefillNodeServicer_to_server(self, server)
@@ -124,7 +124,7 @@ class PrefillService(NodeService, pb_grpc.PrefillNodeServicer):
         # (the one after a resumed request's resumed tokens, which the engine counts as completion).
         num_resumed = len(resume.token_ids) if resume is not None else 0
         first_params = dataclasses.replace(params, max_tokens=num_resumed + 1, stop=[])
-        call.early = self._early_send(request, params, num_resumed)
+        call.layerwise = self._layerwise_send(request, params, num_resumed)
         self.calls[call.request_id] = call
         try:
             try:
@@ -146,7 +146,7 @@ class PrefillService(NodeService, pb_grpc.PrefillNodeServicer):
                 finish_call_spans(tracer, call)
 
     async def _accept(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> SamplingParams:
-        """The request's sampling parameters; aborts the call when it cannot be taken."""
+        """The call's sampling parameters; aborts the call when it cannot be taken."""
         await self.refuse_if_draining(context)
         problem = self._check(request, list(request.prompt_token_ids))
         if problem is not None:
@@ -162,29 +162,31 @@ class PrefillService(NodeService, pb_grpc.PrefillNodeServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "prefill queue is full")
         return params
 
-    def _early_send(self, request: pb.PrefillRequest, params: SamplingParams, num_resumed: int) -> EarlySend | None:
-        """Whether the request's send is queued layer by layer in the step of its last prompt chunk
-        (see the module docstring), and what it ships; None: after the first token, if at all."""
+    def _layerwise_send(
+        self, request: pb.PrefillRequest, params: SamplingParams, num_resumed: int,
+    ) -> LayerwiseSend | None:
+        """Whether the call's send is queued layer-wise in the step of its last prompt chunk (see the
+        module docstring), and what it ships; None: after the first token, if at all."""
         cfg = self.config
         if not cfg.layerwise_send or not request.dst_block_ids:
             return None
         if num_resumed + 1 >= params.max_tokens:
             return None  # the first token is the last one: nothing will be shipped
-        return EarlySend(request.num_skip_blocks, len(request.dst_block_ids), len(request.prompt_token_ids))
+        return LayerwiseSend(request.num_skip_blocks, len(request.dst_block_ids), len(request.prompt_token_ids))
 
     async def _first_output(self, call: PrefillCall, stream: RequestStream) -> AsyncIterator[
             pb.PrefillResponse | list[RequestOutput]]:
-        """Yields TransferStart as soon as the engine thread queued an early send (before or while the
-        step runs), then the request's first batch of outputs. The announcement is handed to the loop
-        before the step's outputs, so a queued send is always announced before the first token."""
+        """Yields TransferStart as soon as the engine thread queued a layer-wise send (before or while
+        the step runs), then the call's first batch of outputs. The engine thread hands the loop the news
+        of a queued send before the step's outputs, so it is always announced before the first token."""
         outputs = asyncio.ensure_future(stream.next_batch())
         try:
-            if call.early is not None:
-                announced = asyncio.ensure_future(call.announced.wait())
+            if call.layerwise is not None:
+                queued = asyncio.ensure_future(call.layerwise_queued.wait())
                 try:
-                    await asyncio.wait({outputs, announced}, return_when=asyncio.FIRST_COMPLETED)
+                    await asyncio.wait({outputs, queued}, return_when=asyncio.FIRST_COMPLETED)
                 finally:
-                    announced.cancel()
+                    queued.cancel()
             if call.handle is not None:
                 yield pb.PrefillResponse(transfer_start=self._transfer_start(call.handle))
             yield await outputs
@@ -247,8 +249,8 @@ class PrefillService(NodeService, pb_grpc.PrefillNodeServicer):
         assert call.handle is not None
         result = await call.handle.wait()
         call.send_result = result
-        self.metrics.transfer_done(result, (call.aborted or "released") if call.released else None)
-        if call.released:
+        self.metrics.transfer_done(result, (call.aborted or "released") if call.released_under_send else None)
+        if call.released_under_send:
             return pb.PrefillResponse(transfer_done=pb.TransferDone(ok=False, error=call.aborted or "released"))
         return pb.PrefillResponse(transfer_done=pb.TransferDone(
             ok=result.ok, error=result.error or "", transfer_s=result.seconds,
@@ -329,7 +331,7 @@ class PrefillService(NodeService, pb_grpc.PrefillNodeServicer):
             if call.close_channel_under_send(f"decode node {node_id} left the registry"):
                 # A send blocked on a hung peer resolves only at its deadline (gloo cannot interrupt it),
                 # so the blocks are given back now; the send's outcome is reported as failed.
-                call.released = True
+                call.released_under_send = True
                 self.ctx.spawn(self.ctx.engine.abort(call.request_id), f"prefill-release-{call.request_id}")
 
     async def quiesce(self, deadline: float) -> None:

@@ -27,7 +27,7 @@ def start_call_span(tracer: Tracer, call: PrefillCall, metadata: Iterable[tuple[
 
 
 def finish_call_spans(tracer: Tracer, call: PrefillCall) -> None:
-    """The call is over: its stage spans, then the call's span."""
+    """The call is over: its queue, compute and KV send spans, then the call's span."""
     if call.timing is not None:
         started = call.arrived + call.timing.queue_s
         tracer.span("prefill.queue", parent=call.span, start=call.arrived, end=started,
