@@ -10,7 +10,7 @@ and prints GiB/s plus the ratio path/raw. A transfer's time runs from the sender
 receiver's completion (a system-wide monotonic clock on both sides), over `--iters` back-to-back
 transfers, so the control-plane hop that carries the metadata is paid once per batch, as by raw.
 Each figure is the median over `--repeats` batches, raw and path interleaved, after a warm-up.
-The production path is the "layer-by-layer" row: prefill_node/service.py sends each layer as its
+The production path is the "layer-by-layer" row: prefill_node/sends.py sends each layer as its
 forward finishes it (`--no-layerwise-send` gives the "whole" row: whole-request transfers with
 KVSender's default 1 MiB messages, the bench's default `--message-mib`). The default cases are the
 default model's (SmolLM2-135M, bf16) at 128, 1,024 and 4,096 prompt tokens.
@@ -18,8 +18,8 @@ default model's (SmolLM2-135M, bf16) at 128, 1,024 and 4,096 prompt tokens.
 Both processes call gc.freeze() after startup, as a serving process should: otherwise a full
 collection over torch's heap (~100 ms on a small machine) lands inside some timed batch.
 
-Two more tables say where the path's extra time goes, per transfer: each side's stages (copy, digest,
-wire, layer waits: `TransferResult.stages`) against the raw and path times, and each process's CPU time
+Two more tables say where the path's extra time goes, per transfer: each side's phases (copy, digest,
+wire, layer waits: `TransferResult.phases`) against the raw and path times, and each process's CPU time
 (its channel worker, and its other threads: gloo's I/O thread doing the socket copies, the main thread)
 against raw's. On a machine with fewer cores than busy threads the gap is about the extra CPU divided
 by the cores, plus what the pipeline leaves idle. `--window 2 4` compares staging depths interleaved.
@@ -53,8 +53,8 @@ from pdserve.kv_transfer import (
     ChannelManager,
     KVReceiver,
     KVSender,
+    PhaseSeconds,
     SendHandle,
-    StageSeconds,
     TransferMeta,
     TransferResult,
     message_ranges,
@@ -95,22 +95,22 @@ class Case:
 @dataclass(frozen=True)
 class Side:
     """One side's per-transfer means over a batch, in seconds: `seconds` is the job's execution time,
-    `stages` its split (`StageSeconds`); the remainder is bookkeeping."""
+    `phases` its split (`PhaseSeconds`); the remainder is bookkeeping."""
 
     seconds: float
-    stages: StageSeconds
+    phases: PhaseSeconds
 
     @staticmethod
     def of(results: list[TransferResult]) -> Side:
         n = len(results)
-        stages = [r.stages or StageSeconds() for r in results]
-        return Side(sum(r.seconds for r in results) / n, StageSeconds(
-            layers=sum(s.layers for s in stages) / n, copy=sum(s.copy for s in stages) / n,
-            digest=sum(s.digest for s in stages) / n, wire=sum(s.wire for s in stages) / n))
+        phases = [r.phases or PhaseSeconds() for r in results]
+        return Side(sum(r.seconds for r in results) / n, PhaseSeconds(
+            layers=sum(s.layers for s in phases) / n, copy=sum(s.copy for s in phases) / n,
+            digest=sum(s.digest for s in phases) / n, wire=sum(s.wire for s in phases) / n))
 
     @property
     def other(self) -> float:
-        return self.seconds - self.stages.total
+        return self.seconds - self.phases.total
 
 
 Cpu = tuple[float, float]  # CPU seconds of (the channel worker threads, every other thread) of a process
@@ -140,16 +140,16 @@ def cpu_since(start: Cpu) -> Cpu:
 
 
 def median_side(sides: list[Side]) -> Side:
-    """The stage-wise median over batches."""
+    """The phase-wise median over batches."""
     med = statistics.median
-    return Side(med(s.seconds for s in sides), StageSeconds(
-        layers=med(s.stages.layers for s in sides), copy=med(s.stages.copy for s in sides),
-        digest=med(s.stages.digest for s in sides), wire=med(s.stages.wire for s in sides)))
+    return Side(med(s.seconds for s in sides), PhaseSeconds(
+        layers=med(s.phases.layers for s in sides), copy=med(s.phases.copy for s in sides),
+        digest=med(s.phases.digest for s in sides), wire=med(s.phases.wire for s in sides)))
 
 
 @dataclass(frozen=True)
 class Breakdown:
-    """Per-transfer medians for one case and mode: the raw and path times, and each side's stages."""
+    """Per-transfer medians for one case and mode: the raw and path times, and each side's phases."""
 
     raw_s: float
     path_s: float
@@ -285,7 +285,7 @@ class Bench:
         self, kv: torch.Tensor, src: list[int], dst: list[int], iters: int, layerwise: bool
     ) -> tuple[float, Side, Side, tuple[Cpu, Cpu]]:
         """Seconds for `iters` back-to-back transfers, submission to the receiver's last unpack; the
-        sender's and receiver's per-transfer stage means; both processes' CPU seconds."""
+        sender's and receiver's per-transfer phase means; both processes' CPU seconds."""
         ch = self.mgr.channel_to("bench-d")
         cpu0 = cpu_now()
         t0 = time.perf_counter()
@@ -421,19 +421,19 @@ def print_breakdown(rows: list[Row]) -> None:
     """Where a transfer's time goes, per transfer, medians over the batches (ms). The path's extra
     work over raw is the sender's copy + digest and the receiver's digest + copy; on a machine with
     fewer cores than the two processes' busy threads, that work competes with the wire for CPU."""
-    print("\nPer-transfer breakdown (ms, medians over batches): sender S and receiver R stages of the path")
+    print("\nPer-transfer breakdown (ms, medians over batches): sender S and receiver R phases of the path")
     print(f"{'tokens':>6} {'mode':<18} {'raw':>7} {'path':>7} {'gap':>7} | {'S copy':>7} {'S dig':>6} {'S wire':>7} "
           f"{'S lay':>6} {'S oth':>6} | {'R wire':>7} {'R dig':>6} {'R copy':>7} {'R oth':>6} | {'extra':>6} {'gap-extra':>9}")
     for r in rows:
         b = r.breakdown
         s, v = b.sender, b.receiver
-        extra = s.stages.copy + s.stages.digest + v.stages.digest + v.stages.copy
+        extra = s.phases.copy + s.phases.digest + v.phases.digest + v.phases.copy
         gap = b.path_s - b.raw_s
         ms = 1e3
         print(f"{r.case.tokens:>6} {r.mode:<18} {ms * b.raw_s:>7.3f} {ms * b.path_s:>7.3f} {ms * gap:>7.3f} | "
-              f"{ms * s.stages.copy:>7.3f} {ms * s.stages.digest:>6.3f} {ms * s.stages.wire:>7.3f} "
-              f"{ms * s.stages.layers:>6.3f} {ms * s.other:>6.3f} | {ms * v.stages.wire:>7.3f} "
-              f"{ms * v.stages.digest:>6.3f} {ms * v.stages.copy:>7.3f} {ms * v.other:>6.3f} | "
+              f"{ms * s.phases.copy:>7.3f} {ms * s.phases.digest:>6.3f} {ms * s.phases.wire:>7.3f} "
+              f"{ms * s.phases.layers:>6.3f} {ms * s.other:>6.3f} | {ms * v.phases.wire:>7.3f} "
+              f"{ms * v.phases.digest:>6.3f} {ms * v.phases.copy:>7.3f} {ms * v.other:>6.3f} | "
               f"{ms * extra:>6.3f} {ms * (gap - extra):>9.3f}")
     print("\nCPU per transfer (ms, kernel time in syscalls included) against wall time: each side's channel "
           "worker W and all its other threads O (gloo's I/O thread, main)")
@@ -514,7 +514,7 @@ def main() -> None:
               f"{torch.get_num_threads()} torch threads, message size {args.message_mib} MiB, "
               f"{'/'.join(map(str, args.window))} messages in flight per side")
         print("medians of interleaved batches; raw uses the mode's own message sizes; 'layer-by-layer' is "
-              "what prefill_node/service.py sends by default")
+              "what prefill_node/sends.py sends by default")
         print(f"{'geometry':<16} {'tokens':>6} {'MiB':>8} {'mode':<18} {'path GiB/s':>10} {'raw GiB/s':>10} "
               f"{'memcpy GiB/s':>12} {'path/raw':>8} {'per-batch path/raw min..max':>28}")
         for r in rows:

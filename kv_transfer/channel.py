@@ -24,7 +24,7 @@ import torch
 
 from pdserve.kv_transfer.backend import PairGroup, TransferTimeout
 from pdserve.kv_transfer.staging import StagingBuffers
-from pdserve.kv_transfer.types import ChannelError, ChannelKey, ChannelState, StageSeconds, TransferResult
+from pdserve.kv_transfer.types import ChannelError, ChannelKey, ChannelState, PhaseSeconds, TransferResult
 
 
 @dataclass
@@ -62,7 +62,7 @@ class ChannelJob(ABC):
         # Set by jobs that consume their messages but must still report failure (a rejected receive).
         self.rejection: str | None = None
         self.checksum: int | None = None  # set by `execute` once every message was digested
-        self.stages = StageSeconds()  # accumulated by `execute` (and by a previous job's look-ahead)
+        self.phases = PhaseSeconds()  # accumulated by `execute` (and by a previous job's look-ahead)
 
     @abstractmethod
     def execute(self, ctx: WorkerContext) -> int:
@@ -86,7 +86,7 @@ class ChannelJob(ABC):
         result = TransferResult(
             ok=True, bytes=nbytes, seconds=time.monotonic() - start, request_id=self.request_id,
             seq_no=self.seq_no, queued_seconds=start - self.submitted, checksum=self.checksum,
-            stages=self.stages,
+            phases=self.phases,
         )
         return JobOutcome(result, True)
 

@@ -50,10 +50,3 @@ class KVDigest:
         """The digest so far, an unsigned 64-bit value."""
         return self._xxh.intdigest() if self._xxh is not None else self._crc
 
-
-def flip_one_byte(t: torch.Tensor) -> None:
-    """Test fault injection: inverts the middle byte of a staged message in place (a corruption in
-    flight the checksum must catch)."""
-    flat = t.reshape(-1).view(torch.uint8)
-    mid = flat.numel() // 2
-    flat[mid] = 255 - int(flat[mid])

@@ -80,7 +80,7 @@ class _RecvJob(ChannelJob):
         slot = ctx.staging.slot(index, (l1 - l0, 2, self.meta.num_blocks, bs, h, d), self._dtype)
         t0 = time.perf_counter()
         op = ctx.group.irecv(slot.wire, ctx.peer, self._tag)  # waits for gloo's lock while it reads
-        self.stages.wire += time.perf_counter() - t0
+        self.phases.wire += time.perf_counter() - t0
         return slot, op, l0, l1
 
     def execute(self, ctx: WorkerContext) -> int:
@@ -102,7 +102,7 @@ class _RecvJob(ChannelJob):
             t0 = time.perf_counter()
             op.wait(self.deadline)
             t1 = time.perf_counter()
-            self.stages.wire += t1 - t0
+            self.phases.wire += t1 - t0
             total += slot.wire.numel() * slot.wire.element_size()
             if self._kv is None:
                 continue
@@ -112,8 +112,8 @@ class _RecvJob(ChannelJob):
                 slot.compute.copy_(slot.wire, non_blocking=True)
             self._unpack(slot, l0, l1)
             sync_device(ctx)  # the slot is reposted next round, and on_layer promises the blocks are written
-            self.stages.digest += t2 - t1
-            self.stages.copy += time.perf_counter() - t2
+            self.phases.digest += t2 - t1
+            self.phases.copy += time.perf_counter() - t2
             if self._on_layer is not None:
                 for layer in range(l0, l1):
                     self._on_layer(layer)

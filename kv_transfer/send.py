@@ -1,5 +1,5 @@
 """The sending side of KV transfers (prefill node): `KVSender` queues a request's blocks on a pair channel
-and returns a `SendHandle`; layer-by-layer sends wait for each layer's K/V (see `SendHandle.layer_ready`).
+and returns a `SendHandle`; layer-wise sends wait for each layer's K/V (see `SendHandle.layer_ready`).
 Wire format and ordering contract: `kv_transfer.transfer`."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pdserve.kernels.interface import KV_LAYOUT_VERSION, KernelOps
 from pdserve.kv_transfer import hostcopy
 from pdserve.kv_transfer.backend import PendingOp, TransferTimeout
 from pdserve.kv_transfer.channel import Channel, ChannelJob, WorkerContext
-from pdserve.kv_transfer.checksum import KVDigest, flip_one_byte
+from pdserve.kv_transfer.checksum import KVDigest
 from pdserve.kv_transfer.staging import StagingBuffers, StagingSlot
 from pdserve.kv_transfer.transfer import (
     TAG_SPACE,
@@ -78,9 +78,9 @@ class _LayerGate:
 
 
 class SendHandle(TransferHandle):
-    """A submitted send. For a layer-by-layer send, call `layer_ready(l)` as each layer's KV is
+    """A submitted send. For a layer-wise send, call `layer_ready(l)` as each layer's KV is
     written (any order, any thread; on CUDA from the thread whose stream wrote it). If the prefill
-    is abandoned halfway, still call `all_layers_ready()` and have the decode node `discard` the
+    fails halfway, still call `all_layers_ready()` and have the decode node `discard` the
     transfer: a layer that never becomes ready breaks the channel at the transfer's deadline."""
 
     def __init__(self, future: Future[TransferResult], meta: TransferMeta, gate: _LayerGate) -> None:
@@ -104,11 +104,10 @@ class _SendJob(ChannelJob):
 
     def __init__(
         self, meta: TransferMeta, ops: KernelOps, kv_cache: torch.Tensor, ids: torch.Tensor,
-        gate: _LayerGate, timeout_s: float, corrupt: bool = False,
+        gate: _LayerGate, timeout_s: float,
     ) -> None:
         super().__init__(meta.request_id, timeout_s)
         self._digest = KVDigest()  # over the staged messages, in order (`_fill` runs in message order)
-        self._corrupt = corrupt  # test fault injection: flip a byte of message 0 after digesting it
         self.meta = meta
         self._ops = ops
         self._kv = kv_cache  # [L, 2, NB, BS, Hkv, D]
@@ -131,6 +130,7 @@ class _SendJob(ChannelJob):
         return ctx.staging.slot(index, (l1 - l0, 2, self._ids.numel(), bs, h, d), self._kv.dtype)
 
     def _fill(self, ctx: WorkerContext, slot: StagingSlot, i: int, events: list[torch.cuda.Event]) -> None:
+        """Packs message i into `slot` and digests it; what `slot.wire` holds afterwards is what is sent."""
         l0, l1 = self._ranges[i]
         if ctx.stream is not None:
             for event in events:
@@ -142,10 +142,8 @@ class _SendJob(ChannelJob):
             sync_device(ctx)  # gloo reads the pinned mirror from the host
         t1 = time.perf_counter()
         self._digest.update(slot.wire)
-        self.stages.copy += t1 - t0
-        self.stages.digest += time.perf_counter() - t1
-        if self._corrupt and i == 0:
-            flip_one_byte(slot.wire)
+        self.phases.copy += t1 - t0
+        self.phases.digest += time.perf_counter() - t1
 
     def presend(self, ctx: WorkerContext, slot_base: int) -> None:
         """Packs and posts this job's first message while the previous job's last one is still on
@@ -163,7 +161,7 @@ class _SendJob(ChannelJob):
         self._fill(ctx, slot, 0, events)
         t0 = time.perf_counter()
         self._present = (slot, ctx.group.isend(slot.wire, ctx.peer, self._tag))
-        self.stages.wire += time.perf_counter() - t0
+        self.phases.wire += time.perf_counter() - t0
 
     def execute(self, ctx: WorkerContext) -> int:
         in_flight: deque[PendingOp] = deque()
@@ -178,13 +176,13 @@ class _SendJob(ChannelJob):
                 t1 = time.perf_counter()
                 if len(in_flight) == StagingBuffers.NUM_SLOTS:
                     in_flight.popleft().wait(self.deadline)  # frees the slot this message reuses
-                self.stages.layers += t1 - t0
-                self.stages.wire += time.perf_counter() - t1
+                self.phases.layers += t1 - t0
+                self.phases.wire += time.perf_counter() - t1
                 slot = self._slot(ctx, i)
                 self._fill(ctx, slot, i, events)
                 t0 = time.perf_counter()
                 op = ctx.group.isend(slot.wire, ctx.peer, self._tag)  # gloo may write the bytes right here
-                self.stages.wire += time.perf_counter() - t0
+                self.phases.wire += time.perf_counter() - t0
             in_flight.append(op)
             total += slot.wire.numel() * slot.wire.element_size()
         nxt = ctx.peek(self.seq_no + 1)
@@ -192,12 +190,12 @@ class _SendJob(ChannelJob):
             if len(in_flight) == StagingBuffers.NUM_SLOTS:
                 t0 = time.perf_counter()
                 in_flight.popleft().wait(self.deadline)  # frees the slot the next job packs into
-                self.stages.wire += time.perf_counter() - t0
+                self.phases.wire += time.perf_counter() - t0
             nxt.presend(ctx, (self._slot_base + len(self._ranges)) % StagingBuffers.NUM_SLOTS)
         t0 = time.perf_counter()
         for op in in_flight:
             op.wait(self.deadline)
-        self.stages.wire += time.perf_counter() - t0
+        self.phases.wire += time.perf_counter() - t0
         self.checksum = self._digest.value()
         return total
 
@@ -213,13 +211,15 @@ class _SendJob(ChannelJob):
 class KVSender:
     """Prefill side: ships KV blocks from the local pool over a channel (rank 0)."""
 
+    # The job that ships one send; a subclass may name one of its own (the tests' corrupting sender).
+    _job_type: type[_SendJob] = _SendJob
+
     def __init__(
         self, ops: KernelOps, message_bytes: int | None = 1 << 20, *, layerwise_min_bytes: int = 256 << 10,
-        fault_corrupt: bool = False,
     ) -> None:
         # message_bytes: target size of a whole-request message (at least one layer each);
         # None sends a whole request as a single message.
-        # layerwise_min_bytes: a layer-by-layer message holds as few whole layers as reach this size.
+        # layerwise_min_bytes: a layer-wise message holds as few whole layers as reach this size.
         # Every message costs a fixed ~0.1 ms on each side (a rendezvous with the peer and thread
         # wake-ups, measured by bench/kv_transfer_bench.py), as much as moving ~200 KiB; layers below
         # that travel in groups, so a short prompt's transfer pays a few such costs instead of one per
@@ -227,9 +227,6 @@ class KVSender:
         self._ops = ops
         self._message_bytes = message_bytes
         self._layerwise_min_bytes = layerwise_min_bytes
-        # Test fault injection, off by default: every send flips one byte of its first staged message
-        # after the checksum was taken, so the receiver's checksum differs.
-        self._fault_corrupt = fault_corrupt
 
     def layers_per_message(self, num_layers: int, layer_bytes: int, layerwise: bool) -> int:
         if layerwise:  # the fewest layers that reach layerwise_min_bytes
@@ -250,7 +247,7 @@ class KVSender:
         layerwise: bool = False,
     ) -> SendHandle:
         """Queues a transfer of exactly `block_ids` and returns at once. Whole-request mode ships
-        every layer as soon as the worker reaches it; layer-by-layer mode ships layer l once
+        every layer as soon as the worker reaches it; layer-wise mode ships layer l once
         `handle.layer_ready(l)` was called. Raises ValueError for bad arguments (no seq_no is then
         used); a channel already down yields a handle that is resolved as failed."""
         if channel.rank != PREFILL_RANK:
@@ -274,7 +271,7 @@ class KVSender:
                 dtype=dtype_name(kv_cache.dtype), geometry=(num_layers, bs, h, d),
                 layers_per_message=self.layers_per_message(num_layers, layer_bytes, layerwise),
             )
-            return _SendJob(meta, self._ops, kv_cache, ids, gate, timeout_s, self._fault_corrupt)
+            return self._job_type(meta, self._ops, kv_cache, ids, gate, timeout_s)
 
         job = channel.submit_next(make)
         assert isinstance(job, _SendJob)

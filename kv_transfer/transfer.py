@@ -1,9 +1,9 @@
-"""KV block transfers over a pair channel: whole-request or layer by layer.
+"""KV block transfers over a pair channel: whole-request or layer-wise.
 
 Wire: a transfer is a sequence of messages tagged with its `seq_no`. Message i holds layers
 ``[i * k, min((i + 1) * k, L))`` with ``k = meta.layers_per_message``, packed with the kernel
 ops' `pack_blocks` (wire format v1), so the concatenation of all messages is exactly the v1
-buffer ``[L, 2, n, BS, Hkv, D]``. Layer-by-layer transfers use the smallest k whose message reaches
+buffer ``[L, 2, n, BS, Hkv, D]``. Layer-wise transfers use the smallest k whose message reaches
 `layerwise_min_bytes` (k = 1 once a layer is that big); whole-request transfers use the largest k
 whose message fits `message_bytes`. Each side has `StagingBuffers.NUM_SLOTS` slots: the sender packs
 message i+1 while message i is on the wire, the receiver keeps that many receives posted while it

@@ -143,13 +143,13 @@ class TransferMeta:
 
 
 @dataclass
-class StageSeconds:
+class PhaseSeconds:
     """Where one side spent a transfer's execution time, summed over its messages, in seconds. The
     rest of `TransferResult.seconds` is bookkeeping (posting ops, slot lookup, `on_layer` callbacks).
     A message a previous transfer packed or posted ahead (see `kv_transfer.transfer`) counts here,
     though its time fell inside the previous transfer's `seconds`."""
 
-    layers: float = 0.0  # a layer-by-layer send waiting for the compute to mark layers ready
+    layers: float = 0.0  # a layer-wise send waiting for the compute to mark layers ready
     copy: float = 0.0  # the sender's gather into staging, the receiver's scatter into the pool
     digest: float = 0.0  # the checksum pass over the staged bytes
     wire: float = 0.0  # in the transport: posting a send or receive, waiting for one to complete
@@ -174,8 +174,8 @@ class TransferResult:
     # Digest of the transfer's bytes as staged on this side (`kv_transfer.checksum`): after packing on
     # the sender, on arrival on the receiver. None when nothing was digested (a failure, a discard).
     checksum: int | None = None
-    # Per-stage split of `seconds` (None for a transfer that never ran).
-    stages: StageSeconds | None = None
+    # Per-phase split of `seconds` (None for a transfer that never ran).
+    phases: PhaseSeconds | None = None
 
     @property
     def gib_per_s(self) -> float:

@@ -61,9 +61,10 @@ class NodeContext:
 class NodeService(ABC):
     """One node kind's servicer logic on top of the shared runtime.
 
-    Request ownership: a servicer keeps one object per request (its `requests`), registered before the
-    request enters the engine and dropped only once the engine is done with it (its finished output
-    was read, or an abort was awaited). `check_integrity` relies on that order."""
+    Request ownership: a servicer keeps one object per request (a decode node's `requests`, a prefill
+    node's `calls`), registered before the request enters the engine and dropped only once the engine is
+    done with it (its finished output was read, or an abort was awaited). `check_integrity` relies on
+    that order."""
 
     def __init__(self, ctx: NodeContext) -> None:
         self.ctx = ctx

@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 import grpc
 from prometheus_client.parser import text_string_to_metric_families
@@ -39,6 +40,9 @@ from pdserve.registry import EtcdServer, Member, RegistryView
 from pdserve.rpc import RpcSecurity
 from pdserve.rpc import pdserve_pb2 as pb
 from pdserve.rpc import pdserve_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:
+    from testing.faults import FaultSpec
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -134,13 +138,17 @@ class LocalCluster:
 
     def spawn_node(
         self, role: str, node_id: str, extra: Sequence[str] = (), *, prefix: Sequence[str] = (),
-        etcd: str | None = None,
+        etcd: str | None = None, faults: FaultSpec | None = None,
     ) -> NodeProcess:
-        """Starts a node process without waiting for it (see `wait_ready`)."""
+        """Starts a node process without waiting for it (see `wait_ready`), with the fault hook `faults`
+        (`testing.faults`) if given."""
         if node_id in self.nodes and self.nodes[node_id].alive:
             raise ValueError(f"node {node_id} is already running")
         log_path = self.workdir / f"{node_id}.log"
         env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        if faults is not None:
+            env.update(faults.env())
+            extra = [*extra, *faults.node_args()]
         with open(log_path, "ab") as log_file:
             proc = subprocess.Popen(
                 [*prefix, *self.node_command(role, node_id, extra, etcd)], cwd=REPO_ROOT, env=env,

@@ -36,6 +36,7 @@ from pdserve.kv_transfer import (
     message_ranges,
 )
 from pdserve.kv_transfer.checksum import KVDigest
+from testing.faults import FaultySender, SendFaults
 from testing.threads import start_thread
 
 GEOMETRY = (4, 16, 2, 64)  # (L, BS, Hkv, D): the tiny model
@@ -289,7 +290,7 @@ def test_layer_by_layer_overlaps_with_compute(cluster: Cluster) -> None:
 
 
 def test_small_layers_travel_in_groups_layer_by_layer() -> None:
-    """A layer-by-layer message holds the fewest whole layers that reach `layerwise_min_bytes`."""
+    """A layer-wise message holds the fewest whole layers that reach `layerwise_min_bytes`."""
     sender = KVSender(get_kernel_ops("torch"))  # 256 KiB by default
     assert sender.layers_per_message(30, 92_160, layerwise=True) == 3  # 128 tokens of the default model
     assert sender.layers_per_message(30, 737_280, layerwise=True) == 1  # 1,024 tokens
@@ -319,20 +320,20 @@ def test_grouped_layers_ship_once_the_whole_group_is_ready(cluster: Cluster) -> 
     assert sent.ok and got.ok, (sent, got)
     assert sent.bytes == got.bytes == 4 * 2 * 4 * (16 * 2 * 64 * 4)
     assert sent.checksum == got.checksum is not None
-    # Each side's stage split: the layer wait, copy, digest and wire times it measured, within its run time.
+    # Each side's phase split: the layer wait, copy, digest and wire times it measured, within its run time.
     for side in (sent, got):
-        assert side.stages is not None and side.stages.copy > 0 and side.stages.digest > 0 and side.stages.wire > 0
-        assert side.stages.total <= side.seconds
-    assert sent.stages.layers > 0 and got.stages.layers == 0  # the sender waited for layer 3
+        assert side.phases is not None and side.phases.copy > 0 and side.phases.digest > 0 and side.phases.wire > 0
+        assert side.phases.total <= side.seconds
+    assert sent.phases.layers > 0 and got.phases.layers == 0  # the sender waited for layer 3
     _expect_blocks(c, "d0", src, dst)
 
 
 @pytest.mark.timeout(60)
 def test_a_byte_corrupted_after_the_checksum_is_detected(cluster: Cluster) -> None:
-    """Test fault injection on the sender flips one staged byte after digesting it: the transfer itself
+    """A corrupting sender (`testing.faults`) flips one staged byte after digesting it: the transfer itself
     completes, but the receiver's digest differs from the sender's (the decode node then fails it)."""
     c = cluster
-    corrupting = KVSender(get_kernel_ops("torch"), message_bytes=640 << 10, fault_corrupt=True)
+    corrupting = FaultySender(get_kernel_ops("torch"), SendFaults(corrupt=True), message_bytes=640 << 10)
     src = _shuffled_ids(10, PREFILL_BLOCKS, seed=21)
     dst = _shuffled_ids(10, DECODE_BLOCKS, seed=22)
     h = corrupting.send(c.prefill.channel_to("d0"), c.kv, src, request_id="flip", num_tokens=160, timeout_s=20.0)
