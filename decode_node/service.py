@@ -49,6 +49,7 @@ from pdserve.engine.llm_engine import EngineRequests, RequestOutput
 from pdserve.engine.sequence import Resume
 from pdserve.node_common.config import setup_logging
 from pdserve.node_common.convert import logprob_to_proto, params_from_proto
+from pdserve.node_common.faults import NodeFaults, load_faults
 from pdserve.node_common.runtime import run_node
 from pdserve.node_common.service import NodeContext, NodeService
 from pdserve.registry import Member
@@ -406,4 +407,4 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of `python -m decode_node` (and `pdserve decode`)."""
     config, log_level = DecodeNodeConfig.from_argv(argv)
     setup_logging(log_level)
-    return asyncio.run(run_node(config, "decode", DecodeService, DecodeMetrics))
+    return asyncio.run(run_node(config, "decode", DecodeService, DecodeMetrics, load_faults(NodeFaults)))

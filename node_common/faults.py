@@ -1,16 +1,19 @@
 """Test-only fault injection behind one hook object per node process; production runs the no-op hook.
 
-A node kind's serving code holds a hook, an instance of that kind's hook class (`prefill_node.faults.
-PrefillFaults`), and calls it at a few named points; the hook class itself changes nothing. A test harness
-that starts a node process picks another implementation for it through two environment variables, read
-once as the node starts (`load_faults`):
+A node process loads its hook once, as it starts (`load_faults`): an instance of its kind's hook class,
+`NodeFaults` (the points every node has; a decode node's hook class) or `prefill_node.faults.PrefillFaults`
+(which extends it). Its serving code calls the hook at those few named points; the hook classes themselves
+change nothing. A test harness that starts a node process picks another implementation for it through two
+environment variables:
 
-    PDSERVE_TEST_FAULTS=module:factory         imported from the node's sys.path (the implementations
-                                               live in the checkout's `testing/`, which is never installed)
-    PDSERVE_TEST_FAULTS_SPEC={"stall_s": 4.0}  a JSON object: the factory's keyword arguments (default {})
+    PDSERVE_TEST_FAULTS=module:factory   imported from the node's sys.path (the implementations live in
+                                         the checkout's `testing/`, which is never installed)
+    PDSERVE_TEST_FAULTS_SPEC=JSON        an object: the factory's keyword arguments (default {}),
+                                         e.g. {"send_stall_s": 4.0}
 
 Without PDSERVE_TEST_FAULTS the node builds its hook class and imports nothing. A factory must return an
-instance of that class, so a hook meant for another node kind is refused at start rather than ignored.
+instance of that class, so a hook that lacks some of the node's points is refused at start rather than
+ignored (a prefill node's hook has every point a decode node has: one hook may arm a whole cluster).
 """
 
 from __future__ import annotations
@@ -26,7 +29,16 @@ log = logging.getLogger(__name__)
 FAULTS_ENV = "PDSERVE_TEST_FAULTS"
 FAULTS_SPEC_ENV = "PDSERVE_TEST_FAULTS_SPEC"
 
-H = TypeVar("H")
+H = TypeVar("H", bound="NodeFaults")
+
+
+class NodeFaults:
+    """Where any node lets a test change what it does; this base class changes nothing."""
+
+    def before_step(self) -> None:
+        """Called on the engine thread before every engine step (the engine steps only while it has
+        requests). May raise, which fails the step as any error in it would, or block, which makes the
+        step hang that long; changes nothing."""
 
 
 def load_faults(hook_class: type[H]) -> H:

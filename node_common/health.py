@@ -10,21 +10,12 @@ engine thread: the process exit is what frees it.
 
 Series: `pdserve_node_step_failures_total`, `pdserve_node_step_running_seconds` (the running step's age,
 0 between steps), `pdserve_node_healthy` (1, or 0 once judged unhealthy).
-
-**Test-only fault hook.** `PDSERVE_TEST_FAULT_STEP=PATH`, read once at start: while the file `PATH.fail`
-exists, every engine step with work raises; while `PATH.hang` exists, it blocks until that file is removed.
-Tests create a file to inject the fault at a moment of their choosing; nothing else reads the variable,
-and a node started without it has no hook at all.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -32,34 +23,7 @@ from prometheus_client.registry import Collector
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.node_common.metrics import LABEL_NAMES, MetricLabels
 
-FAULT_ENV = "PDSERVE_TEST_FAULT_STEP"
 _POLL_S = 0.2
-
-
-@dataclass(frozen=True)
-class StepFault:
-    """The test-only fault hook (see the module docstring); `before_step` runs on the engine thread."""
-
-    path: Path  # the trigger files are PATH.fail and PATH.hang
-
-    @classmethod
-    def from_env(cls) -> StepFault | None:
-        raw = os.environ.get(FAULT_ENV, "")
-        return cls(Path(raw)) if raw else None
-
-    @property
-    def fail_file(self) -> Path:
-        return self.path.with_name(self.path.name + ".fail")
-
-    @property
-    def hang_file(self) -> Path:
-        return self.path.with_name(self.path.name + ".hang")
-
-    def before_step(self) -> None:
-        if self.fail_file.exists():
-            raise RuntimeError(f"injected step failure ({FAULT_ENV})")
-        while self.hang_file.exists():
-            time.sleep(0.05)
 
 
 class HealthWatch:

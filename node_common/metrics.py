@@ -34,6 +34,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine, RequestOutput, StepStats
 from pdserve.engine.sequence import Sequence as EngineSequence
 from pdserve.engine.version import pdserve_version
+from pdserve.node_common.faults import NodeFaults
 from pdserve.registry import NodeLoad
 
 # One bucket list for every latency histogram: from 1 ms, with bounds at the usual SLO thresholds.
@@ -78,17 +79,16 @@ class StepObserver(Protocol):
 
 
 class ObservedEngine(LLMEngine):
-    """An `LLMEngine` that reports every step to an observer; otherwise unchanged."""
+    """An `LLMEngine` that reports every step to an observer (and runs the node's fault hook before it,
+    `node_common.faults`); otherwise unchanged."""
 
-    def __init__(self, cfg: EngineConfig, observer: StepObserver,
-                 before_step: Callable[[], None] | None = None) -> None:
+    def __init__(self, cfg: EngineConfig, observer: StepObserver, faults: NodeFaults) -> None:
         super().__init__(cfg)
         self._observer = observer
-        self._before_step = before_step  # the test-only fault hook (`node_common.health.StepFault`), or None
+        self._faults = faults
 
     def step(self) -> list[RequestOutput]:
-        if self._before_step is not None:
-            self._before_step()
+        self._faults.before_step()
         waiting = self.scheduler.waiting_seqs
         started = time.monotonic()
         outputs = super().step()

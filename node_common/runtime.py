@@ -1,6 +1,7 @@
 """The serving lifecycle both node kinds share: engine thread, KV channel manager, gRPC server (the
 node's service, NodeControl, grpc.health.v1), registry view and registration, /metrics, signals, drain
-and clean shutdown. Each node kind's `main` calls `run_node` with its config, service and metrics.
+and clean shutdown. Each node kind's `main` calls `run_node` with its config, service, metrics and fault
+hook (`node_common.faults`).
 
 Health (grpc.health.v1 on the gRPC port): the overall status ``""`` is SERVING while the server runs; the
 node's own service (``pdserve.v1.PrefillNode`` / ``pdserve.v1.DecodeNode``) is SERVING only while the
@@ -28,7 +29,8 @@ from pdserve.engine.async_engine import AsyncEngine
 from pdserve.kv_transfer import ChannelConfig, ChannelManager
 from pdserve.node_common.config import NodeConfig
 from pdserve.node_common.drain import Drainer, NodeControlServicer
-from pdserve.node_common.health import HealthCollector, HealthWatch, StepFault
+from pdserve.node_common.faults import NodeFaults
+from pdserve.node_common.health import HealthCollector, HealthWatch
 from pdserve.node_common.metrics import MetricLabels, NodeMetrics, ObservedEngine
 from pdserve.node_common.pinning import pin_process
 from pdserve.node_common.ready import EXIT_REFUSED, EXIT_UNAVAILABLE, EXIT_UNHEALTHY, ready_line
@@ -72,7 +74,7 @@ class _Node:
 
 async def run_node(
     config: NodeConfig, role: str, make_service: type[NodeService],
-    make_metrics: Callable[[MetricLabels], NodeMetrics],
+    make_metrics: Callable[[MetricLabels], NodeMetrics], faults: NodeFaults,
 ) -> int:
     """Runs one node until SIGTERM/SIGINT (drained, then stopped); returns the process exit code."""
     if config.cpus:
@@ -90,7 +92,7 @@ async def run_node(
               f"{config.metrics_host}:{config.metrics_port}: {err}", file=sys.stderr)
         return 1
     try:
-        node = await _build(config, role, make_service, metrics)
+        node = await _build(config, role, make_service, metrics, faults)
         code = await _join(node)
         if code is not None:
             await _shutdown(node)
@@ -115,11 +117,11 @@ async def run_node(
         metrics_server.close()
 
 
-async def _build(config: NodeConfig, role: str, make_service: type[NodeService], metrics: NodeMetrics) -> _Node:
+async def _build(config: NodeConfig, role: str, make_service: type[NodeService], metrics: NodeMetrics,
+                 faults: NodeFaults) -> _Node:
     """Loads the model and starts the engine thread; builds the channel manager, registry view, service
     and gRPC server (not yet listening)."""
-    fault = StepFault.from_env()
-    engine = await asyncio.to_thread(ObservedEngine, config.engine, metrics, fault and fault.before_step)
+    engine = await asyncio.to_thread(ObservedEngine, config.engine, metrics, faults)
     aengine = AsyncEngine(engine, name=config.node_id)
     aengine.start()
     watch = HealthWatch(aengine, config.max_step_failures, config.step_stall_timeout_s)
@@ -130,7 +132,7 @@ async def _build(config: NodeConfig, role: str, make_service: type[NodeService],
         connect_timeout_s=config.transfer_timeout_s,
     ))
     view = RegistryView(config.etcd_endpoints, config.cluster)
-    ctx = NodeContext(config, role, aengine, channels, view, engine.model_config.fingerprint(), metrics)
+    ctx = NodeContext(config, role, aengine, channels, view, engine.model_config.fingerprint(), metrics, faults)
     # None unless an OTLP endpoint is configured; span times are this process's time.monotonic readings.
     ctx.tracer = start_tracing(config.tracing, f"pdserve-{role}", {"service.instance.id": config.node_id},
                                time.monotonic)

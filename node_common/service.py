@@ -18,6 +18,7 @@ from pdserve.engine.llm_engine import EngineRequests
 from pdserve.kv_transfer import ChannelManager
 from pdserve.node_common.config import NodeConfig
 from pdserve.node_common.convert import load_to_proto
+from pdserve.node_common.faults import NodeFaults
 from pdserve.node_common.metrics import NodeMetrics
 from pdserve.registry import NodeLoad, NodeRecord, RegistryView
 from pdserve.rpc import pdserve_pb2 as pb
@@ -39,6 +40,7 @@ class NodeContext:
     view: RegistryView
     fingerprint: str
     metrics: NodeMetrics
+    faults: NodeFaults  # the node's fault hook (`node_common.faults`): its kind's no-op hook in production
     record: NodeRecord | None = None  # set once the gRPC port is bound
     tracer: Tracer | None = None  # set when tracing is on (an OTLP endpoint is configured)
     background: set[asyncio.Task[None]] = field(default_factory=set)

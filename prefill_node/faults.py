@@ -1,16 +1,18 @@
-"""The prefill node's fault hook: the named points where tests inject faults into a node process (see
-`node_common.faults` for how a test picks the implementation). `PrefillFaults` itself injects none: it
-is what every production node runs, and each of its methods is a pass-through."""
+"""The prefill node's fault hook: the named points where tests inject faults into a node process, those
+every node has (`NodeFaults`) and its own (see `node_common.faults` for how a test picks the
+implementation). `PrefillFaults` itself injects none: it is what every production prefill node runs, and
+each of its methods is a pass-through."""
 
 from __future__ import annotations
 
 from pdserve.kernels.interface import KernelOps
 from pdserve.kv_transfer import KVSender
+from pdserve.node_common.faults import NodeFaults
 from pdserve.prefill_node.call import PrefillCall
 
 
-class PrefillFaults:
-    """Where a prefill node lets a test change what it does; this base class changes nothing."""
+class PrefillFaults(NodeFaults):
+    """Where a prefill node lets a test change what it does; this class changes nothing."""
 
     def new_sender(self, ops: KernelOps) -> KVSender:
         """Called once, as the service starts: the KV sender every send of the node goes through. A fault

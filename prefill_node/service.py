@@ -67,7 +67,8 @@ class PrefillService(NodeService, pb_grpc.PrefillNodeServicer):
         assert isinstance(ctx.metrics, PrefillMetrics)
         self.metrics: PrefillMetrics = ctx.metrics
         self.calls: dict[str, PrefillCall] = {}
-        self.faults = load_faults(PrefillFaults)
+        assert isinstance(ctx.faults, PrefillFaults)
+        self.faults: PrefillFaults = ctx.faults
         engine = ctx.engine.engine
         ops = get_kernel_ops(self.config.engine.kernel_backend, self.config.engine.device)
         self.sends = Sends(self.faults.new_sender(ops), engine.kv_cache, ctx.channels, self.calls, self.metrics,
@@ -364,4 +365,4 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of `python -m prefill_node` (and `pdserve prefill`)."""
     config, log_level = PrefillNodeConfig.from_argv(argv)
     setup_logging(log_level)
-    return asyncio.run(run_node(config, "prefill", PrefillService, PrefillMetrics))
+    return asyncio.run(run_node(config, "prefill", PrefillService, PrefillMetrics, load_faults(PrefillFaults)))

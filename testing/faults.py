@@ -1,10 +1,11 @@
 """Fault injection into node processes the harness starts (the hooks of `node_common.faults`).
 
 A fault hook here is a frozen dataclass deriving from `FaultSpec` and from a node kind's hook class: a
-test builds it, `LocalCluster.spawn_node(..., faults=...)` hands its class and fields to the node process
-(`FaultSpec.env`), and the node builds the same hook from them as it starts:
+test builds it, `LocalCluster.spawn_node(..., faults=...)` (or `UpCluster.start(..., env=faults.env())`,
+for every node `pdserve up` starts) hands its class and fields to the node process (`FaultSpec.env`), and
+the node builds the same hook from them as it starts:
 
-    cluster.spawn_node("prefill", "p-stall", faults=SendFaults(stall_s=30.0))
+    cluster.spawn_node("prefill", "p-stall", faults=Faults(send_stall_s=30.0))
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ import asyncio
 import dataclasses
 import json
 import threading
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -45,54 +48,76 @@ class FaultSpec:
 
 
 @dataclass(frozen=True)
-class SendFaults(FaultSpec, PrefillFaults):
-    """Faults in a prefill node's KV sends, each off by default."""
+class Faults(FaultSpec, PrefillFaults):
+    """Faults in a node's engine steps and in a prefill node's KV sends, each off by default. A prefill
+    node's hook, so that one hook serves either node kind (a decode node runs its step faults only)."""
 
+    # Engine steps, while a trigger file exists (a test creates it at a moment of its choosing): with
+    # `STEP_TRIGGER.fail`, every engine step raises; with `STEP_TRIGGER.hang`, a step blocks until
+    # that file is removed. "" arms neither.
+    step_trigger: str = ""
     # Wait this long after the first token went out before queuing the send: a window in which the
     # call has its first token and no send. The node queues its sends after the first token
     # (--no-layerwise-send), since a layer-wise send is queued before it.
-    delay_s: float = 0.0
+    send_delay_s: float = 0.0
     # Announce each send and ship half its layers (a layer-wise send's as the forward computes them, one
     # queued after the first token's at once); the rest go this long after all were ready.
-    stall_s: float = 0.0
+    send_stall_s: float = 0.0
     # Report every send as failed (TransferDone ok=false) once it resolved. A failed send breaks its
     # channel (`kv_transfer.channel`), so the reported failure closes it too.
-    failed: bool = False
+    send_failed: bool = False
     # Flip one byte of every send's first staged message after its checksum was taken.
-    corrupt: bool = False
+    send_corrupt: bool = False
 
     def __post_init__(self) -> None:
-        if self.delay_s < 0 or self.stall_s < 0:
+        if self.send_delay_s < 0 or self.send_stall_s < 0:
             raise ValueError(f"fault delays must be >= 0: {self}")
 
+    @property
+    def step_fail_file(self) -> Path:
+        return Path(self.step_trigger + ".fail")
+
+    @property
+    def step_hang_file(self) -> Path:
+        return Path(self.step_trigger + ".hang")
+
     def node_args(self) -> list[str]:
-        return ["--no-layerwise-send"] if self.delay_s else []
+        return ["--no-layerwise-send"] if self.send_delay_s else []
+
+    def before_step(self) -> None:
+        if not self.step_trigger:
+            return
+        if self.step_fail_file.exists():
+            raise RuntimeError(f"injected step failure ({self.step_fail_file})")
+        while self.step_hang_file.exists():
+            time.sleep(0.05)  # the fault itself: the step hangs until the test removes the file
 
     def new_sender(self, ops: KernelOps) -> KVSender:
-        return FaultySender(ops, self) if self.stall_s or self.failed or self.corrupt else KVSender(ops)
+        sends = self.send_stall_s or self.send_failed or self.send_corrupt
+        return FaultySender(ops, self) if sends else KVSender(ops)
 
     async def after_first_token(self, call: PrefillCall) -> None:
-        if self.delay_s:
-            await asyncio.sleep(self.delay_s)  # the fault itself, not a synchronisation
+        if self.send_delay_s:
+            await asyncio.sleep(self.send_delay_s)  # the fault itself, not a synchronisation
 
 
 class FaultySender(KVSender):
-    """A KV sender whose sends suffer `faults` (its stall, failed and corrupt parts)."""
+    """A KV sender whose sends suffer `faults` (its send_stall_s, send_failed and send_corrupt parts)."""
 
-    def __init__(self, ops: KernelOps, faults: SendFaults, **kwargs: int | None) -> None:
+    def __init__(self, ops: KernelOps, faults: Faults, **kwargs: int | None) -> None:
         super().__init__(ops, **kwargs)  # type: ignore[arg-type]
         self.faults = faults
-        if faults.corrupt:
+        if faults.send_corrupt:
             self._job_type = _CorruptingJob
 
     def send(
         self, channel: Channel, kv_cache: torch.Tensor, block_ids: BlockIds, *, request_id: str, num_tokens: int,
         timeout_s: float, layerwise: bool = False,
     ) -> SendHandle:
-        stall = self.faults.stall_s > 0
+        stall = self.faults.send_stall_s > 0
         handle = super().send(channel, kv_cache, block_ids, request_id=request_id, num_tokens=num_tokens,
                               timeout_s=timeout_s, layerwise=layerwise or stall)
-        if not (stall or self.faults.failed):
+        if not (stall or self.faults.send_failed):
             return handle
         faulty = _FaultyHandle(handle, channel, self.faults)
         if stall and not layerwise:
@@ -101,26 +126,26 @@ class FaultySender(KVSender):
 
 
 class _FaultyHandle(SendHandle):
-    """A send under a stall (only its first half of layers goes when ready, the rest `stall_s` after
-    all were) or reported as failed."""
+    """A send under a stall (only its first half of layers goes when ready, the rest `send_stall_s`
+    after all were) or reported as failed."""
 
-    def __init__(self, handle: SendHandle, channel: Channel, faults: SendFaults) -> None:
+    def __init__(self, handle: SendHandle, channel: Channel, faults: Faults) -> None:
         super().__init__(handle.future, handle.meta, handle._gate)
         self._channel = channel
         self._faults = faults
         self._half = handle.meta.geometry[0] // 2
 
     def layer_ready(self, layer: int) -> None:
-        if not self._faults.stall_s or layer < self._half:
+        if not self._faults.send_stall_s or layer < self._half:
             super().layer_ready(layer)
 
     def all_layers_ready(self) -> None:
-        if not self._faults.stall_s:
+        if not self._faults.send_stall_s:
             super().all_layers_ready()
             return
         for layer in range(self._half):
             super().layer_ready(layer)
-        rest = threading.Timer(self._faults.stall_s, super().all_layers_ready)
+        rest = threading.Timer(self._faults.send_stall_s, super().all_layers_ready)
         rest.name, rest.daemon = f"fault-stall-{self.meta.request_id}", True
         rest.start()
 
@@ -131,7 +156,7 @@ class _FaultyHandle(SendHandle):
         return self._reported(await super().wait())
 
     def _reported(self, result: TransferResult) -> TransferResult:
-        if not self._faults.failed:
+        if not self._faults.send_failed:
             return result
         self._channel.close("fault injection: send reported as failed")
         return dataclasses.replace(result, ok=False, error=FAILED_SEND, checksum=None)

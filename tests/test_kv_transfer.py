@@ -36,7 +36,7 @@ from pdserve.kv_transfer import (
     message_ranges,
 )
 from pdserve.kv_transfer.checksum import KVDigest
-from testing.faults import FaultySender, SendFaults
+from testing.faults import Faults, FaultySender
 from testing.threads import start_thread
 
 GEOMETRY = (4, 16, 2, 64)  # (L, BS, Hkv, D): the tiny model
@@ -333,7 +333,7 @@ def test_a_byte_corrupted_after_the_checksum_is_detected(cluster: Cluster) -> No
     """A corrupting sender (`testing.faults`) flips one staged byte after digesting it: the transfer itself
     completes, but the receiver's digest differs from the sender's (the decode node then fails it)."""
     c = cluster
-    corrupting = FaultySender(get_kernel_ops("torch"), SendFaults(corrupt=True), message_bytes=640 << 10)
+    corrupting = FaultySender(get_kernel_ops("torch"), Faults(send_corrupt=True), message_bytes=640 << 10)
     src = _shuffled_ids(10, PREFILL_BLOCKS, seed=21)
     dst = _shuffled_ids(10, DECODE_BLOCKS, seed=22)
     h = corrupting.send(c.prefill.channel_to("d0"), c.kv, src, request_id="flip", num_tokens=160, timeout_s=20.0)

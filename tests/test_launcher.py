@@ -26,14 +26,15 @@ import sys
 import textwrap
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import openai
 import pytest
 
 from pdserve.deploy.launcher import registry_keys
-from pdserve.node_common.health import FAULT_ENV, StepFault
 from pdserve.node_common.ready import EXIT_UNHEALTHY
 from pdserve.registry import EtcdServer
+from testing.faults import Faults
 from testing.up_cluster import REPO_ROOT, UpCluster
 
 pytestmark = [
@@ -43,11 +44,16 @@ pytestmark = [
 ]
 
 
+def step_faults(workdir: Path) -> Faults:
+    """The fault hook every node of the cluster runs: its engine steps fail while `workdir/fault.fail` exists."""
+    return Faults(step_trigger=str(workdir / "fault"))
+
+
 @pytest.fixture(scope="module")
 def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpCluster]:
     workdir = tmp_path_factory.mktemp("up")
     cluster = UpCluster.start(workdir, ["--model", "tiny", "--lease-ttl", "2", "--kv-memory", "64", "--pin"],
-                              env={FAULT_ENV: str(workdir / "fault")})
+                              env=step_faults(workdir).env())
     try:
         yield cluster
     finally:
@@ -152,13 +158,16 @@ def test_killed_nodes_restart_and_serving_continues(up: UpCluster) -> None:
 
 
 def test_unhealthy_nodes_exit_and_are_restarted(up: UpCluster) -> None:
-    fault = StepFault(up.runs_dir.parent / "fault")
+    fault = step_faults(up.runs_dir.parent)
     before = {n["node_id"]: n["pid"] for n in up.status_json()["nodes"]}
+    for pid in before.values():  # `pdserve up` handed its environment, the hook's variables, to every node
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        assert all(f"{name}={value}".encode() in environ for name, value in fault.env().items()), pid
 
     def exited(name: str) -> bool:
         return f"{name} (pid {before[name]}) exited with code {EXIT_UNHEALTHY}" in up.stderr()
 
-    fault.fail_file.touch()  # every node's engine steps fail from now on
+    fault.step_fail_file.touch()  # every node's engine steps fail from now on
     try:
         # Each request, long enough to be prefilled remotely, fails a step on each node (the prefill
         # node's, then the decode node's local re-prefill); three in a row (the default bound) and a
@@ -171,7 +180,7 @@ def test_unhealthy_nodes_exit_and_are_restarted(up: UpCluster) -> None:
         for name, pid in before.items():
             up.wait_for(f"{name} (pid {pid}) exited with code {EXIT_UNHEALTHY}", 60)
     finally:
-        fault.fail_file.unlink()
+        fault.step_fail_file.unlink()
     for name in before:
         up.wait_for(f"{name} is back", 180, count=2)  # the second time: the kill test brought it back once
     assert ask(up, "Back?").usage.completion_tokens > 0

@@ -3,15 +3,14 @@ within its configured bound, its requests complete on the other decode node with
 uninterrupted run (greedy), and it exits with EXIT_UNHEALTHY for its supervisor to restart it.
 
 Real parts: etcd, 1 prefill + 2 decode node processes of the tiny model, a frontend process, the official
-openai SDK. The fault is the nodes' test-only hook (`PDSERVE_TEST_FAULT_STEP`, `node_common.health`): each decode
-node watches a trigger file of its own, and a test creates the file of the node serving its stream.
+openai SDK. The fault is the nodes' test-only hook (`testing.faults.Faults`, its step faults): each decode
+node watches trigger files of its own, and a test creates the file of the node serving its stream.
 The first test checks the engine side in-process: consecutive failures, their reset, the stall age.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
 import threading
 import time
 from collections.abc import Iterator
@@ -25,11 +24,12 @@ import pytest
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.node_common.health import FAULT_ENV, HealthWatch, StepFault
+from pdserve.node_common.health import HealthWatch
 from pdserve.node_common.metrics import ObservedEngine
 from pdserve.node_common.ready import EXIT_UNHEALTHY
 from pdserve.registry.etcd_server import free_port
 from testing.cluster import LocalCluster, NodeProcess
+from testing.faults import Faults
 from testing.procs import FrontendProc, start_frontend
 
 pytestmark = pytest.mark.timeout(600)
@@ -43,11 +43,10 @@ DECODE_ARGS = ["--local-prefill-threshold", "0", "--max-step-failures", "1", "--
 
 
 def test_engine_progress_counts_failures_in_a_row_and_the_running_step(tmp_path: Path, model_dir: Path) -> None:
-    fault = StepFault(tmp_path / "fault")
-    trigger = fault.fail_file
+    fault = Faults(step_trigger=str(tmp_path / "fault"))
+    trigger = fault.step_fail_file
     observer = type("Quiet", (), {"on_step": lambda self, step: None})()
-    engine = ObservedEngine(EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=64), observer,
-                            fault.before_step)
+    engine = ObservedEngine(EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=64), observer, fault)
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 
     async def run(aengine: AsyncEngine, request_id: str) -> tuple[str | None, int]:
@@ -101,22 +100,13 @@ def env(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[t
             assert "Traceback" not in fe.proc.log_text(), fe.proc.tail(80)
 
 
-def fault_of(cluster: LocalCluster, node_id: str) -> StepFault:
-    return StepFault(cluster.workdir / f"{node_id}-fault")
+def fault_of(cluster: LocalCluster, node_id: str) -> Faults:
+    return Faults(step_trigger=str(cluster.workdir / f"{node_id}-fault"))
 
 
 def spawn_armed(cluster: LocalCluster, node_id: str) -> NodeProcess:
     """Starts decode node `node_id` with the fault hook armed on trigger files of its own (not created)."""
-    fault = fault_of(cluster, node_id)
-    old = os.environ.get(FAULT_ENV)
-    os.environ[FAULT_ENV] = str(fault.path)
-    try:
-        return cluster.spawn_node("decode", node_id, DECODE_ARGS)
-    finally:
-        if old is None:
-            del os.environ[FAULT_ENV]
-        else:
-            os.environ[FAULT_ENV] = old
+    return cluster.spawn_node("decode", node_id, DECODE_ARGS, faults=fault_of(cluster, node_id))
 
 
 def stream(fe: FrontendProc, prompt: str, max_tokens: int, on_chunk: object = None) -> str:
@@ -159,7 +149,7 @@ def test_an_unhealthy_decode_node_leaves_and_its_streams_finish_elsewhere(
             if n == 8 and not injected:
                 node_id = serving_node(cluster)
                 trigger = fault_of(cluster, node_id)
-                (trigger.fail_file if kind == "fail" else trigger.hang_file).touch()
+                (trigger.step_fail_file if kind == "fail" else trigger.step_hang_file).touch()
                 injected.append((node_id, time.monotonic()))
 
     with ThreadPoolExecutor(4) as pool:
@@ -180,7 +170,7 @@ def test_an_unhealthy_decode_node_leaves_and_its_streams_finish_elsewhere(
     assert "is unhealthy" in log and ("failed in a row" in log if kind == "fail" else "stall timeout" in log)
 
     # Restarted (as a supervisor does on that exit code), it serves again with its fault cleared.
-    for path in (fault_of(cluster, bad).fail_file, fault_of(cluster, bad).hang_file):
+    for path in (fault_of(cluster, bad).step_fail_file, fault_of(cluster, bad).step_hang_file):
         path.unlink(missing_ok=True)
     cluster.wait_ready([spawn_armed(cluster, bad)])
     cluster.wait_registry(lambda m: bad in m, 30, f"{bad} back")

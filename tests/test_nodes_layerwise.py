@@ -21,7 +21,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.node_common.convert import params_to_proto
 from pdserve.rpc import pdserve_pb2 as pb
 from testing.cluster import GenerateResult, LocalCluster, reference_engine
-from testing.faults import SendFaults
+from testing.faults import Faults
 
 pytestmark = [pytest.mark.timeout(400), pytest.mark.usefixtures("check_integrity_after_each_test")]
 
@@ -42,7 +42,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterat
         budget = ["--max-num-batched-tokens", str(BUDGET)]
         c.start_etcd()
         nodes = [c.spawn_node("prefill", "p0", budget), c.spawn_node("prefill", "p1", [*budget, "--no-layerwise-send"]),
-                 c.spawn_node("prefill", "p2", budget, faults=SendFaults(stall_s=STALL_S)),
+                 c.spawn_node("prefill", "p2", budget, faults=Faults(send_stall_s=STALL_S)),
                  c.spawn_node("decode", "d0", decode_args), c.spawn_node("decode", "d1", decode_args)]
         c.wait_ready(nodes)
         yield c

@@ -5,12 +5,12 @@ decoding, so the stream has neither gap nor repeat and its text equals the unint
 re-prefill is counted by reason, the fallback counter (failures before the first token) is not, and every
 node ends with zero used KV blocks and a clean integrity check.
 
-Injected failures, one per test (`testing.faults.SendFaults`): the prefill node SIGKILLed after its first
-token (its send held back by `delay_s`), SIGKILLed with its send announced and half of it shipped
-(`stall_s`), SIGSTOPped after its first token until its lease lapses (it leaves the registry), reporting
-its send as failed (`failed`), stalling half-way through the send past the decode node's receive timeout
-(`stall_s`), and flipping one byte of the staged KV after its checksum was taken (`corrupt`), which the
-decode node must catch and never serve."""
+Injected failures, one per test (`testing.faults.Faults`): the prefill node SIGKILLed after its first
+token (its send held back by `send_delay_s`), SIGKILLed with its send announced and half of it shipped
+(`send_stall_s`), SIGSTOPped after its first token until its lease lapses (it leaves the registry),
+reporting its send as failed (`send_failed`), stalling half-way through the send past the decode node's
+receive timeout (`send_stall_s`), and flipping one byte of the staged KV after its checksum was taken
+(`send_corrupt`), which the decode node must catch and never serve."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.node_common.convert import params_to_proto
 from pdserve.rpc import pdserve_pb2 as pb
 from testing.cluster import LocalCluster, random_prompt
-from testing.faults import SendFaults
+from testing.faults import Faults
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("check_integrity_after_each_test")]
 
@@ -42,12 +42,12 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterat
     with LocalCluster(tmp_path_factory.mktemp("reprefill"), model_dir, node_args=NODE_ARGS) as c:
         c.start_etcd()
         c.wait_ready([
-            c.spawn_node("prefill", "p-kill", faults=SendFaults(delay_s=60.0)),
-            c.spawn_node("prefill", "p-stop", faults=SendFaults(delay_s=60.0)),
-            c.spawn_node("prefill", "p-kill-mid", faults=SendFaults(stall_s=60.0)),
-            c.spawn_node("prefill", "p-fail", faults=SendFaults(failed=True)),
-            c.spawn_node("prefill", "p-stall", faults=SendFaults(stall_s=STALL_S)),
-            c.spawn_node("prefill", "p-corrupt", faults=SendFaults(corrupt=True)),
+            c.spawn_node("prefill", "p-kill", faults=Faults(send_delay_s=60.0)),
+            c.spawn_node("prefill", "p-stop", faults=Faults(send_delay_s=60.0)),
+            c.spawn_node("prefill", "p-kill-mid", faults=Faults(send_stall_s=60.0)),
+            c.spawn_node("prefill", "p-fail", faults=Faults(send_failed=True)),
+            c.spawn_node("prefill", "p-stall", faults=Faults(send_stall_s=STALL_S)),
+            c.spawn_node("prefill", "p-corrupt", faults=Faults(send_corrupt=True)),
             c.spawn_node("decode", "d0", ["--local-prefill-threshold", "32", "--transfer-timeout", str(RECEIVE_TIMEOUT_S)]),
         ])
         yield c
