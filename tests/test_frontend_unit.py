@@ -603,17 +603,19 @@ async def _max_loop_lag_during(work: Any) -> tuple[float, float, Any]:
 
     lags: list[float] = []
     done = False
+    ticking = asyncio.Event()
 
     async def ticker() -> None:
         last = time.perf_counter()
         while not done:
-            await asyncio.sleep(0.001)
+            await asyncio.sleep(0.001)  # the probe's period
             now = time.perf_counter()
             lags.append(now - last)
             last = now
+            ticking.set()
 
     probe = asyncio.ensure_future(ticker())
-    await asyncio.sleep(0.01)
+    await ticking.wait()
     start = time.perf_counter()
     try:
         outcome: Any = await work
@@ -714,7 +716,7 @@ def test_prepare_workers_are_bounded_and_refuse_at_once() -> None:
     async def scenario() -> list[object]:
         await workers.start()
         running = [asyncio.ensure_future(workers.run(time.sleep, 0.5)) for _ in range(2)]  # one runs, one waits
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # one loop turn, not a timed wait: each run counts itself pending at once
         assert workers.pending == 2
         err = await api_error_async(workers.run(time.sleep, 0.5))
         return [err, *(await asyncio.gather(*running))]

@@ -10,7 +10,6 @@ from __future__ import annotations
 import random
 import signal
 import threading
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -25,7 +24,7 @@ from pdserve.node_common.convert import params_to_proto
 from pdserve.rpc import pdserve_pb2 as pb
 from testing.cluster import GenerateResult, LocalCluster
 from testing.threads import start_thread
-from testing.waits import poll
+from testing.waits import poll, wait_until
 
 pytestmark = [pytest.mark.timeout(400), pytest.mark.usefixtures("check_integrity_after_each_test")]
 
@@ -263,7 +262,8 @@ def test_a_full_prefill_queue_sends_new_requests_to_local_prefill(cluster: Local
         try:
             with ThreadPoolExecutor(1) as pool:
                 first = pool.submit(cluster.generate, "dq", prompts[0], params, prefill_node_id="p1")
-                time.sleep(0.5)  # routed to p1, where it waits: 300 queued tokens >= 100
+                # Routed to p1, where it waits (300 queued tokens >= 100), holding blocks for p1's KV.
+                wait_until(lambda: cluster.get_load("dq").kv_blocks_reserved > 0, 30, "dq to reserve its blocks")
                 local = [cluster.generate("dq", p, params, prefill_node_id="p1") for p in prompts[1:]]
                 cluster.kill("p1", signal.SIGCONT)
                 remote = first.result(timeout=60)
