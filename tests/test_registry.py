@@ -321,7 +321,7 @@ def test_etcd_restart_keeps_view_and_node_reregisters(tmp_path: Path) -> None:
             await asyncio.to_thread(server.stop)
             await view.wait_for(lambda m: not view.connected, timeout=3)
             await wait_until_async(lambda: reg.state is RegistrationState.RECONNECTING, 3, "registration to notice")
-            await asyncio.sleep(TTL_S + 0.5)  # longer than the TTL: the outage must not cost the last view
+            await asyncio.sleep(TTL_S + 0.5)  # outlasting the TTL is the test: the outage keeps the view
             assert [m.node_id for m in view.members()] == ["p0"] and not view.connected
 
             await asyncio.to_thread(server.start)
