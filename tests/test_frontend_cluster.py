@@ -129,7 +129,7 @@ def user(text: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": text}]
 
 
-def test_sdk_sync_and_async_match_the_engine(env: Env) -> None:
+def test_sdk_sync_matches_the_engine(env: Env) -> None:
     client = env.client()
     messages = user("Tell me a story about the sea.")
     ids = env.tokenizer.encode_chat(messages)
@@ -147,6 +147,10 @@ def test_sdk_sync_and_async_match_the_engine(env: Env) -> None:
     both = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0, n=2)
     assert [c.message.content for c in both.choices] == [exp.text, exp.text] and [c.index for c in both.choices] == [0, 1]
 
+
+def test_sdk_async_matches_the_engine(env: Env) -> None:
+    messages = user("Tell me a story about the sea.")
+    exp = env.expect(env.tokenizer.encode_chat(messages), max_tokens=12)
     prompt = "The history of the world"
     pids = env.tokenizer.encode(prompt)
     cexp = env.expect(pids, max_tokens=10)
@@ -168,7 +172,7 @@ def test_sdk_sync_and_async_match_the_engine(env: Env) -> None:
     asyncio.run(run_async())
 
 
-def test_stop_strings_and_logprobs_match_the_engine(env: Env) -> None:
+def test_stop_strings_match_the_engine(env: Env) -> None:
     client = env.client()
     messages = user("List some colours")
     ids = env.tokenizer.encode_chat(messages)
@@ -184,6 +188,11 @@ def test_stop_strings_and_logprobs_match_the_engine(env: Env) -> None:
                                               stop=[stop, "never-there"], stream=True, extra_body={"ignore_eos": True})
     assert "".join(c.choices[0].delta.content or "" for c in streamed) == exp.text
 
+
+def test_logprobs_match_the_engine(env: Env) -> None:
+    client = env.client()
+    messages = user("List some colours")
+    ids = env.tokenizer.encode_chat(messages)
     lexp = env.expect(ids, max_tokens=6, ignore_eos=True, logprobs=3)
     resp = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0, logprobs=True,
                                           top_logprobs=3, extra_body={"ignore_eos": True})
