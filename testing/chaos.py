@@ -243,7 +243,7 @@ class ChaosRun:
         while not faults.done() and (time.monotonic() < deadline or (self._pending and time.monotonic() < cap)):
             if time.monotonic() >= deadline:
                 self._overtime.set()
-            time.sleep(0.2)
+            time.sleep(0.2)  # the poll interval
         self._stop.set()
         faults.result(timeout=120)  # re-raises a harness failure (a node that did not come back)
         for c in clients:

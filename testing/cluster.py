@@ -310,7 +310,7 @@ class LocalCluster:
                 return loads
             if time.monotonic() > deadline:
                 raise AssertionError(f"nodes not clean after {timeout_s}s: {loads}")
-            time.sleep(0.05)
+            time.sleep(0.05)  # the poll interval
 
     def check_integrity(self, node_ids: Iterable[str] | None = None, timeout_s: float = 10.0) -> None:
         """Runs NodeControl/CheckIntegrity on every live, running node: its KV blocks, engine requests,
@@ -349,7 +349,7 @@ class LocalCluster:
                 return members
             if time.monotonic() > deadline:
                 raise AssertionError(f"registry: {what} not reached after {timeout_s}s: {sorted(members)}")
-            time.sleep(0.2)
+            time.sleep(0.2)  # the poll interval
 
 
 def _clean(load: pb.LoadResponse) -> bool:

@@ -157,14 +157,14 @@ async def open_loop(url: str, bodies: Any, rate: float, seconds: float, pid: int
         async def sample() -> None:
             while not stop.is_set():
                 rss.append(rss_bytes(pid))
-                await asyncio.sleep(0.1)
+                await asyncio.sleep(0.1)  # the sampling period
 
         sampler = asyncio.ensure_future(sample())
         start = time.monotonic()
         tasks = []
         i = 0
         while (due := start + i / rate) < start + seconds:
-            await asyncio.sleep(max(0.0, due - time.monotonic()))
+            await asyncio.sleep(max(0.0, due - time.monotonic()))  # the open loop's send schedule
             tasks.append(asyncio.ensure_future(one(next(bodies))))
             i += 1
         await asyncio.gather(*tasks)

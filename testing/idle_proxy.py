@@ -95,4 +95,4 @@ class IdleProxy:
                 link.cut = True
                 self.cuts += 1
                 return
-            await asyncio.sleep(self.idle_s - idle)
+            await asyncio.sleep(self.idle_s - idle)  # until the link would have idled out

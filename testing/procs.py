@@ -69,7 +69,7 @@ def wait_for_line(proc: Proc, text: str, timeout: float) -> None:
             raise ProcessStartError(f"{proc.name} exited ({proc.popen.returncode}):\n{proc.tail()}")
         if time.monotonic() > deadline:
             raise ProcessStartError(f"{proc.name} not ready after {timeout}s:\n{proc.tail()}")
-        time.sleep(0.05)
+        time.sleep(0.05)  # the poll interval
 
 
 def wait_for_http(proc: Proc, url: str, timeout: float, status: int = 200) -> None:
@@ -88,7 +88,7 @@ def wait_for_http(proc: Proc, url: str, timeout: float, status: int = 200) -> No
             raise ProcessStartError(f"{proc.name} exited ({proc.popen.returncode}):\n{proc.tail()}")
         if time.monotonic() > deadline:
             raise ProcessStartError(f"{proc.name}: {url} not answering {status} after {timeout}s:\n{proc.tail()}")
-        time.sleep(0.1)
+        time.sleep(0.1)  # the poll interval
 
 
 def start_scripted_node(name: str, log_dir: Path, etcd: list[str], *args: str, timeout: float = 30.0) -> Proc:

@@ -190,10 +190,10 @@ class ScriptedDecodeNode(pbg.DecodeNodeServicer):
         seed = p.seed if p.HasField("seed") else None
         t0 = time.perf_counter()
         if self.cfg.first_token_s:
-            await asyncio.sleep(self.cfg.first_token_s)
+            await asyncio.sleep(self.cfg.first_token_s)  # the scripted time to first token
         for i in range(start, p.max_tokens):
             if i > start and self.cfg.token_interval_s:
-                await asyncio.sleep(self.cfg.token_interval_s)
+                await asyncio.sleep(self.cfg.token_interval_s)  # the scripted time between tokens
             pos = (offset + i) % len(ids)
             tid = ids[pos]
             entry.generated = i + 1
@@ -286,9 +286,9 @@ class HttpScript:
         pieces = self.script.pieces
         if not req.get("stream"):
             if self.cfg.first_token_s:
-                await asyncio.sleep(self.cfg.first_token_s)
+                await asyncio.sleep(self.cfg.first_token_s)  # the scripted time to first token
             if self.cfg.token_interval_s and n > 1:
-                await asyncio.sleep(self.cfg.token_interval_s * (n - 1))
+                await asyncio.sleep(self.cfg.token_interval_s * (n - 1))  # the scripted time of the rest
             text = "".join(pieces[i % len(pieces)] for i in range(n))
             await _send_json(send, {**head, "object": "chat.completion", "choices": [
                 {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
@@ -298,10 +298,10 @@ class HttpScript:
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]})
         if self.cfg.first_token_s:
-            await asyncio.sleep(self.cfg.first_token_s)
+            await asyncio.sleep(self.cfg.first_token_s)  # the scripted time to first token
         for i in range(n):
             if i and self.cfg.token_interval_s:
-                await asyncio.sleep(self.cfg.token_interval_s)
+                await asyncio.sleep(self.cfg.token_interval_s)  # the scripted time between tokens
             delta: dict[str, Any] = {"content": pieces[i % len(pieces)]}
             if i == 0:
                 delta["role"] = "assistant"

@@ -86,7 +86,7 @@ class UpCluster:
                                    f"{self.stdout()[-3000:]}\n{self.stderr()[-5000:]}")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"no {text!r} after {timeout_s}s:\n{self.stdout()[-3000:]}\n{self.stderr()[-5000:]}")
-            time.sleep(0.1)
+            time.sleep(0.1)  # the poll interval
 
     def state(self) -> dict[str, Any]:
         """The launcher's cluster.json."""

@@ -179,13 +179,13 @@ def test_weight_zero_moves_all_new_traffic_without_a_restart(
     deadline = time.monotonic() + 15
     while _weights(frontend).get("v2") != 0.0:
         assert time.monotonic() < deadline, _weights(frontend)
-        time.sleep(0.1)
+        time.sleep(0.1)  # the poll interval
     assert _send(frontend, 30, keyed=False) == {"v1": 30}
     assert _send(frontend, 30, keyed=True) == {"v1": 30}
     models_file.write_text(_models_yaml(tiny_llama_dir, 0, 100))  # promote it
     while _weights(frontend).get("v1") != 0.0:
         assert time.monotonic() < deadline + 15, _weights(frontend)
-        time.sleep(0.1)
+        time.sleep(0.1)  # the poll interval
     assert _send(frontend, 30, keyed=True) == {"v2": 30}
     ready = httpx.get(f"{frontend.base_url}/ready", timeout=10).json()["models"][NAME]
     assert ready["versions"]["v1"]["weight"] == 0 and ready["versions"]["v2"]["weight"] == 100

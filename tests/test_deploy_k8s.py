@@ -208,17 +208,34 @@ def test_per_model_pools_and_overrides() -> None:
     assert big_decode["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > 600
 
 
-@pytest.mark.parametrize("role", ["prefill", "decode"])
-def test_node_pods_request_gpus_probe_and_drain(role: str) -> None:
-    objs = _render("prefill.gpus=1", "decode.gpus=2")
-    gpus = {"prefill": 1, "decode": 2}[role]
+@pytest.fixture(scope="module")
+def gpu_objs() -> list[dict[str, Any]]:
+    """The manifests with GPUs asked for: one per prefill pod, two per decode pod."""
+    return _render("prefill.gpus=1", "decode.gpus=2")
+
+
+def _node_pod(objs: list[dict[str, Any]], role: str) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """The role's one Deployment, its pod spec and its container."""
     (dep,) = _pools(objs, role)
-    pod = dep["spec"]["template"]["spec"]
-    c = _container(dep)
+    return dep, dep["spec"]["template"]["spec"], _container(dep)
+
+
+def _grpc_port(c: dict[str, Any]) -> int:
+    return next(p["containerPort"] for p in c["ports"] if p["name"] == "grpc")
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_node_pods_request_their_gpus(gpu_objs: list[dict[str, Any]], role: str) -> None:
+    gpus = {"prefill": 1, "decode": 2}[role]
+    _, _, c = _node_pod(gpu_objs, role)
     assert c["command"] == ["pdserve", role]
     # Extended resources: the request must equal the limit.
     assert c["resources"]["requests"]["nvidia.com/gpu"] == gpus == c["resources"]["limits"]["nvidia.com/gpu"]
 
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_node_pods_probe_their_grpc_port(gpu_objs: list[dict[str, Any]], role: str) -> None:
+    _, _, c = _node_pod(gpu_objs, role)
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     assert set(ports) == {"grpc", "kv", "metrics"}
     grpc_port = ports["grpc"]
@@ -232,14 +249,22 @@ def test_node_pods_request_gpus_probe_and_drain(role: str) -> None:
     assert c["readinessProbe"]["grpc"]["service"] == f"pdserve.v1.{role.capitalize()}Node"
     assert c["startupProbe"]["periodSeconds"] * c["startupProbe"]["failureThreshold"] >= 900
 
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_node_pods_drain_before_they_stop(gpu_objs: list[dict[str, Any]], role: str) -> None:
+    _, pod, c = _node_pod(gpu_objs, role)
     drain = c["lifecycle"]["preStop"]["exec"]["command"]
     assert drain[:2] == ["pdserve", "drain"]
-    assert drain[drain.index("--grpc") + 1] == f"127.0.0.1:{grpc_port}"
+    assert drain[drain.index("--grpc") + 1] == f"127.0.0.1:{_grpc_port(c)}"
     timeout = int(drain[drain.index("--timeout") + 1])
     assert timeout == {"prefill": 60, "decode": 300}[role]
     assert pod["terminationGracePeriodSeconds"] > timeout
 
-    # Identity and addresses from the downward API.
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_node_pods_learn_identity_and_addresses_from_the_downward_api(gpu_objs: list[dict[str, Any]],
+                                                                     role: str) -> None:
+    _, _, c = _node_pod(gpu_objs, role)
     env = {e["name"]: e["valueFrom"] for e in c["env"]}
     assert env["POD_NAME"]["fieldRef"]["fieldPath"] == "metadata.name"
     assert env["POD_IP"]["fieldRef"]["fieldPath"] == "status.podIP"
@@ -252,10 +277,14 @@ def test_node_pods_request_gpus_probe_and_drain(role: str) -> None:
     mounts = {m["name"]: m for m in c["volumeMounts"]}
     assert mounts["models"]["readOnly"] is True and mounts["dshm"]["mountPath"] == "/dev/shm"
 
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_node_pods_spread_over_hosts_and_have_a_pdb(gpu_objs: list[dict[str, Any]], role: str) -> None:
+    dep, pod, _ = _node_pod(gpu_objs, role)
     spread = pod["topologySpreadConstraints"][0]
     assert spread["topologyKey"] == "kubernetes.io/hostname"
     assert _selects(spread["labelSelector"]["matchLabels"], dep["spec"]["template"]["metadata"]["labels"])
-    pdb = _one(objs, "PodDisruptionBudget", dep["metadata"]["name"])
+    pdb = _one(gpu_objs, "PodDisruptionBudget", dep["metadata"]["name"])
     assert pdb["spec"]["maxUnavailable"] == 1
     assert _selects(pdb["spec"]["selector"]["matchLabels"], dep["spec"]["template"]["metadata"]["labels"])
 
@@ -492,12 +521,27 @@ def test_selectors_select_their_pods() -> None:
         assert len(matched) == 1, f"PDB {obj['metadata']['name']} selects {len(matched)} workloads"
 
 
-def test_frontend_service_config_maps_and_probes() -> None:
-    default_objs = _render(*TENANT_SETS)
-    dep = _one(default_objs, "Deployment", "pdserve-frontend")
+@pytest.fixture(scope="module")
+def tenant_objs() -> list[dict[str, Any]]:
+    """The manifests with a tenants file."""
+    return _render(*TENANT_SETS)
+
+
+def _frontend_config_files(objs: list[dict[str, Any]]) -> dict[str, str]:
+    """The files of every ConfigMap the frontend Deployment mounts as its config volume, by name."""
+    pod = _one(objs, "Deployment", "pdserve-frontend")["spec"]["template"]
+    (config,) = [v for v in pod["spec"]["volumes"] if v["name"] == "config"]
+    files: dict[str, str] = {}
+    for source in config["projected"]["sources"]:
+        files.update(_one(objs, "ConfigMap", source["configMap"]["name"])["data"])
+    return files
+
+
+def test_frontend_service_selects_its_pods_and_probes_them(tenant_objs: list[dict[str, Any]]) -> None:
+    dep = _one(tenant_objs, "Deployment", "pdserve-frontend")
     c = _container(dep)
     pod = dep["spec"]["template"]
-    svc = _one(default_objs, "Service", "pdserve-frontend")
+    svc = _one(tenant_objs, "Service", "pdserve-frontend")
     assert _selects(svc["spec"]["selector"], pod["metadata"]["labels"])
     assert svc["spec"]["ports"][0]["targetPort"] == "http"
     assert dep["spec"]["replicas"] == 2 and _flag(c["args"], "limit-share") == "2"
@@ -505,20 +549,23 @@ def test_frontend_service_config_maps_and_probes() -> None:
     assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
     assert c["lifecycle"]["preStop"]["exec"]["command"][0] == "sleep"
 
-    # Every ConfigMap the frontend mounts exists, and the files its flags name are in them.
-    (config,) = [v for v in pod["spec"]["volumes"] if v["name"] == "config"]
+
+def test_frontend_config_flags_name_files_of_its_config_maps(tenant_objs: list[dict[str, Any]]) -> None:
+    """Every ConfigMap the frontend mounts exists, and the files its flags name are in them."""
+    c = _container(_one(tenant_objs, "Deployment", "pdserve-frontend"))
     mount = next(m["mountPath"] for m in c["volumeMounts"] if m["name"] == "config")
-    files: dict[str, str] = {}
-    for source in config["projected"]["sources"]:
-        files.update(_one(default_objs, "ConfigMap", source["configMap"]["name"])["data"])
+    files = _frontend_config_files(tenant_objs)
     for flag in ("models", "tenants"):
         path = Path(_flag(c["args"], flag))
         assert str(path.parent) == mount and path.name in files, flag
 
-    # The files are in the frontend's formats: keys it accepts, digests only, models that are served.
+
+def test_frontend_config_files_are_in_the_frontends_formats(tenant_objs: list[dict[str, Any]]) -> None:
+    """Keys the frontend accepts, key digests only, models that are served."""
     from pdserve.frontend.config import ModelSpec
     from pdserve.frontend.tenants import TenantLimits
 
+    files = _frontend_config_files(tenant_objs)
     models = yaml.safe_load(files["models.yaml"])["models"]
     assert {k for m in models for k in m} <= {f.name for f in dataclasses.fields(ModelSpec)}
     served = {n for m in models for n in (m["name"], *m.get("aliases", []))}
@@ -528,7 +575,11 @@ def test_frontend_service_config_maps_and_probes() -> None:
         assert set(t) <= allowed
         assert all(re.fullmatch(r"[0-9a-f]{64}", d) for d in t["keys_sha256"])
         assert set(t["models"]) <= served | {"*"}
-    # The annotation rolls the frontends when either file changes.
+
+
+def test_frontend_pods_roll_when_a_config_file_changes(tenant_objs: list[dict[str, Any]]) -> None:
+    """The config checksum annotation follows the files."""
+    pod = _one(tenant_objs, "Deployment", "pdserve-frontend")["spec"]["template"]
     values = k8s.load_values(sets=TENANT_SETS)
     _tenant(requests_per_minute=1)(values)
     edited = _one(k8s.render_objects(values), "Deployment", "pdserve-frontend")
@@ -536,11 +587,11 @@ def test_frontend_service_config_maps_and_probes() -> None:
     assert edited["spec"]["template"]["metadata"]["annotations"][key] != pod["metadata"]["annotations"][key]
 
 
-def test_tenants_configmap_is_a_loadable_tenants_file(tmp_path: Path) -> None:
+def test_tenants_configmap_is_a_loadable_tenants_file(tenant_objs: list[dict[str, Any]], tmp_path: Path) -> None:
     from pdserve.frontend.tenants import TenantTable
 
     path = tmp_path / "tenants.yaml"
-    path.write_text(_one(_render(*TENANT_SETS), "ConfigMap", "pdserve-tenants")["data"]["tenants.yaml"])
+    path.write_text(_one(tenant_objs, "ConfigMap", "pdserve-tenants")["data"]["tenants.yaml"])
     table = TenantTable.from_file(path)
     acme = table.authenticate(TENANT_KEY)
     assert acme is not None and acme.name == "acme" and acme.limits.requests_per_minute == 600
@@ -635,11 +686,13 @@ def _catalogue() -> set[str]:
     return set(re.findall(r"^\| `(pdserve_[a-z0-9_]+)`", (PROM_DIR / "README.md").read_text(), re.M))
 
 
-def test_autoscaling_off_by_default_and_hpa_per_pool() -> None:
-    objs = _render()
+def test_autoscaling_is_off_by_default(default_objs: list[dict[str, Any]]) -> None:
+    objs = default_objs
     assert not [o for o in objs if o["kind"] in ("HorizontalPodAutoscaler", "ScaledObject")]
     assert all("replicas" in d["spec"] for d in _by_kind(objs, "Deployment"))
 
+
+def test_hpa_per_pool_scales_on_the_series_the_nodes_export() -> None:
     objs = _render("autoscaling.mode=hpa", files=(EXAMPLE,))
     values = k8s.load_values([EXAMPLE])
     hpas = {h["spec"]["scaleTargetRef"]["name"]: h for h in _by_kind(objs, "HorizontalPodAutoscaler")}
@@ -662,7 +715,9 @@ def test_autoscaling_off_by_default_and_hpa_per_pool() -> None:
             assert ext["target"]["type"] == "AverageValue"
         if role == "decode":
             assert metrics["pdserve_kv_usage_ratio"]["target"]["averageValue"] == "0.85"
-    # A colocated plan (prefill 0) leaves the prefill pool empty and unscaled.
+
+
+def test_hpa_leaves_the_empty_prefill_pool_of_a_colocated_plan_unscaled() -> None:
     objs = _render("autoscaling.mode=hpa", "prefill.replicas=0")
     (prefill,) = _pools(objs, "prefill")
     assert prefill["spec"]["replicas"] == 0

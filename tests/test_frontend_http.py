@@ -68,7 +68,7 @@ class Env:
             for rec in self.log_records():
                 if rec.get("request_id") == request_id:
                     return rec
-            time.sleep(0.02)
+            time.sleep(0.02)  # the poll interval
         raise AssertionError(f"request {request_id} is not in the request log")
 
 
@@ -163,7 +163,7 @@ def user(text: str) -> list[dict[str, str]]:
 # --- the API through the openai SDK ---------------------------------------------------------------
 
 
-def test_sdk_sync_chat_completions_streaming_and_not(env: Env) -> None:
+def test_sdk_sync_chat_completion(env: Env) -> None:
     client, transport = sdk(env)
     resp = client.chat.completions.create(model="tiny-llama", messages=user("Hello"), max_tokens=6)
     choice = resp.choices[0]
@@ -177,7 +177,11 @@ def test_sdk_sync_chat_completions_streaming_and_not(env: Env) -> None:
     full = client.chat.completions.create(model="gpt-test", messages=user("Hello"), max_completion_tokens=500)
     assert full.choices[0].finish_reason == "stop" and full.choices[0].message.content == env.reply_text(
         len(env.reply_ids))
+    assert_conformant(env, transport)
 
+
+def test_sdk_sync_chat_completion_stream(env: Env) -> None:
+    client, transport = sdk(env)
     stream = client.chat.completions.create(model="tiny-llama", messages=user("Hello"), max_tokens=5, n=2,
                                             stream=True, stream_options={"include_usage": True}, seed=1,
                                             temperature=0.7)
@@ -205,7 +209,7 @@ def test_sdk_sync_chat_completions_streaming_and_not(env: Env) -> None:
     assert_conformant(env, transport)
 
 
-def test_sdk_stop_strings_and_logprobs(env: Env) -> None:
+def test_sdk_stop_strings(env: Env) -> None:
     client, transport = sdk(env)
     resp = client.chat.completions.create(model="tiny-llama", messages=user("x"), stop=["fox", "zzz"], max_tokens=50)
     text = env.reply_text(len(env.reply_ids))
@@ -213,7 +217,11 @@ def test_sdk_stop_strings_and_logprobs(env: Env) -> None:
     streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
         model="tiny-llama", messages=user("x"), stop="lazy", max_tokens=50, stream=True) if c.choices)
     assert streamed == text[: text.index("lazy")]
+    assert_conformant(env, transport)
 
+
+def test_sdk_logprobs(env: Env) -> None:
+    client, transport = sdk(env)
     resp = client.chat.completions.create(model="tiny-llama", messages=user("x"), max_tokens=4, logprobs=True,
                                           top_logprobs=2)
     content = resp.choices[0].logprobs.content  # type: ignore[union-attr]
@@ -517,13 +525,13 @@ def test_client_disconnect_aborts_upstream_within_100ms(env: Env) -> None:
                              + str(len(body)).encode() + b"\r\n\r\n" + body)
                 deadline = time.monotonic() + 5
                 while running() == 0 and time.monotonic() < deadline:
-                    time.sleep(0.01)
+                    time.sleep(0.01)  # the poll interval
                 assert running() == 1
                 t0 = time.perf_counter()
                 sock.close()
             while running() != 0:
                 assert time.perf_counter() - t0 < 2.0, "the upstream request was not cancelled"
-                time.sleep(0.001)
+                time.sleep(0.001)  # the poll interval (1 ms: the abort's latency is measured)
             elapsed = time.perf_counter() - t0
             print(f"{'streamed' if streaming else 'non-streamed'}: upstream aborted {elapsed * 1e3:.1f} ms after the disconnect")
             assert elapsed < 0.1, f"upstream still running {elapsed * 1e3:.1f} ms after the disconnect"
@@ -532,7 +540,7 @@ def test_client_disconnect_aborts_upstream_within_100ms(env: Env) -> None:
     assert len(disconnects) == 2 and all(r["routes"][0]["decode_node"] == "slow" for r in disconnects)
 
 
-def test_prefix_affinity_session_affinity_and_spread(env: Env) -> None:
+def test_shared_prefixes_meet_on_one_prefill_node_unrelated_prompts_spread(env: Env) -> None:
     client, _ = sdk(env)
     ids = env.tokenizer.encode("alpha beta gamma delta epsilon zeta eta theta iota kappa " * 80,
                                add_special_tokens=False).ids[:512]
@@ -557,7 +565,9 @@ def test_prefix_affinity_session_affinity_and_spread(env: Env) -> None:
     assert {r["routes"][0]["prefill_node"] for r in unrelated} == {"p0", "p1"}
     assert {r["routes"][0]["decode_node"] for r in shared + unrelated} == {"d-0", "d-1"}
 
-    # A session key (header) pins the decode node across different prompts.
+
+def test_a_session_key_pins_the_decode_node_across_prompts(env: Env) -> None:
+    client, _ = sdk(env)
     pinned = set()
     for i in range(6):
         raw = client.chat.completions.with_raw_response.create(
@@ -692,29 +702,44 @@ def test_deadline_mid_stream_is_not_migrated(env: Env, tmp_path: Path) -> None:
 # --- operations -----------------------------------------------------------------------------------
 
 
-def test_models_health_ready_metrics_and_request_log(env: Env) -> None:
+def model_entry(env: Env, model: str) -> dict[str, Any]:
+    """/v1/models/<model> as JSON."""
+    return dict(httpx.get(f"{env.frontend.base_url}/v1/models/{model}",
+                          headers={"authorization": f"Bearer {KEYS['alpha']}"}).json())
+
+
+def test_models_lists_every_name_and_describes_what_it_serves(env: Env) -> None:
     client, transport = sdk(env)
     ids = [m.id for m in client.models.list()]
     assert {"tiny-llama", "gpt-test", "slow-llama", "lonely"} <= set(ids)
     assert client.models.retrieve("gpt-test").id == "gpt-test"
     # Versions: what each name serves, as extra fields (the spec's Model allows them).
     tok = tokenizers.Tokenizer.from_file(str(env.model_dir / "tokenizer.json"))
-    entry = httpx.get(f"{env.frontend.base_url}/v1/models/tiny-llama", headers={"authorization": f"Bearer {KEYS['alpha']}"}).json()
+    entry = model_entry(env, "tiny-llama")
     assert entry["pool"] == "tiny-llama" and entry["max_model_len"] > 0
     assert entry["tokenizer_digest"] == short_digest(tok.to_str()) and len(entry["chat_template_digest"]) == 16
     assert entry["pdserve_version"] == pdserve_version() and entry["model_fingerprint"]
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("nope")
     assert_conformant(env, transport)
-    base = env.frontend.base_url
-    assert httpx.get(f"{base}/health").json() == {"status": "ok"}
-    ready = httpx.get(f"{base}/ready")
+
+
+def test_health_is_ok(env: Env) -> None:
+    assert httpx.get(f"{env.frontend.base_url}/health").json() == {"status": "ok"}
+
+
+def test_ready_says_which_pools_can_serve(env: Env) -> None:
+    ready = httpx.get(f"{env.frontend.base_url}/ready")
     assert ready.status_code == 200 and ready.json()["models"]["tiny-llama"] == {
         "pool": "tiny-llama", "prefill": 2, "decode": 2, "ready": True}
     assert ready.json()["models"]["slow-llama"]["ready"] is False  # a decode node but no prefill node
 
+
+def test_metrics_name_the_series_of_a_served_request(env: Env) -> None:
+    client, _ = sdk(env)
+    entry = model_entry(env, "tiny-llama")
     client.chat.completions.create(model="tiny-llama", messages=user("metrics"), max_tokens=3)
-    metrics = httpx.get(f"{base}/metrics").text
+    metrics = httpx.get(f"{env.frontend.base_url}/metrics").text
     for needle in ['pdserve_frontend_tokens_total{kind="prompt",model="tiny-llama",node=',
                    'pdserve_frontend_ttft_seconds_bucket{le="0.005",model="tiny-llama"',
                    'pdserve_frontend_requests_total{endpoint="chat.completions",finish_reason="length",model="tiny-llama"',
@@ -726,7 +751,14 @@ def test_models_health_ready_metrics_and_request_log(env: Env) -> None:
                    f'pdserve_model_info{{chat_template="{entry["chat_template_digest"]}"',
                    f'tokenizer="{entry["tokenizer_digest"]}"']:
         assert needle in metrics, needle
-    rec = env.log_records()[-1]
+
+
+def test_request_log_line_describes_the_request_without_its_prompt(env: Env) -> None:
+    client, _ = sdk(env)
+    entry = model_entry(env, "tiny-llama")
+    raw = client.chat.completions.with_raw_response.create(model="tiny-llama", messages=user("metrics"),
+                                                           max_tokens=3)
+    rec = env.record_for(raw.headers["x-request-id"])
     assert rec["tenant"] == "alpha" and rec["model"] == "tiny-llama" and rec["finish_reasons"] == ["length"]
     assert rec["completion_tokens"] == 3 and rec["ttft_ms"] > 0 and rec["e2e_ms"] >= rec["ttft_ms"]
     assert set(rec["ttft_breakdown_ms"]) >= {"frontend", "prefill_queue", "prefill", "transfer", "first_decode_step"}

@@ -220,7 +220,7 @@ def test_body_decoding_errors(raw: bytes, code: str) -> None:
 # --- tenants and limits ---------------------------------------------------------------------------
 
 
-def test_tenant_files_yaml_and_toml(tmp_path: Path) -> None:
+def test_yaml_tenant_file(tmp_path: Path) -> None:
     key_digest = hash_key("sk-acme")
     yaml_file = tmp_path / "t.yaml"
     yaml_file.write_text(f"tenants:\n  - name: acme\n    keys_sha256: ['{key_digest}']\n    models: [m1]\n"
@@ -234,13 +234,22 @@ def test_tenant_files_yaml_and_toml(tmp_path: Path) -> None:
     assert table.authenticate("sk-other") is None and table.authenticate(None) is None
     assert table.check_models({"m2"}) == ["m1"]
 
+
+def test_toml_tenant_file(tmp_path: Path) -> None:
+    key_digest = hash_key("sk-acme")
     toml_file = tmp_path / "t.toml"
     toml_file.write_text(f'[[tenants]]\nname = "a"\nkeys_sha256 = ["{key_digest}"]\ninput_tokens_per_minute = 5\n')
     assert TenantTable.from_file(toml_file).authenticate("sk-acme").limits.input_tokens_per_minute == 5  # type: ignore[union-attr]
 
+
+def test_local_tenant_table_is_open_to_any_key() -> None:
     local = TenantTable.local()
     assert local.open_access and local.authenticate(None) is not None and local.authenticate("anything") is not None
 
+
+def test_bad_tenant_files_are_refused(tmp_path: Path) -> None:
+    key_digest = hash_key("sk-acme")
+    yaml_file = tmp_path / "t.yaml"
     bad_cases = [
         ("tenants: []\n", "non-empty"),
         ("tenants:\n  - name: a\n    keys_sha256: ['sk-plaintext']\n", "SHA-256"),
@@ -466,7 +475,7 @@ def test_router_prefix_affinity_spread_and_spill() -> None:
     assert "shorter than one block" in short.prefill_reason
 
 
-def test_router_decode_choice_overload_and_session() -> None:
+def test_router_picks_the_least_loaded_decode_node() -> None:
     members = [member("d0", running=10, free=100), member("d1", running=2, free=900), member("p0", "prefill")]
     router = make_router(members)
     decision = router.route("m", list(range(40)), 16)
@@ -478,7 +487,10 @@ def test_router_decode_choice_overload_and_session() -> None:
     # Not enough free KV blocks ranks a node last.
     tight = make_router([member("d0", free=2), member("d1", running=8, free=900)])
     assert tight.route("m", list(range(100)), 100).decode_id == "d1"
-    # Overloaded pool and empty pool are told apart.
+    assert make_router(members).route("m", [1, 2], 4, exclude=frozenset({"d1"})).decode_id == "d0"
+
+
+def test_router_tells_an_overloaded_pool_from_an_empty_one() -> None:
     busy = make_router([member("d0", queue=8)])
     with pytest.raises(NoRoute) as info:
         busy.route("m", [1], 1)
@@ -486,11 +498,16 @@ def test_router_decode_choice_overload_and_session() -> None:
     with pytest.raises(NoRoute) as info:
         busy.route("other", [1], 1)
     assert not info.value.overloaded
-    assert make_router(members).route("m", [1, 2], 4, exclude=frozenset({"d1"})).decode_id == "d0"
-    # A session key pins a conversation to one decode node.
+
+
+def test_router_session_key_pins_a_conversation_to_one_decode_node() -> None:
     router = make_router([member("d0"), member("d1"), member("d2")])
     pinned = {router.route("m", list(range(i, i + 30)), 8, session_key="conv-1").decode_id for i in range(10)}
     assert len(pinned) == 1 and "session affinity" in router.route("m", [1], 1, session_key="conv-1").decode_reason
+
+
+def test_router_without_prefill_nodes_lets_the_decode_node_prefill() -> None:
+    router = make_router([member("d0"), member("d1"), member("d2")])
     no_prefill = router.route("m", [1], 1)
     assert no_prefill.prefill_id == "" and "decode node prefills" in no_prefill.prefill_reason
 
@@ -603,17 +620,19 @@ async def _max_loop_lag_during(work: Any) -> tuple[float, float, Any]:
 
     lags: list[float] = []
     done = False
+    ticking = asyncio.Event()
 
     async def ticker() -> None:
         last = time.perf_counter()
         while not done:
-            await asyncio.sleep(0.001)
+            await asyncio.sleep(0.001)  # the probe's period
             now = time.perf_counter()
             lags.append(now - last)
             last = now
+            ticking.set()
 
     probe = asyncio.ensure_future(ticker())
-    await asyncio.sleep(0.01)
+    await ticking.wait()
     start = time.perf_counter()
     try:
         outcome: Any = await work
@@ -655,8 +674,7 @@ def test_prepare_tokenizes_off_the_event_loop(tiny_llama_dir: Path) -> None:
 # --- TTFT prediction ---------------------------------------------------------------------------------
 
 
-def test_ttft_backlog_estimate_and_budget_header() -> None:
-    from pdserve.frontend.admission import TTFT_BUDGET_HEADER, ttft_budget_ms
+def test_ttft_backlog_counts_the_prompts_leased_to_a_prefill_node() -> None:
     from pdserve.frontend.routing import Backlog
     from pdserve.frontend.ttft import TTFTEstimator
 
@@ -678,6 +696,12 @@ def test_ttft_backlog_estimate_and_budget_header() -> None:
     assert router.prefill_tokens == {} and est.rate("m") == rate
     lease1.release()
 
+
+def test_ttft_estimate_prices_the_work_ahead() -> None:
+    from pdserve.frontend.routing import Backlog
+    from pdserve.frontend.ttft import TTFTEstimator
+
+    est = TTFTEstimator()
     est.observe("x", 1000, 200, 2.0)  # 500 tokens/s, prompts of 200
     got = est.estimate("x", Backlog(ours_tokens=400, reported_queue=0), 100)
     assert got is not None and got.work_tokens == 500 and got.seconds == pytest.approx(1.0)
@@ -685,6 +709,10 @@ def test_ttft_backlog_estimate_and_budget_header() -> None:
     got = est.estimate("x", Backlog(ours_tokens=0, reported_queue=5), 100)
     assert got is not None and got.work_tokens == 1100
     assert est.estimate("x", Backlog(0, 0), 100) is None  # nothing ahead: always admitted
+
+
+def test_ttft_budget_comes_from_the_tenant_or_the_header() -> None:
+    from pdserve.frontend.admission import TTFT_BUDGET_HEADER, ttft_budget_ms
 
     t = Tenant("t", frozenset({"*"}), TenantLimits(ttft_budget_ms=800))
     assert ttft_budget_ms(t, {}) == 800 and ttft_budget_ms(t, {TTFT_BUDGET_HEADER: "250.5"}) == 250.5
@@ -714,7 +742,7 @@ def test_prepare_workers_are_bounded_and_refuse_at_once() -> None:
     async def scenario() -> list[object]:
         await workers.start()
         running = [asyncio.ensure_future(workers.run(time.sleep, 0.5)) for _ in range(2)]  # one runs, one waits
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # one loop turn, not a timed wait: each run counts itself pending at once
         assert workers.pending == 2
         err = await api_error_async(workers.run(time.sleep, 0.5))
         return [err, *(await asyncio.gather(*running))]

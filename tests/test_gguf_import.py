@@ -15,8 +15,8 @@ import dataclasses
 import json
 import os
 import struct
-import time
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import gguf
@@ -41,6 +41,7 @@ from pdserve.engine.tiny import default_model_dir
 from pdserve.engine.tokenizer import Tokenizer
 from testing.cli import run_cli
 from testing.threads import start_thread
+from testing.waits import wait_until
 
 pytest.register_assert_rewrite("tests.gguf_fixtures")
 from tests.gguf_fixtures import craft_blocks, llamacpp_rope_freqs, write_gguf  # noqa: E402
@@ -242,18 +243,25 @@ def test_fetch_failure_is_clear_and_never_switches_model(tmp_path: Path, capsys:
 
 
 def test_concurrent_fetches_import_once(tmp_path: Path, smollm2_gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from pdserve.engine import gguf_import
+    from pdserve.engine import default_model, gguf_import
 
     (tmp_path / smollm2_gguf.name).hardlink_to(smollm2_gguf)  # a cached GGUF: no download
     calls: list[Path] = []
+    at_lock: list[Path] = []  # one entry per fetch that reached the lock
+    real_lock = default_model.file_lock
+
+    def counted_lock(path: Path) -> AbstractContextManager[None]:
+        at_lock.append(path)
+        return real_lock(path)
 
     def fake_import(src: Path, out: Path, dtype: str, progress: object = None) -> Path:
         calls.append(Path(out))
-        time.sleep(0.3)  # long enough for the other threads to queue on the lock
+        wait_until(lambda: len(at_lock) == 3, 30, "the other fetches to queue on the lock")
         Path(out).mkdir()
         (Path(out) / "config.json").write_text("{}")
         return Path(out)
 
+    monkeypatch.setattr(default_model, "file_lock", counted_lock)
     monkeypatch.setattr(gguf_import, "import_gguf", fake_import)
     futures = [start_thread(fetch_default_model, tmp_path) for _ in range(3)]
     results = [f.result(timeout=60) for f in futures]

@@ -53,7 +53,7 @@ def test_a_failed_setup_leaves_no_process(tmp_path: Path) -> None:
 
 
 def test_reaper_ignores_other_children() -> None:
-    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # a child to ignore
     try:
         assert reap_cluster_processes() == []
         assert sleeper.poll() is None

@@ -78,20 +78,36 @@ def arg_default(args: list[str], name: str) -> str:
     raise KeyError(name)
 
 
-def test_containerfile_stages_args_and_user_are_as_documented() -> None:
-    global_args, stages = parse(CONTAINERFILE.read_text())
-    readme = (IMAGE_DIR / "README.md").read_text()
+@dataclass(frozen=True)
+class Image:
+    """The parsed Containerfile and the README that documents it."""
 
-    # Two stages, both on the configurable base: the builder's venv and model cache copied into the final one.
-    assert arg_names(global_args) == {"BASE_IMAGE"}
+    global_args: list[str]
+    builder: Stage
+    final: Stage
+    readme: str
+
+
+@pytest.fixture(scope="module")
+def image() -> Image:
+    global_args, stages = parse(CONTAINERFILE.read_text())
     assert [(s.base, s.name) for s in stages] == [("${BASE_IMAGE}", "builder"), ("${BASE_IMAGE}", None)]
     builder, final = stages
+    return Image(global_args, builder, final, (IMAGE_DIR / "README.md").read_text())
+
+
+def test_containerfile_has_two_stages_on_the_configurable_base(image: Image) -> None:
+    """The builder's venv and model cache are copied into the final stage."""
+    global_args, final = image.global_args, image.final
+    assert arg_names(global_args) == {"BASE_IMAGE"}
     assert {c for c in final.args("COPY") if "--from=" in c} == {
         "--from=builder /opt/pdserve /opt/pdserve",
         "--from=builder --chown=pdserve:pdserve /var/cache/pdserve /var/cache/pdserve",
     }
 
-    # Every build argument is in the README's table, and the torch pin is the project's.
+
+def test_containerfile_build_arguments_are_documented_and_pin_the_projects_torch(image: Image) -> None:
+    global_args, builder, final, readme = image.global_args, image.builder, image.final, image.readme
     documented = set(re.findall(r"^\| `([A-Z_]+)` \|", readme, re.MULTILINE))
     assert arg_names(global_args) | arg_names(builder.args("ARG")) == documented
     assert not final.args("ARG"), "the final stage takes no build arguments (the builder does the choosing)"
@@ -100,7 +116,10 @@ def test_containerfile_stages_args_and_user_are_as_documented() -> None:
     assert arg_default(builder.args("ARG"), "TORCH_VARIANT") == "cpu"
     assert arg_default(builder.args("ARG"), "PREFETCH_MODEL") == "1"
 
-    # A numeric non-root user, the one the README names, owning the cache it was given.
+
+def test_containerfile_runs_as_the_documented_numeric_non_root_user(image: Image) -> None:
+    """The one the README names, owning the cache it was given."""
+    builder, final, readme = image.builder, image.final, image.readme
     users = final.args("USER")
     assert users == ["10001:10001"], users
     assert not builder.args("USER"), "the builder runs as root (apt, /opt)"
@@ -109,8 +128,11 @@ def test_containerfile_stages_args_and_user_are_as_documented() -> None:
     assert any("groupadd --system --gid 10001 pdserve" in r and "useradd --system --no-log-init --uid 10001 --gid 10001" in r
                for r in final.args("RUN"))
 
-    # What an operator relies on: pdserve on PATH, the cache directory pdserve reads, the port `pdserve up`
-    # serves by default, and a default command that listens beyond the container's loopback.
+
+def test_containerfile_gives_the_operator_what_the_readme_promises(image: Image) -> None:
+    """pdserve on PATH, the cache directory pdserve reads, the port `pdserve up` serves by default, and a
+    default command that listens beyond the container's loopback."""
+    final, readme = image.final, image.readme
     env = " ".join(final.args("ENV"))
     assert re.search(r"PATH=/opt/pdserve/bin:", env)
     assert "PDSERVE_CACHE_DIR=/var/cache/pdserve" in env

@@ -93,7 +93,7 @@ def _decode_node_main(conn: Connection, idle_timeout_s: float) -> None:
         errors: dict[str, str | None] = {}
 
         def run(i: int, item: dict[str, Any]) -> None:
-            time.sleep(0.01 * i)
+            time.sleep(0.01 * i)  # the stagger: the arrival order under test
             errors[item["token"]] = submit(item)
 
         for future in [start_thread(run, i, it) for i, it in enumerate(items)]:
@@ -107,7 +107,7 @@ def _decode_node_main(conn: Connection, idle_timeout_s: float) -> None:
         deadline = time.monotonic() + timeout
         seen = pending[token].layers
         while len(seen) < count and time.monotonic() < deadline:
-            time.sleep(0.005)
+            time.sleep(0.005)  # the poll interval
         return list(seen)
 
     def read(node: str, ids: list[int]) -> np.ndarray:
@@ -509,13 +509,13 @@ def test_idle_channels_close_and_lru_bound_holds(cluster: Cluster) -> None:
         # Idle: the prefill side closes after 1 s, the decode side (2 s) after it.
         deadline = time.monotonic() + 5.0
         while mgr.open_channels() and time.monotonic() < deadline:
-            time.sleep(0.1)
+            time.sleep(0.1)  # the poll interval
         assert mgr.open_channels() == []
         deadline = time.monotonic() + 6.0
         while time.monotonic() < deadline:
             if not any(c.peer.call("open").values()):
                 break
-            time.sleep(0.2)
+            time.sleep(0.2)  # the poll interval
         assert c.peer.call("open") == {node: [] for node in DECODE_IDS}
 
 

@@ -150,7 +150,7 @@ def test_killed_nodes_restart_and_serving_continues(up: UpCluster) -> None:
         if set(after) == set(before) and all(after[n]["pid"] != before[n]["pid"] for n in after):
             break
         assert time.monotonic() < deadline, f"registry still shows {after}"
-        time.sleep(0.5)
+        time.sleep(0.5)  # the poll interval
     assert all(after[n]["pid"] in up.processes() for n in after)
     assert ask(up, "Still there?").usage.completion_tokens > 0
     # Restarted nodes keep their /metrics port, so Prometheus keeps scraping the same targets.

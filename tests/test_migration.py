@@ -74,7 +74,7 @@ class Env:
                 rec = orjson.loads(line)
                 if rec.get("request_id") == request_id:
                     return rec
-            time.sleep(0.02)
+            time.sleep(0.02)  # the poll interval
         raise AssertionError(f"{request_id} not in the request log")
 
     def serving_node(self, timeout_s: float = 30.0) -> str:
@@ -84,7 +84,7 @@ class Env:
             for node_id in self.pool:
                 if self.cluster.nodes[node_id].alive and self.cluster.get_load(node_id).in_flight:
                     return node_id
-            time.sleep(0.01)
+            time.sleep(0.01)  # the poll interval
         raise AssertionError("no decode node is serving the request")
 
     def replace(self, node_id: str) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import random
 import signal
 import threading
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -25,6 +24,7 @@ from pdserve.node_common.convert import params_to_proto
 from pdserve.rpc import pdserve_pb2 as pb
 from testing.cluster import GenerateResult, LocalCluster
 from testing.threads import start_thread
+from testing.waits import poll, wait_until
 
 pytestmark = [pytest.mark.timeout(400), pytest.mark.usefixtures("check_integrity_after_each_test")]
 
@@ -169,15 +169,6 @@ def start_stream(cluster: LocalCluster, decode: str, prefill: str, prompt: list[
     return cluster.decode_stub(decode).Generate(request, timeout=120)
 
 
-def wait_until(predicate, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.001)
-    return False
-
-
 def cancel_at(cluster: LocalCluster, stage: str, prompt: list[int]) -> bool:
     """Starts a request over p1->d0 and cancels it at `stage`; returns whether the cancel really came
     at that stage (checked from the nodes' own loads and what the client had received)."""
@@ -197,7 +188,7 @@ def cancel_at(cluster: LocalCluster, stage: str, prompt: list[int]) -> bool:
     hit = False
     if stage == "prefill":
         # p1 has the request and the client has no token yet.
-        ok = wait_until(lambda: cluster.get_load("p1").in_flight > 0, 10)
+        ok = poll(lambda: cluster.get_load("p1").in_flight > 0, 10, interval_s=0.001)
         hit = ok and not first.is_set()
         call.cancel()
         hit = hit and not received
@@ -207,7 +198,7 @@ def cancel_at(cluster: LocalCluster, stage: str, prompt: list[int]) -> bool:
         hit = cluster.get_load("d0").kv_blocks_reserved > 0
         call.cancel()
     else:
-        wait_until(lambda: sum(len(m.token_ids) for m in received) >= 5, 30)
+        poll(lambda: sum(len(m.token_ids) for m in received) >= 5, 30, interval_s=0.001)
         load = cluster.get_load("d0")
         hit = load.running == 1 and load.kv_blocks_reserved == 0
         call.cancel()
@@ -243,7 +234,7 @@ def test_admission_queues_then_refuses_when_blocks_run_out(cluster: LocalCluster
         with ThreadPoolExecutor(1) as pool:
             queued = pool.submit(cluster.generate, "dq", queued_prompt, SamplingParams(max_tokens=3, ignore_eos=True),
                                  prefill_node_id="p1")
-            assert wait_until(lambda: cluster.get_load("dq").admission_queue == 1, 10), "the second request waits"
+            assert poll(lambda: cluster.get_load("dq").admission_queue == 1, 10), "the second request waits"
             assert cluster.get_load("p1").in_flight == 0, "no prefill work is spent before blocks are reserved"
             with pytest.raises(grpc.RpcError) as refused:
                 cluster.generate("dq", rand_tokens(rng, 3000), SamplingParams(max_tokens=3), prefill_node_id="p1")
@@ -271,7 +262,8 @@ def test_a_full_prefill_queue_sends_new_requests_to_local_prefill(cluster: Local
         try:
             with ThreadPoolExecutor(1) as pool:
                 first = pool.submit(cluster.generate, "dq", prompts[0], params, prefill_node_id="p1")
-                time.sleep(0.5)  # routed to p1, where it waits: 300 queued tokens >= 100
+                # Routed to p1, where it waits (300 queued tokens >= 100), holding blocks for p1's KV.
+                wait_until(lambda: cluster.get_load("dq").kv_blocks_reserved > 0, 30, "dq to reserve its blocks")
                 local = [cluster.generate("dq", p, params, prefill_node_id="p1") for p in prompts[1:]]
                 cluster.kill("p1", signal.SIGCONT)
                 remote = first.result(timeout=60)

@@ -9,14 +9,16 @@ import asyncio
 import random
 import resource
 import time
+from collections.abc import Awaitable, Callable
 
 import pytest
 
-from pdserve.engine.async_engine import AsyncEngine
+from pdserve.engine.async_engine import AsyncEngine, RequestStream
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.llm_engine import LLMEngine, RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tiny import default_model_dir
+from testing.waits import wait_until_async
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -96,33 +98,14 @@ def test_abort_frees_held_reserved_and_queued_requests() -> None:
     clean(engine)
 
 
-def test_async_engine_streams_batches_and_sleeps_when_idle() -> None:
+def run_on_async_engine(body: Callable[[AsyncEngine], Awaitable[None]]) -> None:
+    """Runs `body` on a fresh started AsyncEngine, closes it and checks it is clean, all within a minute."""
+
     async def run() -> None:
         engine = AsyncEngine(make_engine(), name="t")
         engine.start()
         try:
-            stream = await engine.add_request("a", list(range(5, 40)), SamplingParams(max_tokens=40, ignore_eos=True))
-            await asyncio.sleep(0.3)  # let tokens pile up: they come out as one batch
-            batch = await stream.next_batch()
-            tokens = sum(len(o.new_token_ids) for o in batch)
-            assert len(batch) > 1
-            while not stream.finished or not stream.queue.empty():
-                batch = await stream.next_batch()
-                tokens += sum(len(o.new_token_ids) for o in batch)
-            assert tokens == 40 and batch[-1].finished
-            # Aborting mid-way ends the stream with "abort" and frees the blocks.
-            stream = await engine.add_request("b", list(range(5, 40)), SamplingParams(max_tokens=500, ignore_eos=True))
-            await stream.next_batch()
-            assert await engine.abort("b")
-            outs = []
-            while not outs or not outs[-1].finished:
-                outs += await stream.next_batch()
-            assert outs[-1].finish_reason == "abort"
-            assert engine.load().kv_blocks_used == 0
-            # Idle: the engine thread sleeps on its condition variable.
-            before = resource.getrusage(resource.RUSAGE_SELF).ru_utime
-            await asyncio.sleep(0.5)
-            assert resource.getrusage(resource.RUSAGE_SELF).ru_utime - before < 0.1
+            await body(engine)
         finally:
             await engine.close()
         clean(engine.engine)
@@ -130,3 +113,50 @@ def test_async_engine_streams_batches_and_sleeps_when_idle() -> None:
     start = time.monotonic()
     asyncio.run(run())
     assert time.monotonic() - start < 60
+
+
+async def read_to_the_end(stream: RequestStream) -> list[RequestOutput]:
+    """Every output still to come on `stream`, up to the finished one."""
+    outs: list[RequestOutput] = []
+    while not outs or not outs[-1].finished:
+        outs += await stream.next_batch()
+    return outs
+
+
+def test_async_engine_streams_tokens_that_pile_up_as_one_batch() -> None:
+    async def body(engine: AsyncEngine) -> None:
+        stream = await engine.add_request("a", list(range(5, 40)), SamplingParams(max_tokens=40, ignore_eos=True))
+        # Several tokens pile up before the first read: they come out as one batch.
+        await wait_until_async(lambda: stream.queue.qsize() > 1, 30, "two outputs queued")
+        batch = await stream.next_batch()
+        tokens = sum(len(o.new_token_ids) for o in batch)
+        assert len(batch) > 1
+        while not stream.finished or not stream.queue.empty():
+            batch = await stream.next_batch()
+            tokens += sum(len(o.new_token_ids) for o in batch)
+        assert tokens == 40 and batch[-1].finished
+
+    run_on_async_engine(body)
+
+
+def test_async_engine_abort_ends_the_stream_and_frees_the_blocks() -> None:
+    async def body(engine: AsyncEngine) -> None:
+        stream = await engine.add_request("b", list(range(5, 40)), SamplingParams(max_tokens=500, ignore_eos=True))
+        await stream.next_batch()
+        assert await engine.abort("b")
+        outs = await read_to_the_end(stream)
+        assert outs[-1].finish_reason == "abort"
+        assert engine.load().kv_blocks_used == 0
+
+    run_on_async_engine(body)
+
+
+def test_async_engine_sleeps_when_idle() -> None:
+    async def body(engine: AsyncEngine) -> None:
+        # Idle after serving a request: the engine thread sleeps on its condition variable.
+        await read_to_the_end(await engine.add_request("a", list(range(5, 40)), SamplingParams(max_tokens=4)))
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_utime
+        await asyncio.sleep(0.5)  # the idle window measured (time passing is the test)
+        assert resource.getrusage(resource.RUSAGE_SELF).ru_utime - before < 0.1
+
+    run_on_async_engine(body)

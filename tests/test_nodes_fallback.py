@@ -16,6 +16,7 @@ import pytest
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
 from testing.cluster import GenerateResult, LocalCluster, random_prompt
+from testing.waits import wait_until
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("check_integrity_after_each_test")]
 
@@ -43,14 +44,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterat
 
 def prompt_of(n: int, seed: int) -> list[int]:
     return random_prompt(n, seed)
-
-
-def wait_until(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-        time.sleep(0.01)
 
 
 def assert_prefilled_here(cluster: LocalCluster, reference: LLMEngine, decode: str, prompt: list[int],

@@ -20,6 +20,7 @@ from pdserve.node_common.ready import EXIT_REFUSED
 from pdserve.rpc import pdserve_pb2 as pb
 from testing.cluster import LocalCluster
 from testing.threads import start_thread
+from testing.waits import wait_until
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -58,15 +59,6 @@ def open_stream(cluster: LocalCluster, decode: str, prefill: str, prompt: list[i
         prefill_node_id=prefill,
     )
     return cluster.decode_stub(decode).Generate(request, timeout=120)
-
-
-def wait_until(predicate, timeout_s: float, what: str) -> float:
-    start = time.monotonic()
-    while not predicate():
-        if time.monotonic() - start > timeout_s:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-        time.sleep(0.01)
-    return time.monotonic() - start
 
 
 def drain(call) -> list[pb.GenerateResponse]:

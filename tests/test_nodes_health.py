@@ -128,7 +128,7 @@ def serving_node(cluster: LocalCluster, timeout_s: float = 30.0) -> str:
         for node_id in ("d0", "d1"):
             if cluster.nodes[node_id].alive and cluster.get_load(node_id).in_flight:
                 return node_id
-        time.sleep(0.01)
+        time.sleep(0.01)  # the poll interval
     raise AssertionError("no decode node is serving the stream")
 
 

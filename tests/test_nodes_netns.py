@@ -152,7 +152,7 @@ def test_kv_crosses_a_veth_link_between_namespaces(netns: NetnsPair, tmp_path: P
                     if load["kvBlocksUsed"] == 0 and load["inFlight"] == 0:
                         break
                     assert time.monotonic() < deadline, f"{role} node not clean: {load}"
-                    time.sleep(0.1)
+                    time.sleep(0.1)  # the poll interval
     finally:
         etcd.terminate()
         try:

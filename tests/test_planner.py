@@ -521,7 +521,7 @@ def _check_through_prometheus(cluster: Any, frontend_url: str, tmp_path: Path, p
                     return
             except OSError:
                 pass  # not listening yet
-            time.sleep(0.2)
+            time.sleep(0.2)  # the poll interval
         raise AssertionError(f"Prometheus never saw {expr} == {want}")
 
     try:

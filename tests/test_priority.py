@@ -133,7 +133,7 @@ def test_interactive_requests_start_ahead_of_a_batch_queue(frontend: FrontendPro
     deadline = time.monotonic() + 30
     while cluster.get_load("d0").waiting < 6:  # the batch queue has formed on the node
         assert time.monotonic() < deadline, cluster.get_load("d0")
-        time.sleep(0.05)
+        time.sleep(0.05)  # the poll interval
     interactive = [_ttft(client, "interactive", 4) for _ in range(4)]
     for t in threads:
         t.join()

@@ -13,6 +13,7 @@ README's picture over a longer load.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import random
@@ -20,9 +21,11 @@ import shutil
 import subprocess
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 import openai
@@ -33,6 +36,7 @@ from pdserve.deploy.metrics_render import RenderConfig, expand, load_panels, que
 from pdserve.frontend.tenants import hash_key
 from pdserve.registry.etcd_server import free_port
 from testing.up_cluster import REPO_ROOT, UpCluster
+from testing.waits import wait_until
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -106,7 +110,7 @@ def start_prometheus(workdir: Path, targets_file: Path) -> PrometheusServer:
             if proc.poll() is not None or time.monotonic() > deadline:
                 server.stop()
                 raise RuntimeError(f"prometheus did not start:\n{log_path.read_text()[-3000:]}") from None
-            time.sleep(0.2)
+            time.sleep(0.2)  # the poll interval
 
 
 def tenants_file(path: Path) -> Path:
@@ -149,7 +153,7 @@ def run_load(up: UpCluster, seconds: float) -> dict[str, int]:
                 outcome = "ok"
             except openai.RateLimitError:
                 outcome = "rate_limited"
-                time.sleep(0.2)
+                time.sleep(0.2)  # a rate-limited client backs off (part of the load)
             with lock:
                 counts[outcome] += 1
 
@@ -157,6 +161,20 @@ def run_load(up: UpCluster, seconds: float) -> dict[str, int]:
         for f in [pool.submit(worker, n) for n in range(3)]:
             f.result()
     return counts
+
+
+def last_scrape_after(url: str, since: float) -> float:
+    """The latest scrape time (epoch s) of the targets once every one was scraped after `since`, else 0."""
+    times = [v for _, v in query(url, "timestamp(up)")]
+    return max(times) if times and min(times) > since else 0.0
+
+
+def rules_evaluated_after(url: str, since: float) -> bool:
+    """Whether every rule group was last evaluated after `since` (epoch s)."""
+    with urllib.request.urlopen(f"{url}/api/v1/rules", timeout=10) as resp:
+        groups = json.loads(resp.read())["data"]["groups"]
+    evaluated = [datetime.fromisoformat(g["lastEvaluation"]).timestamp() for g in groups]
+    return bool(evaluated) and min(evaluated) > since
 
 
 @dataclass(eq=False)
@@ -182,7 +200,10 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveEnv]:
         started = time.time()
         load = run_load(up, LOAD_S)
         ended = time.time()
-        time.sleep(5)  # a last scrape of every target and a rule evaluation after it
+        # A last scrape of every target, then a rule evaluation after it.
+        url = prometheus.url
+        scraped = wait_until(lambda: last_scrape_after(url, ended), 30, "every target scraped after the load")
+        wait_until(lambda: rules_evaluated_after(url, scraped), 30, "the rules evaluated after that")
         yield LiveEnv(up, prometheus, load, started, ended)
     finally:
         if prometheus is not None:

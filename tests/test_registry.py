@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import aetcd
@@ -37,6 +37,7 @@ from pdserve.registry import (
 )
 from pdserve.registry.etcd_server import free_port
 from pdserve.registry.records import SCHEMA_VERSION
+from testing.waits import wait_until_async
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TTL_S = 2  # etcd's minimum lease TTL with default heartbeat/election settings
@@ -90,14 +91,6 @@ async def raw_keys(endpoint: str, prefix: str) -> list[str]:
     host, port = parse_endpoint(endpoint)
     async with aetcd.Client(host=host, port=port, timeout=2) as client:
         return sorted(kv.key.decode() for kv in await client.get_prefix(prefix.encode()))
-
-
-async def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.05)
 
 
 def test_records_roundtrip_and_key_layout() -> None:
@@ -307,7 +300,7 @@ def test_lease_lost_while_connected_reregisters_with_new_lease(etcd: EtcdServer)
             await view.wait_for(lambda m: "p0" in m and m["p0"].load is not None, timeout=5)
             assert reg.lease_id not in (None, old_lease)
             # The view may see the re-put before the registration task has processed etcd's reply.
-            await wait_until(lambda: reg.status().joins == 2, 2, "second join")
+            await wait_until_async(lambda: reg.status().joins == 2, 2, "second join")
             assert reg.state is RegistrationState.REGISTERED
 
     asyncio.run(scenario())
@@ -327,14 +320,14 @@ def test_etcd_restart_keeps_view_and_node_reregisters(tmp_path: Path) -> None:
             # Phase 1: etcd stops (SIGTERM) and comes back on the same port with its data.
             await asyncio.to_thread(server.stop)
             await view.wait_for(lambda m: not view.connected, timeout=3)
-            await wait_until(lambda: reg.state is RegistrationState.RECONNECTING, 3, "registration to notice")
-            await asyncio.sleep(TTL_S + 0.5)  # longer than the TTL: the outage must not cost the last view
+            await wait_until_async(lambda: reg.state is RegistrationState.RECONNECTING, 3, "registration to notice")
+            await asyncio.sleep(TTL_S + 0.5)  # outlasting the TTL is the test: the outage keeps the view
             assert [m.node_id for m in view.members()] == ["p0"] and not view.connected
 
             await asyncio.to_thread(server.start)
             restarted = time.time()
             assert server.endpoints == eps
-            await wait_until(lambda: reg.state is RegistrationState.REGISTERED, 5, "re-registration")
+            await wait_until_async(lambda: reg.state is RegistrationState.REGISTERED, 5, "re-registration")
             assert reg.status().joins == 2
             members = await view.wait_for(
                 lambda m: view.connected and "p0" in m and m["p0"].load.updated_at > restarted, timeout=5
@@ -352,7 +345,7 @@ def test_etcd_restart_keeps_view_and_node_reregisters(tmp_path: Path) -> None:
             )
             assert reg.lease_id not in (None, old_lease) and isinstance(members["p0"], Member)
             # The view may see the re-put before the registration task has processed etcd's reply.
-            await wait_until(lambda: reg.state is RegistrationState.REGISTERED, 2, "registered state")
+            await wait_until_async(lambda: reg.state is RegistrationState.REGISTERED, 2, "registered state")
         finally:
             await reg.close()
             await view.close()

@@ -174,7 +174,7 @@ class TracedFrontend:
                 if record.get(key) == value:
                     return record
             assert time.monotonic() < deadline, f"no request log line with {key}={value}: {text[-2000:]}"
-            time.sleep(0.02)
+            time.sleep(0.02)  # the poll interval
 
 
 @pytest.fixture(scope="module")
