@@ -98,7 +98,6 @@ def spawn(slot: Slot, num_threads: int, command: Callable[[Slot], list[str]], en
         # Kept across restarts so the Prometheus target stays put; picked anew after a failed start.
         slot.metrics_port = free_port("127.0.0.1")
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(num_threads), **env_extra)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
     slot.log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(slot.log_path, "ab") as log:
         log.write(f"\n=== pdserve up: starting {slot.name} (start #{slot.starts + 1})\n".encode())
