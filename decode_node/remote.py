@@ -90,9 +90,9 @@ class PrefillLink:
     async def drive(self, req: DecodeRequest) -> None:
         """Runs one request's prefill and transfer, then lands it in the engine, prefills it here (the
         prefill or transfer failed, `_prefill_here`) or ends it (cancelled). Owns the reservation from
-        PREFILLING until the request decodes or ends."""
+        WAITING_FOR_REMOTE_KV until the request is in the engine or ends."""
         rem = req.remote
-        assert rem is not None and req.stage == Stage.PREFILLING
+        assert rem is not None and req.stage == Stage.WAITING_FOR_REMOTE_KV
         tracer = self.ctx.tracer
         try:
             await self._run_prefill(req, rem)
@@ -108,7 +108,7 @@ class PrefillLink:
             if tracer is not None:  # cancelled (shutdown): the span still ends
                 trace.end_kv_wait(tracer, req, rem, time.monotonic(), False)
         if landed:
-            req.advance(Stage.DECODING)  # before `land` is queued, so a later cancel aborts in the engine
+            req.advance(Stage.IN_ENGINE)  # before `land` is queued, so a later cancel aborts in the engine
             try:
                 await self.ctx.engine.land(req.request_id)
                 return
@@ -163,7 +163,7 @@ class PrefillLink:
                         req.request_id, rem.prefill.node_id, reason, req.error)
             self.metrics.local_prefill_fallback(reason)
         req.error, req.remote, req.reservation = None, None, None
-        req.advance(Stage.DECODING)  # before the engine hears of it, so a later cancel aborts in the engine
+        req.advance(Stage.IN_ENGINE)  # before the engine hears of it, so a later cancel aborts in the engine
         try:
             await self.ctx.engine.prefill_here(req.request_id)
         except (KeyError, ValueError, RuntimeError) as err:
@@ -334,7 +334,7 @@ class PrefillLink:
         """Fails the requests a departed prefill node was still serving (its sends are dropped)."""
         for req in requests:
             rem = req.remote
-            if rem is None or rem.prefill.node_id != node_id or req.stage != Stage.PREFILLING or rem.done:
+            if rem is None or rem.prefill.node_id != node_id or req.stage != Stage.WAITING_FOR_REMOTE_KV or rem.done:
                 continue
             log.warning("prefill node %s left the registry: failing %s", node_id, req.request_id)
             rem.failure = rem.failure or "lease_lost"

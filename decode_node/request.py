@@ -1,18 +1,20 @@
 """One object per request on a decode node (`DecodeRequest`), with its stage as an explicit, checked
-state. The servicer's request table holds it from arrival until the engine let go of the request.
+state. The servicer's request table holds it from arrival until the engine let go of the request. Each
+stage says what the request waits for.
 
-    local:   DECODING ───────────────────────────────────────────> ENDING ──> (dropped)
-    remote:  RESERVING ──> PREFILLING ──(KV landed)──> DECODING ──> ENDING ──> (dropped)
-                              ├──(failed before the first token: prefilled here, now local)──> DECODING
-                              ├──(KV did not land after the first token: prompt + tokens so far
-                              │    re-prefilled here, now local)──────────────────────────> DECODING
-                 └────────────┴──(refused, cancelled, first token ended it)──> ENDING
+    local:   IN_ENGINE ────────────────────────────────────────────────────────────────> ENDING ──> (dropped)
+    remote:  WAITING_FOR_BLOCKS ──> WAITING_FOR_REMOTE_KV ──(KV landed)──> IN_ENGINE ──> ENDING ──> (dropped)
+                 │                    ├──(failed before the first token: prefilled here, local)──> IN_ENGINE
+                 │                    ├──(KV did not land after the first token: prompt + tokens so far
+                 │                    │    re-prefilled here, local)──────────────────────────> IN_ENGINE
+                 └────────────────────┴──(refused, cancelled, first token ended it)────> ENDING
 
-KV blocks by stage (decode side): RESERVING holds none (it may wait in the reservation queue);
-PREFILLING holds its reservation (the engine's RESERVED sequence, written by the transfer, with the first
-token appended once it came); DECODING is the engine scheduler's; ENDING holds what the engine has until
-the abort that ends it is done. PREFILLING leaves for DECODING-here only once no receive can still write
-the reservation (the receive resolved, or none was posted), since the engine frees it then.
+KV blocks by stage (decode side): WAITING_FOR_BLOCKS holds none (it waits in the reservation queue);
+WAITING_FOR_REMOTE_KV holds its reservation (the engine's RESERVED sequence, written by the transfer, with
+the first token appended once it came); IN_ENGINE is the engine scheduler's; ENDING holds what the engine
+has until the abort that ends it is done. WAITING_FOR_REMOTE_KV leaves for IN_ENGINE (prefilled here) only
+once no receive can still write the reservation (the receive resolved, or none was posted), since the
+engine frees it then.
 """
 
 from __future__ import annotations
@@ -33,18 +35,21 @@ from pdserve.rpc import pdserve_pb2 as pb
 
 
 class Stage(enum.Enum):
-    RESERVING = "reserving"  # remote: waiting for its KV blocks to be reserved
-    PREFILLING = "prefilling"  # remote: blocks reserved; the prefill node computes and ships the prompt K/V
-    DECODING = "decoding"  # in the engine's scheduler: landed, or prefilled here
+    WAITING_FOR_BLOCKS = "waiting_for_blocks"  # remote: in the reservation queue; holds no blocks
+    # remote: blocks reserved; a prefill node computes the prompt's K/V and ships them into the reservation
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"
+    IN_ENGINE = "in_engine"  # the engine's scheduler owns it: landed, or prefilled here
     ENDING = "ending"  # refused, failed, cancelled or finished: waiting for the engine to let go
 
 
 _NEXT: dict[Stage, frozenset[Stage]] = {
-    Stage.RESERVING: frozenset({Stage.PREFILLING, Stage.ENDING}),
-    Stage.PREFILLING: frozenset({Stage.DECODING, Stage.ENDING}),
-    Stage.DECODING: frozenset({Stage.ENDING}),
+    Stage.WAITING_FOR_BLOCKS: frozenset({Stage.WAITING_FOR_REMOTE_KV, Stage.ENDING}),
+    Stage.WAITING_FOR_REMOTE_KV: frozenset({Stage.IN_ENGINE, Stage.ENDING}),
+    Stage.IN_ENGINE: frozenset({Stage.ENDING}),
     Stage.ENDING: frozenset(),
 }
+# A remote request's stages before the engine owns it: it waits on its prefill node (queued work there).
+REMOTE_WAITS = frozenset({Stage.WAITING_FOR_BLOCKS, Stage.WAITING_FOR_REMOTE_KV})
 
 
 @dataclass(eq=False)
@@ -79,7 +84,7 @@ class DecodeRequest:
     stream: RequestStream
     stage: Stage
     remote: RemotePrefill | None = None  # None: prefilled here (from the start, or after a failed remote prefill)
-    reservation: Reservation | None = None  # set when RESERVING ends
+    reservation: Reservation | None = None  # set when WAITING_FOR_BLOCKS ends
     cancelled: bool = False  # the caller went away or aborted
     error: str | None = None  # why it failed, for the caller
     timing: pb.Timing = field(default_factory=pb.Timing)
@@ -90,7 +95,7 @@ class DecodeRequest:
     span: Any = None  # tracing on: the request's span on this node (`decode_node.trace`)
 
     def __post_init__(self) -> None:
-        assert (self.stage == Stage.DECODING) == (self.remote is None), "local requests start decoding"
+        assert (self.stage == Stage.IN_ENGINE) == (self.remote is None), "local requests start in the engine"
 
     @property
     def context(self) -> list[int]:
@@ -109,7 +114,7 @@ class DecodeRequest:
 
     def check(self) -> None:
         """Asserts the fields agree with the stage."""
-        if self.stage == Stage.RESERVING:
+        if self.stage == Stage.WAITING_FOR_BLOCKS:
             assert self.reservation is None and self.remote is not None and self.remote.call is None
-        if self.stage == Stage.PREFILLING:
+        if self.stage == Stage.WAITING_FOR_REMOTE_KV:
             assert self.reservation is not None and self.remote is not None

@@ -136,4 +136,4 @@ class ReservationQueue:
                 continue  # given up or served; leaves the queue on its next pass
             req = waiter.request
             assert requests.get(req.request_id) is req, f"queued request {req.request_id} is not registered"
-            assert req.stage == Stage.RESERVING, f"queued request {req.request_id} is {req.stage.name}"
+            assert req.stage == Stage.WAITING_FOR_BLOCKS, f"queued request {req.request_id} is {req.stage.name}"

@@ -42,7 +42,7 @@ from pdserve.decode_node import trace
 from pdserve.decode_node.config import DecodeNodeConfig
 from pdserve.decode_node.metrics import DecodeMetrics
 from pdserve.decode_node.remote import PrefillLink
-from pdserve.decode_node.request import DecodeRequest, RemotePrefill, Stage
+from pdserve.decode_node.request import REMOTE_WAITS, DecodeRequest, RemotePrefill, Stage
 from pdserve.decode_node.reservations import ReservationQueue, ReservationRefused
 from pdserve.engine.async_engine import RequestStream, abort_output
 from pdserve.engine.llm_engine import EngineRequests, RequestOutput
@@ -130,7 +130,7 @@ class DecodeService(NodeService, pb_grpc.DecodeNodeServicer):
         finally:
             if not req.stream.finished:  # the caller went away: stop the work and free its blocks
                 self._cancel(req)
-            elif req.stage == Stage.DECODING and self.requests.get(req.request_id) is req:
+            elif req.stage == Stage.IN_ENGINE and self.requests.get(req.request_id) is req:
                 self._forget(req)  # finished in the engine, which already freed its blocks
             if tracer is not None:
                 trace.end_request(tracer, req, timing, last)
@@ -169,11 +169,11 @@ class DecodeService(NodeService, pb_grpc.DecodeNodeServicer):
                 self.metrics.queue_local_prefill()
                 prefill = None
         if prefill is None:
-            req = DecodeRequest(rid, prompt, params, arrived, RequestStream(rid), Stage.DECODING, resume=resume,
+            req = DecodeRequest(rid, prompt, params, arrived, RequestStream(rid), Stage.IN_ENGINE, resume=resume,
                                 span=span)
             return await self._start_local(req, context)
-        req = DecodeRequest(rid, prompt, params, arrived, RequestStream(rid), Stage.RESERVING, RemotePrefill(prefill),
-                            resume=resume, span=span)
+        req = DecodeRequest(rid, prompt, params, arrived, RequestStream(rid), Stage.WAITING_FOR_BLOCKS,
+                            RemotePrefill(prefill), resume=resume, span=span)
         return await self._start_remote(req, context)
 
     @staticmethod
@@ -191,13 +191,13 @@ class DecodeService(NodeService, pb_grpc.DecodeNodeServicer):
 
     def _prefill_queue_full(self, node_id: str, local_backlog: int) -> bool:
         """Whether a new request should be prefilled here rather than on `node_id` (with
-        --max-prefill-queue-tokens set): this node's requests waiting there (reserving or prefilling) hold
+        --max-prefill-queue-tokens set): this node's requests waiting there (for blocks or for the remote K/V) hold
         at least that many context tokens, and this node's own prefill backlog is smaller."""
         bound = self.config.max_prefill_queue_tokens
         if bound <= 0:
             return False
         queued = sum(len(r.context) for r in self.requests.values()
-                     if r.stage in (Stage.RESERVING, Stage.PREFILLING) and r.prefill_id == node_id)
+                     if r.stage in REMOTE_WAITS and r.prefill_id == node_id)
         return queued >= bound and local_backlog < queued
 
     def _prefill_node(self, hint: str, prompt: list[int]) -> Member | None:
@@ -210,7 +210,7 @@ class DecodeService(NodeService, pb_grpc.DecodeNodeServicer):
             return by_id[hint]
         outstanding: dict[str, int] = {}
         for req in self.requests.values():
-            if req.remote is not None and req.stage in (Stage.RESERVING, Stage.PREFILLING):
+            if req.remote is not None and req.stage in REMOTE_WAITS:
                 outstanding[req.prefill_id] = outstanding.get(req.prefill_id, 0) + 1
         choice = choose_prefill(pool, prompt, outstanding)
         return by_id.get(choice.node_id)
@@ -245,7 +245,7 @@ class DecodeService(NodeService, pb_grpc.DecodeNodeServicer):
             self._end_later(req)
             raise
         req.timing.decode_admission_s = time.monotonic() - arrived
-        req.advance(Stage.PREFILLING)
+        req.advance(Stage.WAITING_FOR_REMOTE_KV)
         self.ctx.spawn(self.link.drive(req), f"drive-{rid}")
         return req
 
@@ -285,13 +285,13 @@ class DecodeService(NodeService, pb_grpc.DecodeNodeServicer):
 
     def _cancel(self, req: DecodeRequest) -> None:
         """The caller is gone: stop the request wherever it is."""
-        if req.stage == Stage.DECODING:
+        if req.stage == Stage.IN_ENGINE:
             req.cancelled = True
             self._end_later(req)
-        elif req.stage == Stage.PREFILLING:
+        elif req.stage == Stage.WAITING_FOR_REMOTE_KV:
             self.link.cancel(req)  # its driver frees what it holds
         else:
-            req.cancelled = True  # RESERVING: its Generate call ends it; ENDING: already on its way out
+            req.cancelled = True  # WAITING_FOR_BLOCKS: its Generate call ends it; ENDING: on its way out
 
     def on_member_left(self, node_id: str) -> None:
         self.link.prefill_left(node_id, list(self.requests.values()))
@@ -353,12 +353,12 @@ class DecodeService(NodeService, pb_grpc.DecodeNodeServicer):
             assert req.request_id == rid
             req.check()
         self.reservations.check_integrity(requests)
-        # Reserved blocks belong to requests that were reserving, prefilling or ending (a request whose
-        # stage said DECODING had its `land` queued before the engine's ids were read).
-        holding = {rid for rid, stage in before.items() if stage != Stage.DECODING.value}
-        assert engine.reserved <= holding, f"reservations of requests not prefilling: {sorted(engine.reserved - holding)}"
+        # Reserved blocks belong to requests that were waiting for blocks or the remote K/V, or ending (a
+        # request whose stage said IN_ENGINE had its `land` queued before the engine's ids were read).
+        holding = {rid for rid, stage in before.items() if stage != Stage.IN_ENGINE.value}
+        assert engine.reserved <= holding, f"reservations of requests not waiting for remote K/V: {sorted(engine.reserved - holding)}"
         # Held (finished at the first token) blocks wait for the driver, which frees them.
-        assert engine.held <= holding, f"held blocks of requests not prefilling: {sorted(engine.held - holding)}"
+        assert engine.held <= holding, f"held blocks of requests not waiting for remote K/V: {sorted(engine.held - holding)}"
         untracked = self.metrics.tracked() - before.keys() - requests.keys()
         assert not untracked, f"metric records of unknown requests: {sorted(untracked)}"
 
@@ -368,22 +368,21 @@ class DecodeService(NodeService, pb_grpc.DecodeNodeServicer):
         # that leaves the registry.
         self.accepting = False
         loop = asyncio.get_running_loop()
-        waiting = (Stage.RESERVING, Stage.PREFILLING)
-        while loop.time() < deadline and any(r.stage in waiting for r in self.requests.values()):
+        while loop.time() < deadline and any(r.stage in REMOTE_WAITS for r in self.requests.values()):
             await asyncio.sleep(0.02)
 
     def hand_over(self) -> int:
         """Ends every request still here so that its caller continues it on another node, and frees its
-        blocks: a decoding or prefilling request's stream ends with finish_reason HANDOVER after the
-        tokens already produced (the engine aborts a decoding one; a prefilling one's driver cancels its
-        prefill and frees its reservation); a request still waiting for a reservation is refused (it has
-        streamed nothing; its caller tries another node). Returns how many requests were handed over."""
+        blocks: the stream of a request in the engine or waiting for its remote K/V ends with finish_reason
+        HANDOVER after the tokens already produced (the engine aborts one in the engine; the driver of one
+        waiting for its K/V cancels its prefill and frees its reservation); a request still waiting for
+        blocks is refused (it has streamed nothing; its caller tries another node). Returns how many requests were handed over."""
         moved = self.reservations.refuse_all("the decode node is draining")
         for req in list(self.requests.values()):
-            if req.stage not in (Stage.DECODING, Stage.PREFILLING) or req.stream.finished:
+            if req.stage not in (Stage.IN_ENGINE, Stage.WAITING_FOR_REMOTE_KV) or req.stream.finished:
                 continue
             req.stream.push(abort_output(req.request_id, HANDOVER))
-            if req.stage == Stage.DECODING:
+            if req.stage == Stage.IN_ENGINE:
                 self._end_later(req)
             else:
                 self.link.cancel(req)
@@ -394,7 +393,7 @@ class DecodeService(NodeService, pb_grpc.DecodeNodeServicer):
         for req in list(self.requests.values()):
             self._cancel(req)
             rem = req.remote
-            if rem is not None and rem.channel is not None and req.stage == Stage.PREFILLING:
+            if rem is not None and rem.channel is not None and req.stage == Stage.WAITING_FOR_REMOTE_KV:
                 rem.channel.close("decode node shutting down")
         deadline = time.monotonic() + 5.0
         while self.requests and time.monotonic() < deadline:
