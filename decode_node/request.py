@@ -52,6 +52,38 @@ _NEXT: dict[Stage, frozenset[Stage]] = {
 REMOTE_WAITS = frozenset({Stage.WAITING_FOR_BLOCKS, Stage.WAITING_FOR_REMOTE_KV})
 
 
+class FailureReason(enum.Enum):
+    """Why a remote prefill or its KV transfer failed. The values are the `reason` labels of the fallback
+    and re-prefill metrics (`decode_node.metrics`)."""
+
+    UNAVAILABLE = "unavailable"  # the prefill node is gone, not listening, or draining
+    REFUSED = "refused"  # it declined the request
+    ERROR = "error"  # the call failed otherwise, or ended without a first token or the K/V
+    TIMEOUT = "timeout"  # no first token within --prefill-timeout, or the receive ran past its deadline
+    LEASE_LOST = "lease_lost"  # the prefill node left the registry
+    SEND_FAILED = "send_failed"  # TransferDone said the send failed
+    RECEIVE_FAILED = "receive_failed"  # the channel would not open, or the receive failed or its channel closed
+    CHECKSUM = "checksum"  # the received bytes are not the ones the prefill node sent
+
+
+@dataclass(frozen=True)
+class Failure:
+    """The first cause of a remote prefill's failure."""
+
+    reason: FailureReason
+    error: str  # what failed, for the log and the trace
+
+
+@dataclass(frozen=True)
+class SendReport:
+    """What the prefill node reported of its send (TransferDone ok): its part is done, so its leaving the
+    registry no longer concerns the request (a drained prefill node revokes its lease right after its
+    last send)."""
+
+    skipped: bool  # nothing was shipped (the first token ended the request)
+    checksum: tuple[str, int] | None  # (algorithm, digest) of the bytes it sent; None: none reported
+
+
 @dataclass(eq=False)
 class RemotePrefill:
     """Where a remote request's prefill and transfer stand (owned by its `decode_node.remote` driver)."""
@@ -60,17 +92,21 @@ class RemotePrefill:
     call: grpc.aio.UnaryStreamCall | None = None  # the Prefill call
     channel: Channel | None = None
     recv: TransferHandle | None = None
-    got_first: bool = False
-    skipped: bool = False  # the prefill node shipped nothing (TransferDone ok + skipped)
-    cached_tokens: int = 0  # the prefill node's prefix-cache hit
-    sent_checksum: tuple[str, int] | None = None  # TransferDone's (algorithm, digest) of the bytes P sent
-    # The prefill node reported its part done (TransferDone ok): its leaving the registry no longer
-    # concerns this request (a drained prefill node revokes its lease right after its last send).
-    done: bool = False
-    # Why the prefill or transfer failed (the first cause wins), for the fallback metric (before the
-    # first token: decode_node.metrics.FALLBACK_REASONS) or the re-prefill metric (REPREFILL_REASONS).
-    failure: str = ""
+    first_token: int | None = None  # the token id FirstToken carried, once it came
+    cached_tokens: int = 0  # the prefill node's prefix-cache hit (FirstToken)
+    sent: SendReport | None = None  # TransferDone ok
+    # The receive completed into the reservation and TransferDone vouched for its bytes, or nothing had to
+    # be shipped: set by the driver once no receive can write the reservation.
+    kv_in_place: bool = False
+    failure: Failure | None = None  # set by `fail` only
     span: Any = None  # tracing on: the KV wait span (the Prefill call's parent) until it ends
+
+    def fail(self, reason: FailureReason, error: str) -> Failure:
+        """Records why the prefill or transfer failed, unless a cause is recorded already (the first cause
+        wins); returns the recorded one."""
+        if self.failure is None:
+            self.failure = Failure(reason, error)
+        return self.failure
 
 
 @dataclass(eq=False)
@@ -86,7 +122,9 @@ class DecodeRequest:
     remote: RemotePrefill | None = None  # None: prefilled here (from the start, or after a failed remote prefill)
     reservation: Reservation | None = None  # set when WAITING_FOR_BLOCKS ends
     cancelled: bool = False  # the caller went away or aborted
-    error: str | None = None  # why it failed, for the caller
+    # What the caller is told when the request ends with an error (its landing, or the local prefill after
+    # a remote one, failed); why a remote prefill failed is its `remote.failure`.
+    error: str | None = None
     timing: pb.Timing = field(default_factory=pb.Timing)
     # A resumed request (GenerateRequest.resume_token_ids): the completion tokens another node delivered.
     resume: Resume | None = None
