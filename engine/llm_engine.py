@@ -292,14 +292,14 @@ class LLMEngine:
         """Turns a reserved request into an ordinary queued one (its K/V will not arrive by transfer):
         the reservation is freed, shared prefix-cache blocks staying cached for the local prefill to
         find again, and the same sequence (params, seed, detokenizer) is queued to be computed here from
-        its prompt plus every token it has, like a preempted sequence (``Scheduler.requeue``). Before the
-        first token that is the prompt (and resumed tokens); after it, the first token too, so the next
+        its prompt plus every token it has, like a preempted sequence (``Scheduler.prefill_here``). Before
+        the first token that is the prompt (and resumed tokens); after it, the first token too, so the next
         output continues the stream with neither gap nor repeat. The caller guarantees no transfer
         still writes the reservation. Raises KeyError if it is not reserved."""
         seq = self.scheduler.get(request_id)
         if seq is None or seq.status != SequenceStatus.RESERVED:
             raise KeyError(request_id)
-        return self.scheduler.requeue(request_id)
+        return self.scheduler.prefill_here(request_id)
 
     def prefill_backlog_tokens(self) -> int:
         """Context tokens this engine still has to prefill (`Scheduler.prefill_backlog_tokens`: decoding

@@ -13,11 +13,12 @@ The scheduler owns every sequence state and is the only code that sets one (`Seq
                  └───────────────────┘                          │
     reserve ──> RESERVED ──land──> WAITING (landed queue) ──────┘
                  │ append_first_token ends it / finish ──> FINISHED, held until release
-                 │ requeue (its K/V will not arrive) ──> WAITING, blocks freed, computed here
+                 │ prefill_here (its K/V will not arrive) ──> WAITING, blocks freed, computed here
                  └ abort ──> FINISHED, blocks freed
 
 A RESERVED sequence holds blocks for a prompt whose K/V are written from outside (a KV transfer); it is
-never scheduled. ``land`` commits them once the transfer landed; ``requeue`` frees them if it failed.
+never scheduled. ``land`` commits them once the transfer landed; ``prefill_here`` frees them and queues
+the sequence to be computed here if it failed.
 
 When the pool runs out of blocks for a running sequence, the least urgent running sequence (the newest
 among equals) is preempted (blocks freed, progress dropped, put back at the front of its priority in
@@ -140,7 +141,8 @@ class Scheduler:
     def reserve(self, seq: Sequence) -> Reservation | None:
         """Sets aside blocks for the tokens of a new sequence whose K/V will be written from outside (a
         transfer), sharing prefix-cache hits (``BlockManager.reserve``). Returns None, changing nothing,
-        when the pool cannot fit it now; else it is RESERVED until ``land``, ``requeue``, ``finish``, ``abort``."""
+        when the pool cannot fit it now; else it is RESERVED until ``land``, ``prefill_here``, ``finish``,
+        ``abort``."""
         self._check_new(seq)
         reservation = self.block_manager.reserve(seq, seq.num_tokens)
         if reservation is None:
@@ -176,7 +178,7 @@ class Scheduler:
         self._seqs[seq_id] = seq
         return seq
 
-    def requeue(self, seq_id: str) -> Sequence:
+    def prefill_here(self, seq_id: str) -> Sequence:
         """A RESERVED sequence whose K/V will not arrive is freed (prefix-cache hits stay cached) and
         queued at the back, to be recomputed like a preempted one from every token it has (resumed ones
         and a first token included). No transfer may still write its blocks. KeyError if not reserved."""
