@@ -17,9 +17,10 @@ from pdserve.engine.loader import load_model
 from pdserve.engine.model_runner import ModelRunner, kv_block_bytes
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.scheduler import Scheduler, stop_decision
+from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import Resume, Sequence, SequenceStatus, TokenLogprob
 from pdserve.engine.step_hook import PrefillWatcher
+from pdserve.engine.stopping import stop_decision
 from pdserve.engine.structured import GrammarCompiler, GrammarState
 from pdserve.engine.structured_spec import GrammarError
 from pdserve.engine.tokenizer import Tokenizer

@@ -33,18 +33,11 @@ from __future__ import annotations
 
 from collections import deque
 
+from pdserve.engine.batch import SchedulerConfig, SchedulerOutput, StepPlan
 from pdserve.engine.block_manager import BlockManager, Reservation
-from pdserve.engine.schedule import (
-    FINISH_REASONS,
-    SchedulerConfig,
-    SchedulerOutput,
-    StepPlan,
-    StopDecision,
-    stop_decision,
-)
 from pdserve.engine.sequence import Sequence, SequenceStatus
+from pdserve.engine.stopping import FINISH_REASONS, StopDecision, stop_decision
 
-__all__ = ["FINISH_REASONS", "Scheduler", "SchedulerConfig", "SchedulerOutput", "StopDecision", "stop_decision"]
 
 class Scheduler:
     """Owns the request queues of one engine. Changes the ``Sequence`` objects it is given (status,
