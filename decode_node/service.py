@@ -10,7 +10,7 @@ Generate, per request:
   2. Reservation (remote path): the prompt's blocks are reserved before any prefill work is spent
      (`decode_node.reservations`).
   3. The prefill and the KV transfer (`decode_node.remote`), after which the request lands in the engine.
-  4. Tokens are streamed, batched per message when several are waiting.
+  4. Tokens are streamed, batched per message when several are waiting (`decode_node.responses`).
 
 A resumed request (resume_token_ids: completion tokens another decode node already delivered) follows
 the same steps with prompt + those tokens as its context; responses carry only the tokens after them,
@@ -44,11 +44,12 @@ from pdserve.decode_node.metrics import DecodeMetrics
 from pdserve.decode_node.remote import PrefillLink
 from pdserve.decode_node.request import REMOTE_WAITS, DecodeRequest, RemotePrefill, Stage
 from pdserve.decode_node.reservations import ReservationQueue, ReservationRefused
+from pdserve.decode_node.responses import response
 from pdserve.engine.async_engine import RequestStream, abort_output
-from pdserve.engine.llm_engine import EngineRequests, RequestOutput
+from pdserve.engine.llm_engine import EngineRequests
 from pdserve.engine.sequence import Resume
 from pdserve.node_common.config import setup_logging
-from pdserve.node_common.convert import logprob_to_proto, params_from_proto
+from pdserve.node_common.convert import params_from_proto
 from pdserve.node_common.runtime import run_node
 from pdserve.node_common.service import NodeContext, NodeService
 from pdserve.registry import Member
@@ -120,7 +121,7 @@ class DecodeService(NodeService, pb_grpc.DecodeNodeServicer):
             while True:
                 batch = await req.stream.next_batch()
                 completion += sum(len(o.new_token_ids) for o in batch)
-                last = self._response(request, req, batch, completion, first)
+                last = response(request, req, batch, completion, first, self.config.node_id, self.metrics)
                 if last.HasField("timing"):
                     timing = last.timing
                 yield last
@@ -295,55 +296,6 @@ class DecodeService(NodeService, pb_grpc.DecodeNodeServicer):
 
     def on_member_left(self, node_id: str) -> None:
         self.link.prefill_left(node_id, list(self.requests.values()))
-
-    # -- responses ------------------------------------------------------------------------------------
-
-    def _response(
-        self, request: pb.GenerateRequest, req: DecodeRequest, batch: list[RequestOutput], completion: int,
-        first: bool,
-    ) -> pb.GenerateResponse:
-        last = batch[-1]
-        msg = pb.GenerateResponse(
-            request_id=req.request_id, token_ids=[t for o in batch for t in o.new_token_ids],
-            logprobs=[logprob_to_proto(lp) for o in batch for lp in o.new_logprobs],
-            finished=last.finished, num_prompt_tokens=len(req.prompt), num_completion_tokens=completion,
-            prefill_node_id=req.prefill_id or self.config.node_id, decode_node_id=self.config.node_id,
-        )
-        if request.return_text:
-            msg.text = "".join(o.new_text for o in batch)
-        cached = max((o.num_cached_tokens for o in batch), default=0)
-        if req.remote is not None:
-            msg.num_cached_tokens_decode = req.reservation.num_cached_tokens if req.reservation else 0
-            msg.num_cached_tokens_prefill = req.remote.cached_tokens
-            cached = max(cached, msg.num_cached_tokens_decode, msg.num_cached_tokens_prefill)
-        else:
-            msg.num_cached_tokens_decode = cached
-        msg.num_cached_tokens = cached
-        if last.finished:
-            msg.finish_reason = last.finish_reason or ""
-            if last.stop_reason is not None:
-                msg.stop_reason = str(last.stop_reason)
-            if last.finish_reason == "error":
-                msg.error = req.error or "internal error"
-        if first or last.finished:  # the last message repeats it, complete (transfer time included)
-            msg.timing.CopyFrom(self._timing(req))
-        return msg
-
-    def _timing(self, req: DecodeRequest) -> pb.Timing:
-        timing = pb.Timing()
-        # Prefilled here (from the start, or after a remote prefill that gave no first token): arrival to
-        # the first message, measured once and repeated on the last one. A request re-prefilled here after
-        # a remote first token keeps reporting that remote prefill's times.
-        if req.remote is None and (req.local_prefill_s or not req.timing.prefill_s):
-            if not req.local_prefill_s:
-                req.local_prefill_s = time.monotonic() - req.arrived
-            timing.prefill_s = req.local_prefill_s
-            return timing
-        timing.CopyFrom(req.timing)
-        first_step = self.metrics.first_step_seconds(req.request_id)
-        if first_step is not None:
-            timing.first_decode_step_s = first_step
-        return timing
 
     # -- integrity, drain and shutdown ----------------------------------------------------------------
 
