@@ -159,7 +159,7 @@ class PrefillLink:
             await self._read_prefill(req, rem)
         except grpc.aio.AioRpcError as err:
             first = rem.fail(failure_reason(err.code()),
-                             f"prefill node {rem.prefill.node_id}: {err.code().name}: {err.details()}")
+                             f"prefill node {rem.prefill_node.node_id}: {err.code().name}: {err.details()}")
             self._close_channel(rem, first.error)
         except asyncio.CancelledError:
             # Our own cancel of the call (lease lost, first token late) lands here as well.
@@ -167,7 +167,7 @@ class PrefillLink:
             if task is not None and task.cancelling():
                 await asyncio.shield(self._end(req))
                 raise
-            rem.fail(FailureReason.ERROR, f"prefill call to {rem.prefill.node_id} cancelled")
+            rem.fail(FailureReason.ERROR, f"prefill call to {rem.prefill_node.node_id} cancelled")
         except Exception as err:  # a bug here must not leak the reservation
             log.exception("request %s: driver failed", req.request_id)
             rem.fail(FailureReason.ERROR, f"{type(err).__name__}: {err}")
@@ -183,14 +183,15 @@ class PrefillLink:
         request (`remote` None, so later responses name this node as its prefill node)."""
         # A call that ended without a cause of its own counts as an error.
         missing = "the K/V" if rem.first_token is not None else "a first token"
-        failure = rem.fail(FailureReason.ERROR, f"prefill node {rem.prefill.node_id} ended the call without {missing}")
+        failure = rem.fail(FailureReason.ERROR,
+                           f"prefill node {rem.prefill_node.node_id} ended the call without {missing}")
         if decision is Outcome.REPREFILL:
             log.warning("request %s: KV from %s did not land after the first token (%s: %s); re-prefilling here",
-                        req.request_id, rem.prefill.node_id, failure.reason.value, failure.error)
+                        req.request_id, rem.prefill_node.node_id, failure.reason.value, failure.error)
             self.metrics.reprefill(failure.reason)
         else:
             log.warning("request %s: prefill on %s failed before its first token (%s: %s); prefilling here",
-                        req.request_id, rem.prefill.node_id, failure.reason.value, failure.error)
+                        req.request_id, rem.prefill_node.node_id, failure.reason.value, failure.error)
             self.metrics.local_prefill_fallback(failure.reason)
         req.remote, req.reservation = None, None
         req.advance(Stage.IN_ENGINE)  # before the engine hears of it, so a later cancel aborts in the engine
@@ -212,7 +213,7 @@ class PrefillLink:
         # A resumed request is prefilled from prompt + resumed tokens; num_prompt_tokens tells the prefill
         # node where the completion starts (seeded position, penalties, the stop decision).
         msg = pb.PrefillRequest(
-            request_id=req.request_id, prompt_token_ids=req.context, params=params_to_proto(req.params),
+            request_id=req.request_id, prompt_token_ids=req.context_ids, params=params_to_proto(req.params),
             num_prompt_tokens=len(req.prompt) if req.resume is not None else 0,
             decode_node_id=self.config.node_id, num_skip_blocks=req.reservation.num_cached_blocks,
             dst_block_ids=list(req.reservation.fill_block_ids), block_size=self.config.engine.block_size,
@@ -220,7 +221,7 @@ class PrefillLink:
         )
         # Tracing on: the Prefill call carries the KV wait span's traceparent.
         metadata = trace.start_kv_wait(self.ctx.tracer, req, rem) if self.ctx.tracer is not None else None
-        rem.call = self._stub(rem.prefill).Prefill(msg, metadata=metadata)
+        rem.call = self._stub(rem.prefill_node).Prefill(msg, metadata=metadata)
         if req.cancelled:
             self.send_abort(req)
         timeout = self.config.prefill_timeout_s
@@ -244,7 +245,7 @@ class PrefillLink:
         if rem.first_token is not None or rem.call is None or rem.call.done():
             return
         first = rem.fail(FailureReason.TIMEOUT,
-                         f"no first token from {rem.prefill.node_id} in {self.config.prefill_timeout_s:g}s")
+                         f"no first token from {rem.prefill_node.node_id} in {self.config.prefill_timeout_s:g}s")
         # A layer-wise send may have been announced before the first token: its receive resolves now.
         self._close_channel(rem, first.error)
         rem.call.cancel()
@@ -261,10 +262,10 @@ class PrefillLink:
 
     def _on_transfer_start(self, req: DecodeRequest, rem: RemotePrefill, ts: pb.TransferStart) -> None:
         assert req.reservation is not None
-        meta = transfer_meta_from_proto(ts, req.request_id, rem.prefill.node_id, self.config.node_id)
-        address = ts.prefill_kv_address or rem.prefill.record.kv_address
+        meta = transfer_meta_from_proto(ts, req.request_id, rem.prefill_node.node_id, self.config.node_id)
+        address = ts.prefill_kv_address or rem.prefill_node.record.kv_address
         try:
-            channel = self.ctx.channels.channel_from(rem.prefill.node_id, address, meta.epoch)
+            channel = self.ctx.channels.channel_from(rem.prefill_node.node_id, address, meta.epoch)
         except ChannelError as err:
             rem.fail(FailureReason.RECEIVE_FAILED, f"cannot open the KV channel: {err}")
             return
@@ -315,7 +316,7 @@ class PrefillLink:
             rem.sent = SendReport(skipped=done.skipped, checksum=checksum)
             req.timing.transfer_s = done.transfer_s
             return
-        rem.fail(FailureReason.SEND_FAILED, f"prefill node {rem.prefill.node_id}: {done.error}")
+        rem.fail(FailureReason.SEND_FAILED, f"prefill node {rem.prefill_node.node_id}: {done.error}")
         self._close_channel(rem, f"prefill node reported a failed send: {done.error}")
 
     async def _wait_kv(self, req: DecodeRequest, rem: RemotePrefill) -> None:
@@ -342,7 +343,7 @@ class PrefillLink:
 
     def send_abort(self, req: DecodeRequest) -> None:
         assert req.remote is not None
-        prefill = req.remote.prefill
+        prefill = req.remote.prefill_node
 
         async def abort() -> None:
             try:
@@ -357,8 +358,9 @@ class PrefillLink:
         """Fails the requests a departed prefill node was still serving (its sends are dropped)."""
         for req in requests:
             rem = req.remote
-            waiting = rem is not None and rem.prefill.node_id == node_id and req.stage == Stage.WAITING_FOR_REMOTE_KV
-            if not waiting or rem.sent is not None:  # a prefill node reported done is no longer needed
+            if rem is None or rem.prefill_node.node_id != node_id or req.stage != Stage.WAITING_FOR_REMOTE_KV:
+                continue
+            if rem.sent is not None:  # its part is done: its leaving no longer concerns the request
                 continue
             log.warning("prefill node %s left the registry: failing %s", node_id, req.request_id)
             rem.fail(FailureReason.LEASE_LOST, f"prefill node {node_id} left the registry")

@@ -88,7 +88,7 @@ class SendReport:
 class RemotePrefill:
     """Where a remote request's prefill and transfer stand (owned by its `decode_node.remote` driver)."""
 
-    prefill: Member
+    prefill_node: Member
     call: grpc.aio.UnaryStreamCall | None = None  # the Prefill call
     channel: Channel | None = None
     recv: TransferHandle | None = None
@@ -107,6 +107,12 @@ class RemotePrefill:
         if self.failure is None:
             self.failure = Failure(reason, error)
         return self.failure
+
+
+def context_ids(prompt: list[int], resume: Resume | None) -> list[int]:
+    """What a request is prefilled from, here or remotely: its prompt, followed by a resumed request's
+    resumed tokens."""
+    return prompt + list(resume.token_ids) if resume is not None else prompt
 
 
 @dataclass(eq=False)
@@ -136,14 +142,14 @@ class DecodeRequest:
         assert (self.stage == Stage.IN_ENGINE) == (self.remote is None), "local requests start in the engine"
 
     @property
-    def context(self) -> list[int]:
-        """What is prefilled: the prompt, followed by a resumed request's resumed tokens."""
-        return self.prompt + list(self.resume.token_ids) if self.resume is not None else self.prompt
+    def context_ids(self) -> list[int]:
+        """What it is prefilled from (the module's `context_ids`)."""
+        return context_ids(self.prompt, self.resume)
 
     @property
     def prefill_id(self) -> str:
         """Who prefills it ("" for this node)."""
-        return self.remote.prefill.node_id if self.remote is not None else ""
+        return self.remote.prefill_node.node_id if self.remote is not None else ""
 
     def advance(self, stage: Stage) -> None:
         """Moves to `stage`; asserts the move is one the diagram allows."""

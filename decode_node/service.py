@@ -42,7 +42,7 @@ from pdserve.decode_node import trace
 from pdserve.decode_node.config import DecodeNodeConfig
 from pdserve.decode_node.metrics import DecodeMetrics
 from pdserve.decode_node.remote import PrefillLink
-from pdserve.decode_node.request import REMOTE_WAITS, DecodeRequest, RemotePrefill, Stage
+from pdserve.decode_node.request import REMOTE_WAITS, DecodeRequest, RemotePrefill, Stage, context_ids
 from pdserve.decode_node.reservations import ReservationQueue, ReservationRefused
 from pdserve.decode_node.responses import response
 from pdserve.engine.async_engine import RequestStream, abort_output
@@ -159,12 +159,12 @@ class DecodeService(NodeService, pb_grpc.DecodeNodeServicer):
         if rid in self.requests:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {rid!r} is already running")
         # A resumed request is prefilled (here or remotely, by the usual rules) from prompt + resumed tokens.
-        ctx = prompt + list(resume.token_ids) if resume is not None else prompt
+        ids = context_ids(prompt, resume)
         local = request.force_local_prefill or self.config.colocated
-        prefill = None if local else self._prefill_node(request.prefill_node_id, ctx)
+        prefill = None if local else self._prefill_node(request.prefill_node_id, ids)
         if prefill is not None:
-            hit, backlog = await self.ctx.engine.call(lambda e: (e.prefix_hit_tokens(ctx), e.prefill_backlog_tokens()))
-            if len(ctx) - hit < self.config.local_prefill_threshold:
+            hit, backlog = await self.ctx.engine.call(lambda e: (e.prefix_hit_tokens(ids), e.prefill_backlog_tokens()))
+            if len(ids) - hit < self.config.local_prefill_threshold:
                 prefill = None
             elif self._prefill_queue_full(prefill.node_id, backlog):
                 self.metrics.queue_local_prefill()
@@ -192,16 +192,16 @@ class DecodeService(NodeService, pb_grpc.DecodeNodeServicer):
 
     def _prefill_queue_full(self, node_id: str, local_backlog: int) -> bool:
         """Whether a new request should be prefilled here rather than on `node_id` (with
-        --max-prefill-queue-tokens set): this node's requests waiting there (for blocks or for the remote K/V) hold
-        at least that many context tokens, and this node's own prefill backlog is smaller."""
+        --max-prefill-queue-tokens set): this node's requests waiting there (for blocks or for the remote
+        K/V) hold at least that many context tokens, and this node's own prefill backlog is smaller."""
         bound = self.config.max_prefill_queue_tokens
         if bound <= 0:
             return False
-        queued = sum(len(r.context) for r in self.requests.values()
+        queued = sum(len(r.context_ids) for r in self.requests.values()
                      if r.stage in REMOTE_WAITS and r.prefill_id == node_id)
         return queued >= bound and local_backlog < queued
 
-    def _prefill_node(self, hint: str, prompt: list[int]) -> Member | None:
+    def _prefill_node(self, hint: str, ids: list[int]) -> Member | None:
         """The hinted prefill node while it is usable (in this node's pool, not draining), else the one the
         cluster's prefill rule picks (None: none is usable)."""
         members = self.ctx.view.members(role="prefill", model=self.config.model_name)
@@ -213,7 +213,7 @@ class DecodeService(NodeService, pb_grpc.DecodeNodeServicer):
         for req in self.requests.values():
             if req.remote is not None and req.stage in REMOTE_WAITS:
                 outstanding[req.prefill_id] = outstanding.get(req.prefill_id, 0) + 1
-        choice = choose_prefill(pool, prompt, outstanding)
+        choice = choose_prefill(pool, ids, outstanding)
         return by_id.get(choice.node_id)
 
     async def _start_local(self, req: DecodeRequest, context: grpc.aio.ServicerContext) -> DecodeRequest:
@@ -308,9 +308,11 @@ class DecodeService(NodeService, pb_grpc.DecodeNodeServicer):
         # Reserved blocks belong to requests that were waiting for blocks or the remote K/V, or ending (a
         # request whose stage said IN_ENGINE had its `land` queued before the engine's ids were read).
         holding = {rid for rid, stage in before.items() if stage != Stage.IN_ENGINE.value}
-        assert engine.reserved <= holding, f"reservations of requests not waiting for remote K/V: {sorted(engine.reserved - holding)}"
+        assert engine.reserved <= holding, (
+            f"reservations of requests not waiting for remote K/V: {sorted(engine.reserved - holding)}")
         # Held (finished at the first token) blocks wait for the driver, which frees them.
-        assert engine.held <= holding, f"held blocks of requests not waiting for remote K/V: {sorted(engine.held - holding)}"
+        assert engine.held <= holding, (
+            f"held blocks of requests not waiting for remote K/V: {sorted(engine.held - holding)}")
         untracked = self.metrics.tracked() - before.keys() - requests.keys()
         assert not untracked, f"metric records of unknown requests: {sorted(untracked)}"
 
@@ -328,7 +330,8 @@ class DecodeService(NodeService, pb_grpc.DecodeNodeServicer):
         blocks: the stream of a request in the engine or waiting for its remote K/V ends with finish_reason
         HANDOVER after the tokens already produced (the engine aborts one in the engine; the driver of one
         waiting for its K/V cancels its prefill and frees its reservation); a request still waiting for
-        blocks is refused (it has streamed nothing; its caller tries another node). Returns how many requests were handed over."""
+        blocks is refused (it has streamed nothing; its caller tries another node). Returns how many
+        requests were handed over."""
         moved = self.reservations.refuse_all("the decode node is draining")
         for req in list(self.requests.values()):
             if req.stage not in (Stage.IN_ENGINE, Stage.WAITING_FOR_REMOTE_KV) or req.stream.finished:
