@@ -134,20 +134,20 @@ class Scheduler(SequenceQueues):
             self.finish(seq, "abort")
         return seq
 
-    def finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
-        """Marks ``seq`` finished with ``reason`` and ``stop_reason``, dropping it from the queues and
+    def finish(self, seq: Sequence, finish_reason: str, stop_reason: str | int | None = None) -> None:
+        """Marks ``seq`` finished with ``finish_reason`` and ``stop_reason``, dropping it from the queues and
         freeing its blocks. On an already finished sequence only the two reason fields change (e.g. a
         stop string matched by the last token of a sequence that also hit max_tokens). Finished other than
         by abort, a ``hold_blocks`` or RESERVED sequence keeps its blocks until ``release``."""
-        if reason not in FINISH_REASONS:
-            raise ValueError(f"finish reason must be one of {sorted(FINISH_REASONS)}, got {reason!r}")
+        if finish_reason not in FINISH_REASONS:
+            raise ValueError(f"finish reason must be one of {sorted(FINISH_REASONS)}, got {finish_reason!r}")
         if not seq.is_finished:
             if self.get(seq.seq_id) is not seq:
                 raise ValueError(f"sequence {seq.seq_id} is not scheduled here")
-            keep = (seq.hold_blocks or seq.status == SequenceStatus.RESERVED) and reason != "abort"
+            keep = (seq.hold_blocks or seq.status == SequenceStatus.RESERVED) and finish_reason != "abort"
             self._forget(seq, keep_blocks=keep)
         seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = reason
+        seq.finish_reason = finish_reason
         seq.stop_reason = stop_reason
 
     # ----------------------------------------------------------------------------------- one step
