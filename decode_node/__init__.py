@@ -5,6 +5,7 @@ them prefilled on a prefill node whose KV it receives, and streams the generated
     request       DecodeRequest: one object per request, its typed stage
     reservations  the reservation queue (blocks before any prefill work)
     remote        the driver of one remote prefill and KV transfer
+    responses     the GenerateResponse messages of a request's outputs
     metrics       the decode pool's metrics
     config        DecodeNodeConfig
     client        a command-line client for smoke checks

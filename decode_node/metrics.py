@@ -6,14 +6,19 @@ import threading
 import time
 from dataclasses import dataclass
 
+from pdserve.decode_node.request import FailureReason
 from pdserve.node_common.metrics import LATENCY_BUCKETS, SIZE_BUCKETS, MetricLabels, NodeMetrics, StepRecord
 
-FALLBACK_REASONS = ("unavailable", "refused", "error", "timeout", "lease_lost")
-# Why the K/V of a request that already streamed its first token did not land (`PrefillLink._prefill_here`):
-# the prefill call failed (unavailable, error), the prefill node left the registry (lease_lost), it
+# Why a remote prefill failed before its first token (`PrefillLink._prefill_here`, a fallback): the
+# prefill node was unavailable, refused, errored, gave no first token in time, or left the registry.
+FALLBACK_REASONS = (FailureReason.UNAVAILABLE, FailureReason.REFUSED, FailureReason.ERROR, FailureReason.TIMEOUT,
+                    FailureReason.LEASE_LOST)
+# Why the K/V of a request that already streamed its first token did not land (a re-prefill): the
+# prefill call failed (unavailable, error), the prefill node left the registry (lease_lost), it
 # reported a failed send (send_failed), the receive failed or its channel closed (receive_failed) or ran
 # past its deadline (timeout), or the bytes failed their checksum (checksum).
-REPREFILL_REASONS = ("unavailable", "error", "timeout", "lease_lost", "send_failed", "receive_failed", "checksum")
+REPREFILL_REASONS = (FailureReason.UNAVAILABLE, FailureReason.ERROR, FailureReason.TIMEOUT, FailureReason.LEASE_LOST,
+                     FailureReason.SEND_FAILED, FailureReason.RECEIVE_FAILED, FailureReason.CHECKSUM)
 
 
 @dataclass
@@ -39,7 +44,7 @@ class DecodeMetrics(NodeMetrics):
                                       "Remote prefills that failed before the first token and were done here",
                                       ["reason"])
         for reason in FALLBACK_REASONS:  # every series exists from the start, at zero
-            self.fallbacks.labels(**labels.values(), reason=reason)
+            self.fallbacks.labels(**labels.values(), reason=reason.value)
         self.queue_local = self.counter("pdserve_decode_queue_local_prefills",
                                         "Requests prefilled here because the prefill node's queue was full "
                                         "(--max-prefill-queue-tokens)")
@@ -47,7 +52,7 @@ class DecodeMetrics(NodeMetrics):
                                        "Requests whose KV transfer failed after the first token, re-prefilled here "
                                        "(prompt + tokens so far)", ["reason"])
         for reason in REPREFILL_REASONS:
-            self.reprefills.labels(**labels.values(), reason=reason)
+            self.reprefills.labels(**labels.values(), reason=reason.value)
         self.checksum_failures = self.counter("pdserve_decode_kv_checksum_failures",
                                               "KV transfers whose received bytes failed their checksum (never served)")
         self._lock = threading.Lock()
@@ -91,17 +96,17 @@ class DecodeMetrics(NodeMetrics):
             self._timings.setdefault(request_id, _Timing()).landed_at = now
         return now
 
-    def local_prefill_fallback(self, reason: str) -> None:
+    def local_prefill_fallback(self, reason: FailureReason) -> None:
         """Counts a remote prefill that failed before its first token and is done here instead."""
-        self.fallbacks.labels(**self.labels.values(), reason=reason).inc()
+        self.fallbacks.labels(**self.labels.values(), reason=reason.value).inc()
 
     def queue_local_prefill(self) -> None:
         """Counts a request prefilled here because the prefill node's queue was full."""
         self.queue_local.inc()
 
-    def reprefill(self, reason: str) -> None:
+    def reprefill(self, reason: FailureReason) -> None:
         """Counts a request re-prefilled here after its first token (its KV transfer failed)."""
-        self.reprefills.labels(**self.labels.values(), reason=reason).inc()
+        self.reprefills.labels(**self.labels.values(), reason=reason.value).inc()
 
     def kv_checksum_failure(self) -> None:
         """Counts a transfer whose bytes did not match the prefill node's checksum."""

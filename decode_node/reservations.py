@@ -48,7 +48,7 @@ class ReservationQueue:
         ReservationRefused, or ValueError for a request the engine rejects. A reservation made just as
         the caller gave up is left to the abort that ends the request."""
         engine = self._ctx.engine
-        num_tokens = len(req.context)
+        num_tokens = len(req.context_ids)
         if engine.engine.block_manager.blocks_needed(num_tokens + 1) > engine.engine.num_blocks:
             raise ReservationRefused(f"a {num_tokens}-token prompt can never fit this node's KV pool")
         priority = req.params.priority
@@ -136,4 +136,4 @@ class ReservationQueue:
                 continue  # given up or served; leaves the queue on its next pass
             req = waiter.request
             assert requests.get(req.request_id) is req, f"queued request {req.request_id} is not registered"
-            assert req.stage == Stage.RESERVING, f"queued request {req.request_id} is {req.stage.name}"
+            assert req.stage == Stage.WAITING_FOR_BLOCKS, f"queued request {req.request_id} is {req.stage.name}"

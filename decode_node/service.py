@@ -10,7 +10,7 @@ Generate, per request:
   2. Reservation (remote path): the prompt's blocks are reserved before any prefill work is spent
      (`decode_node.reservations`).
   3. The prefill and the KV transfer (`decode_node.remote`), after which the request lands in the engine.
-  4. Tokens are streamed, batched per message when several are waiting.
+  4. Tokens are streamed, batched per message when several are waiting (`decode_node.responses`).
 
 A resumed request (resume_token_ids: completion tokens another decode node already delivered) follows
 the same steps with prompt + those tokens as its context; responses carry only the tokens after them,
@@ -42,13 +42,14 @@ from pdserve.decode_node import trace
 from pdserve.decode_node.config import DecodeNodeConfig
 from pdserve.decode_node.metrics import DecodeMetrics
 from pdserve.decode_node.remote import PrefillLink
-from pdserve.decode_node.request import DecodeRequest, RemotePrefill, Stage
+from pdserve.decode_node.request import REMOTE_WAITS, DecodeRequest, RemotePrefill, Stage, context_ids
 from pdserve.decode_node.reservations import ReservationQueue, ReservationRefused
+from pdserve.decode_node.responses import response
 from pdserve.engine.async_engine import RequestStream, abort_output
-from pdserve.engine.llm_engine import EngineRequests, RequestOutput
+from pdserve.engine.llm_engine import EngineRequests
 from pdserve.engine.sequence import Resume
 from pdserve.node_common.config import setup_logging
-from pdserve.node_common.convert import logprob_to_proto, params_from_proto
+from pdserve.node_common.convert import params_from_proto
 from pdserve.node_common.faults import NodeFaults, load_faults
 from pdserve.node_common.runtime import run_node
 from pdserve.node_common.service import NodeContext, NodeService
@@ -121,7 +122,7 @@ class DecodeService(NodeService, pb_grpc.DecodeNodeServicer):
             while True:
                 batch = await req.stream.next_batch()
                 completion += sum(len(o.new_token_ids) for o in batch)
-                last = self._response(request, req, batch, completion, first)
+                last = response(request, req, batch, completion, first, self.config.node_id, self.metrics)
                 if last.HasField("timing"):
                     timing = last.timing
                 yield last
@@ -131,7 +132,7 @@ class DecodeService(NodeService, pb_grpc.DecodeNodeServicer):
         finally:
             if not req.stream.finished:  # the caller went away: stop the work and free its blocks
                 self._cancel(req)
-            elif req.stage == Stage.DECODING and self.requests.get(req.request_id) is req:
+            elif req.stage == Stage.IN_ENGINE and self.requests.get(req.request_id) is req:
                 self._forget(req)  # finished in the engine, which already freed its blocks
             if tracer is not None:
                 trace.end_request(tracer, req, timing, last)
@@ -159,22 +160,22 @@ class DecodeService(NodeService, pb_grpc.DecodeNodeServicer):
         if rid in self.requests:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {rid!r} is already running")
         # A resumed request is prefilled (here or remotely, by the usual rules) from prompt + resumed tokens.
-        ctx = prompt + list(resume.token_ids) if resume is not None else prompt
+        ids = context_ids(prompt, resume)
         local = request.force_local_prefill or self.config.colocated
-        prefill = None if local else self._prefill_node(request.prefill_node_id, ctx)
+        prefill = None if local else self._prefill_node(request.prefill_node_id, ids)
         if prefill is not None:
-            hit, backlog = await self.ctx.engine.call(lambda e: (e.prefix_hit_tokens(ctx), e.prefill_backlog_tokens()))
-            if len(ctx) - hit < self.config.local_prefill_threshold:
+            hit, backlog = await self.ctx.engine.call(lambda e: (e.prefix_hit_tokens(ids), e.prefill_backlog_tokens()))
+            if len(ids) - hit < self.config.local_prefill_threshold:
                 prefill = None
             elif self._prefill_queue_full(prefill.node_id, backlog):
                 self.metrics.queue_local_prefill()
                 prefill = None
         if prefill is None:
-            req = DecodeRequest(rid, prompt, params, arrived, RequestStream(rid), Stage.DECODING, resume=resume,
+            req = DecodeRequest(rid, prompt, params, arrived, RequestStream(rid), Stage.IN_ENGINE, resume=resume,
                                 span=span)
             return await self._start_local(req, context)
-        req = DecodeRequest(rid, prompt, params, arrived, RequestStream(rid), Stage.RESERVING, RemotePrefill(prefill),
-                            resume=resume, span=span)
+        req = DecodeRequest(rid, prompt, params, arrived, RequestStream(rid), Stage.WAITING_FOR_BLOCKS,
+                            RemotePrefill(prefill), resume=resume, span=span)
         return await self._start_remote(req, context)
 
     @staticmethod
@@ -192,16 +193,16 @@ class DecodeService(NodeService, pb_grpc.DecodeNodeServicer):
 
     def _prefill_queue_full(self, node_id: str, local_backlog: int) -> bool:
         """Whether a new request should be prefilled here rather than on `node_id` (with
-        --max-prefill-queue-tokens set): this node's requests waiting there (reserving or prefilling) hold
-        at least that many context tokens, and this node's own prefill backlog is smaller."""
+        --max-prefill-queue-tokens set): this node's requests waiting there (for blocks or for the remote
+        K/V) hold at least that many context tokens, and this node's own prefill backlog is smaller."""
         bound = self.config.max_prefill_queue_tokens
         if bound <= 0:
             return False
-        queued = sum(len(r.context) for r in self.requests.values()
-                     if r.stage in (Stage.RESERVING, Stage.PREFILLING) and r.prefill_id == node_id)
+        queued = sum(len(r.context_ids) for r in self.requests.values()
+                     if r.stage in REMOTE_WAITS and r.prefill_id == node_id)
         return queued >= bound and local_backlog < queued
 
-    def _prefill_node(self, hint: str, prompt: list[int]) -> Member | None:
+    def _prefill_node(self, hint: str, ids: list[int]) -> Member | None:
         """The hinted prefill node while it is usable (in this node's pool, not draining), else the one the
         cluster's prefill rule picks (None: none is usable)."""
         members = self.ctx.view.members(role="prefill", model=self.config.model_name)
@@ -211,9 +212,9 @@ class DecodeService(NodeService, pb_grpc.DecodeNodeServicer):
             return by_id[hint]
         outstanding: dict[str, int] = {}
         for req in self.requests.values():
-            if req.remote is not None and req.stage in (Stage.RESERVING, Stage.PREFILLING):
+            if req.remote is not None and req.stage in REMOTE_WAITS:
                 outstanding[req.prefill_id] = outstanding.get(req.prefill_id, 0) + 1
-        choice = choose_prefill(pool, prompt, outstanding)
+        choice = choose_prefill(pool, ids, outstanding)
         return by_id.get(choice.node_id)
 
     async def _start_local(self, req: DecodeRequest, context: grpc.aio.ServicerContext) -> DecodeRequest:
@@ -246,7 +247,7 @@ class DecodeService(NodeService, pb_grpc.DecodeNodeServicer):
             self._end_later(req)
             raise
         req.timing.decode_admission_s = time.monotonic() - arrived
-        req.advance(Stage.PREFILLING)
+        req.advance(Stage.WAITING_FOR_REMOTE_KV)
         self.ctx.spawn(self.link.drive(req), f"drive-{rid}")
         return req
 
@@ -286,65 +287,16 @@ class DecodeService(NodeService, pb_grpc.DecodeNodeServicer):
 
     def _cancel(self, req: DecodeRequest) -> None:
         """The caller is gone: stop the request wherever it is."""
-        if req.stage == Stage.DECODING:
+        if req.stage == Stage.IN_ENGINE:
             req.cancelled = True
             self._end_later(req)
-        elif req.stage == Stage.PREFILLING:
+        elif req.stage == Stage.WAITING_FOR_REMOTE_KV:
             self.link.cancel(req)  # its driver frees what it holds
         else:
-            req.cancelled = True  # RESERVING: its Generate call ends it; ENDING: already on its way out
+            req.cancelled = True  # WAITING_FOR_BLOCKS: its Generate call ends it; ENDING: on its way out
 
     def on_member_left(self, node_id: str) -> None:
         self.link.prefill_left(node_id, list(self.requests.values()))
-
-    # -- responses ------------------------------------------------------------------------------------
-
-    def _response(
-        self, request: pb.GenerateRequest, req: DecodeRequest, batch: list[RequestOutput], completion: int,
-        first: bool,
-    ) -> pb.GenerateResponse:
-        last = batch[-1]
-        msg = pb.GenerateResponse(
-            request_id=req.request_id, token_ids=[t for o in batch for t in o.new_token_ids],
-            logprobs=[logprob_to_proto(lp) for o in batch for lp in o.new_logprobs],
-            finished=last.finished, num_prompt_tokens=len(req.prompt), num_completion_tokens=completion,
-            prefill_node_id=req.prefill_id or self.config.node_id, decode_node_id=self.config.node_id,
-        )
-        if request.return_text:
-            msg.text = "".join(o.new_text for o in batch)
-        cached = max((o.num_cached_tokens for o in batch), default=0)
-        if req.remote is not None:
-            msg.num_cached_tokens_decode = req.reservation.num_cached_tokens if req.reservation else 0
-            msg.num_cached_tokens_prefill = req.remote.cached_tokens
-            cached = max(cached, msg.num_cached_tokens_decode, msg.num_cached_tokens_prefill)
-        else:
-            msg.num_cached_tokens_decode = cached
-        msg.num_cached_tokens = cached
-        if last.finished:
-            msg.finish_reason = last.finish_reason or ""
-            if last.stop_reason is not None:
-                msg.stop_reason = str(last.stop_reason)
-            if last.finish_reason == "error":
-                msg.error = req.error or "internal error"
-        if first or last.finished:  # the last message repeats it, complete (transfer time included)
-            msg.timing.CopyFrom(self._timing(req))
-        return msg
-
-    def _timing(self, req: DecodeRequest) -> pb.Timing:
-        timing = pb.Timing()
-        # Prefilled here (from the start, or after a remote prefill that gave no first token): arrival to
-        # the first message, measured once and repeated on the last one. A request re-prefilled here after
-        # a remote first token keeps reporting that remote prefill's times.
-        if req.remote is None and (req.local_prefill_s or not req.timing.prefill_s):
-            if not req.local_prefill_s:
-                req.local_prefill_s = time.monotonic() - req.arrived
-            timing.prefill_s = req.local_prefill_s
-            return timing
-        timing.CopyFrom(req.timing)
-        first_step = self.metrics.first_step_seconds(req.request_id)
-        if first_step is not None:
-            timing.first_decode_step_s = first_step
-        return timing
 
     # -- integrity, drain and shutdown ----------------------------------------------------------------
 
@@ -354,12 +306,14 @@ class DecodeService(NodeService, pb_grpc.DecodeNodeServicer):
             assert req.request_id == rid
             req.check()
         self.reservations.check_integrity(requests)
-        # Reserved blocks belong to requests that were reserving, prefilling or ending (a request whose
-        # stage said DECODING had its `land` queued before the engine's ids were read).
-        holding = {rid for rid, stage in before.items() if stage != Stage.DECODING.value}
-        assert engine.reserved <= holding, f"reservations of requests not prefilling: {sorted(engine.reserved - holding)}"
+        # Reserved blocks belong to requests that were waiting for blocks or the remote K/V, or ending (a
+        # request whose stage said IN_ENGINE had its `land` queued before the engine's ids were read).
+        holding = {rid for rid, stage in before.items() if stage != Stage.IN_ENGINE.value}
+        assert engine.reserved <= holding, (
+            f"reservations of requests not waiting for remote K/V: {sorted(engine.reserved - holding)}")
         # Held (finished at the first token) blocks wait for the driver, which frees them.
-        assert engine.held <= holding, f"held blocks of requests not prefilling: {sorted(engine.held - holding)}"
+        assert engine.held <= holding, (
+            f"held blocks of requests not waiting for remote K/V: {sorted(engine.held - holding)}")
         untracked = self.metrics.tracked() - before.keys() - requests.keys()
         assert not untracked, f"metric records of unknown requests: {sorted(untracked)}"
 
@@ -369,22 +323,22 @@ class DecodeService(NodeService, pb_grpc.DecodeNodeServicer):
         # that leaves the registry.
         self.accepting = False
         loop = asyncio.get_running_loop()
-        waiting = (Stage.RESERVING, Stage.PREFILLING)
-        while loop.time() < deadline and any(r.stage in waiting for r in self.requests.values()):
+        while loop.time() < deadline and any(r.stage in REMOTE_WAITS for r in self.requests.values()):
             await asyncio.sleep(0.02)
 
     def hand_over(self) -> int:
         """Ends every request still here so that its caller continues it on another node, and frees its
-        blocks: a decoding or prefilling request's stream ends with finish_reason HANDOVER after the
-        tokens already produced (the engine aborts a decoding one; a prefilling one's driver cancels its
-        prefill and frees its reservation); a request still waiting for a reservation is refused (it has
-        streamed nothing; its caller tries another node). Returns how many requests were handed over."""
+        blocks: the stream of a request in the engine or waiting for its remote K/V ends with finish_reason
+        HANDOVER after the tokens already produced (the engine aborts one in the engine; the driver of one
+        waiting for its K/V cancels its prefill and frees its reservation); a request still waiting for
+        blocks is refused (it has streamed nothing; its caller tries another node). Returns how many
+        requests were handed over."""
         moved = self.reservations.refuse_all("the decode node is draining")
         for req in list(self.requests.values()):
-            if req.stage not in (Stage.DECODING, Stage.PREFILLING) or req.stream.finished:
+            if req.stage not in (Stage.IN_ENGINE, Stage.WAITING_FOR_REMOTE_KV) or req.stream.finished:
                 continue
             req.stream.push(abort_output(req.request_id, HANDOVER))
-            if req.stage == Stage.DECODING:
+            if req.stage == Stage.IN_ENGINE:
                 self._end_later(req)
             else:
                 self.link.cancel(req)
@@ -395,7 +349,7 @@ class DecodeService(NodeService, pb_grpc.DecodeNodeServicer):
         for req in list(self.requests.values()):
             self._cancel(req)
             rem = req.remote
-            if rem is not None and rem.channel is not None and req.stage == Stage.PREFILLING:
+            if rem is not None and rem.channel is not None and req.stage == Stage.WAITING_FOR_REMOTE_KV:
                 rem.channel.close("decode node shutting down")
         deadline = time.monotonic() + 5.0
         while self.requests and time.monotonic() < deadline:

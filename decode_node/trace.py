@@ -48,7 +48,7 @@ def start_kv_wait(tracer: Tracer, req: DecodeRequest, rem: RemotePrefill) -> lis
     """Starts the KV wait span (from the end of admission) and returns the Prefill call's metadata."""
     rem.span = tracer.span("decode.kv_wait", parent=req.span, start=req.arrived + req.timing.decode_admission_s,
                            kind="client", attributes={"rpc.system": "grpc", "rpc.method": "PrefillNode/Prefill",
-                                                      "pdserve.prefill_node": rem.prefill.node_id})
+                                                      "pdserve.prefill_node": rem.prefill_node.node_id})
     return tracer.metadata(rem.span)
 
 
@@ -57,9 +57,14 @@ def end_kv_wait(tracer: Tracer, req: DecodeRequest, rem: RemotePrefill, end: flo
     if rem.span is None:
         return
     span, rem.span = rem.span, None
-    error = None if landed else (req.error or ("cancelled" if req.cancelled else "the K/V did not land"))
-    tracer.finish(span, end, error=error, attributes={"pdserve.failure": rem.failure, "pdserve.skipped": rem.skipped,
-                                                      "pdserve.cached_tokens_prefill": rem.cached_tokens})
+    failure = rem.failure
+    error = None
+    if not landed:
+        error = failure.error if failure else ("cancelled" if req.cancelled else "the K/V did not land")
+    tracer.finish(span, end, error=error, attributes={
+        "pdserve.failure": failure.reason.value if failure else "",
+        "pdserve.skipped": rem.sent is not None and rem.sent.skipped,
+        "pdserve.cached_tokens_prefill": rem.cached_tokens})
 
 
 def end_request(tracer: Tracer, req: DecodeRequest, timing: pb.Timing | None, last: pb.GenerateResponse | None) -> None:

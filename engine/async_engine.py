@@ -68,11 +68,11 @@ class RequestStream:
         self.queue.put_nowait(out)
 
 
-def abort_output(request_id: str, reason: str = "abort") -> RequestOutput:
+def abort_output(request_id: str, finish_reason: str = "abort") -> RequestOutput:
     """A finished output with no tokens, for requests ended outside the engine's step."""
     return RequestOutput(
         request_id=request_id, new_token_ids=[], new_text="", new_logprobs=[], finished=True,
-        finish_reason=reason, stop_reason=None, num_prompt_tokens=0, num_completion_tokens=0,
+        finish_reason=finish_reason, stop_reason=None, num_prompt_tokens=0, num_completion_tokens=0,
         num_cached_tokens=0,
     )
 
@@ -100,7 +100,7 @@ class AsyncEngine:
         self._streams: dict[str, RequestStream] = {}
         self._load = engine.load()  # replaced (never mutated) by the engine thread
         self._token_times: deque[tuple[float, int]] = deque()  # (time, tokens) per step, for tokens/s
-        self._on_finished: list[Callable[[], None]] = []
+        self._on_blocks_freed: list[Callable[[], None]] = []
         # Written by the engine thread only; read anywhere (`progress`).
         self._step_failures = 0
         self._consecutive_failures = 0
@@ -187,7 +187,7 @@ class AsyncEngine:
         stream = self._streams.pop(request_id, None)
         if stream is not None:
             stream.push(abort_output(request_id))
-        self._notify_finished()
+        self._notify_blocks_freed()
         return found
 
     async def reserve(
@@ -228,7 +228,7 @@ class AsyncEngine:
         stream = self._streams.get(request_id)
         if stream is not None:
             stream.seq = seq
-        self._notify_finished()
+        self._notify_blocks_freed()
 
     @property
     def open_streams(self) -> frozenset[str]:
@@ -253,7 +253,7 @@ class AsyncEngine:
 
     def on_blocks_freed(self, callback: Callable[[], None]) -> None:
         """Calls `callback` on the event loop whenever requests finish or release blocks."""
-        self._on_finished.append(callback)
+        self._on_blocks_freed.append(callback)
 
     # -- the engine thread --------------------------------------------------------------------------
 
@@ -338,10 +338,10 @@ class AsyncEngine:
             if out.finished:
                 del self._streams[out.request_id]
         if any_finished:
-            self._notify_finished()
+            self._notify_blocks_freed()
 
-    def _notify_finished(self) -> None:
-        for callback in self._on_finished:
+    def _notify_blocks_freed(self) -> None:
+        for callback in self._on_blocks_freed:
             try:
                 callback()
             except Exception:

@@ -12,21 +12,19 @@ import torch
 
 from pdserve.engine.block_manager import BlockManager, Reservation
 from pdserve.engine.config import EngineConfig, kv_cache_torch_dtype
-from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.engine.live_request import LiveRequest, RequestBuilder
 from pdserve.engine.loader import load_model
 from pdserve.engine.model_runner import ModelRunner, kv_block_bytes
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.scheduler import Scheduler, stop_decision
+from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import Resume, Sequence, SequenceStatus, TokenLogprob
 from pdserve.engine.step_hook import PrefillWatcher
-from pdserve.engine.structured import GrammarCompiler, GrammarState
-from pdserve.engine.structured_spec import GrammarError
+from pdserve.engine.structured import GrammarCompiler
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.kernels import get_kernel_ops
 
 log = logging.getLogger(__name__)
-
 
 
 @dataclass
@@ -98,19 +96,6 @@ class EngineRequests:
         return self.scheduled | self.reserved | self.held
 
 
-@dataclass(eq=False)
-class _Request:
-    """What the engine keeps per request until its finished output is emitted, next to the scheduler's
-    sequence: the detokenizer and, when captured, the logits of each generated token."""
-
-    seq: Sequence
-    detok: IncrementalDetokenizer
-    logits: list[torch.Tensor] = field(default_factory=list)
-    # Text of a resumed request's resumed tokens that the node before did not deliver; it goes out with
-    # the request's next output.
-    pending_text: str = ""
-
-
 class LLMEngine:
     """Owns one model, one KV pool and one scheduler. Not thread-safe: drive it from one thread."""
 
@@ -138,7 +123,8 @@ class LLMEngine:
         )
         self.sampler = Sampler(seed=cfg.seed, device=cfg.device, ops=self.ops)
         self.runner = ModelRunner(self.model, self.kv_cache, cfg.block_size, self.sampler, capture_logits)
-        self._requests: dict[str, _Request] = {}  # every request whose finished output is still to come
+        self._requests: dict[str, LiveRequest] = {}  # every request whose finished output is still to come
+        self._builder = RequestBuilder(self.tokenizer, mc.vocab_size, self.max_model_len, lambda: self.grammars)
         self.num_blocks = num_blocks
         self.last_step = StepStats()
         self.prefill_watcher: PrefillWatcher | None = None  # see engine.step_hook; set before requests arrive
@@ -153,7 +139,7 @@ class LLMEngine:
     ) -> Sequence:
         """Queues a request. Raises ValueError for an empty prompt, a duplicate id, or one that can't fit.
         With ``hold_blocks`` the request keeps its blocks after finishing until ``release``. With
-        ``resume`` it continues after those completion tokens (see ``_new_request``)."""
+        ``resume`` it continues after those completion tokens (see ``RequestBuilder.build``)."""
         request = self._new_request(request_id, prompt, params, resume)
         request.seq.hold_blocks = hold_blocks
         self.scheduler.add(request.seq)
@@ -162,64 +148,13 @@ class LLMEngine:
 
     def _new_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams, resume: Resume | None
-    ) -> _Request:
-        """Validates a request and builds its sequence (with its grammar state, for a structured-output
-        request) and detokenizer; registers nothing. A resumed request's context is prompt +
-        ``resume.token_ids``, which count as completion tokens (max_tokens, stop, penalties, the seeded
-        sampler's position, the grammar replays them); it is prefilled like a preempted sequence. Its
-        detokenizer replays them, so text continues where it stopped: what it releases beyond
-        ``resume.text_chars`` is pending and goes out with the next output, and a held-back tail that a
-        stop string might still complete stays held here. Raises ValueError (GrammarError for a
-        response format that does not compile or rejects a resumed token)."""
+    ) -> LiveRequest:
+        """Validates a request and builds what the engine keeps for it (`RequestBuilder.build`); registers
+        nothing. Raises ValueError (GrammarError for a response format that does not compile or rejects a
+        resumed token)."""
         if request_id in self._requests or self.scheduler.knows(request_id):
             raise ValueError(f"request id {request_id!r} is already running")
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if not ids:
-            raise ValueError("the prompt is empty")
-        vocab = self.model_config.vocab_size
-        resumed = list(resume.token_ids) if resume is not None else []
-        if any(not 0 <= t < vocab for t in ids) or any(not 0 <= t < vocab for t in resumed):
-            raise ValueError(f"prompt and resumed token ids must be in [0, {vocab})")
-        if any(not 0 <= t < vocab for t in params.logit_bias):
-            raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
-        if len(ids) + params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the context "
-                f"length of {self.max_model_len} tokens"
-            )
-        if len(resumed) >= params.max_tokens:
-            raise ValueError(f"{len(resumed)} resumed tokens leave nothing of max_tokens ({params.max_tokens})")
-        eos = self.tokenizer.eos_token_ids
-        grammar = self._replay_resumed(params, resumed)
-        seq = Sequence(request_id, ids + resumed, params, eos_token_ids=eos, num_prompt_tokens=len(ids),
-                       num_resumed_tokens=len(resumed), grammar=grammar)
-        detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
-        request = _Request(seq, detok)
-        if resume is not None:
-            replay = detok.add(resumed)
-            if replay.stopped:
-                raise ValueError(f"the resumed tokens already complete the stop string {replay.stop_string!r}")
-            if resume.text_chars > len(replay.text):
-                raise ValueError(
-                    f"resume_text_chars ({resume.text_chars}) is more than the resumed tokens' releasable "
-                    f"text ({len(replay.text)} characters)"
-                )
-            request.pending_text = replay.text[resume.text_chars :]
-        return request
-
-    def _replay_resumed(self, params: SamplingParams, resumed: list[int]) -> GrammarState | None:
-        """Checks that no resumed token would have ended the request and returns the request's grammar
-        state (None without a response format) advanced through them, so it stands where the node before
-        left it. Raises ValueError (GrammarError for a grammar that does not compile or rejects a token)."""
-        eos = self.tokenizer.eos_token_ids
-        grammar = self.grammars.new_state(params.structured) if params.structured is not None else None
-        for i, token in enumerate(resumed):
-            if grammar is not None and not grammar.advance(token):
-                raise GrammarError(f"resumed token {i} ({token}) is not allowed by the response format")
-            finish = grammar.finish if grammar is not None else None
-            if stop_decision(params, eos, token, i + 1, finish) is not None:
-                raise ValueError(f"resumed token {i} ({token}) would have ended the request")
-        return grammar
+        return self._builder.build(request_id, prompt, params, resume)
 
     @cached_property
     def grammars(self) -> GrammarCompiler:
@@ -292,14 +227,14 @@ class LLMEngine:
         """Turns a reserved request into an ordinary queued one (its K/V will not arrive by transfer):
         the reservation is freed, shared prefix-cache blocks staying cached for the local prefill to
         find again, and the same sequence (params, seed, detokenizer) is queued to be computed here from
-        its prompt plus every token it has, like a preempted sequence (``Scheduler.requeue``). Before the
-        first token that is the prompt (and resumed tokens); after it, the first token too, so the next
+        its prompt plus every token it has, like a preempted sequence (``Scheduler.prefill_here``). Before
+        the first token that is the prompt (and resumed tokens); after it, the first token too, so the next
         output continues the stream with neither gap nor repeat. The caller guarantees no transfer
         still writes the reservation. Raises KeyError if it is not reserved."""
         seq = self.scheduler.get(request_id)
         if seq is None or seq.status != SequenceStatus.RESERVED:
             raise KeyError(request_id)
-        return self.scheduler.requeue(request_id)
+        return self.scheduler.prefill_here(request_id)
 
     def prefill_backlog_tokens(self) -> int:
         """Context tokens this engine still has to prefill (`Scheduler.prefill_backlog_tokens`: decoding

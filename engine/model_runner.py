@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.engine.attention import AttentionMetadata
+from pdserve.engine.batch import SchedulerOutput
 from pdserve.engine.sampler import Sampler
-from pdserve.engine.schedule import SchedulerOutput
 from pdserve.engine.sequence import Sequence, TokenLogprob
 
 

@@ -13,40 +13,37 @@ The scheduler owns every sequence state and is the only code that sets one (`Seq
                  └───────────────────┘                          │
     reserve ──> RESERVED ──land──> WAITING (landed queue) ──────┘
                  │ append_first_token ends it / finish ──> FINISHED, held until release
-                 │ requeue (its K/V will not arrive) ──> WAITING, blocks freed, computed here
+                 │ prefill_here (its K/V will not arrive) ──> WAITING, blocks freed, computed here
                  └ abort ──> FINISHED, blocks freed
 
 A RESERVED sequence holds blocks for a prompt whose K/V are written from outside (a KV transfer); it is
-never scheduled. ``land`` commits them once the transfer landed; ``requeue`` frees them if it failed.
+never scheduled. ``land`` commits them once the transfer landed; ``prefill_here`` frees them and queues
+the sequence to be computed here if it failed.
 
 When the pool runs out of blocks for a running sequence, the least urgent running sequence (the newest
-among equals) is preempted (blocks freed, progress dropped, put back at the front of its priority in
-the waiting queue) and the allocation is retried; a waiting sequence that finds no blocks or no slot
-preempts running ones only when they are strictly less urgent; a preempted sequence is later recomputed from prompt + tokens generated so far, usually
-mostly from the prefix cache. A sequence that can never fit the whole pool is finished instead of
-spinning: finish_reason "abort" if its prompt alone does not fit, "length" if it outgrew the pool while
-generating. Such sequences appear in ``SchedulerOutput.rejected`` and in the list ``update`` returns.
+among equals) is preempted (blocks freed, progress dropped, put back at the front of its priority in the
+waiting queue) and the allocation is retried; a waiting sequence that finds no blocks or no slot
+preempts running ones only when they are strictly less urgent; a preempted sequence is later recomputed
+from prompt + tokens generated so far, usually mostly from the prefix cache. A sequence that can never
+fit the whole pool is finished instead of spinning: finish_reason "abort" if its prompt alone does not
+fit, "length" if it outgrew the pool while generating. Such sequences appear in
+``SchedulerOutput.rejected`` and in the list ``update`` returns.
+
+Where each sequence is (its queue, or reserved, or held) and the read-only views of that are the base
+class's, `engine.seq_queues.SequenceQueues`; every decision and every state change is made here.
 """
 
 from __future__ import annotations
 
-from collections import deque
-
+from pdserve.engine.batch import SchedulerConfig, SchedulerOutput, StepPlan
 from pdserve.engine.block_manager import BlockManager, Reservation
-from pdserve.engine.schedule import (
-    FINISH_REASONS,
-    SchedulerConfig,
-    SchedulerOutput,
-    StepPlan,
-    StopDecision,
-    stop_decision,
-)
+from pdserve.engine.seq_queues import SequenceQueues
 from pdserve.engine.sequence import Sequence, SequenceStatus
+from pdserve.engine.stopping import FINISH_REASONS, StopDecision, stop_decision
 
-__all__ = ["FINISH_REASONS", "Scheduler", "SchedulerConfig", "SchedulerOutput", "StopDecision", "stop_decision"]
 
-class Scheduler:
-    """Owns the request queues of one engine. Changes the ``Sequence`` objects it is given (status,
+class Scheduler(SequenceQueues):
+    """Schedules the sequences of one engine. Changes the ``Sequence`` objects it is given (status,
     ``num_computed_tokens``, ``token_ids``, finish fields) and their blocks in ``block_manager``."""
 
     def __init__(
@@ -56,69 +53,17 @@ class Scheduler:
         max_num_batched_tokens: int = 2048,
         max_prefill_chunk: int = 0,
     ) -> None:
+        super().__init__()
         self.config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_prefill_chunk)
         self.block_manager = block_manager
-        self._waiting: deque[Sequence] = deque()  # hold no blocks; the front is started first
-        # RESERVED: blocks set aside for prompt K/V on their way by transfer; never scheduled.
-        self._reserved: dict[str, Sequence] = {}
-        # Landed sequences hold blocks with their prompt K/V and wait only for a running slot.
-        self._landed: deque[Sequence] = deque()
-        self._running: list[Sequence] = []  # hold blocks; start order, so the last is the newest
-        self._seqs: dict[str, Sequence] = {}  # every sequence to schedule (waiting, landed, running), by id
-        # Finished sequences still holding their blocks until ``release``: ``hold_blocks`` ones (a transfer
-        # reads them) and reserved ones finished at their first token (a transfer may still write them).
-        self._held: dict[str, Sequence] = {}
         self._num_preemptions = 0
-
-    # ----------------------------------------------------------------------------------- queues
-
-    @property
-    def num_waiting(self) -> int:
-        """Sequences not running yet: waiting (or preempted) ones plus landed ones awaiting a slot."""
-        return len(self._waiting) + len(self._landed)
-
-    @property
-    def num_running(self) -> int:
-        return len(self._running)
-
-    @property
-    def running_seqs(self) -> tuple[Sequence, ...]:
-        """Running sequences in start order: the last one is preempted first."""
-        return tuple(self._running)
-
-    @property
-    def waiting_seqs(self) -> tuple[Sequence, ...]:
-        """Waiting sequences in queue order (preempted ones at the front), then landed ones."""
-        return tuple(self._waiting) + tuple(self._landed)
-
-    @property
-    def reserved_seqs(self) -> tuple[Sequence, ...]:
-        """RESERVED sequences: holding blocks, their prompt K/V still on the way."""
-        return tuple(self._reserved.values())
-
-    def prefill_backlog_tokens(self) -> int:
-        """Tokens still to prefill over waiting, landed and running sequences: each one's tokens past its
-        computed ones where that is more than the single token a decode step computes. Changes nothing."""
-        return sum(n for s in (*self._waiting, *self._landed, *self._running)
-                   if (n := s.num_tokens - s.num_computed_tokens) > 1)
 
     @property
     def num_preemptions(self) -> int:
         """Preemptions since this scheduler was built."""
         return self._num_preemptions
 
-    @property
-    def held_seqs(self) -> tuple[Sequence, ...]:
-        """Finished sequences still holding their blocks (see ``release``)."""
-        return tuple(self._held.values())
-
-    def has_unfinished(self) -> bool:
-        """Whether any sequence is left to schedule. RESERVED ones are not: they wait for ``land``."""
-        return bool(self._seqs)
-
-    def knows(self, seq_id: str) -> bool:
-        """Whether ``seq_id`` is taken here: queued, running, reserved or held."""
-        return seq_id in self._seqs or seq_id in self._reserved or seq_id in self._held
+    # ----------------------------------------------------------------------------------- requests
 
     def release(self, seq_id: str) -> Sequence | None:
         """Frees the blocks of a finished sequence that still holds them (a ``hold_blocks`` one after its
@@ -128,10 +73,6 @@ class Scheduler:
             self.block_manager.free(seq)
         return seq
 
-    def get(self, seq_id: str) -> Sequence | None:
-        """The unfinished sequence under ``seq_id`` (queued, running or reserved), or None."""
-        return self._seqs.get(seq_id) or self._reserved.get(seq_id)
-
     def add(self, seq: Sequence) -> None:
         """Queues a new request behind the waiting requests of its priority and more urgent ones."""
         self._check_new(seq)
@@ -140,7 +81,8 @@ class Scheduler:
     def reserve(self, seq: Sequence) -> Reservation | None:
         """Sets aside blocks for the tokens of a new sequence whose K/V will be written from outside (a
         transfer), sharing prefix-cache hits (``BlockManager.reserve``). Returns None, changing nothing,
-        when the pool cannot fit it now; else it is RESERVED until ``land``, ``requeue``, ``finish``, ``abort``."""
+        when the pool cannot fit it now; else it is RESERVED until ``land``, ``prefill_here``, ``finish``,
+        ``abort``."""
         self._check_new(seq)
         reservation = self.block_manager.reserve(seq, seq.num_tokens)
         if reservation is None:
@@ -172,11 +114,10 @@ class Scheduler:
         self.block_manager.commit_filled(seq, seq.num_tokens - 1)
         del self._reserved[seq_id]
         seq.status = SequenceStatus.WAITING
-        _queue_insert(self._landed, seq, front=False)
-        self._seqs[seq_id] = seq
+        self._queue(self._landed, seq, front=False)
         return seq
 
-    def requeue(self, seq_id: str) -> Sequence:
+    def prefill_here(self, seq_id: str) -> Sequence:
         """A RESERVED sequence whose K/V will not arrive is freed (prefix-cache hits stay cached) and
         queued at the back, to be recomputed like a preempted one from every token it has (resumed ones
         and a first token included). No transfer may still write its blocks. KeyError if not reserved."""
@@ -193,20 +134,20 @@ class Scheduler:
             self.finish(seq, "abort")
         return seq
 
-    def finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
-        """Marks ``seq`` finished with ``reason`` and ``stop_reason``, dropping it from the queues and
+    def finish(self, seq: Sequence, finish_reason: str, stop_reason: str | int | None = None) -> None:
+        """Marks ``seq`` finished with ``finish_reason`` and ``stop_reason``, dropping it from the queues and
         freeing its blocks. On an already finished sequence only the two reason fields change (e.g. a
         stop string matched by the last token of a sequence that also hit max_tokens). Finished other than
         by abort, a ``hold_blocks`` or RESERVED sequence keeps its blocks until ``release``."""
-        if reason not in FINISH_REASONS:
-            raise ValueError(f"finish reason must be one of {sorted(FINISH_REASONS)}, got {reason!r}")
+        if finish_reason not in FINISH_REASONS:
+            raise ValueError(f"finish reason must be one of {sorted(FINISH_REASONS)}, got {finish_reason!r}")
         if not seq.is_finished:
             if self.get(seq.seq_id) is not seq:
                 raise ValueError(f"sequence {seq.seq_id} is not scheduled here")
-            keep = (seq.hold_blocks or seq.status == SequenceStatus.RESERVED) and reason != "abort"
+            keep = (seq.hold_blocks or seq.status == SequenceStatus.RESERVED) and finish_reason != "abort"
             self._forget(seq, keep_blocks=keep)
         seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = reason
+        seq.finish_reason = finish_reason
         seq.stop_reason = stop_reason
 
     # ----------------------------------------------------------------------------------- one step
@@ -266,15 +207,8 @@ class Scheduler:
     def check_integrity(self) -> None:
         """Asserts the queue invariants and the block manager's; changes nothing."""
         bm = self.block_manager
-        queued = list(self._waiting) + list(self._landed) + self._running
-        assert len({id(s) for s in queued}) == len(queued), "a sequence is queued twice"
-        assert {s.seq_id: s for s in queued} == self._seqs, "queues and the id map disagree"
-        assert not (self._seqs.keys() & self._reserved.keys()) and not (self._seqs.keys() & self._held.keys())
-        assert not (self._reserved.keys() & self._held.keys()), "a sequence is reserved and held"
+        holders = self._check_places()
         assert len(self._running) <= self.config.max_running
-        for queue in (self._waiting, self._landed):
-            priorities = [s.params.priority for s in queue]
-            assert priorities == sorted(priorities), "a waiting queue is out of priority order"
         for seq in self._waiting:
             assert seq.status == SequenceStatus.WAITING and not bm.holds(seq) and not seq.block_table
             assert seq.num_computed_tokens == 0
@@ -289,7 +223,6 @@ class Scheduler:
             assert seq.num_computed_tokens < seq.num_tokens
         for seq_id, seq in self._held.items():
             assert seq.seq_id == seq_id and seq.is_finished and bm.holds(seq)
-        holders = queued + list(self._reserved.values()) + list(self._held.values())
         assert bm.num_holders == sum(1 for s in holders if bm.holds(s)), "a block holder is unknown here"
         bm.check_integrity()
 
@@ -361,8 +294,7 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.num_computed_tokens = seq.num_cached_tokens = 0
         seq.status = SequenceStatus.WAITING
-        _queue_insert(self._waiting, seq, front)
-        self._seqs[seq.seq_id] = seq
+        self._queue(self._waiting, seq, front)
 
     def _start_landed(self, step: StepPlan) -> None:
         while self._landed and len(self._running) < self.config.max_running and step.budget > 0:
@@ -412,13 +344,7 @@ class Scheduler:
         if seq.status == SequenceStatus.RESERVED:
             del self._reserved[seq.seq_id]
         else:
-            if seq.status == SequenceStatus.RUNNING:
-                self._running.remove(seq)
-            elif seq in self._landed:
-                self._landed.remove(seq)
-            else:
-                self._waiting.remove(seq)
-            del self._seqs[seq.seq_id]
+            self._unqueue(seq)
         if keep_blocks and self.block_manager.holds(seq):
             self._held[seq.seq_id] = seq
         else:
@@ -429,19 +355,3 @@ class Scheduler:
         return stop_decision(seq.params, seq.eos_token_ids, seq.last_token, seq.num_completion_tokens,
                              seq.grammar_finish)
 
-
-def _queue_insert(queue: deque[Sequence], seq: Sequence, front: bool) -> None:
-    """Inserts ``seq`` into a queue kept in priority order (lower first): ahead of the sequences of its
-    priority (``front``: a preempted one resumes first) or behind them (a new one waits its turn)."""
-    p = seq.params.priority
-    if front:
-        if not queue or queue[0].params.priority >= p:
-            queue.appendleft(seq)
-            return
-        at = next((i for i, s in enumerate(queue) if s.params.priority >= p), len(queue))
-    else:
-        if not queue or queue[-1].params.priority <= p:
-            queue.append(seq)
-            return
-        at = next((i for i, s in enumerate(queue) if s.params.priority > p), len(queue))
-    queue.insert(at, seq)

@@ -36,8 +36,8 @@ import grpc
 from pdserve.engine.async_engine import RequestStream
 from pdserve.engine.llm_engine import EngineRequests, RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.schedule import stop_decision
 from pdserve.engine.sequence import Resume
+from pdserve.engine.stopping import stop_decision
 from pdserve.kernels import get_kernel_ops
 from pdserve.kernels.interface import KV_LAYOUT_VERSION
 from pdserve.kv_transfer import SendHandle

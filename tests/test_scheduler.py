@@ -6,9 +6,10 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from pdserve.engine.batch import SchedulerConfig, SchedulerOutput
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import Sequence, SequenceStatus
 
 TokenFn = Callable[[list[int]], int]
