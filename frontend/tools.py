@@ -430,9 +430,13 @@ class ArrayCallParser(ToolCallParser):
                 if head is None:
                     break
                 out.append(self._start(json.loads(f'"{head.group(1)}"')))
-                self.pending = self.pending[head.end():].lstrip()
+                self.pending = self.pending[head.end():]
                 self.args = _ValueEnd()
                 continue
+            if not self.args.started:  # the arguments begin at their value, wherever the text was cut
+                self.pending = self.pending.lstrip()
+                if not self.pending:
+                    break
             end = self.args.scan(self.pending)
             piece = self.pending if end is None else self.pending[:end]
             if piece:
