@@ -200,7 +200,7 @@ class Admitter:
             choices.append(Choice(
                 index=i, prompt_index=pi, request_id=f"{job_id}-{i}", prompt_ids=prompts[pi],
                 max_tokens=per_prompt_max[pi], params=sampling_message(req.sampling, per_prompt_max[pi], seed),
-                decision=decision, lease=self.router.lease(decision), echo_pending=req.echo,
+                decision=decision, lease=self.router.lease(decision),
             ))
         return choices
 

@@ -1,5 +1,6 @@
 """What one HTTP generation request is while it runs: the `Job` (admitted once, ended once) and its
-`Choice`s (one upstream generation each), shared by admission, upstream calls, rendering and accounting."""
+`Choice`s (one upstream generation each, with its `Progress`), shared by admission, upstream calls,
+rendering and accounting."""
 
 from __future__ import annotations
 
@@ -32,30 +33,13 @@ class UpstreamError(Exception):
 
 
 @dataclass(eq=False)
-class Choice:
-    """One upstream generation, i.e. one choice of the response, and what it produced so far."""
+class Progress:
+    """What a choice's Generate calls produced so far: counted and timed here as their messages arrive
+    (`UpstreamCalls` records it), and what its nodes reported. Accounting, tracing and the request log
+    read it; what the choice says, rendered, is its `frontend.output.ChoiceOutput`."""
 
-    index: int
-    prompt_index: int
-    request_id: str
-    prompt_ids: list[int]
-    max_tokens: int
-    params: pb.SamplingParams
-    decision: RouteDecision
-    lease: RouteLease
-    call: Any = None  # the grpc.aio call while it runs
-    echo_pending: bool = False  # streamed completions with echo: the prompt text still goes first
-    tried: list[str] = field(default_factory=list)  # decode nodes tried, in order
-    # What the client was given so far (completion token ids and characters of completion text): a
-    # migrated choice resumes after them on its next decode node.
-    delivered_ids: list[int] = field(default_factory=list)
-    delivered_chars: int = 0
-    migrations: int = 0  # times the choice moved to another decode node mid-stream
-    text: list[str] = field(default_factory=list)
-    logprobs: list[pb.TokenLogprob] = field(default_factory=list)
-    text_offset: int = 0  # legacy completions logprobs: offset of the next token in the text
-    tokens: int = 0
-    finish_reason: str | None = None
+    tokens: int = 0  # completion tokens
+    finish_reason: str | None = None  # set when the choice finished ("stop" | "length")
     stop_reason: str = ""
     cached_tokens: int = 0
     cached_prefill: int = 0  # of cached_tokens: the prefill node's prefix-cache hit (remote prefill)
@@ -67,6 +51,29 @@ class Choice:
     timing: pb.Timing | None = None
     prefill_node: str = ""
     decode_node: str = ""
+
+
+@dataclass(eq=False)
+class Choice:
+    """One upstream generation, i.e. one choice of the response: what it asks for, where it runs (its
+    route and lease, its call, the decode nodes tried, what the client was given), and its `progress`."""
+
+    index: int
+    prompt_index: int
+    request_id: str
+    prompt_ids: list[int]
+    max_tokens: int
+    params: pb.SamplingParams
+    decision: RouteDecision
+    lease: RouteLease
+    call: Any = None  # the grpc.aio call while it runs
+    tried: list[str] = field(default_factory=list)  # decode nodes tried, in order
+    # What the client was given so far (completion token ids and characters of completion text): a
+    # migrated choice resumes after them on its next decode node.
+    delivered_ids: list[int] = field(default_factory=list)
+    delivered_chars: int = 0
+    migrations: int = 0  # times the choice moved to another decode node mid-stream
+    progress: Progress = field(default_factory=Progress)
 
 
 @dataclass
@@ -135,9 +142,17 @@ def serving_path(c: Choice) -> str:
         return "migrated"
     if len(c.tried) > 1:
         return "retried"
-    if c.prefill_node and c.prefill_node != c.decode_node:
+    p = c.progress
+    if p.prefill_node and p.prefill_node != p.decode_node:
         return "disaggregated"
     return "local_prefill"
+
+
+def first_to_token(job: Job) -> Progress | None:
+    """The progress of the choice whose first token came first (None before any token): its TTFT is the
+    job's."""
+    started = [c.progress for c in job.choices if c.progress.first_at is not None]
+    return min(started, key=lambda p: p.first_at or 0.0) if started else None
 
 
 def client_request_id(headers: Mapping[str, str]) -> str | None:
@@ -147,8 +162,8 @@ def client_request_id(headers: Mapping[str, str]) -> str | None:
 
 def usage(job: Job) -> dict[str, Any]:
     """The usage object of a job's response (cached tokens counted once per prompt)."""
-    completion = sum(c.tokens for c in job.choices)
+    completion = sum(c.progress.tokens for c in job.choices)
     cached: dict[int, int] = {}
     for c in job.choices:
-        cached[c.prompt_index] = max(cached.get(c.prompt_index, 0), c.cached_tokens)
+        cached[c.prompt_index] = max(cached.get(c.prompt_index, 0), c.progress.cached_tokens)
     return usage_dict(sum(len(p) for p in job.prompts), completion, sum(cached.values()))

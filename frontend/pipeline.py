@@ -32,18 +32,11 @@ from pdserve.frontend.job import CHAT, COMPLETION, Job, UpstreamError, client_re
 from pdserve.frontend.limits import TenantLimiter
 from pdserve.frontend.metrics import FrontendMetrics
 from pdserve.frontend.models import ModelCatalog
-from pdserve.frontend.render import (
-    DONE,
-    StreamEncoder,
-    chat_logprobs,
-    completion_logprobs,
-    error_event,
-    full_response,
-)
+from pdserve.frontend.output import choice_outputs
+from pdserve.frontend.render import DONE, StreamEncoder, error_event, full_response
 from pdserve.frontend.request_log import RequestLog
 from pdserve.frontend.routing import Router
 from pdserve.frontend.tenants import Tenant, TenantTable
-from pdserve.frontend.tools import ToolCallParser, message_of
 from pdserve.frontend.tracing import RequestTrace
 from pdserve.frontend.ttft import TTFTEstimator
 from pdserve.frontend.upstream import PoolFailed, UpstreamCalls
@@ -58,19 +51,6 @@ log = logging.getLogger(__name__)
 
 _DROP_CHANNEL_AFTER_S = 30.0
 _MODELS_POLL_S = 1.0  # how often the models file is checked for new version weights
-
-
-def tool_parsers(job: Job) -> dict[int, ToolCallParser]:
-    """A tool-call parser per choice of a chat job whose model may call tools (none otherwise)."""
-    tools = job.req.tools
-    if tools is None or tools.parser() is None:
-        return {}
-    return {c.index: tools.parser() for c in job.choices}  # type: ignore[misc]
-
-
-def finish_reason(reason: str, parser: ToolCallParser | None) -> str:
-    """A choice's finish_reason: "tool_calls" when it ended by itself after calling a tool."""
-    return "tool_calls" if reason == "stop" and parser is not None and parser.calls else reason
 
 
 class Frontend:
@@ -287,34 +267,12 @@ class Frontend:
         """The SSE events of a streamed job; the first item also carries the chat role chunks."""
         req = job.req
         enc = StreamEncoder(job.kind, job.id, job.created, job.model.name, job.fingerprint, req.include_usage)
-        texts = job.model.texts
-        top = req.sampling.logprobs
-        chat = job.kind == CHAT
-        pending: list[bytes] = [enc.role(c.index) for c in job.choices] if chat else []
-        parsers = tool_parsers(job)
+        outputs = choice_outputs(job)
+        pending: list[bytes] = [enc.role(c.index) for c in job.choices] if job.kind == CHAT else []
         try:
             async for c, msg in self.calls.messages(job, firsts):
                 self.calls.progress(c, msg, time.perf_counter())
-                text = msg.text
-                if c.echo_pending:
-                    text = job.echo_texts[c.prompt_index] + text
-                    c.echo_pending = False
-                lp = None
-                if top is not None and msg.logprobs:
-                    if chat:
-                        lp = {"content": chat_logprobs(msg.logprobs, texts, top), "refusal": None}
-                    else:
-                        lp, c.text_offset = completion_logprobs(msg.logprobs, texts, top, c.text_offset)
-                parser = parsers.get(c.index)
-                if parser is not None:
-                    events = parser.feed(text) + (parser.finish() if msg.finished else [])
-                    pending += [enc.tool_event(c.index, e) for e in events]
-                    if lp is not None:
-                        pending.append(enc.text(c.index, "", lp))
-                elif text or lp is not None:
-                    pending.append(enc.text(c.index, text, lp))
-                if msg.finished:
-                    pending.append(enc.finish(c.index, finish_reason(msg.finish_reason, parser)))
+                pending += enc.delta(c.index, outputs[c.index].take(msg))
                 if pending:
                     yield b"".join(pending) if len(pending) > 1 else pending[0]
                     pending = []
@@ -330,41 +288,15 @@ class Frontend:
 
     async def collect(self, job: Job, firsts: list[pb.GenerateResponse]) -> bytes:
         """The JSON body of a non-streamed job. Raises APIError when a node fails it."""
+        outputs = choice_outputs(job)
         try:
             async for c, msg in self.calls.messages(job, firsts):
                 self.calls.progress(c, msg, time.perf_counter())
-                if msg.text:
-                    c.text.append(msg.text)
-                if msg.logprobs:
-                    c.logprobs.extend(msg.logprobs)
+                outputs[c.index].take(msg)
         except UpstreamError as err:
             raise err.error from None
-        req = job.req
-        top = req.sampling.logprobs
-        texts = job.model.texts
-        parsers = tool_parsers(job)
-        choices: list[dict[str, Any]] = []
-        for c in job.choices:
-            text = "".join(c.text)
-            assert c.finish_reason is not None
-            if job.kind == CHAT:
-                lp = None if top is None else {"content": chat_logprobs(c.logprobs, texts, top), "refusal": None}
-                message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
-                parser = parsers.get(c.index)
-                if parser is not None:
-                    tool_message = message_of(parser.feed(text) + parser.finish())
-                    message["content"] = tool_message.content
-                    if tool_message.tool_calls:
-                        message["tool_calls"] = tool_message.tool_calls
-                choices.append({"index": c.index, "message": message, "logprobs": lp,
-                                "finish_reason": finish_reason(c.finish_reason, parser)})
-            else:
-                lp = None if top is None else completion_logprobs(c.logprobs, texts, top, 0).logprobs
-                if req.echo:
-                    text = job.echo_texts[c.prompt_index] + text
-                choices.append({"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason})
-        return full_response(job.kind == CHAT, job.id, job.created, job.model.name, job.fingerprint, choices,
-                             usage(job))
+        return full_response(job.kind == CHAT, job.id, job.created, job.model.name, job.fingerprint,
+                             [out.choice() for out in outputs], usage(job))
 
     def reject(self, kind: str, tenant: str | None, err: APIError, client_id: str | None) -> None:
         """Accounts a request refused before it started (metrics and a request log line)."""

@@ -187,8 +187,8 @@ class UpstreamCalls:
             resume_token_ids=c.delivered_ids, resume_text_chars=c.delivered_chars,
         )
         now = time.perf_counter()
-        if c.first_at is None:  # the TTFT breakdown's frontend part ends at the last dispatch before it
-            c.dispatched_at = now
+        if c.progress.first_at is None:  # the TTFT breakdown's frontend part ends at the last dispatch before it
+            c.progress.dispatched_at = now
         left = self._config.request_timeout_s - (now - job.arrived)
         # A traced job's call carries its span's traceparent: the decode node's spans become its children.
         metadata = job.trace.call_started(job, c, now) if job.trace is not None else None
@@ -235,7 +235,8 @@ class UpstreamCalls:
         cancelled, so their choices migrate; a node that answers (a draining one) ends its requests itself.
         Returns how many calls were cancelled."""
         calls = [c for c in self._live
-                 if c.decision.decode_id == node_id and c.finish_reason is None and c.call is not None and not c.call.done()]
+                 if c.decision.decode_id == node_id and c.progress.finish_reason is None and c.call is not None
+                 and not c.call.done()]
         if not calls:
             return 0
         try:
@@ -353,33 +354,34 @@ class UpstreamCalls:
 
     @staticmethod
     def progress(c: Choice, msg: pb.GenerateResponse, now: float) -> None:
+        p = c.progress
         n = len(msg.token_ids)
         if n:
             c.lease.prefill_done()  # the current node's prefill (a migrated choice's too) is done
-            if c.first_at is None:
-                c.first_at = now
-            elif c.last_at is not None:
-                c.itls.append(now - c.last_at)
-            c.last_at = now
-            c.tokens += n
-        if c.timing is None and msg.HasField("timing"):
-            c.timing = msg.timing
-            c.prefill_node, c.decode_node = msg.prefill_node_id, msg.decode_node_id
+            if p.first_at is None:
+                p.first_at = now
+            elif p.last_at is not None:
+                p.itls.append(now - p.last_at)
+            p.last_at = now
+            p.tokens += n
+        if p.timing is None and msg.HasField("timing"):
+            p.timing = msg.timing
+            p.prefill_node, p.decode_node = msg.prefill_node_id, msg.decode_node_id
         elif msg.finished and msg.HasField("timing") and not c.migrations:
             # The last message repeats the timing complete (the KV transfer and the first decode step end
             # after the first token); a migrated choice keeps its first node's, which its TTFT was.
-            c.timing = msg.timing
+            p.timing = msg.timing
         if msg.finished:
             if msg.finish_reason not in ("stop", "length"):
                 raise UpstreamError(_finish_error(c, msg))
-            c.finish_reason = msg.finish_reason
-            c.stop_reason = msg.stop_reason
-            c.cached_tokens = msg.num_cached_tokens
-            c.cached_prefill = msg.num_cached_tokens_prefill
-            c.cached_decode = msg.num_cached_tokens_decode
+            p.finish_reason = msg.finish_reason
+            p.stop_reason = msg.stop_reason
+            p.cached_tokens = msg.num_cached_tokens
+            p.cached_prefill = msg.num_cached_tokens_prefill
+            p.cached_decode = msg.num_cached_tokens_decode
             if msg.num_completion_tokens:
-                c.tokens = msg.num_completion_tokens  # a resumed node counts the tokens before it too
+                p.tokens = msg.num_completion_tokens  # a resumed node counts the tokens before it too
             if msg.prefill_node_id:
-                c.prefill_node = msg.prefill_node_id
+                p.prefill_node = msg.prefill_node_id
             if msg.decode_node_id:
-                c.decode_node = msg.decode_node_id
+                p.decode_node = msg.decode_node_id

@@ -765,7 +765,7 @@ def test_prepare_worker_errors_and_deaths(tiny_llama_dir: Path) -> None:
 
 
 def test_serving_path_of_a_choice() -> None:
-    from pdserve.frontend.job import Choice, serving_path
+    from pdserve.frontend.job import Choice, Progress, serving_path
 
     def choice(prefill_id: str, served_prefill: str, served_decode: str = "d0", tried: int = 1,
                migrations: int = 0) -> Choice:
@@ -773,7 +773,7 @@ def test_serving_path_of_a_choice() -> None:
         return Choice(index=0, prompt_index=0, request_id="r", prompt_ids=[1], max_tokens=1,
                       params=pb.SamplingParams(), decision=decision, lease=None,  # type: ignore[arg-type]
                       tried=[f"d{i}" for i in range(tried)], migrations=migrations,
-                      prefill_node=served_prefill, decode_node=served_decode)
+                      progress=Progress(prefill_node=served_prefill, decode_node=served_decode))
 
     assert serving_path(choice("p0", "p0")) == "disaggregated"
     assert serving_path(choice("", "d0")) == "local_prefill"
