@@ -13,6 +13,8 @@ Modules, in request order:
   tenants     tenants file and hashed API keys                     limits   token buckets and quotas
   models      served models, tokenizers, logprob token strings     routing  decode/prefill node choice
   upstream    gRPC channels and messages to decode nodes           render   response bodies, SSE events
+  output      one choice's output rendered once (streamed or whole)
+  tools       tool definitions, tool_choice, tool messages         tool_calls  generated text -> tool_calls
   metrics     Prometheus metrics                                   request_log  JSON lines per request
   config      FrontendConfig (the process's one configuration) and the models file
 

@@ -17,7 +17,7 @@ from typing import Any
 from pdserve.frontend.job import CHAT, Job
 from pdserve.frontend.models import TokenTexts
 from pdserve.frontend.render import Delta, chat_logprobs, completion_logprobs
-from pdserve.frontend.tools import ToolCallParser, message_of
+from pdserve.frontend.tool_calls import ToolCallParser, message_of
 from pdserve.rpc import pdserve_pb2 as pb
 
 

@@ -15,7 +15,7 @@ import orjson
 
 from pdserve.frontend.models import TokenTexts
 from pdserve.frontend.protocol import Kind
-from pdserve.frontend.tools import ToolEvent
+from pdserve.frontend.tool_calls import ToolEvent
 from pdserve.rpc import pdserve_pb2 as pb
 
 DONE = b"data: [DONE]\n\n"

@@ -21,7 +21,7 @@ import grpc
 import orjson
 import pytest
 
-from pdserve.frontend import tools
+from pdserve.frontend import tool_calls
 from pdserve.frontend.config import FrontendConfig, ModelSpec
 from pdserve.frontend.errors import APIError
 from pdserve.frontend.job import Job
@@ -234,7 +234,7 @@ def test_stream_and_collect_bytes_are_unchanged(frontend: Frontend, name: str, m
     kind, body, script = CASES[name]
     got: dict[str, Any] = {}
     for stream in (True, False):
-        monkeypatch.setattr(tools, "new_call_id", map("call_{}".format, itertools.count()).__next__)
+        monkeypatch.setattr(tool_calls, "new_call_id", map("call_{}".format, itertools.count()).__next__)
         got["stream" if stream else "whole"] = asyncio.run(_run(frontend, kind, body, script, stream))
     if RECORD:
         _record(name, got)

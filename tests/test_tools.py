@@ -23,15 +23,15 @@ from pdserve.frontend.models import ModelCatalog, ServedModel
 from pdserve.frontend.prepare import tokenize
 from pdserve.frontend.protocol import RequestLimits, parse_chat_request, parse_completion_request
 from pdserve.frontend.render import StreamEncoder
-from pdserve.frontend.tools import (
+from pdserve.frontend.tool_calls import (
     ArrayCallParser,
     NamedCallParser,
     TaggedCallParser,
     ToolCallParser,
     ToolEvent,
     message_of,
-    template_input,
 )
+from pdserve.frontend.tools import template_input
 from testing.openapi import OpenAPISchemas
 
 pytestmark = pytest.mark.timeout(60)
