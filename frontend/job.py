@@ -35,7 +35,7 @@ class UpstreamError(Exception):
 @dataclass(eq=False)
 class Progress:
     """What a choice's Generate calls produced so far: counted and timed here as their messages arrive
-    (`UpstreamCalls` records it), and what its nodes reported. Accounting, tracing and the request log
+    (`UpstreamCalls` records each, `record`, and the last, `finish`), and what its nodes reported. Accounting, tracing and the request log
     read it; what the choice says, rendered, is its `frontend.output.ChoiceOutput`."""
 
     tokens: int = 0  # completion tokens
@@ -51,6 +51,40 @@ class Progress:
     timing: pb.Timing | None = None
     prefill_node: str = ""
     decode_node: str = ""
+
+    def record(self, msg: pb.GenerateResponse, now: float, migrated: bool) -> None:
+        """A message arrived at `now`: its tokens (first token, ITLs) and the timing its node reported.
+        `migrated`: the choice moved off its first decode node, whose timing it keeps."""
+        n = len(msg.token_ids)
+        if n:
+            if self.first_at is None:
+                self.first_at = now
+            elif self.last_at is not None:
+                self.itls.append(now - self.last_at)
+            self.last_at = now
+            self.tokens += n
+        if self.timing is None and msg.HasField("timing"):
+            self.timing = msg.timing
+            self.prefill_node, self.decode_node = msg.prefill_node_id, msg.decode_node_id
+        elif msg.finished and msg.HasField("timing") and not migrated:
+            # The last message repeats the timing complete (the KV transfer and the first decode step end
+            # after the first token); a migrated choice keeps its first node's, which its TTFT was.
+            self.timing = msg.timing
+
+    def finish(self, msg: pb.GenerateResponse) -> None:
+        """The choice's last message, which completed it: how it ended and what its node counted."""
+        assert self.finish_reason is None, "a choice finishes once"
+        self.finish_reason = msg.finish_reason
+        self.stop_reason = msg.stop_reason
+        self.cached_tokens = msg.num_cached_tokens
+        self.cached_prefill = msg.num_cached_tokens_prefill
+        self.cached_decode = msg.num_cached_tokens_decode
+        if msg.num_completion_tokens:
+            self.tokens = msg.num_completion_tokens  # a resumed node counts the tokens before it too
+        if msg.prefill_node_id:
+            self.prefill_node = msg.prefill_node_id
+        if msg.decode_node_id:
+            self.decode_node = msg.decode_node_id
 
 
 @dataclass(eq=False)

@@ -271,7 +271,6 @@ class Frontend:
         pending: list[bytes] = [enc.role(c.index) for c in job.choices] if job.kind == CHAT else []
         try:
             async for c, msg in self.calls.messages(job, firsts):
-                self.calls.progress(c, msg, time.perf_counter())
                 pending += enc.delta(c.index, outputs[c.index].take(msg))
                 if pending:
                     yield b"".join(pending) if len(pending) > 1 else pending[0]
@@ -291,7 +290,6 @@ class Frontend:
         outputs = choice_outputs(job)
         try:
             async for c, msg in self.calls.messages(job, firsts):
-                self.calls.progress(c, msg, time.perf_counter())
                 outputs[c.index].take(msg)
         except UpstreamError as err:
             raise err.error from None

@@ -26,6 +26,7 @@ import logging
 import time
 import weakref
 from collections.abc import AsyncIterator
+from typing import Literal
 
 import grpc
 from grpc_health.v1 import health_pb2
@@ -54,10 +55,25 @@ HANDOVER = "migrate"
 # How long a decode node that left the registry has to answer a health check before the calls streaming
 # from it count as broken (a draining node answers; a hung one does not).
 PROBE_TIMEOUT_S = 2.0
+# Finish reasons that complete a choice.
+_DONE_FINISH = frozenset({"stop", "length"})
 # Finish reasons that end a stream without ending the choice -> the migration metric's reason label
 # (the others: a status code's name, "eof", and "node_left" for a call cancelled here because its node
-# left the registry and stopped answering, or its channel was closed).
+# left the registry and stopped answering, or its channel was closed). Any other finish reason ("abort")
+# ends the choice with an error.
 _BROKEN_FINISH = {HANDOVER: "handover", "error": "node_error"}
+Ending = Literal["", "done", "broken", "failed"]
+
+
+def _ending(msg: pb.GenerateResponse) -> Ending:
+    """What a message does to its choice, judged here only: "" (more follows), "done" (the choice is
+    complete), "broken" (its node stopped without finishing it: another node continues it) or "failed"
+    (the choice ends with an error)."""
+    if not msg.finished:
+        return ""
+    if msg.finish_reason in _DONE_FINISH:
+        return "done"
+    return "broken" if msg.finish_reason in _BROKEN_FINISH else "failed"
 
 
 def sampling_message(opts: SamplingOptions, max_tokens: int, seed: int | None) -> pb.SamplingParams:
@@ -198,7 +214,7 @@ class UpstreamCalls:
             msg = await self._read(c, opening=True)
         except UpstreamError as err:
             raise err.error from None
-        if msg.finished and msg.finish_reason in _BROKEN_FINISH and not _has_output(msg):
+        if _ending(msg) == "broken" and not _has_output(msg):
             raise Broken(_BROKEN_FINISH[msg.finish_reason], _finish_error(c, msg))
         return msg
 
@@ -294,36 +310,47 @@ class UpstreamCalls:
                 raise UpstreamError(err) from None
 
     async def _follow(self, job: Job, c: Choice, msg: pb.GenerateResponse) -> AsyncIterator[pb.GenerateResponse]:
-        """The choice's messages from `msg` (its first) to the finished one, across migrations: a stream
-        that breaks continues on another node, and a hand-over or failure message gives its output (if
-        any) as an unfinished message. Records what is delivered. Raises UpstreamError."""
+        """The choice's messages from `msg` (its first) to the one that completes it, each recorded
+        (`_arrived`) before it is given, across migrations: a stream that breaks continues on another
+        node, and a hand-over or node-failure message gives its output (if any) as an unfinished message.
+        Raises UpstreamError, also for a message that ends the choice with an error (once recorded)."""
         while True:
-            if msg.finished and msg.finish_reason in _BROKEN_FINISH:
+            ending = _ending(msg)
+            if ending == "broken":
                 broken = Broken(_BROKEN_FINISH[msg.finish_reason], _finish_error(c, msg))
                 if _has_output(msg):
                     part = pb.GenerateResponse(request_id=msg.request_id, token_ids=msg.token_ids, text=msg.text,
                                                logprobs=msg.logprobs)
-                    self._delivered(c, part)
+                    self._arrived(c, part)
                     yield part
                 msg = await self._migrate(job, c, broken)
                 continue
-            self._delivered(c, msg)
-            yield msg
-            if msg.finished:
+            self._arrived(c, msg)
+            if ending == "failed":
+                raise UpstreamError(_finish_error(c, msg))
+            if ending == "done":
+                c.progress.finish(msg)
+                yield msg
                 return
+            yield msg
             try:
                 msg = await self._read(c, opening=False)
             except Broken as broken:
                 msg = await self._migrate(job, c, broken)
 
     @staticmethod
-    def _delivered(c: Choice, msg: pb.GenerateResponse) -> None:
+    def _arrived(c: Choice, msg: pb.GenerateResponse) -> None:
+        """Records a message the client is given: what a resume continues after, and the choice's progress."""
         c.delivered_ids.extend(msg.token_ids)
         c.delivered_chars += len(msg.text)
+        if msg.token_ids:
+            c.lease.prefill_done()  # the current node's prefill (a migrated choice's too) is done
+        c.progress.record(msg, time.perf_counter(), migrated=c.migrations > 0)
 
     async def messages(self, job: Job, firsts: list[pb.GenerateResponse]
                        ) -> AsyncIterator[tuple[Choice, pb.GenerateResponse]]:
-        """Every upstream message of the job as it arrives, tagged with its choice (migrations hidden)."""
+        """Every upstream message of the job as it arrives, tagged with its choice and recorded in its
+        progress (migrations hidden). Raises UpstreamError when a choice fails."""
         if len(job.choices) == 1:  # the common case, without the queue
             c = job.choices[0]
             async for msg in self._follow(job, c, firsts[0]):
@@ -351,37 +378,3 @@ class UpstreamCalls:
         finally:
             for t in tasks:
                 t.cancel()
-
-    @staticmethod
-    def progress(c: Choice, msg: pb.GenerateResponse, now: float) -> None:
-        p = c.progress
-        n = len(msg.token_ids)
-        if n:
-            c.lease.prefill_done()  # the current node's prefill (a migrated choice's too) is done
-            if p.first_at is None:
-                p.first_at = now
-            elif p.last_at is not None:
-                p.itls.append(now - p.last_at)
-            p.last_at = now
-            p.tokens += n
-        if p.timing is None and msg.HasField("timing"):
-            p.timing = msg.timing
-            p.prefill_node, p.decode_node = msg.prefill_node_id, msg.decode_node_id
-        elif msg.finished and msg.HasField("timing") and not c.migrations:
-            # The last message repeats the timing complete (the KV transfer and the first decode step end
-            # after the first token); a migrated choice keeps its first node's, which its TTFT was.
-            p.timing = msg.timing
-        if msg.finished:
-            if msg.finish_reason not in ("stop", "length"):
-                raise UpstreamError(_finish_error(c, msg))
-            p.finish_reason = msg.finish_reason
-            p.stop_reason = msg.stop_reason
-            p.cached_tokens = msg.num_cached_tokens
-            p.cached_prefill = msg.num_cached_tokens_prefill
-            p.cached_decode = msg.num_cached_tokens_decode
-            if msg.num_completion_tokens:
-                p.tokens = msg.num_completion_tokens  # a resumed node counts the tokens before it too
-            if msg.prefill_node_id:
-                p.prefill_node = msg.prefill_node_id
-            if msg.decode_node_id:
-                p.decode_node = msg.decode_node_id
