@@ -1,5 +1,5 @@
 """The end of a job, exactly once: cancel what still runs upstream, release the route leases and the
-tenant's admission (refunding unused output budget), record the metrics, judge the SLOs and write the
+tenant's grant (refunding unused output budget), record the metrics, judge the SLOs and write the
 request log line. Requests refused before they started are accounted by `reject`."""
 
 from __future__ import annotations
@@ -45,9 +45,9 @@ class Accounting:
                                 "tenant": tenant, "endpoint": endpoint, "status": err.status,
                                 "error": err.message, "error_code": err.code, "trace_id": err.trace_id})
 
-    def finish(self, job: Job) -> int:
+    def end(self, job: Job) -> int:
         """Ends a job exactly once (later calls do nothing): cancels calls still running upstream,
-        releases leases and the tenant's admission, records metrics and the request log line. Returns the
+        releases leases and the tenant's grant, records metrics and the request log line. Returns the
         completion tokens it accounted."""
         if job.ended:
             return 0
@@ -57,7 +57,7 @@ class Accounting:
                 c.call.cancel()
             c.lease.release()
         completion = sum(c.progress.tokens for c in job.choices)
-        job.admission.release(completion)
+        job.grant.release(completion)
         lat = _latencies(job, time.perf_counter())
         self._observe(job, lat, completion)
         if not job.disconnected:
@@ -181,12 +181,12 @@ def _route_record(c: Choice) -> dict[str, Any]:
         "request_id": c.request_id,
         "decode_node": d.decode_id,
         "decode_reason": d.decode_reason,
-        "prefill_node": d.prefill_id or None,
+        "prefill_node": d.prefill_hint or None,
         "prefill_reason": d.prefill_reason,
         "prefix_key": d.prefix_key or None,
         "tried": c.tried,
         "migrations": c.migrations,
-        "served_by": {"prefill": p.prefill_node or None, "decode": p.decode_node or None},
+        "served_by": {"prefill": p.prefilled_by or None, "decode": p.decoded_by or None},
         "path": serving_path(c) if p.first_at is not None else None,
         "tokens": p.tokens,
         "cached_tokens": p.cached_tokens,

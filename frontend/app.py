@@ -1,7 +1,7 @@
 """The HTTP layer: FastAPI routes over `Frontend`, and the ASGI response that runs a generation.
 
 No `BaseHTTPMiddleware` anywhere: it would hide the client's disconnect from the streaming path. Instead
-`GenerationResponse` watches the ASGI receive channel itself while it works; an `http.disconnect`
+`GenerationResponse` watches the ASGI `receive` callable itself while it works; an `http.disconnect`
 cancels the work at once, which cancels the Generate calls and so aborts the request on both nodes.
 """
 
@@ -199,7 +199,7 @@ class GenerationResponse(Response):
                 await _send_error(send, err, self._headers([]))
         finally:
             watcher.cancel()
-            fe.finish(job)
+            fe.end(job)
 
 
 async def with_keepalive(source: AsyncIterator[bytes], interval_s: float | None) -> AsyncIterator[bytes | None]:
@@ -272,7 +272,7 @@ def _add_generation_routes(app: FastAPI, frontend: Frontend) -> None:
             tenant = frontend.authenticate(request.headers.get("authorization"))
             tenant_name = tenant.name
             body = await read_body(request, frontend.config.max_body_bytes, frontend.config.body_timeout_s)
-            job = await frontend.prepare(kind, tenant, body, request.headers, trace)
+            job = await frontend.admit(kind, tenant, body, request.headers, trace)
         except APIError as err:
             if trace is not None:
                 trace.reject(err.status, trace.tag(err).message)

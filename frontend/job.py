@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pdserve.frontend.errors import APIError
-from pdserve.frontend.limits import Admission
+from pdserve.frontend.limits import Grant
 from pdserve.frontend.models import ServedModel
 from pdserve.frontend.protocol import GenerationRequest
 from pdserve.frontend.render import usage_dict
@@ -49,8 +49,8 @@ class Progress:
     last_at: float | None = None
     itls: list[float] = field(default_factory=list)
     timing: pb.Timing | None = None
-    prefill_node: str = ""
-    decode_node: str = ""
+    prefilled_by: str = ""  # the node that prefilled, as the decode node reports it (itself, when local)
+    decoded_by: str = ""
 
     def record(self, msg: pb.GenerateResponse, now: float, migrated: bool) -> None:
         """A message arrived at `now`: its tokens (first token, ITLs) and the timing its node reported.
@@ -65,7 +65,7 @@ class Progress:
             self.tokens += n
         if self.timing is None and msg.HasField("timing"):
             self.timing = msg.timing
-            self.prefill_node, self.decode_node = msg.prefill_node_id, msg.decode_node_id
+            self.prefilled_by, self.decoded_by = msg.prefill_node_id, msg.decode_node_id
         elif msg.finished and msg.HasField("timing") and not migrated:
             # The last message repeats the timing complete (the KV transfer and the first decode step end
             # after the first token); a migrated choice keeps its first node's, which its TTFT was.
@@ -82,9 +82,9 @@ class Progress:
         if msg.num_completion_tokens:
             self.tokens = msg.num_completion_tokens  # a resumed node counts the tokens before it too
         if msg.prefill_node_id:
-            self.prefill_node = msg.prefill_node_id
+            self.prefilled_by = msg.prefill_node_id
         if msg.decode_node_id:
-            self.decode_node = msg.decode_node_id
+            self.decoded_by = msg.decode_node_id
 
 
 @dataclass(eq=False)
@@ -136,7 +136,7 @@ class Job:
     prompts: list[list[int]]
     echo_texts: list[str]
     choices: list[Choice]
-    admission: Admission
+    grant: Grant  # what admission took from the tenant's limits
     client_request_id: str | None = None
     session_key: str | None = None
     fallback_reason: str = ""
@@ -177,7 +177,7 @@ def serving_path(c: Choice) -> str:
     if len(c.tried) > 1:
         return "retried"
     p = c.progress
-    if p.prefill_node and p.prefill_node != p.decode_node:
+    if p.prefilled_by and p.prefilled_by != p.decoded_by:
         return "disaggregated"
     return "local_prefill"
 

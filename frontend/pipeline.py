@@ -1,10 +1,10 @@
 """The frontend's request path, independent of the HTTP framework: admit, tokenize, route, stream, account.
 
-`Frontend.prepare` does everything that can fail before a response starts (`frontend.admission`; auth is
+`Frontend.admit` does everything that can fail before a response starts (`frontend.admission`; auth is
 done by the caller). `Frontend.open` starts one Generate call per choice and waits for each first message
 (`frontend.upstream`), so a node that cannot take the request is replaced (or answered with a proper
 status) before any byte is sent. `stream` / `collect` then produce the SSE events or the JSON body, and
-`finish` (always called once) ends the job (`frontend.accounting`).
+`end` (always called once) ends the job (`frontend.accounting`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from typing import Any
 from pdserve.engine.version import pdserve_version
 from pdserve.frontend.accounting import Accounting
 from pdserve.frontend.admission import Admitter
-from pdserve.frontend.channels import UpstreamPool
 from pdserve.frontend.config import (
     ConfigError,
     FrontendConfig,
@@ -27,6 +26,7 @@ from pdserve.frontend.config import (
     load_models_file,
     version_weights,
 )
+from pdserve.frontend.connections import DecodeConnections
 from pdserve.frontend.errors import OVERLOADED, APIError
 from pdserve.frontend.job import CHAT, COMPLETION, Job, UpstreamError, client_request_id, usage
 from pdserve.frontend.limits import TenantLimiter
@@ -49,12 +49,12 @@ __all__ = ["CHAT", "COMPLETION", "Frontend", "Job", "client_request_id"]
 
 log = logging.getLogger(__name__)
 
-_DROP_CHANNEL_AFTER_S = 30.0
+_DROP_CONNECTION_AFTER_S = 30.0
 _MODELS_POLL_S = 1.0  # how often the models file is checked for new version weights
 
 
 class Frontend:
-    """All state of one frontend process: models, tenants, limits, registry view, router, channels."""
+    """All state of one frontend process: models, tenants, limits, registry view, router, connections."""
 
     def __init__(self, config: FrontendConfig) -> None:
         self.config = config
@@ -75,13 +75,13 @@ class Frontend:
             affinity_blocks=config.affinity_blocks,
             decode_max_queue=config.decode_max_queue,
         )
-        self.upstream = UpstreamPool(config.rpc)
+        self.connections = DecodeConnections(config.rpc)
         self.workers = PrepareWorkers(config.prepare_workers, config.prepare_queue, config.models)
         self.ttft = TTFTEstimator()
         self.router.on_first_token = self.ttft.observe_lease
         self.admitter = Admitter(config, self.catalog, self.limiter, self.router, self.metrics, self.workers,
                                  self.ttft, inflight=lambda: self.inflight + self.workers.pending)
-        self.calls = UpstreamCalls(config, self.router, self.upstream, self.metrics)
+        self.calls = UpstreamCalls(config, self.router, self.connections, self.metrics)
         self.accounting = Accounting(config, self.metrics, self.request_log)
         # None unless an OTLP endpoint is configured (then `frontend.tracing` traces every request).
         self.tracer = start_tracing(config.tracing, "pdserve-frontend", {"service.instance.id": config.frontend_id},
@@ -159,7 +159,7 @@ class Frontend:
         for task in list(self._background):
             task.cancel()
         await self.view.close()
-        await self.upstream.close()
+        await self.connections.close()
         self.workers.close()
         self.request_log.close()
         if self.tracer is not None:
@@ -175,10 +175,10 @@ class Frontend:
 
     async def _drop_later(self, address: str) -> None:
         # Late: requests still streaming from a node that just left may finish; and a node that comes
-        # back at the same address keeps its channel.
-        await asyncio.sleep(_DROP_CHANNEL_AFTER_S)
+        # back at the same address keeps its connection.
+        await asyncio.sleep(_DROP_CONNECTION_AFTER_S)
         if address not in self._addresses.values():
-            await self.upstream.drop(address)
+            await self.connections.drop(address)
 
     # --- auth and readiness ----------------------------------------------------------------------
 
@@ -234,14 +234,14 @@ class Frontend:
 
     # --- a job's life ----------------------------------------------------------------------------
 
-    async def prepare(self, kind: str, tenant: Tenant, body: bytes, headers: Mapping[str, str],
+    async def admit(self, kind: str, tenant: Tenant, body: bytes, headers: Mapping[str, str],
                       trace: RequestTrace | None = None) -> Job:
-        """Validates, tokenizes, routes and admits a request (`Admitter.prepare`); `trace` (tracing on)
-        becomes the job's. Raises APIError (4xx/503). On success the job counts as in flight until `finish`."""
+        """Validates, tokenizes, routes and admits a request (`Admitter.admit`); `trace` (tracing on)
+        becomes the job's. Raises APIError (4xx/503). On success the job counts as in flight until `end`."""
         if self.inflight + self.workers.pending >= self.config.max_inflight:
             raise APIError(503, "This frontend is at its in-flight request limit; retry shortly.",
                            type=OVERLOADED, code="overloaded", headers={"retry-after": "1"})
-        job = await self.admitter.prepare(kind, tenant, body, headers)
+        job = await self.admitter.admit(kind, tenant, body, headers)
         job.trace = trace
         self.inflight += 1
         self.metrics.inflight_now.inc()
@@ -254,10 +254,11 @@ class Frontend:
         try:
             return await self.calls.open(job)
         except PoolFailed as failed:
-            pool = job.model.name
+            failed_model = job.model.name
             if not await self.admitter.fall_back(job, failed.error.message):
                 raise failed.error from None
-        log.warning("request %s: model %s failed before the first token; %s", job.id, pool, job.fallback_reason)
+        log.warning("request %s: model %s failed before the first token; %s", job.id, failed_model,
+                    job.fallback_reason)
         try:
             return await self.calls.open(job)
         except PoolFailed as failed:
@@ -300,12 +301,12 @@ class Frontend:
         """Accounts a request refused before it started (metrics and a request log line)."""
         self.accounting.reject(kind, tenant, err, client_id)
 
-    def finish(self, job: Job) -> None:
-        """Ends a job exactly once (see `Accounting.finish`); it no longer counts as in flight."""
+    def end(self, job: Job) -> None:
+        """Ends a job exactly once (see `Accounting.end`); it no longer counts as in flight."""
         if job.ended:
             return
-        self.accounting.finish(job)
+        self.accounting.end(job)
         if job.trace is not None:
-            job.trace.finish(job, time.perf_counter())
+            job.trace.end(job, time.perf_counter())
         self.inflight -= 1
         self.metrics.inflight_now.dec()

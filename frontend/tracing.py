@@ -69,7 +69,7 @@ class RequestTrace:
         span = self._tracer.span("frontend.upstream", parent=self._root, start=now, kind="client", attributes={
             "rpc.system": "grpc", "rpc.method": "DecodeNode/Generate", "pdserve.request_id": c.request_id,
             "pdserve.choice": c.index, "pdserve.attempt": len(c.tried), "pdserve.migrations": c.migrations,
-            "pdserve.decode_node": d.decode_id, "pdserve.prefill_node_hint": d.prefill_id,
+            "pdserve.decode_node": d.decode_id, "pdserve.prefill_node_hint": d.prefill_hint,
         })
         self._calls[c.index] = span
         return self._tracer.metadata(span)
@@ -78,7 +78,7 @@ class RequestTrace:
         """The request was refused (or its client left) before a job existed: ends the root span."""
         self._end_root(status, error, time.perf_counter(), {})
 
-    def finish(self, job: Job, now: float) -> None:
+    def end(self, job: Job, now: float) -> None:
         """The job ended at `now`: the stage spans, the open Generate call spans and the root span."""
         t, s = self._tracer, job.stamps
         p = first_to_token(job)
@@ -100,8 +100,8 @@ class RequestTrace:
             if span is not None:
                 cp = c.progress
                 t.finish(span, now, error=None if cp.finish_reason is not None else "ended without finishing",
-                         attributes={"pdserve.finish_reason": cp.finish_reason or "", "pdserve.decode_node": cp.decode_node,
-                                     "pdserve.prefill_node": cp.prefill_node, "pdserve.tokens": cp.tokens})
+                         attributes={"pdserve.finish_reason": cp.finish_reason or "", "pdserve.decode_node": cp.decoded_by,
+                                     "pdserve.prefill_node": cp.prefilled_by, "pdserve.tokens": cp.tokens})
         if job.disconnected:
             status, error = 499, "the client went away"
         elif job.error is not None:

@@ -1,4 +1,4 @@
-"""gRPC client side of the control plane (channels: `frontend.channels`): the Generate request message, and
+"""gRPC client side of the control plane (connections: `frontend.connections`): the Generate request message, and
 the upstream calls of a job (`UpstreamCalls`): one Generate call per choice, retried on another decode
 node while nothing was sent to the client, moved to another decode node when its stream breaks later,
 and the merged stream of their messages.
@@ -31,8 +31,8 @@ from typing import Literal
 import grpc
 from grpc_health.v1 import health_pb2
 
-from pdserve.frontend.channels import UpstreamPool
 from pdserve.frontend.config import FrontendConfig
+from pdserve.frontend.connections import DecodeConnections
 from pdserve.frontend.errors import OVERLOADED, SERVER, APIError
 from pdserve.frontend.job import Choice, Job, UpstreamError
 from pdserve.frontend.metrics import FrontendMetrics
@@ -59,7 +59,7 @@ PROBE_TIMEOUT_S = 2.0
 _DONE_FINISH = frozenset({"stop", "length"})
 # Finish reasons that end a stream without ending the choice -> the migration metric's reason label
 # (the others: a status code's name, "eof", and "node_left" for a call cancelled here because its node
-# left the registry and stopped answering, or its channel was closed). Any other finish reason ("abort")
+# left the registry and stopped answering, or its connection was closed). Any other finish reason ("abort")
 # ends the choice with an error.
 _BROKEN_FINISH = {HANDOVER: "handover", "error": "node_error"}
 Ending = Literal["", "done", "broken", "failed"]
@@ -156,8 +156,9 @@ class UpstreamCalls:
     """Starts and reads the Generate calls of jobs (changes each choice's call, decision, lease, delivery
     and progress fields; marks failing nodes in the router; counts migrations)."""
 
-    def __init__(self, config: FrontendConfig, router: Router, pool: UpstreamPool, metrics: FrontendMetrics) -> None:
-        self._config, self._router, self._pool, self._metrics = config, router, pool, metrics
+    def __init__(self, config: FrontendConfig, router: Router, connections: DecodeConnections,
+                 metrics: FrontendMetrics) -> None:
+        self._config, self._router, self._connections, self._metrics = config, router, connections, metrics
         self._live: weakref.WeakSet[Choice] = weakref.WeakSet()  # choices whose call was started
 
     async def open(self, job: Job) -> list[pb.GenerateResponse]:
@@ -199,7 +200,7 @@ class UpstreamCalls:
         c.tried.append(d.decode_id)
         request = pb.GenerateRequest(
             request_id=c.request_id if not c.migrations else f"{c.request_id}-m{c.migrations}",
-            prompt_token_ids=c.prompt_ids, params=c.params, prefill_node_id=d.prefill_id, return_text=True,
+            prompt_token_ids=c.prompt_ids, params=c.params, prefill_node_id=d.prefill_hint, return_text=True,
             resume_token_ids=c.delivered_ids, resume_text_chars=c.delivered_chars,
         )
         now = time.perf_counter()
@@ -208,7 +209,7 @@ class UpstreamCalls:
         left = self._config.request_timeout_s - (now - job.arrived)
         # A traced job's call carries its span's traceparent: the decode node's spans become its children.
         metadata = job.trace.call_started(job, c, now) if job.trace is not None else None
-        c.call = self._pool.stub(d.decode_address).Generate(request, timeout=max(1.0, left), metadata=metadata)
+        c.call = self._connections.stub(d.decode_address).Generate(request, timeout=max(1.0, left), metadata=metadata)
         self._live.add(c)
         try:
             msg = await self._read(c, opening=True)
@@ -228,7 +229,7 @@ class UpstreamCalls:
             task = asyncio.current_task()
             if task is not None and task.cancelling():
                 raise  # the job itself is cancelled (the client went away): no failure
-            # Only the call was cancelled, here: its node stopped answering (`node_left`) or its channel closed.
+            # Only the call was cancelled, here: its node stopped answering (`node_left`) or its connection closed.
             self._router.mark_unavailable(node)
             raise Broken("node_left", APIError(502, f"decode node {node} left the cluster and stopped answering",
                                                type=SERVER, code="upstream_error")) from None
@@ -256,7 +257,7 @@ class UpstreamCalls:
         if not calls:
             return 0
         try:
-            await self._pool.health(calls[0].decision.decode_address).Check(
+            await self._connections.health(calls[0].decision.decode_address).Check(
                 health_pb2.HealthCheckRequest(service=""), timeout=PROBE_TIMEOUT_S)
             return 0
         except grpc.aio.AioRpcError as err:

@@ -200,10 +200,10 @@ async def _run(fe: Frontend, kind: str, body: dict[str, Any], script: Script, st
         full.setdefault("messages", [{"role": "user", "content": "weather in Paris?"}])
     if not stream:
         full.pop("stream_options", None)
-    job = await fe.prepare(kind, fe.tenants.authenticate(None), orjson.dumps(full), {})
+    job = await fe.admit(kind, fe.tenants.authenticate(None), orjson.dumps(full), {})
     job.id, job.created = f"{kind}-1", 1700000000  # the random and the clock-dependent parts of a response
     nodes = ScriptedNodes(job, script)
-    fe.upstream.stub = nodes.stub  # type: ignore[method-assign]
+    fe.connections.stub = nodes.stub  # type: ignore[method-assign]
     try:
         firsts = await fe.open(job)
         if stream:
@@ -214,7 +214,7 @@ async def _run(fe: Frontend, kind: str, body: dict[str, Any], script: Script, st
             except APIError as err:
                 out = {"status": err.status, "error": err.to_dict()}
     finally:
-        fe.finish(job)
+        fe.end(job)
     return {"output": out, "calls": nodes.calls}
 
 
