@@ -58,7 +58,7 @@ class Accounting:
             c.lease.release()
         completion = sum(c.progress.tokens for c in job.choices)
         job.grant.release(completion)
-        lat = _latencies(job, time.perf_counter())
+        lat = _latencies(job, time.monotonic())
         self._observe(job, lat, completion)
         if not job.disconnected:
             self._judge_slo(job, lat, completion)

@@ -88,12 +88,12 @@ class Admitter:
 
     async def admit(self, kind: str, tenant: Tenant, body: bytes, headers: Mapping[str, str]) -> Job:
         """Validates, tokenizes, routes and admits a request. Raises APIError (4xx/503)."""
-        arrived = time.perf_counter()
+        arrived = time.monotonic()
         budget_ms = ttft_budget_ms(tenant, headers)
         offload = len(body) > self.config.prepare_inline_bytes
         limits = self.config.request_limits
         req = await self.workers.parse(kind, body, limits) if offload else parse_request(kind, body, limits)
-        parsed = time.perf_counter()
+        parsed = time.monotonic()
         model = self.catalog.resolve(req.model)
         if not tenant.may_use(*self.catalog.names_of(model)):
             raise APIError(403, f"Tenant {tenant.name!r} may not use model `{req.model}`.", type="permission_error",
@@ -110,13 +110,13 @@ class Admitter:
         picked = self._pick_model(tenant, model, session_key)
         model = picked.model
         tokenized = await self.workers.tokenize(req, model) if offload else tokenize(req, model)
-        tokenized_at = time.perf_counter()
+        tokenized_at = time.monotonic()
         prompts = tokenized.prompts
         budgets = [self._max_tokens(req, tenant, model, len(p)) for p in prompts]
         per_prompt_max = [b.max_tokens for b in budgets]
-        routed_from = time.perf_counter()
+        routed_from = time.monotonic()
         decisions = self._route(req, model, prompts, per_prompt_max, session_key)
-        routed = time.perf_counter()
+        routed = time.monotonic()
         if budget_ms is not None:
             self._limited(tenant, lambda: self._check_ttft(model, [d for _, d in decisions], budget_ms, arrived))
         firm = sum(budgets[pi].reserve for pi, _ in decisions if not budgets[pi].estimated)
@@ -128,7 +128,7 @@ class Admitter:
                   choices=self._choices(job_id, req, prompts, per_prompt_max, decisions), grant=grant,
                   client_request_id=client_request_id(headers), session_key=session_key,
                   fallback_reason=picked.fallback_reason,
-                  stamps=AdmissionStamps(parsed, tokenized_at, routed_from, routed, time.perf_counter()))
+                  stamps=AdmissionStamps(parsed, tokenized_at, routed_from, routed, time.monotonic()))
         if self.config.log_prompts:
             job.prompt_log = req.messages if kind == CHAT else req.prompts
         self._count_routes(job)
@@ -152,7 +152,7 @@ class Admitter:
         """503 APIError with Retry-After when some choice's predicted TTFT (time so far plus
         `TTFTEstimator.estimate` behind its node's backlog, earlier choices of this request included)
         exceeds `ttft_headroom` times the budget."""
-        elapsed = time.perf_counter() - arrived
+        elapsed = time.monotonic() - arrived
         limit_ms = budget_ms * self.config.ttft_headroom
         added: dict[str, int] = {}  # prompt tokens this request already puts on a node
         for d in decisions:

@@ -267,7 +267,7 @@ def _add_generation_routes(app: FastAPI, frontend: Frontend) -> None:
         tenant_name = None
         # Tracing on: the request's trace starts here (a client's traceparent is its parent).
         tracer = frontend.tracer
-        trace = start_request(tracer, request.url.path, request.headers, time.perf_counter()) if tracer else None
+        trace = start_request(tracer, request.url.path, request.headers, time.monotonic()) if tracer else None
         try:
             tenant = frontend.authenticate(request.headers.get("authorization"))
             tenant_name = tenant.name

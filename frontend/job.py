@@ -1,6 +1,7 @@
 """What one HTTP generation request is while it runs: the `Job` (admitted once, ended once) and its
 `Choice`s (one upstream generation each, with its `Progress`), shared by admission, upstream calls,
-rendering and accounting."""
+rendering and accounting. Every time they hold is a `time.monotonic()` reading: the one clock of the
+frontend's request timings (and the nodes' own), so any two of them make an interval."""
 
 from __future__ import annotations
 
@@ -44,9 +45,9 @@ class Progress:
     cached_tokens: int = 0
     cached_prefill: int = 0  # of cached_tokens: the prefill node's prefix-cache hit (remote prefill)
     cached_decode: int = 0  # the decode node's own hit
-    dispatched_at: float | None = None  # perf_counter when the Generate call went out (TTFT breakdown)
-    first_at: float | None = None
-    last_at: float | None = None
+    dispatched_at: float | None = None  # when the Generate call went out (the TTFT breakdown's frontend part)
+    first_at: float | None = None  # when the first token arrived
+    last_at: float | None = None  # when the latest token arrived
     itls: list[float] = field(default_factory=list)
     timing: pb.Timing | None = None
     prefilled_by: str = ""  # the node that prefilled, as the decode node reports it (itself, when local)
@@ -112,7 +113,7 @@ class Choice:
 
 @dataclass
 class AdmissionStamps:
-    """perf_counter readings of a job's admission steps (its trace's admission spans)."""
+    """When a job's admission steps ended (its trace's admission spans)."""
 
     parsed: float = 0.0  # body parsed
     tokenized: float = 0.0  # model resolved and picked, prompts tokenized
@@ -128,7 +129,7 @@ class Job:
     kind: str
     id: str
     created: int
-    arrived: float  # perf_counter at arrival
+    arrived: float  # when the request reached its route
     req: GenerationRequest
     tenant: Tenant
     model: ServedModel

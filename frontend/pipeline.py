@@ -85,7 +85,7 @@ class Frontend:
         self.accounting = Accounting(config, self.metrics, self.request_log)
         # None unless an OTLP endpoint is configured (then `frontend.tracing` traces every request).
         self.tracer = start_tracing(config.tracing, "pdserve-frontend", {"service.instance.id": config.frontend_id},
-                                    time.perf_counter)
+                                    time.monotonic)
         self.inflight = 0
         self._addresses: dict[str, str] = {}
         self._background: set[asyncio.Task[object]] = set()
@@ -307,6 +307,6 @@ class Frontend:
             return
         self.accounting.end(job)
         if job.trace is not None:
-            job.trace.end(job, time.perf_counter())
+            job.trace.end(job, time.monotonic())
         self.inflight -= 1
         self.metrics.inflight_now.dec()

@@ -71,13 +71,13 @@ class RouteLease:
     released: bool = field(default=False)
     work_ahead: int = 0  # prefill tokens queued on its node when it was leased, its own included
     tokens_pending: bool = True
-    leased_at: float = field(default_factory=time.perf_counter)
+    leased_at: float = field(default_factory=time.monotonic)
 
     def prefill_done(self) -> None:
         """The first token arrived: the prefill node is done with this request (reported to the router's
         `on_first_token`, which learns the prefill rate)."""
         if self.tokens_pending and self.router.on_first_token is not None:
-            self.router.on_first_token(self, time.perf_counter() - self.leased_at)
+            self.router.on_first_token(self, time.monotonic() - self.leased_at)
         self._settle_prefill()
 
     def _settle_prefill(self) -> None:

@@ -1,7 +1,7 @@
 """The frontend's spans of one HTTP generation request (`RequestTrace`); exists only when tracing is on
 (`rpc.tracing.start_tracing` gave a tracer), so an untraced request costs one `is None` check per hook.
 
-Spans (times are the perf_counter readings the job already keeps for its metrics):
+Spans (times are the time.monotonic readings the job already keeps for its metrics):
 
     POST /v1/chat/completions          server, parent: the client's `traceparent` (else a new trace);
     │                                  arrival at the route to the end of the job (or the refusal)
@@ -76,7 +76,7 @@ class RequestTrace:
 
     def reject(self, status: int, error: str) -> None:
         """The request was refused (or its client left) before a job existed: ends the root span."""
-        self._end_root(status, error, time.perf_counter(), {})
+        self._end_root(status, error, time.monotonic(), {})
 
     def end(self, job: Job, now: float) -> None:
         """The job ended at `now`: the stage spans, the open Generate call spans and the root span."""

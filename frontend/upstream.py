@@ -203,7 +203,7 @@ class UpstreamCalls:
             prompt_token_ids=c.prompt_ids, params=c.params, prefill_node_id=d.prefill_hint, return_text=True,
             resume_token_ids=c.delivered_ids, resume_text_chars=c.delivered_chars,
         )
-        now = time.perf_counter()
+        now = time.monotonic()
         if c.progress.first_at is None:  # the TTFT breakdown's frontend part ends at the last dispatch before it
             c.progress.dispatched_at = now
         left = self._config.request_timeout_s - (now - job.arrived)
@@ -346,7 +346,7 @@ class UpstreamCalls:
         c.delivered_chars += len(msg.text)
         if msg.token_ids:
             c.lease.prefill_done()  # the current node's prefill (a migrated choice's too) is done
-        c.progress.record(msg, time.perf_counter(), migrated=c.migrations > 0)
+        c.progress.record(msg, time.monotonic(), migrated=c.migrations > 0)
 
     async def messages(self, job: Job, firsts: list[pb.GenerateResponse]
                        ) -> AsyncIterator[tuple[Choice, pb.GenerateResponse]]:
