@@ -36,8 +36,9 @@ class UpstreamError(Exception):
 @dataclass(eq=False)
 class Progress:
     """What a choice's Generate calls produced so far: counted and timed here as their messages arrive
-    (`UpstreamCalls` records each, `record`, and the last, `finish`), and what its nodes reported. Accounting, tracing and the request log
-    read it; what the choice says, rendered, is its `frontend.output.ChoiceOutput`."""
+    (`UpstreamCalls` records each, `record`, and the one that completes the choice, `finish`), and what
+    its nodes reported. Accounting, tracing and the request log read it; what the choice says, rendered,
+    is its `frontend.output.ChoiceOutput`."""
 
     tokens: int = 0  # completion tokens
     finish_reason: str | None = None  # set when the choice finished ("stop" | "length")

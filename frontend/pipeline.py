@@ -3,8 +3,9 @@
 `Frontend.admit` does everything that can fail before a response starts (`frontend.admission`; auth is
 done by the caller). `Frontend.open` starts one Generate call per choice and waits for each first message
 (`frontend.upstream`), so a node that cannot take the request is replaced (or answered with a proper
-status) before any byte is sent. `stream` / `collect` then produce the SSE events or the JSON body, and
-`end` (always called once) ends the job (`frontend.accounting`).
+status) before any byte is sent. `stream` / `collect` then produce the SSE events or the JSON body from
+each choice's output (`frontend.output`), and `end` (always called once) ends the job
+(`frontend.accounting`).
 """
 
 from __future__ import annotations
@@ -235,7 +236,7 @@ class Frontend:
     # --- a job's life ----------------------------------------------------------------------------
 
     async def admit(self, kind: str, tenant: Tenant, body: bytes, headers: Mapping[str, str],
-                      trace: RequestTrace | None = None) -> Job:
+                    trace: RequestTrace | None = None) -> Job:
         """Validates, tokenizes, routes and admits a request (`Admitter.admit`); `trace` (tracing on)
         becomes the job's. Raises APIError (4xx/503). On success the job counts as in flight until `end`."""
         if self.inflight + self.workers.pending >= self.config.max_inflight:
