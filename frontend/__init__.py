@@ -6,14 +6,19 @@ Entry point: `python -m pdserve.frontend --etcd HOST:PORT --models FILE [--tenan
 Modules, in request order:
   app         FastAPI routes; the ASGI response that runs a generation and watches for disconnects;
               the header limit; /openapi.json (openapi.json, built by scripts/build_frontend_openapi.py)
-  pipeline    Frontend: admission, tokenization, routing, upstream calls, streaming, accounting
+  pipeline    Frontend: admission, upstream calls, streaming, accounting; main  the process entry
   admission   validate, tokenize, route, TTFT budget, tenant limits: the admitted Job
-  workers     the bounded thread pool admission's CPU work runs on    ttft  TTFT prediction
+  prepare     parse and tokenize (pure)      workers  the worker processes admission's CPU work runs in
   protocol    request validation with OpenAI-style errors          errors   the OpenAI error shape
   tenants     tenants file and hashed API keys                     limits   token buckets and quotas
   models      served models, tokenizers, logprob token strings     routing  decode/prefill node choice
-  upstream    gRPC channels and messages to decode nodes           render   response bodies, SSE events
+  job         the Job, its Choices and their Progress              ttft     TTFT prediction
+  upstream    the Generate calls: retries, migrations, progress    connections  gRPC connections to decode nodes
+  output      one choice's output, rendered once                   render   response bodies, SSE events
+  tools       tool definitions, tool_choice, tool messages         tool_calls  generated text -> tool_calls
+  structured  response_format and logit_bias                       accounting  a job's end: metrics, log
   metrics     Prometheus metrics                                   request_log  JSON lines per request
+  tracing     a request's spans (when tracing is on)
   config      FrontendConfig (the process's one configuration) and the models file
 
 Test helpers (OpenAPI checks, recording transports, process helpers) live in the top-level `testing/`.

@@ -1,5 +1,5 @@
 """The end of a job, exactly once: cancel what still runs upstream, release the route leases and the
-tenant's admission (refunding unused output budget), record the metrics, judge the SLOs and write the
+tenant's grant (refunding unused output budget), record the metrics, judge the SLOs and write the
 request log line. Requests refused before they started are accounted by `reject`."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 from pdserve.engine.version import pdserve_version
 from pdserve.frontend.config import FrontendConfig
 from pdserve.frontend.errors import APIError
-from pdserve.frontend.job import CHAT, Choice, Job, serving_path
+from pdserve.frontend.job import CHAT, Choice, Job, first_to_token, serving_path
 from pdserve.frontend.metrics import FrontendMetrics
 from pdserve.frontend.request_log import RequestLog
 
@@ -45,20 +45,20 @@ class Accounting:
                                 "tenant": tenant, "endpoint": endpoint, "status": err.status,
                                 "error": err.message, "error_code": err.code, "trace_id": err.trace_id})
 
-    def finish(self, job: Job) -> int:
+    def end(self, job: Job) -> int:
         """Ends a job exactly once (later calls do nothing): cancels calls still running upstream,
-        releases leases and the tenant's admission, records metrics and the request log line. Returns the
+        releases leases and the tenant's grant, records metrics and the request log line. Returns the
         completion tokens it accounted."""
         if job.ended:
             return 0
         job.ended = True
         for c in job.choices:
-            if c.call is not None and c.finish_reason is None:
+            if c.call is not None and c.progress.finish_reason is None:
                 c.call.cancel()
             c.lease.release()
-        completion = sum(c.tokens for c in job.choices)
-        job.admission.release(completion)
-        lat = _latencies(job, time.perf_counter())
+        completion = sum(c.progress.tokens for c in job.choices)
+        job.grant.release(completion)
+        lat = _latencies(job, time.monotonic())
         self._observe(job, lat, completion)
         if not job.disconnected:
             self._judge_slo(job, lat, completion)
@@ -72,7 +72,7 @@ class Accounting:
             m.disconnects.labels(*lbl).inc()
         m.requests.labels(*lbl, job.endpoint, str(lat.status), lat.finish).inc()
         for c in job.choices:
-            if c.first_at is not None:
+            if c.progress.first_at is not None:
                 m.choices.labels(*lbl, serving_path(c)).inc()
         m.tokens.labels(*lbl, job.tenant.name, "prompt").inc(sum(len(p) for p in job.prompts))
         m.tokens.labels(*lbl, job.tenant.name, "completion").inc(completion)
@@ -95,19 +95,21 @@ class Accounting:
 
 
 def _latencies(job: Job, now: float) -> Latencies:
+    progress = [c.progress for c in job.choices]
     if job.disconnected:
         status, finish = 499, "client_disconnect"
     elif job.error is not None:
         status, finish = job.error.status, "error"
     else:
-        status, finish = job.status, ",".join(sorted({c.finish_reason or "none" for c in job.choices}))
-    firsts = [c.first_at for c in job.choices if c.first_at is not None]
-    tpots = [(c.last_at - c.first_at) / (c.tokens - 1) for c in job.choices
-             if c.first_at is not None and c.last_at is not None and c.tokens > 1]
-    timings = [c.timing for c in job.choices if c.timing is not None]
+        status, finish = job.status, ",".join(sorted({p.finish_reason or "none" for p in progress}))
+    first = first_to_token(job)
+    tpots = [(p.last_at - p.first_at) / (p.tokens - 1) for p in progress
+             if p.first_at is not None and p.last_at is not None and p.tokens > 1]
+    timings = [p.timing for p in progress if p.timing is not None]
     return Latencies(
-        status=status, finish=finish, ttft=(min(firsts) - job.arrived) if firsts else None,
-        itls=[v for c in job.choices for v in c.itls], tpot=sum(tpots) / len(tpots) if tpots else None,
+        status=status, finish=finish,
+        ttft=None if first is None or first.first_at is None else first.first_at - job.arrived,
+        itls=[v for p in progress for v in p.itls], tpot=sum(tpots) / len(tpots) if tpots else None,
         e2e=now - job.arrived,
         queue=max((t.prefill_queue_s + t.decode_admission_s for t in timings), default=None),
         breakdown=_ttft_breakdown(job),
@@ -136,13 +138,13 @@ def _log_record(job: Job, lat: Latencies, completion: int) -> dict[str, Any]:
         "pdserve_version": pdserve_version(),
         "fallback": job.fallback_reason or None,
         "status": lat.status,
-        "finish_reasons": [c.finish_reason for c in job.choices],
+        "finish_reasons": [c.progress.finish_reason for c in job.choices],
         "error": None if job.error is None else job.error.message,
         "stream": job.req.stream,
         "n": job.req.n,
         "prompt_tokens": sum(len(p) for p in job.prompts),
         "completion_tokens": completion,
-        "cached_tokens": [c.cached_tokens for c in job.choices],
+        "cached_tokens": [c.progress.cached_tokens for c in job.choices],
         "ttft_ms": _ms(lat.ttft),
         "ttft_breakdown_ms": {k: round(v * 1e3, 3) for k, v in lat.breakdown.items()} or None,
         "e2e_ms": _ms(lat.e2e),
@@ -161,39 +163,38 @@ def _log_record(job: Job, lat: Latencies, completion: int) -> dict[str, Any]:
 def _ttft_breakdown(job: Job) -> dict[str, float]:
     """Stages of the first choice to produce a token: the frontend's own part (arrival to dispatch) and
     the node-reported parts. Empty when no token came."""
-    firsts = [c for c in job.choices if c.first_at is not None]
-    if not firsts:
+    p = first_to_token(job)
+    if p is None:
         return {}
-    c = min(firsts, key=lambda ch: ch.first_at or 0.0)
-    out = {"frontend": max(0.0, (c.dispatched_at or job.arrived) - job.arrived)}
-    if c.timing is not None:
-        t = c.timing
+    out = {"frontend": max(0.0, (p.dispatched_at or job.arrived) - job.arrived)}
+    if p.timing is not None:
+        t = p.timing
         out |= {"prefill_queue": t.prefill_queue_s, "prefill": t.prefill_s, "transfer": t.transfer_s,
                 "decode_admission": t.decode_admission_s, "first_decode_step": t.first_decode_step_s}
     return out
 
 
 def _route_record(c: Choice) -> dict[str, Any]:
-    d = c.decision
+    d, p = c.decision, c.progress
     out: dict[str, Any] = {
         "choice": c.index,
         "request_id": c.request_id,
         "decode_node": d.decode_id,
         "decode_reason": d.decode_reason,
-        "prefill_node": d.prefill_id or None,
+        "prefill_node": d.prefill_hint or None,
         "prefill_reason": d.prefill_reason,
         "prefix_key": d.prefix_key or None,
         "tried": c.tried,
         "migrations": c.migrations,
-        "served_by": {"prefill": c.prefill_node or None, "decode": c.decode_node or None},
-        "path": serving_path(c) if c.first_at is not None else None,
-        "tokens": c.tokens,
-        "cached_tokens": c.cached_tokens,
-        "cached_tokens_prefill": c.cached_prefill,
-        "cached_tokens_decode": c.cached_decode,
+        "served_by": {"prefill": p.prefilled_by or None, "decode": p.decoded_by or None},
+        "path": serving_path(c) if p.first_at is not None else None,
+        "tokens": p.tokens,
+        "cached_tokens": p.cached_tokens,
+        "cached_tokens_prefill": p.cached_prefill,
+        "cached_tokens_decode": p.cached_decode,
     }
-    if c.timing is not None:
-        t = c.timing
+    if p.timing is not None:
+        t = p.timing
         out["timing_ms"] = {
             "prefill_queue": round(t.prefill_queue_s * 1e3, 3),
             "prefill": round(t.prefill_s * 1e3, 3),

@@ -1,6 +1,6 @@
 """Admission: everything that can refuse a generation request before its response starts (auth is the
 caller's): body validation, model resolution and fallback, permissions, tokenization and context checks,
-routing every choice, and the tenant's limits. The result is a `Job` holding a tenant admission and route
+routing every choice, and the tenant's limits. The result is a `Job` holding a tenant grant and route
 leases, which `frontend.accounting` releases when the job ends.
 
 The CPU-heavy steps (`frontend.prepare`: parsing the body, chat templating, tokenization) run in
@@ -43,7 +43,7 @@ _MAX_TTFT_BUDGET_MS = 3_600_000.0
 
 
 @dataclass(frozen=True)
-class ModelChoice:
+class PickedModel:
     model: ServedModel
     fallback_reason: str  # "" when the requested model serves
 
@@ -77,7 +77,7 @@ def ttft_budget_ms(tenant: Tenant, headers: Mapping[str, str]) -> float | None:
 
 class Admitter:
     """Turns a request body into an admitted `Job` (reads the catalog, router and limiter; takes route
-    leases and a tenant admission, which the job's end releases)."""
+    leases and a tenant grant, which the job's end releases)."""
 
     def __init__(self, config: FrontendConfig, catalog: ModelCatalog, limiter: TenantLimiter, router: Router,
                  metrics: FrontendMetrics, workers: PrepareWorkers, ttft: TTFTEstimator,
@@ -86,14 +86,14 @@ class Admitter:
         self.workers, self.ttft = workers, ttft
         self.inflight = inflight  # requests this frontend has in flight or in its prepare workers
 
-    async def prepare(self, kind: str, tenant: Tenant, body: bytes, headers: Mapping[str, str]) -> Job:
+    async def admit(self, kind: str, tenant: Tenant, body: bytes, headers: Mapping[str, str]) -> Job:
         """Validates, tokenizes, routes and admits a request. Raises APIError (4xx/503)."""
-        arrived = time.perf_counter()
+        arrived = time.monotonic()
         budget_ms = ttft_budget_ms(tenant, headers)
         offload = len(body) > self.config.prepare_inline_bytes
         limits = self.config.request_limits
         req = await self.workers.parse(kind, body, limits) if offload else parse_request(kind, body, limits)
-        parsed = time.perf_counter()
+        parsed = time.monotonic()
         model = self.catalog.resolve(req.model)
         if not tenant.may_use(*self.catalog.names_of(model)):
             raise APIError(403, f"Tenant {tenant.name!r} may not use model `{req.model}`.", type="permission_error",
@@ -110,26 +110,25 @@ class Admitter:
         picked = self._pick_model(tenant, model, session_key)
         model = picked.model
         tokenized = await self.workers.tokenize(req, model) if offload else tokenize(req, model)
-        tokenized_at = time.perf_counter()
+        tokenized_at = time.monotonic()
         prompts = tokenized.prompts
         budgets = [self._max_tokens(req, tenant, model, len(p)) for p in prompts]
         per_prompt_max = [b.max_tokens for b in budgets]
-        routed_from = time.perf_counter()
+        routed_from = time.monotonic()
         decisions = self._route(req, model, prompts, per_prompt_max, session_key)
-        routed = time.perf_counter()
+        routed = time.monotonic()
         if budget_ms is not None:
             self._limited(tenant, lambda: self._check_ttft(model, [d for _, d in decisions], budget_ms, arrived))
         firm = sum(budgets[pi].reserve for pi, _ in decisions if not budgets[pi].estimated)
         estimate = sum(budgets[pi].reserve for pi, _ in decisions if budgets[pi].estimated)
-        admission = self._limited(tenant, lambda: self.limiter.admit(tenant, sum(len(p) for p in prompts), firm,
-                                                                     estimate))
+        grant = self._limited(tenant, lambda: self.limiter.grant(tenant, sum(len(p) for p in prompts), firm, estimate))
         job_id = ("chatcmpl-" if kind == CHAT else "cmpl-") + uuid.uuid4().hex
         job = Job(kind=kind, id=job_id, created=int(time.time()), arrived=arrived, req=req, tenant=tenant,
                   model=model, requested_model=req.model, prompts=prompts, echo_texts=tokenized.echo_texts,
-                  choices=self._choices(job_id, req, prompts, per_prompt_max, decisions), admission=admission,
+                  choices=self._choices(job_id, req, prompts, per_prompt_max, decisions), grant=grant,
                   client_request_id=client_request_id(headers), session_key=session_key,
                   fallback_reason=picked.fallback_reason,
-                  stamps=AdmissionStamps(parsed, tokenized_at, routed_from, routed, time.perf_counter()))
+                  stamps=AdmissionStamps(parsed, tokenized_at, routed_from, routed, time.monotonic()))
         if self.config.log_prompts:
             job.prompt_log = req.messages if kind == CHAT else req.prompts
         self._count_routes(job)
@@ -153,11 +152,11 @@ class Admitter:
         """503 APIError with Retry-After when some choice's predicted TTFT (time so far plus
         `TTFTEstimator.estimate` behind its node's backlog, earlier choices of this request included)
         exceeds `ttft_headroom` times the budget."""
-        elapsed = time.perf_counter() - arrived
+        elapsed = time.monotonic() - arrived
         limit_ms = budget_ms * self.config.ttft_headroom
         added: dict[str, int] = {}  # prompt tokens this request already puts on a node
         for d in decisions:
-            node = d.prefill_node
+            node = d.prefill_target
             backlog = self.router.backlog(d)
             est = self.ttft.estimate(model.pool, backlog, added.get(node, 0) + d.prompt_tokens)
             added[node] = added.get(node, 0) + d.prompt_tokens
@@ -200,7 +199,7 @@ class Admitter:
             choices.append(Choice(
                 index=i, prompt_index=pi, request_id=f"{job_id}-{i}", prompt_ids=prompts[pi],
                 max_tokens=per_prompt_max[pi], params=sampling_message(req.sampling, per_prompt_max[pi], seed),
-                decision=decision, lease=self.router.lease(decision), echo_pending=req.echo,
+                decision=decision, lease=self.router.lease(decision),
             ))
         return choices
 
@@ -213,21 +212,21 @@ class Admitter:
         return next((v for v in self.catalog.rank(model, session_key)
                      if self.router.status(v.pool).usable_decode), None)
 
-    def _pick_model(self, tenant: Tenant, model: ServedModel, session_key: str | None) -> ModelChoice:
+    def _pick_model(self, tenant: Tenant, model: ServedModel, session_key: str | None) -> PickedModel:
         """The requested model's version for this request, or the model's fallback when no version's pool
         has a usable decode node. 503 APIError when every version has weight 0."""
         usable = self._usable_version(model, session_key)
         if usable is not None:
-            return ModelChoice(usable, "")
+            return PickedModel(usable, "")
         versions = [v for v in self.catalog.versions_of(model) if self.catalog.weight(v) > 0]
         if not versions:
             raise APIError(503, f"Model `{model.name}` takes no new requests: every version has routing weight 0.",
                            type=OVERLOADED, code="no_route", headers={"retry-after": "1"})
         model = versions[0]
         why = "overloaded" if self.router.status(model.pool).decode else "has no decode node"
-        return self._fallback(tenant, model, f"pool {model.pool!r} {why}", session_key) or ModelChoice(model, "")
+        return self._fallback(tenant, model, f"pool {model.pool!r} {why}", session_key) or PickedModel(model, "")
 
-    def _fallback(self, tenant: Tenant, model: ServedModel, why: str, session_key: str | None) -> ModelChoice | None:
+    def _fallback(self, tenant: Tenant, model: ServedModel, why: str, session_key: str | None) -> PickedModel | None:
         """The one fallback rule (admission and run time): the model's configured fallback, if the tenant
         may use it and a version of it has a usable decode node; None otherwise. Fallbacks do not chain."""
         if model.spec.fallback is None:
@@ -238,7 +237,7 @@ class Admitter:
         usable = self._usable_version(fallback, session_key)
         if usable is None:
             return None
-        return ModelChoice(usable, f"{why}; served by fallback {usable.name!r}")
+        return PickedModel(usable, f"{why}; served by fallback {usable.name!r}")
 
     async def fall_back(self, job: Job, why: str) -> bool:
         """Moves a job whose pool failed it before anything was sent to the fallback model (`_fallback`):

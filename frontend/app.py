@@ -1,7 +1,7 @@
 """The HTTP layer: FastAPI routes over `Frontend`, and the ASGI response that runs a generation.
 
 No `BaseHTTPMiddleware` anywhere: it would hide the client's disconnect from the streaming path. Instead
-`GenerationResponse` watches the ASGI receive channel itself while it works; an `http.disconnect`
+`GenerationResponse` watches the ASGI `receive` callable itself while it works; an `http.disconnect`
 cancels the work at once, which cancels the Generate calls and so aborts the request on both nodes.
 """
 
@@ -102,13 +102,16 @@ class HeaderLimit:
 
 
 @dataclass(eq=False)
-class _WatchState:
-    task: asyncio.Task[object] | None
+class _ResponseState:
+    """How far a generation's response got, shared with the disconnect watcher."""
+
+    task: asyncio.Task[object] | None  # the task writing the response (a disconnect cancels it)
+    started: bool = False  # a 200 stream has started: an error can only be its last event now
     done: bool = False  # the response is complete: a disconnect now is the normal end
     disconnected: bool = False
 
 
-async def _watch_disconnect(receive: Receive, state: _WatchState) -> None:
+async def _watch_disconnect(receive: Receive, state: _ResponseState) -> None:
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
@@ -142,44 +145,16 @@ class GenerationResponse(Response):
                 yield chunk
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        fe, job = self.frontend, self.job
-        state = _WatchState(asyncio.current_task())
+        job = self.job
+        state = _ResponseState(asyncio.current_task())
         watcher = asyncio.ensure_future(_watch_disconnect(receive, state))
-        started = False
         try:
             if job.req.stream:
-                keepalive = fe.config.sse_keepalive_s or None
-                async with aclosing(with_keepalive(self._events(), keepalive)) as events:
-                    async for chunk in events:
-                        if not started:
-                            started = True
-                            await send({"type": "http.response.start", "status": 200,
-                                        "headers": self._headers(_SSE_HEADERS)})
-                        if chunk is None:
-                            fe.metrics.sse_keepalives.inc()
-                        elif chunk.endswith(DONE):
-                            # The client has the whole response once this is sent and may hang up at once,
-                            # while the stream is still being closed here: that is the normal end, not a 499.
-                            state.done = True
-                        await send({"type": "http.response.body", "body": chunk or KEEPALIVE, "more_body": True})
-                state.done = True
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
-                return
-            firsts = await fe.open(job)
-            body = await fe.collect(job, firsts)
-            state.done = True
-            headers = self._headers([(b"content-type", b"application/json"),
-                                     (b"content-length", str(len(body)).encode())])
-            await send({"type": "http.response.start", "status": 200, "headers": headers})
-            await send({"type": "http.response.body", "body": body, "more_body": False})
-        except APIError as err:  # raised before the first token
-            job.error = err = job.traced(err)
-            state.done = True
-            if started:  # keep-alive comments have started a 200 stream: the error is its last event
-                await send({"type": "http.response.body", "body": error_event(err.to_dict()) + DONE,
-                            "more_body": False})
+                await self._send_stream(send, state)
             else:
-                await _send_error(send, err, self._headers([]))
+                await self._send_whole(send, state)
+        except APIError as err:  # raised before the first token
+            await self._send_failure(send, state, job.traced(err))
         except asyncio.CancelledError:
             if not state.disconnected:
                 raise
@@ -189,17 +164,47 @@ class GenerationResponse(Response):
                 task.uncancel()
         except Exception:
             log.exception("request %s failed", job.id)
-            err = job.traced(APIError(500, "The server had an error while processing your request.", type=SERVER))
-            job.error = err
-            state.done = True
-            if started:
-                await send({"type": "http.response.body", "body": error_event(err.to_dict()) + DONE,
-                            "more_body": False})
-            else:
-                await _send_error(send, err, self._headers([]))
+            err = APIError(500, "The server had an error while processing your request.", type=SERVER)
+            await self._send_failure(send, state, job.traced(err))
         finally:
             watcher.cancel()
-            fe.finish(job)
+            self.frontend.end(job)
+
+    async def _send_stream(self, send: Send, state: _ResponseState) -> None:
+        fe = self.frontend
+        keepalive = fe.config.sse_keepalive_s or None
+        async with aclosing(with_keepalive(self._events(), keepalive)) as events:
+            async for chunk in events:
+                if not state.started:
+                    state.started = True
+                    await send({"type": "http.response.start", "status": 200, "headers": self._headers(_SSE_HEADERS)})
+                if chunk is None:
+                    fe.metrics.sse_keepalives.inc()
+                elif chunk.endswith(DONE):
+                    # The client has the whole response once this is sent and may hang up at once, while
+                    # the stream is still being closed here: that is the normal end, not a 499.
+                    state.done = True
+                await send({"type": "http.response.body", "body": chunk or KEEPALIVE, "more_body": True})
+        state.done = True
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _send_whole(self, send: Send, state: _ResponseState) -> None:
+        firsts = await self.frontend.open(self.job)
+        body = await self.frontend.collect(self.job, firsts)
+        state.done = True
+        headers = self._headers([(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())])
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
+    async def _send_failure(self, send: Send, state: _ResponseState, err: APIError) -> None:
+        """Ends the response with the job's error: an error response, or the last event of a stream that
+        keep-alive comments have started."""
+        self.job.error = err
+        state.done = True
+        if state.started:
+            await send({"type": "http.response.body", "body": error_event(err.to_dict()) + DONE, "more_body": False})
+        else:
+            await _send_error(send, err, self._headers([]))
 
 
 async def with_keepalive(source: AsyncIterator[bytes], interval_s: float | None) -> AsyncIterator[bytes | None]:
@@ -267,12 +272,12 @@ def _add_generation_routes(app: FastAPI, frontend: Frontend) -> None:
         tenant_name = None
         # Tracing on: the request's trace starts here (a client's traceparent is its parent).
         tracer = frontend.tracer
-        trace = start_request(tracer, request.url.path, request.headers, time.perf_counter()) if tracer else None
+        trace = start_request(tracer, request.url.path, request.headers, time.monotonic()) if tracer else None
         try:
             tenant = frontend.authenticate(request.headers.get("authorization"))
             tenant_name = tenant.name
             body = await read_body(request, frontend.config.max_body_bytes, frontend.config.body_timeout_s)
-            job = await frontend.prepare(kind, tenant, body, request.headers, trace)
+            job = await frontend.admit(kind, tenant, body, request.headers, trace)
         except APIError as err:
             if trace is not None:
                 trace.reject(err.status, trace.tag(err).message)

@@ -1,5 +1,7 @@
 """What one HTTP generation request is while it runs: the `Job` (admitted once, ended once) and its
-`Choice`s (one upstream generation each), shared by admission, upstream calls, rendering and accounting."""
+`Choice`s (one upstream generation each, with its `Progress`), shared by admission, upstream calls,
+rendering and accounting. Every time they hold is a `time.monotonic()` reading: the one clock of the
+frontend's request timings (and the nodes' own), so any two of them make an interval."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pdserve.frontend.errors import APIError
-from pdserve.frontend.limits import Admission
+from pdserve.frontend.limits import Grant
 from pdserve.frontend.models import ServedModel
 from pdserve.frontend.protocol import GenerationRequest
 from pdserve.frontend.render import usage_dict
@@ -32,8 +34,65 @@ class UpstreamError(Exception):
 
 
 @dataclass(eq=False)
+class Progress:
+    """What a choice's Generate calls produced so far: counted and timed here as their messages arrive
+    (`UpstreamCalls` records each, `record`, and the one that completes the choice, `finish`), and what
+    its nodes reported. Accounting, tracing and the request log read it; what the choice says, rendered,
+    is its `frontend.output.ChoiceOutput`."""
+
+    tokens: int = 0  # completion tokens
+    finish_reason: str | None = None  # set when the choice finished ("stop" | "length")
+    stop_reason: str = ""
+    cached_tokens: int = 0
+    cached_prefill: int = 0  # of cached_tokens: the prefill node's prefix-cache hit (remote prefill)
+    cached_decode: int = 0  # the decode node's own hit
+    dispatched_at: float | None = None  # when the Generate call went out (the TTFT breakdown's frontend part)
+    first_at: float | None = None  # when the first token arrived
+    last_at: float | None = None  # when the latest token arrived
+    itls: list[float] = field(default_factory=list)
+    timing: pb.Timing | None = None
+    prefilled_by: str = ""  # the node that prefilled, as the decode node reports it (itself, when local)
+    decoded_by: str = ""
+
+    def record(self, msg: pb.GenerateResponse, now: float, migrated: bool) -> None:
+        """A message arrived at `now`: its tokens (first token, ITLs) and the timing its node reported.
+        `migrated`: the choice moved off its first decode node, whose timing it keeps."""
+        n = len(msg.token_ids)
+        if n:
+            if self.first_at is None:
+                self.first_at = now
+            elif self.last_at is not None:
+                self.itls.append(now - self.last_at)
+            self.last_at = now
+            self.tokens += n
+        if self.timing is None and msg.HasField("timing"):
+            self.timing = msg.timing
+            self.prefilled_by, self.decoded_by = msg.prefill_node_id, msg.decode_node_id
+        elif msg.finished and msg.HasField("timing") and not migrated:
+            # The last message repeats the timing complete (the KV transfer and the first decode step end
+            # after the first token); a migrated choice keeps its first node's, which its TTFT was.
+            self.timing = msg.timing
+
+    def finish(self, msg: pb.GenerateResponse) -> None:
+        """The choice's last message, which completed it: how it ended and what its node counted."""
+        assert self.finish_reason is None, "a choice finishes once"
+        self.finish_reason = msg.finish_reason
+        self.stop_reason = msg.stop_reason
+        self.cached_tokens = msg.num_cached_tokens
+        self.cached_prefill = msg.num_cached_tokens_prefill
+        self.cached_decode = msg.num_cached_tokens_decode
+        if msg.num_completion_tokens:
+            self.tokens = msg.num_completion_tokens  # a resumed node counts the tokens before it too
+        if msg.prefill_node_id:
+            self.prefilled_by = msg.prefill_node_id
+        if msg.decode_node_id:
+            self.decoded_by = msg.decode_node_id
+
+
+@dataclass(eq=False)
 class Choice:
-    """One upstream generation, i.e. one choice of the response, and what it produced so far."""
+    """One upstream generation, i.e. one choice of the response: what it asks for, where it runs (its
+    route and lease, its call, the decode nodes tried, what the client was given), and its `progress`."""
 
     index: int
     prompt_index: int
@@ -44,34 +103,18 @@ class Choice:
     decision: RouteDecision
     lease: RouteLease
     call: Any = None  # the grpc.aio call while it runs
-    echo_pending: bool = False  # streamed completions with echo: the prompt text still goes first
     tried: list[str] = field(default_factory=list)  # decode nodes tried, in order
     # What the client was given so far (completion token ids and characters of completion text): a
     # migrated choice resumes after them on its next decode node.
     delivered_ids: list[int] = field(default_factory=list)
     delivered_chars: int = 0
     migrations: int = 0  # times the choice moved to another decode node mid-stream
-    text: list[str] = field(default_factory=list)
-    logprobs: list[pb.TokenLogprob] = field(default_factory=list)
-    text_offset: int = 0  # legacy completions logprobs: offset of the next token in the text
-    tokens: int = 0
-    finish_reason: str | None = None
-    stop_reason: str = ""
-    cached_tokens: int = 0
-    cached_prefill: int = 0  # of cached_tokens: the prefill node's prefix-cache hit (remote prefill)
-    cached_decode: int = 0  # the decode node's own hit
-    dispatched_at: float | None = None  # perf_counter when the Generate call went out (TTFT breakdown)
-    first_at: float | None = None
-    last_at: float | None = None
-    itls: list[float] = field(default_factory=list)
-    timing: pb.Timing | None = None
-    prefill_node: str = ""
-    decode_node: str = ""
+    progress: Progress = field(default_factory=Progress)
 
 
 @dataclass
 class AdmissionStamps:
-    """perf_counter readings of a job's admission steps (its trace's admission spans)."""
+    """When a job's admission steps ended (its trace's admission spans)."""
 
     parsed: float = 0.0  # body parsed
     tokenized: float = 0.0  # model resolved and picked, prompts tokenized
@@ -87,7 +130,7 @@ class Job:
     kind: str
     id: str
     created: int
-    arrived: float  # perf_counter at arrival
+    arrived: float  # when the request reached its route
     req: GenerationRequest
     tenant: Tenant
     model: ServedModel
@@ -95,7 +138,7 @@ class Job:
     prompts: list[list[int]]
     echo_texts: list[str]
     choices: list[Choice]
-    admission: Admission
+    grant: Grant  # what admission took from the tenant's limits
     client_request_id: str | None = None
     session_key: str | None = None
     fallback_reason: str = ""
@@ -135,9 +178,17 @@ def serving_path(c: Choice) -> str:
         return "migrated"
     if len(c.tried) > 1:
         return "retried"
-    if c.prefill_node and c.prefill_node != c.decode_node:
+    p = c.progress
+    if p.prefilled_by and p.prefilled_by != p.decoded_by:
         return "disaggregated"
     return "local_prefill"
+
+
+def first_to_token(job: Job) -> Progress | None:
+    """The progress of the choice whose first token came first (None before any token): its TTFT is the
+    job's."""
+    started = [c.progress for c in job.choices if c.progress.first_at is not None]
+    return min(started, key=lambda p: p.first_at or 0.0) if started else None
 
 
 def client_request_id(headers: Mapping[str, str]) -> str | None:
@@ -147,8 +198,8 @@ def client_request_id(headers: Mapping[str, str]) -> str | None:
 
 def usage(job: Job) -> dict[str, Any]:
     """The usage object of a job's response (cached tokens counted once per prompt)."""
-    completion = sum(c.tokens for c in job.choices)
+    completion = sum(c.progress.tokens for c in job.choices)
     cached: dict[int, int] = {}
     for c in job.choices:
-        cached[c.prompt_index] = max(cached.get(c.prompt_index, 0), c.cached_tokens)
+        cached[c.prompt_index] = max(cached.get(c.prompt_index, 0), c.progress.cached_tokens)
     return usage_dict(sum(len(p) for p in job.prompts), completion, sum(cached.values()))

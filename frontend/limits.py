@@ -1,8 +1,8 @@
-"""Per-tenant admission: token buckets for requests, input and output tokens, concurrency and a daily quota.
+"""Per-tenant limits: token buckets for requests, input and output tokens, concurrency and a daily quota.
 
-A request is admitted atomically (every limit checked before any is charged, and nothing awaits in
-between, so concurrent requests on the event loop cannot interleave). Its output budget is its
-`max_tokens` (times the number of choices), taken up front; `Admission.release` refunds what it did not
+A request's charges are granted atomically (every limit checked before any is charged, and nothing awaits
+in between, so concurrent requests on the event loop cannot interleave): the `Grant`. Its output budget is
+its `max_tokens` (times the number of choices), taken up front; `Grant.release` refunds what it did not
 use. A choice without `max_tokens` (the openai SDK sends none) may generate up to the context, so it
 reserves an estimate instead (`output_tokens_estimate`), never more than the bucket or the day's quota
 can hold, so leaving max_tokens out never makes a request too large; when it ends it is charged what it
@@ -75,14 +75,15 @@ class TenantState:
     input_tokens: TokenBucket | None
     output_tokens: TokenBucket | None
     concurrent: int = 0
-    tokens_in_flight: int = 0  # prompt + reserved output tokens of the requests admitted and not ended
+    tokens_in_flight: int = 0  # prompt + reserved output tokens of the requests granted and not ended
     day: int = -1  # UTC day number the daily counter belongs to
     day_used: int = 0  # tokens charged today (reserved output included until refunded)
 
 
 @dataclass(eq=False)
-class Admission:
-    """One admitted request's charges; `release` must be called exactly once when the request ends."""
+class Grant:
+    """What admission took from a tenant's limits for one request; `release` gives it back once, when the
+    request ends."""
 
     tenant: Tenant
     state: TenantState
@@ -116,7 +117,7 @@ def _retry_after(seconds: float) -> str:
 
 
 class TenantLimiter:
-    """Admits or rejects requests per tenant (changes the tenants' counters and buckets)."""
+    """Grants or refuses requests their charges per tenant (changes the tenants' counters and buckets)."""
 
     def __init__(self, share: int = 1, clock: Callable[[], float] = time.monotonic,
                  wall_clock: Callable[[], float] = time.time, index: int | None = None) -> None:
@@ -169,7 +170,7 @@ class TenantLimiter:
             st.requests.refill(self._clock())
             self._check_bucket(tenant, st.requests, 1, "requests", "requests per minute (RPM)", "rpm")
 
-    def admit(self, tenant: Tenant, input_tokens: int, output_reserve: int, output_estimate: int = 0) -> Admission:
+    def grant(self, tenant: Tenant, input_tokens: int, output_reserve: int, output_estimate: int = 0) -> Grant:
         """Charges one request: `input_tokens`, the firm output reservation `output_reserve` (the sum of
         the max_tokens the client sent) and `output_estimate` (what choices without max_tokens reserve,
         cut to what the output bucket and the daily quota can hold); or raises a 429 APIError."""
@@ -196,7 +197,7 @@ class TenantLimiter:
         st.concurrent += 1
         st.tokens_in_flight += input_tokens + output_reserve
         st.day_used += input_tokens + output_reserve
-        return Admission(tenant, st, input_tokens, output_reserve, day)
+        return Grant(tenant, st, input_tokens, output_reserve, day)
 
     def _no_share(self, tenant: Tenant, what: str, name: str, amount: int = 1) -> APIError:
         """429 for a request beyond this process's share of a limit that another frontend's share could

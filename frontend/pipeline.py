@@ -1,10 +1,11 @@
 """The frontend's request path, independent of the HTTP framework: admit, tokenize, route, stream, account.
 
-`Frontend.prepare` does everything that can fail before a response starts (`frontend.admission`; auth is
+`Frontend.admit` does everything that can fail before a response starts (`frontend.admission`; auth is
 done by the caller). `Frontend.open` starts one Generate call per choice and waits for each first message
 (`frontend.upstream`), so a node that cannot take the request is replaced (or answered with a proper
-status) before any byte is sent. `stream` / `collect` then produce the SSE events or the JSON body, and
-`finish` (always called once) ends the job (`frontend.accounting`).
+status) before any byte is sent. `stream` / `collect` then produce the SSE events or the JSON body from
+each choice's output (`frontend.output`), and `end` (always called once) ends the job
+(`frontend.accounting`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from typing import Any
 from pdserve.engine.version import pdserve_version
 from pdserve.frontend.accounting import Accounting
 from pdserve.frontend.admission import Admitter
-from pdserve.frontend.channels import UpstreamPool
 from pdserve.frontend.config import (
     ConfigError,
     FrontendConfig,
@@ -27,23 +27,17 @@ from pdserve.frontend.config import (
     load_models_file,
     version_weights,
 )
+from pdserve.frontend.connections import DecodeConnections
 from pdserve.frontend.errors import OVERLOADED, APIError
 from pdserve.frontend.job import CHAT, COMPLETION, Job, UpstreamError, client_request_id, usage
 from pdserve.frontend.limits import TenantLimiter
 from pdserve.frontend.metrics import FrontendMetrics
 from pdserve.frontend.models import ModelCatalog
-from pdserve.frontend.render import (
-    DONE,
-    StreamEncoder,
-    chat_logprobs,
-    completion_logprobs,
-    error_event,
-    full_response,
-)
+from pdserve.frontend.output import choice_outputs
+from pdserve.frontend.render import DONE, StreamEncoder, error_event, full_response
 from pdserve.frontend.request_log import RequestLog
 from pdserve.frontend.routing import Router
 from pdserve.frontend.tenants import Tenant, TenantTable
-from pdserve.frontend.tools import ToolCallParser, message_of
 from pdserve.frontend.tracing import RequestTrace
 from pdserve.frontend.ttft import TTFTEstimator
 from pdserve.frontend.upstream import PoolFailed, UpstreamCalls
@@ -56,25 +50,12 @@ __all__ = ["CHAT", "COMPLETION", "Frontend", "Job", "client_request_id"]
 
 log = logging.getLogger(__name__)
 
-_DROP_CHANNEL_AFTER_S = 30.0
+_DROP_CONNECTION_AFTER_S = 30.0
 _MODELS_POLL_S = 1.0  # how often the models file is checked for new version weights
 
 
-def tool_parsers(job: Job) -> dict[int, ToolCallParser]:
-    """A tool-call parser per choice of a chat job whose model may call tools (none otherwise)."""
-    tools = job.req.tools
-    if tools is None or tools.parser() is None:
-        return {}
-    return {c.index: tools.parser() for c in job.choices}  # type: ignore[misc]
-
-
-def finish_reason(reason: str, parser: ToolCallParser | None) -> str:
-    """A choice's finish_reason: "tool_calls" when it ended by itself after calling a tool."""
-    return "tool_calls" if reason == "stop" and parser is not None and parser.calls else reason
-
-
 class Frontend:
-    """All state of one frontend process: models, tenants, limits, registry view, router, channels."""
+    """All state of one frontend process: models, tenants, limits, registry view, router, connections."""
 
     def __init__(self, config: FrontendConfig) -> None:
         self.config = config
@@ -95,17 +76,17 @@ class Frontend:
             affinity_blocks=config.affinity_blocks,
             decode_max_queue=config.decode_max_queue,
         )
-        self.upstream = UpstreamPool(config.rpc)
+        self.connections = DecodeConnections(config.rpc)
         self.workers = PrepareWorkers(config.prepare_workers, config.prepare_queue, config.models)
         self.ttft = TTFTEstimator()
         self.router.on_first_token = self.ttft.observe_lease
         self.admitter = Admitter(config, self.catalog, self.limiter, self.router, self.metrics, self.workers,
                                  self.ttft, inflight=lambda: self.inflight + self.workers.pending)
-        self.calls = UpstreamCalls(config, self.router, self.upstream, self.metrics)
+        self.calls = UpstreamCalls(config, self.router, self.connections, self.metrics)
         self.accounting = Accounting(config, self.metrics, self.request_log)
         # None unless an OTLP endpoint is configured (then `frontend.tracing` traces every request).
         self.tracer = start_tracing(config.tracing, "pdserve-frontend", {"service.instance.id": config.frontend_id},
-                                    time.perf_counter)
+                                    time.monotonic)
         self.inflight = 0
         self._addresses: dict[str, str] = {}
         self._background: set[asyncio.Task[object]] = set()
@@ -179,7 +160,7 @@ class Frontend:
         for task in list(self._background):
             task.cancel()
         await self.view.close()
-        await self.upstream.close()
+        await self.connections.close()
         self.workers.close()
         self.request_log.close()
         if self.tracer is not None:
@@ -195,10 +176,10 @@ class Frontend:
 
     async def _drop_later(self, address: str) -> None:
         # Late: requests still streaming from a node that just left may finish; and a node that comes
-        # back at the same address keeps its channel.
-        await asyncio.sleep(_DROP_CHANNEL_AFTER_S)
+        # back at the same address keeps its connection.
+        await asyncio.sleep(_DROP_CONNECTION_AFTER_S)
         if address not in self._addresses.values():
-            await self.upstream.drop(address)
+            await self.connections.drop(address)
 
     # --- auth and readiness ----------------------------------------------------------------------
 
@@ -254,14 +235,14 @@ class Frontend:
 
     # --- a job's life ----------------------------------------------------------------------------
 
-    async def prepare(self, kind: str, tenant: Tenant, body: bytes, headers: Mapping[str, str],
-                      trace: RequestTrace | None = None) -> Job:
-        """Validates, tokenizes, routes and admits a request (`Admitter.prepare`); `trace` (tracing on)
-        becomes the job's. Raises APIError (4xx/503). On success the job counts as in flight until `finish`."""
+    async def admit(self, kind: str, tenant: Tenant, body: bytes, headers: Mapping[str, str],
+                    trace: RequestTrace | None = None) -> Job:
+        """Validates, tokenizes, routes and admits a request (`Admitter.admit`); `trace` (tracing on)
+        becomes the job's. Raises APIError (4xx/503). On success the job counts as in flight until `end`."""
         if self.inflight + self.workers.pending >= self.config.max_inflight:
             raise APIError(503, "This frontend is at its in-flight request limit; retry shortly.",
                            type=OVERLOADED, code="overloaded", headers={"retry-after": "1"})
-        job = await self.admitter.prepare(kind, tenant, body, headers)
+        job = await self.admitter.admit(kind, tenant, body, headers)
         job.trace = trace
         self.inflight += 1
         self.metrics.inflight_now.inc()
@@ -274,10 +255,11 @@ class Frontend:
         try:
             return await self.calls.open(job)
         except PoolFailed as failed:
-            pool = job.model.name
+            failed_model = job.model.name
             if not await self.admitter.fall_back(job, failed.error.message):
                 raise failed.error from None
-        log.warning("request %s: model %s failed before the first token; %s", job.id, pool, job.fallback_reason)
+        log.warning("request %s: model %s failed before the first token; %s", job.id, failed_model,
+                    job.fallback_reason)
         try:
             return await self.calls.open(job)
         except PoolFailed as failed:
@@ -287,34 +269,11 @@ class Frontend:
         """The SSE events of a streamed job; the first item also carries the chat role chunks."""
         req = job.req
         enc = StreamEncoder(job.kind, job.id, job.created, job.model.name, job.fingerprint, req.include_usage)
-        texts = job.model.texts
-        top = req.sampling.logprobs
-        chat = job.kind == CHAT
-        pending: list[bytes] = [enc.role(c.index) for c in job.choices] if chat else []
-        parsers = tool_parsers(job)
+        outputs = choice_outputs(job)
+        pending: list[bytes] = [enc.role(c.index) for c in job.choices] if job.kind == CHAT else []
         try:
             async for c, msg in self.calls.messages(job, firsts):
-                self.calls.progress(c, msg, time.perf_counter())
-                text = msg.text
-                if c.echo_pending:
-                    text = job.echo_texts[c.prompt_index] + text
-                    c.echo_pending = False
-                lp = None
-                if top is not None and msg.logprobs:
-                    if chat:
-                        lp = {"content": chat_logprobs(msg.logprobs, texts, top), "refusal": None}
-                    else:
-                        lp, c.text_offset = completion_logprobs(msg.logprobs, texts, top, c.text_offset)
-                parser = parsers.get(c.index)
-                if parser is not None:
-                    events = parser.feed(text) + (parser.finish() if msg.finished else [])
-                    pending += [enc.tool_event(c.index, e) for e in events]
-                    if lp is not None:
-                        pending.append(enc.text(c.index, "", lp))
-                elif text or lp is not None:
-                    pending.append(enc.text(c.index, text, lp))
-                if msg.finished:
-                    pending.append(enc.finish(c.index, finish_reason(msg.finish_reason, parser)))
+                pending += enc.delta(c.index, outputs[c.index].take(msg))
                 if pending:
                     yield b"".join(pending) if len(pending) > 1 else pending[0]
                     pending = []
@@ -330,52 +289,25 @@ class Frontend:
 
     async def collect(self, job: Job, firsts: list[pb.GenerateResponse]) -> bytes:
         """The JSON body of a non-streamed job. Raises APIError when a node fails it."""
+        outputs = choice_outputs(job)
         try:
             async for c, msg in self.calls.messages(job, firsts):
-                self.calls.progress(c, msg, time.perf_counter())
-                if msg.text:
-                    c.text.append(msg.text)
-                if msg.logprobs:
-                    c.logprobs.extend(msg.logprobs)
+                outputs[c.index].take(msg)
         except UpstreamError as err:
             raise err.error from None
-        req = job.req
-        top = req.sampling.logprobs
-        texts = job.model.texts
-        parsers = tool_parsers(job)
-        choices: list[dict[str, Any]] = []
-        for c in job.choices:
-            text = "".join(c.text)
-            assert c.finish_reason is not None
-            if job.kind == CHAT:
-                lp = None if top is None else {"content": chat_logprobs(c.logprobs, texts, top), "refusal": None}
-                message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
-                parser = parsers.get(c.index)
-                if parser is not None:
-                    tool_message = message_of(parser.feed(text) + parser.finish())
-                    message["content"] = tool_message.content
-                    if tool_message.tool_calls:
-                        message["tool_calls"] = tool_message.tool_calls
-                choices.append({"index": c.index, "message": message, "logprobs": lp,
-                                "finish_reason": finish_reason(c.finish_reason, parser)})
-            else:
-                lp = None if top is None else completion_logprobs(c.logprobs, texts, top, 0).logprobs
-                if req.echo:
-                    text = job.echo_texts[c.prompt_index] + text
-                choices.append({"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason})
-        return full_response(job.kind == CHAT, job.id, job.created, job.model.name, job.fingerprint, choices,
-                             usage(job))
+        return full_response(job.kind == CHAT, job.id, job.created, job.model.name, job.fingerprint,
+                             [out.choice() for out in outputs], usage(job))
 
     def reject(self, kind: str, tenant: str | None, err: APIError, client_id: str | None) -> None:
         """Accounts a request refused before it started (metrics and a request log line)."""
         self.accounting.reject(kind, tenant, err, client_id)
 
-    def finish(self, job: Job) -> None:
-        """Ends a job exactly once (see `Accounting.finish`); it no longer counts as in flight."""
+    def end(self, job: Job) -> None:
+        """Ends a job exactly once (see `Accounting.end`); it no longer counts as in flight."""
         if job.ended:
             return
-        self.accounting.finish(job)
+        self.accounting.end(job)
         if job.trace is not None:
-            job.trace.finish(job, time.perf_counter())
+            job.trace.end(job, time.monotonic())
         self.inflight -= 1
         self.metrics.inflight_now.dec()

@@ -15,7 +15,7 @@ import orjson
 
 from pdserve.frontend.models import TokenTexts
 from pdserve.frontend.protocol import Kind
-from pdserve.frontend.tools import ToolEvent
+from pdserve.frontend.tool_calls import ToolEvent
 from pdserve.rpc import pdserve_pb2 as pb
 
 DONE = b"data: [DONE]\n\n"
@@ -87,6 +87,15 @@ def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -
     }
 
 
+class Delta(NamedTuple):
+    """What one upstream message adds to its choice, rendered (`frontend.output.ChoiceOutput.take`)."""
+
+    text: str  # content text, a completion's echo first ("" with tool-call parsing: the text is in `tools`)
+    logprobs: dict[str, Any] | None  # the message's tokens' logprobs (None: not asked for, or no tokens)
+    tools: list[ToolEvent] | None  # the tool-call parser's events for the text (None: no tool calls parsed)
+    finish_reason: str | None  # set on the choice's last message
+
+
 class StreamEncoder:
     """SSE events of one streamed response. Immutable after construction."""
 
@@ -131,6 +140,20 @@ class StreamEncoder:
             call = {"index": event.call, "function": {"arguments": event.text}}
         return self._event(b'{"index":%d,"delta":{"tool_calls":[%b]},"logprobs":null,"finish_reason":null}'
                            % (index, orjson.dumps(call)))
+
+    def delta(self, index: int, delta: Delta) -> list[bytes]:
+        """The chunks of one message of choice `index`: its text or tool-call events, its logprobs, and
+        the finish_reason when it is the choice's last."""
+        out: list[bytes] = []
+        if delta.tools is not None:
+            out += [self.tool_event(index, e) for e in delta.tools]
+            if delta.logprobs is not None:
+                out.append(self.text(index, "", delta.logprobs))
+        elif delta.text or delta.logprobs is not None:
+            out.append(self.text(index, delta.text, delta.logprobs))
+        if delta.finish_reason is not None:
+            out.append(self.finish(index, delta.finish_reason))
+        return out
 
     def finish(self, index: int, reason: str) -> bytes:
         """The last chunk of a choice: empty delta, its finish_reason."""

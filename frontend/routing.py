@@ -38,7 +38,7 @@ class RouteDecision:
     decode_address: str
     decode_reason: str
     decode_rule: str  # "least_loaded" | "session_owner" | "session_spill" (a bounded metric label)
-    prefill_id: str  # "" lets the decode node prefill locally
+    prefill_hint: str  # the prefill node the decode node is asked to use; "" lets it prefill itself
     prefill_reason: str
     prefill_rule: str  # "prefix_owner" | "prefix_spill" | "least_loaded" | "local"
     prefix_key: str  # hex of the ring key used for prefill affinity ("" when none)
@@ -46,9 +46,11 @@ class RouteDecision:
     prompt_tokens: int = 0  # the prompt's length: the prefill work this route adds to its node
 
     @property
-    def prefill_node(self) -> str:
-        """The node that prefills the prompt: the prefill node, or the decode node itself."""
-        return self.prefill_id or self.decode_id
+    def prefill_target(self) -> str:
+        """The node whose prefill work this route adds to (backlog, TTFT estimate): the hinted prefill
+        node, else the decode node itself. Who did prefill is what the decode node reports
+        (`Progress.prefilled_by`): it may prefill itself after all."""
+        return self.prefill_hint or self.decode_id
 
 
 @dataclass(frozen=True)
@@ -69,22 +71,22 @@ class RouteLease:
     released: bool = field(default=False)
     work_ahead: int = 0  # prefill tokens queued on its node when it was leased, its own included
     tokens_pending: bool = True
-    leased_at: float = field(default_factory=time.perf_counter)
+    leased_at: float = field(default_factory=time.monotonic)
 
     def prefill_done(self) -> None:
         """The first token arrived: the prefill node is done with this request (reported to the router's
         `on_first_token`, which learns the prefill rate)."""
         if self.tokens_pending and self.router.on_first_token is not None:
-            self.router.on_first_token(self, time.perf_counter() - self.leased_at)
+            self.router.on_first_token(self, time.monotonic() - self.leased_at)
         self._settle_prefill()
 
     def _settle_prefill(self) -> None:
         if self.prefill_pending:
             self.prefill_pending = False
-            self.router.adjust(self.router.prefill_outstanding, self.decision.prefill_id, -1)
+            self.router.adjust(self.router.prefill_outstanding, self.decision.prefill_hint, -1)
         if self.tokens_pending:
             self.tokens_pending = False
-            self.router.adjust(self.router.prefill_tokens, self.decision.prefill_node, -self.decision.prompt_tokens)
+            self.router.adjust(self.router.prefill_tokens, self.decision.prefill_target, -self.decision.prompt_tokens)
 
     def release(self) -> None:
         """The request ended (any way): its counts go away. Idempotent."""
@@ -201,7 +203,7 @@ class Router:
             decode_address=decode.record.grpc_address,
             decode_reason=decode_reason,
             decode_rule=decode_rule,
-            prefill_id=prefill.node_id,
+            prefill_hint=prefill.node_id,
             prefill_reason=prefill.reason,
             prefill_rule=prefill.rule,
             prefix_key=prefill.prefix_key,
@@ -241,8 +243,8 @@ class Router:
 
     def backlog(self, decision: RouteDecision) -> Backlog:
         """The prefill work queued ahead on the node that would prefill `decision`'s prompt."""
-        node = decision.prefill_node
-        role = "prefill" if decision.prefill_id else "decode"
+        node = decision.prefill_target
+        role = "prefill" if decision.prefill_hint else "decode"
         member = next((m for m in self._members(role, decision.pool) if m.node_id == node), None)
         queue = 0 if member is None or member.load is None else member.load.queue_len
         return Backlog(self.prefill_tokens.get(node, 0), queue)
@@ -250,9 +252,9 @@ class Router:
     def lease(self, decision: RouteDecision) -> RouteLease:
         """Counts the request (and its prompt's prefill tokens) as outstanding on its nodes until the
         lease is released."""
-        ahead = self.prefill_tokens.get(decision.prefill_node, 0)
+        ahead = self.prefill_tokens.get(decision.prefill_target, 0)
         self.adjust(self.decode_outstanding, decision.decode_id, +1)
-        self.adjust(self.prefill_outstanding, decision.prefill_id, +1)
-        self.adjust(self.prefill_tokens, decision.prefill_node, decision.prompt_tokens)
-        return RouteLease(self, decision, prefill_pending=bool(decision.prefill_id),
+        self.adjust(self.prefill_outstanding, decision.prefill_hint, +1)
+        self.adjust(self.prefill_tokens, decision.prefill_target, decision.prompt_tokens)
+        return RouteLease(self, decision, prefill_pending=bool(decision.prefill_hint),
                           work_ahead=ahead + decision.prompt_tokens)

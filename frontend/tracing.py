@@ -1,7 +1,7 @@
 """The frontend's spans of one HTTP generation request (`RequestTrace`); exists only when tracing is on
 (`rpc.tracing.start_tracing` gave a tracer), so an untraced request costs one `is None` check per hook.
 
-Spans (times are the perf_counter readings the job already keeps for its metrics):
+Spans (times are the time.monotonic readings the job already keeps for its metrics):
 
     POST /v1/chat/completions          server, parent: the client's `traceparent` (else a new trace);
     │                                  arrival at the route to the end of the job (or the refusal)
@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from pdserve.frontend.errors import APIError
-from pdserve.frontend.job import Choice, Job
+from pdserve.frontend.job import Choice, Job, first_to_token
 from pdserve.rpc.tracing import TTFT_STAGE as STAGE
 
 if TYPE_CHECKING:
@@ -69,40 +69,39 @@ class RequestTrace:
         span = self._tracer.span("frontend.upstream", parent=self._root, start=now, kind="client", attributes={
             "rpc.system": "grpc", "rpc.method": "DecodeNode/Generate", "pdserve.request_id": c.request_id,
             "pdserve.choice": c.index, "pdserve.attempt": len(c.tried), "pdserve.migrations": c.migrations,
-            "pdserve.decode_node": d.decode_id, "pdserve.prefill_node_hint": d.prefill_id,
+            "pdserve.decode_node": d.decode_id, "pdserve.prefill_node_hint": d.prefill_hint,
         })
         self._calls[c.index] = span
         return self._tracer.metadata(span)
 
     def reject(self, status: int, error: str) -> None:
         """The request was refused (or its client left) before a job existed: ends the root span."""
-        self._end_root(status, error, time.perf_counter(), {})
+        self._end_root(status, error, time.monotonic(), {})
 
-    def finish(self, job: Job, now: float) -> None:
+    def end(self, job: Job, now: float) -> None:
         """The job ended at `now`: the stage spans, the open Generate call spans and the root span."""
         t, s = self._tracer, job.stamps
-        firsts = [c for c in job.choices if c.first_at is not None]
-        first = min(firsts, key=lambda c: c.first_at or 0.0) if firsts else None
-        dispatched = first.dispatched_at if first is not None and first.dispatched_at is not None else s.admitted
+        p = first_to_token(job)
+        dispatched = p.dispatched_at if p is not None and p.dispatched_at is not None else s.admitted
         dispatch = t.span("frontend.dispatch", parent=self._root, start=job.arrived, end=dispatched,
-                          attributes={STAGE: "frontend"} if first is not None else None)
+                          attributes={STAGE: "frontend"} if p is not None else None)
         admission = t.span("frontend.admission", parent=dispatch, start=job.arrived, end=s.admitted,
                            attributes={"pdserve.model": job.model.name, "pdserve.tenant": job.tenant.name,
                                        "pdserve.prompt_tokens": sum(len(p) for p in job.prompts)})
         for name, start, end in (("frontend.parse", job.arrived, s.parsed), ("frontend.tokenize", s.parsed, s.tokenized),
                                  ("frontend.routing", s.routed_from, s.routed), ("frontend.limits", s.routed, s.admitted)):
             t.span(name, parent=admission, start=start, end=end)
-        if first is not None and first.first_at is not None:
-            t.span("frontend.stream", parent=self._root, start=first.first_at, end=now,
+        if p is not None and p.first_at is not None:
+            t.span("frontend.stream", parent=self._root, start=p.first_at, end=now,
                    attributes={"pdserve.stream": job.req.stream,
-                               "pdserve.completion_tokens": sum(c.tokens for c in job.choices)})
+                               "pdserve.completion_tokens": sum(c.progress.tokens for c in job.choices)})
         for c in job.choices:
             span = self._calls.pop(c.index, None)
             if span is not None:
-                ok = c.finish_reason is not None
-                t.finish(span, now, error=None if ok else "ended without finishing", attributes={
-                    "pdserve.finish_reason": c.finish_reason or "", "pdserve.decode_node": c.decode_node,
-                    "pdserve.prefill_node": c.prefill_node, "pdserve.tokens": c.tokens})
+                cp = c.progress
+                t.finish(span, now, error=None if cp.finish_reason is not None else "ended without finishing",
+                         attributes={"pdserve.finish_reason": cp.finish_reason or "", "pdserve.decode_node": cp.decoded_by,
+                                     "pdserve.prefill_node": cp.prefilled_by, "pdserve.tokens": cp.tokens})
         if job.disconnected:
             status, error = 499, "the client went away"
         elif job.error is not None:

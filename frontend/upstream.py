@@ -1,4 +1,4 @@
-"""gRPC client side of the control plane (channels: `frontend.channels`): the Generate request message, and
+"""gRPC client side of the control plane (connections: `frontend.connections`): the Generate request message, and
 the upstream calls of a job (`UpstreamCalls`): one Generate call per choice, retried on another decode
 node while nothing was sent to the client, moved to another decode node when its stream breaks later,
 and the merged stream of their messages.
@@ -26,12 +26,13 @@ import logging
 import time
 import weakref
 from collections.abc import AsyncIterator
+from typing import Literal
 
 import grpc
 from grpc_health.v1 import health_pb2
 
-from pdserve.frontend.channels import UpstreamPool
 from pdserve.frontend.config import FrontendConfig
+from pdserve.frontend.connections import DecodeConnections
 from pdserve.frontend.errors import OVERLOADED, SERVER, APIError
 from pdserve.frontend.job import Choice, Job, UpstreamError
 from pdserve.frontend.metrics import FrontendMetrics
@@ -54,10 +55,25 @@ HANDOVER = "migrate"
 # How long a decode node that left the registry has to answer a health check before the calls streaming
 # from it count as broken (a draining node answers; a hung one does not).
 PROBE_TIMEOUT_S = 2.0
+# Finish reasons that complete a choice.
+_DONE_FINISH = frozenset({"stop", "length"})
 # Finish reasons that end a stream without ending the choice -> the migration metric's reason label
 # (the others: a status code's name, "eof", and "node_left" for a call cancelled here because its node
-# left the registry and stopped answering, or its channel was closed).
+# left the registry and stopped answering, or its connection was closed). Any other finish reason ("abort")
+# ends the choice with an error.
 _BROKEN_FINISH = {HANDOVER: "handover", "error": "node_error"}
+Ending = Literal["", "done", "broken", "failed"]
+
+
+def _ending(msg: pb.GenerateResponse) -> Ending:
+    """What a message does to its choice, judged here only: "" (more follows), "done" (the choice is
+    complete), "broken" (its node stopped without finishing it: another node continues it) or "failed"
+    (the choice ends with an error)."""
+    if not msg.finished:
+        return ""
+    if msg.finish_reason in _DONE_FINISH:
+        return "done"
+    return "broken" if msg.finish_reason in _BROKEN_FINISH else "failed"
 
 
 def sampling_message(opts: SamplingOptions, max_tokens: int, seed: int | None) -> pb.SamplingParams:
@@ -140,8 +156,9 @@ class UpstreamCalls:
     """Starts and reads the Generate calls of jobs (changes each choice's call, decision, lease, delivery
     and progress fields; marks failing nodes in the router; counts migrations)."""
 
-    def __init__(self, config: FrontendConfig, router: Router, pool: UpstreamPool, metrics: FrontendMetrics) -> None:
-        self._config, self._router, self._pool, self._metrics = config, router, pool, metrics
+    def __init__(self, config: FrontendConfig, router: Router, connections: DecodeConnections,
+                 metrics: FrontendMetrics) -> None:
+        self._config, self._router, self._connections, self._metrics = config, router, connections, metrics
         self._live: weakref.WeakSet[Choice] = weakref.WeakSet()  # choices whose call was started
 
     async def open(self, job: Job) -> list[pb.GenerateResponse]:
@@ -183,22 +200,22 @@ class UpstreamCalls:
         c.tried.append(d.decode_id)
         request = pb.GenerateRequest(
             request_id=c.request_id if not c.migrations else f"{c.request_id}-m{c.migrations}",
-            prompt_token_ids=c.prompt_ids, params=c.params, prefill_node_id=d.prefill_id, return_text=True,
+            prompt_token_ids=c.prompt_ids, params=c.params, prefill_node_id=d.prefill_hint, return_text=True,
             resume_token_ids=c.delivered_ids, resume_text_chars=c.delivered_chars,
         )
-        now = time.perf_counter()
-        if c.first_at is None:  # the TTFT breakdown's frontend part ends at the last dispatch before it
-            c.dispatched_at = now
+        now = time.monotonic()
+        if c.progress.first_at is None:  # the TTFT breakdown's frontend part ends at the last dispatch before it
+            c.progress.dispatched_at = now
         left = self._config.request_timeout_s - (now - job.arrived)
         # A traced job's call carries its span's traceparent: the decode node's spans become its children.
         metadata = job.trace.call_started(job, c, now) if job.trace is not None else None
-        c.call = self._pool.stub(d.decode_address).Generate(request, timeout=max(1.0, left), metadata=metadata)
+        c.call = self._connections.stub(d.decode_address).Generate(request, timeout=max(1.0, left), metadata=metadata)
         self._live.add(c)
         try:
             msg = await self._read(c, opening=True)
         except UpstreamError as err:
             raise err.error from None
-        if msg.finished and msg.finish_reason in _BROKEN_FINISH and not _has_output(msg):
+        if _ending(msg) == "broken" and not _has_output(msg):
             raise Broken(_BROKEN_FINISH[msg.finish_reason], _finish_error(c, msg))
         return msg
 
@@ -212,7 +229,7 @@ class UpstreamCalls:
             task = asyncio.current_task()
             if task is not None and task.cancelling():
                 raise  # the job itself is cancelled (the client went away): no failure
-            # Only the call was cancelled, here: its node stopped answering (`node_left`) or its channel closed.
+            # Only the call was cancelled, here: its node stopped answering (`node_left`) or its connection closed.
             self._router.mark_unavailable(node)
             raise Broken("node_left", APIError(502, f"decode node {node} left the cluster and stopped answering",
                                                type=SERVER, code="upstream_error")) from None
@@ -235,11 +252,12 @@ class UpstreamCalls:
         cancelled, so their choices migrate; a node that answers (a draining one) ends its requests itself.
         Returns how many calls were cancelled."""
         calls = [c for c in self._live
-                 if c.decision.decode_id == node_id and c.finish_reason is None and c.call is not None and not c.call.done()]
+                 if c.decision.decode_id == node_id and c.progress.finish_reason is None and c.call is not None
+                 and not c.call.done()]
         if not calls:
             return 0
         try:
-            await self._pool.health(calls[0].decision.decode_address).Check(
+            await self._connections.health(calls[0].decision.decode_address).Check(
                 health_pb2.HealthCheckRequest(service=""), timeout=PROBE_TIMEOUT_S)
             return 0
         except grpc.aio.AioRpcError as err:
@@ -293,36 +311,47 @@ class UpstreamCalls:
                 raise UpstreamError(err) from None
 
     async def _follow(self, job: Job, c: Choice, msg: pb.GenerateResponse) -> AsyncIterator[pb.GenerateResponse]:
-        """The choice's messages from `msg` (its first) to the finished one, across migrations: a stream
-        that breaks continues on another node, and a hand-over or failure message gives its output (if
-        any) as an unfinished message. Records what is delivered. Raises UpstreamError."""
+        """The choice's messages from `msg` (its first) to the one that completes it, each recorded
+        (`_arrived`) before it is given, across migrations: a stream that breaks continues on another
+        node, and a hand-over or node-failure message gives its output (if any) as an unfinished message.
+        Raises UpstreamError, also for a message that ends the choice with an error (once recorded)."""
         while True:
-            if msg.finished and msg.finish_reason in _BROKEN_FINISH:
+            ending = _ending(msg)
+            if ending == "broken":
                 broken = Broken(_BROKEN_FINISH[msg.finish_reason], _finish_error(c, msg))
                 if _has_output(msg):
                     part = pb.GenerateResponse(request_id=msg.request_id, token_ids=msg.token_ids, text=msg.text,
                                                logprobs=msg.logprobs)
-                    self._delivered(c, part)
+                    self._arrived(c, part)
                     yield part
                 msg = await self._migrate(job, c, broken)
                 continue
-            self._delivered(c, msg)
-            yield msg
-            if msg.finished:
+            self._arrived(c, msg)
+            if ending == "failed":
+                raise UpstreamError(_finish_error(c, msg))
+            if ending == "done":
+                c.progress.finish(msg)
+                yield msg
                 return
+            yield msg
             try:
                 msg = await self._read(c, opening=False)
             except Broken as broken:
                 msg = await self._migrate(job, c, broken)
 
     @staticmethod
-    def _delivered(c: Choice, msg: pb.GenerateResponse) -> None:
+    def _arrived(c: Choice, msg: pb.GenerateResponse) -> None:
+        """Records a message the client is given: what a resume continues after, and the choice's progress."""
         c.delivered_ids.extend(msg.token_ids)
         c.delivered_chars += len(msg.text)
+        if msg.token_ids:
+            c.lease.prefill_done()  # the current node's prefill (a migrated choice's too) is done
+        c.progress.record(msg, time.monotonic(), migrated=c.migrations > 0)
 
     async def messages(self, job: Job, firsts: list[pb.GenerateResponse]
                        ) -> AsyncIterator[tuple[Choice, pb.GenerateResponse]]:
-        """Every upstream message of the job as it arrives, tagged with its choice (migrations hidden)."""
+        """Every upstream message of the job as it arrives, tagged with its choice and recorded in its
+        progress (migrations hidden). Raises UpstreamError when a choice fails."""
         if len(job.choices) == 1:  # the common case, without the queue
             c = job.choices[0]
             async for msg in self._follow(job, c, firsts[0]):
@@ -350,36 +379,3 @@ class UpstreamCalls:
         finally:
             for t in tasks:
                 t.cancel()
-
-    @staticmethod
-    def progress(c: Choice, msg: pb.GenerateResponse, now: float) -> None:
-        n = len(msg.token_ids)
-        if n:
-            c.lease.prefill_done()  # the current node's prefill (a migrated choice's too) is done
-            if c.first_at is None:
-                c.first_at = now
-            elif c.last_at is not None:
-                c.itls.append(now - c.last_at)
-            c.last_at = now
-            c.tokens += n
-        if c.timing is None and msg.HasField("timing"):
-            c.timing = msg.timing
-            c.prefill_node, c.decode_node = msg.prefill_node_id, msg.decode_node_id
-        elif msg.finished and msg.HasField("timing") and not c.migrations:
-            # The last message repeats the timing complete (the KV transfer and the first decode step end
-            # after the first token); a migrated choice keeps its first node's, which its TTFT was.
-            c.timing = msg.timing
-        if msg.finished:
-            if msg.finish_reason not in ("stop", "length"):
-                raise UpstreamError(_finish_error(c, msg))
-            c.finish_reason = msg.finish_reason
-            c.stop_reason = msg.stop_reason
-            c.cached_tokens = msg.num_cached_tokens
-            c.cached_prefill = msg.num_cached_tokens_prefill
-            c.cached_decode = msg.num_cached_tokens_decode
-            if msg.num_completion_tokens:
-                c.tokens = msg.num_completion_tokens  # a resumed node counts the tokens before it too
-            if msg.prefill_node_id:
-                c.prefill_node = msg.prefill_node_id
-            if msg.decode_node_id:
-                c.decode_node = msg.decode_node_id

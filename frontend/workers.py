@@ -1,4 +1,4 @@
-"""A bounded pool of worker processes for the CPU work of admission (`frontend.prepare`: parsing large
+"""A bounded set of worker processes for the CPU work of admission (`frontend.prepare`: parsing large
 bodies, chat templating, tokenization), so the event loop keeps streaming other requests' tokens meanwhile.
 
 Processes, not threads. Chat templating and the Python side of tokenization hold the GIL, and a thread
@@ -11,9 +11,9 @@ about as much time as reading the body; a small body is cheaper to do inline (`p
 The workers run at a lower CPU priority (nice +WORKER_NICE) than the rest of the frontend and the nodes on
 the same host: when the cores are busy, the work that streams tokens runs first and a long prompt's
 preparation waits, since an inter-token gap is felt by every stream and a slower admission only by the
-request it belongs to. The pool is bounded: at most `processes` jobs run and `queue_limit` wait; beyond
-that `run` answers 503 at once. A worker that dies (killed, out of memory) fails only the jobs it held,
-with 503, and the pool is started afresh.
+request it belongs to. The workers are bounded: at most `processes` tasks run and `queue_limit` wait;
+beyond that `run` answers 503 at once. A worker that dies (killed, out of memory) fails only the tasks it
+held, with 503, and the executor is started afresh.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class _Worker:
 
 def _exit_with_parent() -> None:
     """Ends this worker when the frontend process ends, however it ends. A worker holds both ends of the
-    pool's job pipe, so it would never see end-of-file and would wait for jobs forever."""
+    executor's task pipe, so it would never see end-of-file and would wait for tasks forever."""
     parent = multiprocessing.parent_process()
     assert parent is not None
     wait([parent.sentinel])
@@ -79,19 +79,19 @@ def _ready() -> int:
 
 
 class PrepareWorkers:
-    """Runs admission's CPU work in worker processes (changes only its own pending count, and its pool
-    when a worker died)."""
+    """Runs admission's CPU work in worker processes (changes only its own pending count, and its
+    executor when a worker died)."""
 
     def __init__(self, processes: int, queue_limit: int, models: tuple[ModelSpec, ...] = (),
                  nice: int = WORKER_NICE) -> None:
         assert processes >= 1 and queue_limit >= 0, (processes, queue_limit)
         self._processes, self._models, self._nice = processes, models, nice
         self._capacity = processes + queue_limit
-        self._executor: Executor = self._new_pool()
-        self.pending = 0  # jobs running or waiting for a worker
-        self.restarts = 0  # pools started afresh after a worker died
+        self._executor: Executor = self._new_executor()
+        self.pending = 0  # tasks running or waiting for a worker
+        self.restarts = 0  # executors started afresh after a worker died
 
-    def _new_pool(self) -> ProcessPoolExecutor:
+    def _new_executor(self) -> ProcessPoolExecutor:
         # spawn, not fork: the frontend has threads (gRPC, the registry watch) that fork would copy mid-state.
         return ProcessPoolExecutor(max_workers=self._processes, mp_context=multiprocessing.get_context("spawn"),
                                    initializer=_start_worker, initargs=(self._models, self._nice))
@@ -112,7 +112,7 @@ class PrepareWorkers:
 
     async def run(self, fn: Callable[..., T], *args: object) -> T:
         """`fn(*args)` in a worker process (`fn` and the arguments are pickled); its exceptions (APIError
-        included) propagate. 503 APIError with Retry-After when the pool is full or a worker died."""
+        included) propagate. 503 APIError with Retry-After when the queue is full or a worker died."""
         if self.pending >= self._capacity:
             raise APIError(503, "This frontend's request preparation queue is full; retry shortly.",
                            type=OVERLOADED, code="overloaded", headers={"retry-after": "1"})
@@ -121,9 +121,9 @@ class PrepareWorkers:
         try:
             return await asyncio.get_running_loop().run_in_executor(executor, fn, *args)
         except BrokenProcessPool:
-            if executor is self._executor:  # the first job to notice starts the pool afresh
-                executor.shutdown(wait=False, cancel_futures=True)  # the broken pool
-                self._executor = self._new_pool()
+            if executor is self._executor:  # the first task to notice starts the executor afresh
+                executor.shutdown(wait=False, cancel_futures=True)  # the broken one
+                self._executor = self._new_executor()
                 self.restarts += 1
             raise APIError(503, "A request preparation worker of this frontend stopped; retry shortly.",
                            type=OVERLOADED, code="overloaded", headers={"retry-after": "1"}) from None
@@ -131,11 +131,11 @@ class PrepareWorkers:
             self.pending -= 1
 
     def close(self) -> None:
-        """Stops the workers once their current job is done (waits for that); queued jobs are dropped."""
+        """Stops the workers once their current task is done (waits for that); queued tasks are dropped."""
         self._executor.shutdown(wait=True, cancel_futures=True)
-        # The pool's queues hold named semaphores that are unlinked when they are collected; the frontend
+        # The executor's queues hold named semaphores that are unlinked when they are collected; the frontend
         # may end by re-raising SIGTERM, with no exit handlers, so collect them now.
         closed = ThreadPoolExecutor(max_workers=1)
-        closed.shutdown()  # refuses every job from now on
+        closed.shutdown()  # refuses every task from now on
         self._executor = closed
         gc.collect()

@@ -294,15 +294,15 @@ def test_limiter_input_tokens_retry_after_and_isolation() -> None:
     clock = FakeClock()
     lim = TenantLimiter(clock=clock)
     small, other = tenant(input_tokens_per_minute=600), Tenant("other", frozenset({"*"}), TenantLimits())
-    lim.admit(small, 500, 0).release(0)
-    err = api_error(lambda: lim.admit(small, 200, 0))
+    lim.grant(small, 500, 0).release(0)
+    err = api_error(lambda: lim.grant(small, 200, 0))
     assert err.status == 429 and err.code == "rate_limit_exceeded"
     assert err.headers["retry-after"] == "10"  # 100 missing tokens at 10 tokens/s
     assert err.headers["x-should-retry"] == "true"
-    lim.admit(other, 10_000, 0).release(0)  # another tenant is unaffected
+    lim.grant(other, 10_000, 0).release(0)  # another tenant is unaffected
     clock.now += 10.0
-    lim.admit(small, 200, 0).release(0)
-    hard = api_error(lambda: lim.admit(small, 601, 0))
+    lim.grant(small, 200, 0).release(0)
+    hard = api_error(lambda: lim.grant(small, 601, 0))
     assert hard.code == "request_too_large" and hard.headers["x-should-retry"] == "false"
     assert "retry-after" not in hard.headers
 
@@ -311,10 +311,10 @@ def test_limiter_output_reservation_is_refunded() -> None:
     clock = FakeClock()
     lim = TenantLimiter(clock=clock)
     t = tenant(output_tokens_per_minute=100)
-    first = lim.admit(t, 1, 80)
-    assert api_error(lambda: lim.admit(t, 1, 80)).status == 429  # 20 left while 80 are reserved
+    first = lim.grant(t, 1, 80)
+    assert api_error(lambda: lim.grant(t, 1, 80)).status == 429  # 20 left while 80 are reserved
     first.release(10)  # used 10: 70 come back
-    lim.admit(t, 1, 80).release(80)
+    lim.grant(t, 1, 80).release(80)
     first.release(0)  # a second release is a no-op
     assert lim.state(t).output_tokens is not None and lim.state(t).output_tokens.level == pytest.approx(10)
 
@@ -325,53 +325,53 @@ def test_limiter_estimated_output_is_capped_and_settled_against_use() -> None:
     t = tenant(output_tokens_per_minute=60)  # 1 token/s refill
     # A request without max_tokens whose estimate exceeds the bucket is never too large: it reserves
     # what the bucket holds, and is charged what it generated when it ends.
-    first = lim.admit(t, 1, 0, 4000)
+    first = lim.grant(t, 1, 0, 4000)
     assert first.output_reserved == 60
     first.release(100)  # generated past the reservation: the bucket owes 40
     bucket = lim.state(t).output_tokens
     assert bucket is not None and bucket.level == pytest.approx(-40)
-    err = api_error(lambda: lim.admit(t, 1, 0, 10))
+    err = api_error(lambda: lim.grant(t, 1, 0, 10))
     assert err.code == "rate_limit_exceeded" and err.headers["retry-after"] == "50"  # debt + 10 at 1/s
     clock.now += 50
-    second = lim.admit(t, 1, 0, 10)
+    second = lim.grant(t, 1, 0, 10)
     second.release(3)  # used less than the estimate: the rest comes back
     assert bucket.level == pytest.approx(7)  # refilled to 10, 10 reserved, 7 back
     # A firm max_tokens larger than the bucket stays a hard refusal.
-    assert api_error(lambda: lim.admit(t, 1, 61)).code == "request_too_large"
+    assert api_error(lambda: lim.grant(t, 1, 61)).code == "request_too_large"
     # The daily quota: the estimate shrinks to what is left, then the day is charged what was used.
     daily = Tenant("d", frozenset({"*"}), TenantLimits(daily_token_quota=100))
-    held = lim.admit(daily, 70, 0, 256)
+    held = lim.grant(daily, 70, 0, 256)
     assert held.output_reserved == 30
     held.release(50)
     assert lim.state(daily).day_used == 120
-    assert api_error(lambda: lim.admit(daily, 1, 0, 5)).code == "insufficient_quota"
+    assert api_error(lambda: lim.grant(daily, 1, 0, 5)).code == "insufficient_quota"
 
 
 def test_limiter_requests_concurrency_daily_and_share() -> None:
     clock, wall = FakeClock(), FakeClock()
     lim = TenantLimiter(clock=clock, wall_clock=wall)
     rpm = tenant(requests_per_minute=2)
-    lim.admit(rpm, 1, 1).release(1)
-    lim.admit(rpm, 1, 1).release(1)
+    lim.grant(rpm, 1, 1).release(1)
+    lim.grant(rpm, 1, 1).release(1)
     assert api_error(lambda: lim.precheck(rpm)).headers["retry-after"] == "30"
 
     conc = Tenant("c", frozenset({"*"}), TenantLimits(max_concurrent_requests=1))
-    held = lim.admit(conc, 1, 1)
-    err = api_error(lambda: lim.admit(conc, 1, 1))
+    held = lim.grant(conc, 1, 1)
+    err = api_error(lambda: lim.grant(conc, 1, 1))
     assert err.code == "concurrency_limit_exceeded" and err.headers["retry-after"] == "1"
     held.release(1)
-    lim.admit(conc, 1, 1).release(1)
+    lim.grant(conc, 1, 1).release(1)
 
     daily = Tenant("d", frozenset({"*"}), TenantLimits(daily_token_quota=100))
-    lim.admit(daily, 50, 40).release(10)  # 60 charged
-    quota = api_error(lambda: lim.admit(daily, 30, 20))
+    lim.grant(daily, 50, 40).release(10)  # 60 charged
+    quota = api_error(lambda: lim.grant(daily, 30, 20))
     assert quota.code == "insufficient_quota" and quota.type == "insufficient_quota"
     assert quota.headers["x-should-retry"] == "false" and int(quota.headers["retry-after"]) > 0
     wall.now += 86400
-    lim.admit(daily, 30, 20).release(20)  # a new day
+    lim.grant(daily, 30, 20).release(20)  # a new day
 
     shared = TenantLimiter(share=4, clock=clock)
-    assert api_error(lambda: shared.admit(tenant(input_tokens_per_minute=400), 101, 0)).code == "request_too_large"
+    assert api_error(lambda: shared.grant(tenant(input_tokens_per_minute=400), 101, 0)).code == "request_too_large"
 
 
 def test_limit_share_concurrency_one_over_four_frontends_admits_one_in_total() -> None:
@@ -382,7 +382,7 @@ def test_limit_share_concurrency_one_over_four_frontends_admits_one_in_total() -
     for _ in range(3):  # every frontend is asked three times while nothing ends
         for lim in frontends:
             try:
-                admitted.append(lim.admit(one, 1, 1))
+                admitted.append(lim.grant(one, 1, 1))
             except APIError as err:
                 refused.append(err)
     assert len(admitted) == 1 and len(refused) == 11
@@ -401,11 +401,11 @@ def test_limit_share_concurrency_one_over_four_frontends_admits_one_in_total() -
         assert sum(lim._scaled(total) or 0 for lim in frontends) == total, field_name
     # Input tokens: 7 over 4 is 2, 2, 2, 1: 2 tokens are beyond frontend 3's share but not another's (soft),
     # 3 are beyond every share (hard).
-    assert api_error(lambda: frontends[3].admit(t, 2, 1)).headers["x-should-retry"] == "true"
-    assert api_error(lambda: frontends[3].admit(t, 3, 1)).code == "request_too_large"
-    frontends[2].admit(t, 2, 1).release(1)
+    assert api_error(lambda: frontends[3].grant(t, 2, 1)).headers["x-should-retry"] == "true"
+    assert api_error(lambda: frontends[3].grant(t, 3, 1)).code == "request_too_large"
+    frontends[2].grant(t, 2, 1).release(1)
     # Output tokens: 3 over 4 leaves frontend 3 none: a soft 429, never "too large".
-    zero = api_error(lambda: frontends[3].admit(t, 1, 1))
+    zero = api_error(lambda: frontends[3].grant(t, 1, 1))
     assert zero.code == "rate_limit_exceeded" and zero.headers["retry-after"] == "1", zero.message
     assert frontends[3].zero_shares([t]) == ["split.output_tokens_per_minute"]
     # Without an index each process takes the floor: never more than the limit in total.
@@ -454,18 +454,18 @@ def test_router_prefix_affinity_spread_and_spill() -> None:
     members = [member("d0"), member("d1"), *(member(f"p{i}", "prefill") for i in range(3))]
     router = make_router(members)
     system = list(range(100, 200))
-    chosen = {router.route("m", [*system, i, i + 1], 16).prefill_id for i in range(20)}
+    chosen = {router.route("m", [*system, i, i + 1], 16).prefill_hint for i in range(20)}
     assert len(chosen) == 1  # same first block, idle cluster: one prefill node
     decision = router.route("m", system, 16)
     assert decision.prefill_reason.startswith("prefix affinity") and "ring owner" in decision.prefill_reason
     assert decision.prefill_rule == "prefix_owner" and decision.decode_rule == "least_loaded"
     expect_key = compute_block_hashes(system[:16], 16, 7)[0][:8].hex()
     assert decision.prefix_key == expect_key  # keyed on the nodes' own chained block hash
-    spread = {router.route("m", [i * 7 + j for j in range(40)], 16).prefill_id for i in range(40)}
+    spread = {router.route("m", [i * 7 + j for j in range(40)], 16).prefill_hint for i in range(40)}
     assert len(spread) == 3  # unrelated prefixes use every node
     # Requests in flight count as load: the owner's share is bounded, the rest spill along the ring.
     leases = [router.lease(router.route("m", system, 16)) for _ in range(9)]
-    owners = [lease.decision.prefill_id for lease in leases]
+    owners = [lease.decision.prefill_hint for lease in leases]
     assert len(set(owners)) > 1 and max(owners.count(o) for o in owners) <= math.ceil(1.25 * 9 / 3) + 1
     assert {lease.decision.prefill_rule for lease in leases} == {"prefix_owner", "prefix_spill"}
     for lease in leases:
@@ -509,7 +509,7 @@ def test_router_session_key_pins_a_conversation_to_one_decode_node() -> None:
 def test_router_without_prefill_nodes_lets_the_decode_node_prefill() -> None:
     router = make_router([member("d0"), member("d1"), member("d2")])
     no_prefill = router.route("m", [1], 1)
-    assert no_prefill.prefill_id == "" and "decode node prefills" in no_prefill.prefill_reason
+    assert no_prefill.prefill_hint == "" and "decode node prefills" in no_prefill.prefill_reason
 
 
 # --- models and rendering -------------------------------------------------------------------------
@@ -657,7 +657,7 @@ def test_prepare_tokenizes_off_the_event_loop(tiny_llama_dir: Path) -> None:
                                 request_log=None, prepare_inline_bytes=inline_bytes, prepare_workers=2)
         fe = Frontend(config)  # its registry view is never started: a cluster without nodes
         try:
-            return asyncio.run(_max_loop_lag_during(fe.prepare("chat", fe.tenants.authenticate(None), body, {})))
+            return asyncio.run(_max_loop_lag_during(fe.admit("chat", fe.tenants.authenticate(None), body, {})))
         finally:
             fe.workers.close()
 
@@ -682,7 +682,7 @@ def test_ttft_backlog_counts_the_prompts_leased_to_a_prefill_node() -> None:
     est = TTFTEstimator()
     router.on_first_token = est.observe_lease
     first = router.route("m", list(range(100)), 4)
-    assert first.prefill_node == "p0" and first.prompt_tokens == 100
+    assert first.prefill_target == "p0" and first.prompt_tokens == 100
     lease1 = router.lease(first)
     lease2 = router.lease(router.route("m", list(range(300)), 4))
     assert router.backlog(first) == Backlog(ours_tokens=400, reported_queue=3)
@@ -793,7 +793,7 @@ def test_prepare_worker_errors_and_deaths(tiny_llama_dir: Path) -> None:
 
 
 def test_serving_path_of_a_choice() -> None:
-    from pdserve.frontend.job import Choice, serving_path
+    from pdserve.frontend.job import Choice, Progress, serving_path
 
     def choice(prefill_id: str, served_prefill: str, served_decode: str = "d0", tried: int = 1,
                migrations: int = 0) -> Choice:
@@ -801,7 +801,7 @@ def test_serving_path_of_a_choice() -> None:
         return Choice(index=0, prompt_index=0, request_id="r", prompt_ids=[1], max_tokens=1,
                       params=pb.SamplingParams(), decision=decision, lease=None,  # type: ignore[arg-type]
                       tried=[f"d{i}" for i in range(tried)], migrations=migrations,
-                      prefill_node=served_prefill, decode_node=served_decode)
+                      progress=Progress(prefilled_by=served_prefill, decoded_by=served_decode))
 
     assert serving_path(choice("p0", "p0")) == "disaggregated"
     assert serving_path(choice("", "d0")) == "local_prefill"

@@ -63,16 +63,16 @@ def test_tenants_file_priority(tmp_path: Path) -> None:
 def test_tokens_in_flight_limit() -> None:
     lim = TenantLimiter()
     t = Tenant("t", frozenset({"*"}), TenantLimits(max_tokens_in_flight=100))
-    first = lim.admit(t, 40, 30)
+    first = lim.grant(t, 40, 30)
     with pytest.raises(APIError) as info:
-        lim.admit(t, 20, 20)  # 70 + 40 > 100
+        lim.grant(t, 20, 20)  # 70 + 40 > 100
     assert (info.value.status, info.value.code, info.value.limit) == (429, "tokens_in_flight_limit_exceeded",
                                                                       "tokens_in_flight")
     with pytest.raises(APIError) as info:
-        lim.admit(t, 90, 20)  # can never fit
+        lim.grant(t, 90, 20)  # can never fit
     assert info.value.code == "request_too_large"
     first.release(30)
-    second = lim.admit(t, 20, 20)  # room again once the first ended
+    second = lim.grant(t, 20, 20)  # room again once the first ended
     second.release(5)
     assert lim.state(t).tokens_in_flight == 0
 

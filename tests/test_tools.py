@@ -23,15 +23,15 @@ from pdserve.frontend.models import ModelCatalog, ServedModel
 from pdserve.frontend.prepare import tokenize
 from pdserve.frontend.protocol import RequestLimits, parse_chat_request, parse_completion_request
 from pdserve.frontend.render import StreamEncoder
-from pdserve.frontend.tools import (
+from pdserve.frontend.tool_calls import (
     ArrayCallParser,
     NamedCallParser,
     TaggedCallParser,
     ToolCallParser,
     ToolEvent,
     message_of,
-    template_input,
 )
+from pdserve.frontend.tools import template_input
 from testing.openapi import OpenAPISchemas
 
 pytestmark = pytest.mark.timeout(60)
@@ -227,12 +227,20 @@ def _calls(events: list[ToolEvent]) -> tuple[str | None, list[tuple[str, Any]]]:
     return msg.content, [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in msg.tool_calls]
 
 
+def _written(events: list[ToolEvent]) -> tuple[str | None, list[tuple[str, str]]]:
+    """The message's content and each call's name and arguments text as written (not parsed)."""
+    msg = message_of(events)
+    return msg.content, [(c["function"]["name"], c["function"]["arguments"]) for c in msg.tool_calls]
+
+
 @pytest.mark.parametrize(("make", "text", "want"), [
     (lambda: NamedCallParser("get_weather"), '{"city":"Pa\\"ris}","unit":"celsius"}',
      (None, [("get_weather", {"city": 'Pa"ris}', "unit": "celsius"})])),
     (ArrayCallParser, '[{"name":"get_weather","arguments":{"city":"[Oslo]","unit":"celsius"}},'
      '{"name":"now","arguments":{}}]',
      (None, [("get_weather", {"city": "[Oslo]", "unit": "celsius"}), ("now", {})])),
+    (ArrayCallParser, '[{"name": "get_time", "arguments": {"city": "Oslo"}}, {"name": "now", "arguments":  {}}]',
+     (None, [("get_time", {"city": "Oslo"}), ("now", {})])),
     (TaggedCallParser, 'Let me check. <tool_call>{"name": "get_time", "arguments": {"city": "Oslo"}}</tool_call>',
      ("Let me check. ", [("get_time", {"city": "Oslo"})])),
     (TaggedCallParser, '<tool_call>[{"name": "get_time", "arguments": {"city": "Oslo"}}, '
@@ -241,14 +249,17 @@ def _calls(events: list[ToolEvent]) -> tuple[str | None, list[tuple[str, Any]]]:
     (TaggedCallParser, "a < b and <tool_call>not json</tool_call> <tool_",
      ("a < b and <tool_call>not json</tool_call> <tool_", [])),
     (TaggedCallParser, "It is sunny in Paris.", ("It is sunny in Paris.", [])),
-], ids=["named", "required", "auto-object", "auto-array", "auto-unclosed", "auto-not-calls", "auto-text"])
+], ids=["named", "required", "required-spaced", "auto-object", "auto-array", "auto-unclosed", "auto-not-calls", "auto-text"])
 def test_parsers_give_the_same_calls_for_any_split_of_the_output(
         make: Callable[[], ToolCallParser], text: str, want: tuple[str | None, list[tuple[str, Any]]]) -> None:
     whole = make()
-    assert _calls(whole.feed(text) + whole.finish()) == want
+    events = whole.feed(text) + whole.finish()
+    assert _calls(events) == want
     rng = random.Random(7)
     for _ in range(40):
-        assert _calls(_split_feed(make(), text, rng)) == want
+        split = _split_feed(make(), text, rng)
+        assert _calls(split) == want
+        assert _written(split) == _written(events)  # the same text, not only the same values
 
 
 def test_required_arguments_stream_before_the_call_ends() -> None:

@@ -43,8 +43,8 @@ class Tracer:
         self._provider.add_span_processor(BatchSpanProcessor(self._exporter))
         self._tracer = self._provider.get_tracer("pdserve")
         self._propagator = TraceContextTextMapPropagator()
-        # `clock` is the process's monotonic clock (time.monotonic on nodes, time.perf_counter in the
-        # frontend: both CLOCK_MONOTONIC on Linux); one offset maps its readings to epoch nanoseconds.
+        # `clock` is the process's monotonic clock (time.monotonic, in the nodes and the frontend); one
+        # offset maps its readings to epoch nanoseconds.
         self._offset_ns = time.time_ns() - round(clock() * 1e9)
 
     def epoch_ns(self, t: float) -> int:
