@@ -10,6 +10,7 @@ Modules, in request order:
   admission   validate, tokenize, route, TTFT budget, tenant limits: the admitted Job
   workers     the bounded thread pool admission's CPU work runs on    ttft  TTFT prediction
   protocol    request validation with OpenAI-style errors          errors   the OpenAI error shape
+  messages    chat messages    prompts  completion prompts         validation  pydantic errors as OpenAI's
   tenants     tenants file and hashed API keys                     limits   token buckets and quotas
   models      served models, tokenizers, logprob token strings     routing  decode/prefill node choice
   upstream    gRPC channels and messages to decode nodes           render   response bodies, SSE events
