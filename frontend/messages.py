@@ -80,15 +80,16 @@ Message = TypeAdapter(Annotated[_Said | _Assistant | _ToolResult, Field(discrimi
 
 
 def _message_error(raw: Any, i: int, exc: ValidationError) -> APIError:
+    """The APIError of message i's first error: the role tag's own, or one of the role's fields."""
     error = exc.errors(include_url=False)[0]
-    where = f"messages[{i}]"
-    if error["type"] == "union_tag_not_found" or error["type"] == "union_tag_invalid" and raw["role"] is None:
-        return missing_parameter(f"{where}.role")
-    if error["type"] == "union_tag_invalid":
-        role = raw["role"]
+    where = f"messages[{i}].role"
+    if error["type"] in ("union_tag_not_found", "union_tag_invalid"):
+        role = raw.get("role")
+        if role is None:
+            return missing_parameter(where)
         if not isinstance(role, str):
-            return invalid_type(f"{where}.role", "a string", role)
-        return invalid_value(f"{where}.role", f"{role!r} is not one of {list(ROLES)}.")
+            return invalid_type(where, "a string", role)
+        return invalid_value(where, f"{role!r} is not one of {list(ROLES)}.")
     loc = error["loc"][1:] if isinstance(raw, dict) else error["loc"]  # without the role tag pydantic adds
     return api_error({**error, "loc": loc}, None, ("messages", i))
 
