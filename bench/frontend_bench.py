@@ -16,6 +16,9 @@ the client costs little next to what it measures. litellm is looked up as `litel
 with --litellm; it is not a project dependency (`pip install 'litellm[proxy]'` in a separate venv).
 
     .venv/bin/python bench/frontend_bench.py [--duration 5] [--litellm PATH | --no-litellm] [--json out.json]
+    .venv/bin/python bench/frontend_bench.py --quick   # seconds-long smoke run (tests/test_frontend_bench.py)
+
+The report starts with the CPU's vector instruction sets (`bench/cpu_isa.py`), since the figures depend on them.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import grpc  # noqa: E402
 import orjson  # noqa: E402
 
+from bench.cpu_isa import isa_summary  # noqa: E402
 from pdserve.engine.tiny import default_model_dir  # noqa: E402
 from pdserve.frontend.tenants import hash_key  # noqa: E402
 from pdserve.registry import EtcdServer  # noqa: E402
@@ -207,7 +211,7 @@ async def grpc_ttft(address: str, samples: int) -> list[float]:
         stub = pbg.DecodeNodeStub(channel)
         out = []
         for i in range(samples + 20):
-            req = pb.GenerateRequest(request_id=f"direct-{i}", model=MODEL, prompt_token_ids=list(range(1, 20)),
+            req = pb.GenerateRequest(request_id=f"direct-{i}", prompt_token_ids=list(range(1, 20)),
                                      params=pb.SamplingParams(max_tokens=1), return_text=True)
             t0 = time.perf_counter()
             call = stub.Generate(req)
@@ -302,6 +306,8 @@ def report(rows: list[tuple[Result, Result]]) -> dict[str, Any]:
 
 
 async def run_all(cfg: BenchConfig, workdir: Path) -> dict[str, Any]:
+    isa = isa_summary()
+    print(f"CPU ISA {isa}; {os.cpu_count()} CPUs", flush=True)
     model_dir = default_model_dir("llama")
     procs: list[Proc] = []
     with EtcdServer(workdir / "etcd") as etcd:
@@ -351,6 +357,7 @@ async def run_all(cfg: BenchConfig, workdir: Path) -> dict[str, Any]:
                       f"req/s x{fe_res.requests_per_s / max(lite.requests_per_s, 1e-9):.1f}")
             results["targets"] = targets
             results["cpus"] = os.cpu_count()
+            results["isa"] = isa
             return results
         finally:
             for proc in reversed(procs):
@@ -367,7 +374,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--litellm", default=shutil.which("litellm"), help="litellm executable")
     p.add_argument("--no-litellm", action="store_true")
     p.add_argument("--json", default=None, help="also write the figures to this file")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run of a few seconds (short phases, few samples, no litellm): checks that it runs")
     args = p.parse_args(argv)
+    if args.quick:
+        args.duration, args.ttfb_samples, args.stream_tokens, args.no_litellm = 0.5, 20, 100, True
     litellm = None if args.no_litellm else args.litellm
     if litellm is None and not args.no_litellm:
         print("litellm not found (give --litellm PATH or --no-litellm); measuring the frontend alone", file=sys.stderr)

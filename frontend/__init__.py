@@ -10,6 +10,7 @@ Modules, in request order:
   admission   validate, tokenize, route, TTFT budget, tenant limits: the admitted Job
   prepare     parse and tokenize (pure)      workers  the worker processes admission's CPU work runs in
   protocol    request validation with OpenAI-style errors          errors   the OpenAI error shape
+  messages    chat messages    prompts  completion prompts         validation  pydantic errors as OpenAI's
   tenants     tenants file and hashed API keys                     limits   token buckets and quotas
   models      served models, tokenizers, logprob token strings     routing  decode/prefill node choice
   job         the Job, its Choices and their Progress              ttft     TTFT prediction

@@ -23,6 +23,9 @@ are re-read from the file while the frontend runs; weight 0 sends a version no n
       - {name: smol, version: v2, pool: smol-v2, path: /models/smol-v2, weight: 10}
 
 `--model NAME=PATH` on the command line adds an entry with only a name and a path.
+
+An entry is a `ModelEntry` (frontend.config_files: strict types, unknown fields refused). `FrontendConfig`
+declares the bounds of its numbers as annotations, which pydantic checks at construction.
 """
 
 from __future__ import annotations
@@ -30,59 +33,28 @@ from __future__ import annotations
 import argparse
 import os
 import socket
-import tomllib
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, ClassVar
 
-import yaml
+from annotated_types import Ge, Gt, Interval
 
+from pdserve.frontend.config_files import (
+    ConfigError,
+    FileEntry,
+    Name,
+    PositiveOrNull,
+    Requirement,
+    check_bounds,
+    empty_as,
+    entries,
+    load_config_file,
+)
 from pdserve.frontend.protocol import RequestLimits
 from pdserve.rpc import RpcSecurity, add_rpc_args, rpc_security_from_args
 from pdserve.rpc.tracing import TracingConfig, add_tracing_args, tracing_config_from_args
 
-
-class ConfigError(ValueError):
-    """A configuration file or flag that cannot be used; the message names the file and the field."""
-
-
-def load_config_file(path: str | Path) -> dict[str, Any]:
-    """Parses a YAML (.yaml/.yml) or TOML (.toml) file into a mapping. Raises ConfigError."""
-    p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except OSError as err:
-        raise ConfigError(f"{p}: cannot read: {err}") from err
-    try:
-        if p.suffix == ".toml":
-            data: Any = tomllib.loads(text)
-        elif p.suffix in (".yaml", ".yml"):
-            data = yaml.safe_load(text)
-        else:
-            raise ConfigError(f"{p}: unknown format; use a .yaml, .yml or .toml file")
-    except (tomllib.TOMLDecodeError, yaml.YAMLError) as err:
-        raise ConfigError(f"{p}: cannot parse: {err}") from err
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{p}: the top level must be a mapping")
-    return data
-
-
-def check_keys(where: str, obj: dict[str, Any], allowed: set[str]) -> None:
-    """Rejects unknown keys, so that a misspelt limit fails loudly instead of silently not applying."""
-    unknown = sorted(set(obj) - allowed)
-    if unknown:
-        raise ConfigError(f"{where}: unknown field(s) {unknown}; allowed: {sorted(allowed)}")
-
-
-def optional_positive_int(where: str, obj: dict[str, Any], key: str) -> int | None:
-    value = obj.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"{where}: {key} must be a positive integer or null, got {value!r}")
-    return value
+# --- the models file ------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -113,42 +85,25 @@ class ModelSpec:
         if self.fallback == self.name:
             raise ConfigError(f"model {self.name!r}: a model cannot be its own fallback")
 
-    @classmethod
-    def from_mapping(cls, where: str, obj: Any) -> ModelSpec:
-        if not isinstance(obj, dict):
-            raise ConfigError(f"{where}: each model must be a mapping")
-        check_keys(where, obj, {f.name for f in fields(cls)})
-        for key in ("name", "path"):
-            if not isinstance(obj.get(key), str) or not obj[key]:
-                raise ConfigError(f"{where}: {key} is required and must be a string")
-        aliases = obj.get("aliases") or []
-        if not isinstance(aliases, list) or not all(isinstance(a, str) and a for a in aliases):
-            raise ConfigError(f"{where}: aliases must be a list of names")
-        fallback = obj.get("fallback")
-        if fallback is not None and not isinstance(fallback, str):
-            raise ConfigError(f"{where}: fallback must be a model name")
-        pool = obj.get("pool") or ""
-        if not isinstance(pool, str):
-            raise ConfigError(f"{where}: pool must be a string")
-        version = obj.get("version") or ""
-        if not isinstance(version, str):
-            raise ConfigError(f"{where}: version must be a string")
-        weight = obj.get("weight", 1.0)
-        if isinstance(weight, bool) or not isinstance(weight, int | float):
-            raise ConfigError(f"{where}: weight must be a number, got {weight!r}")
-        return cls(
-            name=obj["name"],
-            path=os.path.expanduser(obj["path"]),
-            pool=pool,
-            aliases=tuple(aliases),
-            fallback=fallback,
-            max_context=optional_positive_int(where, obj, "max_context"),
-            max_output_tokens=optional_positive_int(where, obj, "max_output_tokens"),
-            default_max_tokens=optional_positive_int(where, obj, "default_max_tokens"),
-            output_tokens_estimate=optional_positive_int(where, obj, "output_tokens_estimate"),
-            version=version,
-            weight=float(weight),
-        )
+
+class ModelEntry(FileEntry):
+    """An entry of the models file: ModelSpec's fields, checked in this order."""
+
+    kind: ClassVar[str] = "model"
+    name: Annotated[Name, Requirement("{key} is required and must be a string")]
+    path: Annotated[Name, Requirement("{key} is required and must be a string")]
+    aliases: Annotated[list[Name], empty_as([]), Requirement("aliases must be a list of names")] = []
+    fallback: Annotated[str | None, Requirement("fallback must be a model name")] = None
+    pool: Annotated[str, empty_as(""), Requirement("pool must be a string")] = ""
+    version: Annotated[str, empty_as(""), Requirement("version must be a string")] = ""
+    weight: Annotated[float, Requirement("weight must be a number, got {value!r}")] = 1.0
+    max_context: PositiveOrNull = None
+    max_output_tokens: PositiveOrNull = None
+    default_max_tokens: PositiveOrNull = None
+    output_tokens_estimate: PositiveOrNull = None
+
+    def spec(self) -> ModelSpec:
+        return ModelSpec(**{**dict(self), "path": os.path.expanduser(self.path), "aliases": tuple(self.aliases)})
 
 
 def check_versions(specs: tuple[ModelSpec, ...] | list[ModelSpec]) -> None:
@@ -177,12 +132,8 @@ def version_weights(specs: tuple[ModelSpec, ...] | list[ModelSpec]) -> dict[tupl
 
 
 def load_models_file(path: str | Path) -> list[ModelSpec]:
-    data = load_config_file(path)
-    check_keys(str(path), data, {"models"})
-    entries = data.get("models")
-    if not isinstance(entries, list) or not entries:
-        raise ConfigError(f"{path}: 'models' must be a non-empty list")
-    return [ModelSpec.from_mapping(f"{path}: models[{i}]", e) for i, e in enumerate(entries)]
+    items = entries(path, load_config_file(path), "models")
+    return [ModelEntry.read(f"{path}: models[{i}]", e).spec() for i, e in enumerate(items)]
 
 
 def _default_frontend_id() -> str:
@@ -197,7 +148,7 @@ class FrontendConfig:
     models: tuple[ModelSpec, ...]
     cluster: str = "default"
     host: str = "127.0.0.1"
-    port: int = 8000
+    port: Annotated[int, Interval(ge=0, le=65535)] = 8000
     tenants_file: str | None = None  # None: local mode, any key accepted
     models_file: str | None = None  # where `models` came from; its version weights are re-read at run time
     frontend_id: str = field(default_factory=_default_frontend_id)
@@ -206,46 +157,46 @@ class FrontendConfig:
     # shares sum to exactly the limit. Without an index every frontend enforces floor(limit / K), which
     # never exceeds the limit in total but loses the remainder. A zero share refuses with 429 +
     # Retry-After, so clients and balancers retry on another frontend.
-    limit_share: int = 1
+    limit_share: Annotated[int, Ge(1)] = 1
     limit_share_index: int | None = None
     # Output tokens a request without max_tokens reserves against its tenant's output budget until it
     # ends (then it is charged what it generated); a model's or tenant's output_tokens_estimate wins.
-    output_estimate: int = 256
-    max_body_bytes: int = 4 << 20
-    max_header_bytes: int = 16384  # request line excluded: names and values of every header together
-    body_timeout_s: float = 30.0  # a body not received in full by then is answered 408
-    max_messages: int = 2048
-    max_stop_strings: int = 4
-    max_stop_chars: int = 256
-    max_schema_bytes: int = 1 << 16
-    max_prompt_chars: int = 1 << 20  # message content characters, or prompt characters + token ids
-    max_inflight: int = 2048  # requests in flight in this process before new ones get 503
+    output_estimate: Annotated[int, Ge(1)] = 256
+    max_body_bytes: Annotated[int, Ge(1024)] = 4 << 20
+    max_header_bytes: Annotated[int, Ge(1024)] = 16384  # request line excluded: names and values of every header together
+    body_timeout_s: Annotated[float, Gt(0)] = 30.0  # a body not received in full by then is answered 408
+    max_messages: Annotated[int, Ge(1)] = 2048
+    max_stop_strings: Annotated[int, Interval(ge=1, le=1024)] = 4
+    max_stop_chars: Annotated[int, Ge(1)] = 256
+    max_schema_bytes: Annotated[int, Ge(1)] = 1 << 16
+    max_prompt_chars: Annotated[int, Ge(1)] = 1 << 20  # message content characters, or prompt characters + token ids
+    max_inflight: Annotated[int, Ge(1)] = 2048  # requests in flight in this process before new ones get 503
     # Requests less urgent than interactive (priority > 0) get 503 once this fraction of max_inflight is
     # in flight, so batch work cannot take the capacity interactive requests need.
-    batch_inflight_fraction: float = 0.75
+    batch_inflight_fraction: Annotated[float, Interval(gt=0, le=1)] = 0.75
     # A streamed response with nothing to send for this long gets an SSE comment line (0: never), so
     # proxies and load balancers with idle timeouts keep a request that waits in a queue.
-    sse_keepalive_s: float = 15.0
+    sse_keepalive_s: Annotated[float, Ge(0)] = 15.0
     # Admission's CPU work (parse, chat template, tokenize) for bodies over prepare_inline_bytes runs in
     # prepare_workers processes, with at most prepare_queue requests waiting for one (then 503).
     # One core fewer than the process may use (the event loop keeps one), 1..4.
-    prepare_workers: int = field(default_factory=lambda: max(1, min(4, len(os.sched_getaffinity(0)) - 1)))
-    prepare_queue: int = 256
-    prepare_inline_bytes: int = 16384
+    prepare_workers: Annotated[int, Ge(1)] = field(default_factory=lambda: max(1, min(4, len(os.sched_getaffinity(0)) - 1)))
+    prepare_queue: Annotated[int, Ge(0)] = 256
+    prepare_inline_bytes: Annotated[int, Ge(0)] = 16384
     # A request with a TTFT budget is refused when its predicted TTFT exceeds ttft_headroom x budget: the
     # queue settles where admission stops, so the prediction needs room for its own error.
-    ttft_headroom: float = 0.7
+    ttft_headroom: Annotated[float, Interval(gt=0, le=1)] = 0.7
     request_log: str | None = "-"  # "-": stderr, a path: appended JSON lines, None: off
     log_prompts: bool = False
     session_header: str = "x-session-id"  # session affinity key header ("" disables the header)
     user_affinity: bool = True  # use the request's `user` field as the session key when no header is set
-    affinity_blocks: int = 1  # leading prompt blocks hashed for prefill prefix affinity
-    load_factor: float = 1.25  # bounded-load factor of the consistent-hash rings (> 1)
-    decode_max_queue: int = 64  # a decode node with this many queued requests counts as overloaded
-    upstream_attempts: int = 2  # decode nodes tried before the first token, when one is unreachable
+    affinity_blocks: Annotated[int, Ge(1)] = 1  # leading prompt blocks hashed for prefill prefix affinity
+    load_factor: Annotated[float, Gt(1)] = 1.25  # bounded-load factor of the consistent-hash rings (> 1)
+    decode_max_queue: Annotated[int, Ge(1)] = 64  # a decode node with this many queued requests counts as overloaded
+    upstream_attempts: Annotated[int, Ge(1)] = 2  # decode nodes tried before the first token, when one is unreachable
     # Times one choice may move to another decode node after its stream broke mid-way (node died,
     # drained or failed the request); the new node resumes after the tokens already delivered.
-    max_migrations: int = 2
+    max_migrations: Annotated[int, Ge(0)] = 2
     request_timeout_s: float = 600.0
     registry_sync_timeout_s: float = 10.0
     ttft_slo_s: float = 2.0
@@ -261,58 +212,45 @@ class FrontendConfig:
         return max(1, int(self.max_inflight * self.batch_inflight_fraction))
 
     def __post_init__(self) -> None:
-        checks = [
+        _require([
             (bool(self.etcd_endpoints), "at least one etcd endpoint is required (--etcd)"),
             (bool(self.models), "at least one model is required (--models FILE or --model NAME=PATH)"),
             (bool(self.cluster) and "/" not in self.cluster, f"bad cluster name {self.cluster!r}"),
-            (0 <= self.port <= 65535, f"port must be in [0, 65535], got {self.port}"),
-            (self.limit_share >= 1, f"limit_share must be >= 1, got {self.limit_share}"),
+        ])
+        check_bounds(self)
+        _require([
             (self.limit_share_index is None or 0 <= self.limit_share_index < self.limit_share,
              f"limit_share_index must be in [0, limit_share={self.limit_share}), got {self.limit_share_index}"),
-            (self.output_estimate >= 1, f"output_estimate must be >= 1, got {self.output_estimate}"),
-            (self.max_body_bytes >= 1024, f"max_body_bytes must be >= 1024, got {self.max_body_bytes}"),
-            (self.max_inflight >= 1, f"max_inflight must be >= 1, got {self.max_inflight}"),
-            (0 < self.batch_inflight_fraction <= 1,
-             f"batch_inflight_fraction must be in (0, 1], got {self.batch_inflight_fraction}"),
-            (self.sse_keepalive_s >= 0, f"sse_keepalive_s must be >= 0, got {self.sse_keepalive_s}"),
-            (self.max_header_bytes >= 1024, f"max_header_bytes must be >= 1024, got {self.max_header_bytes}"),
-            (self.body_timeout_s > 0, f"body_timeout_s must be > 0, got {self.body_timeout_s}"),
-            (self.max_messages >= 1, f"max_messages must be >= 1, got {self.max_messages}"),
-            (1 <= self.max_stop_strings <= 1024, f"max_stop_strings must be in [1, 1024], got {self.max_stop_strings}"),
-            (self.max_stop_chars >= 1, f"max_stop_chars must be >= 1, got {self.max_stop_chars}"),
-            (self.max_schema_bytes >= 1, f"max_schema_bytes must be >= 1, got {self.max_schema_bytes}"),
-            (self.max_prompt_chars >= 1, f"max_prompt_chars must be >= 1, got {self.max_prompt_chars}"),
-            (self.prepare_workers >= 1, f"prepare_workers must be >= 1, got {self.prepare_workers}"),
-            (self.prepare_queue >= 0, f"prepare_queue must be >= 0, got {self.prepare_queue}"),
-            (0 < self.ttft_headroom <= 1, f"ttft_headroom must be in (0, 1], got {self.ttft_headroom}"),
-            (self.prepare_inline_bytes >= 0, f"prepare_inline_bytes must be >= 0, got {self.prepare_inline_bytes}"),
-            (self.affinity_blocks >= 1, f"affinity_blocks must be >= 1, got {self.affinity_blocks}"),
-            (self.load_factor > 1.0, f"load_factor must be > 1, got {self.load_factor}"),
-            (self.decode_max_queue >= 1, f"decode_max_queue must be >= 1, got {self.decode_max_queue}"),
-            (self.upstream_attempts >= 1, f"upstream_attempts must be >= 1, got {self.upstream_attempts}"),
-            (self.max_migrations >= 0, f"max_migrations must be >= 0, got {self.max_migrations}"),
             (self.request_timeout_s > 0, "request_timeout_s must be > 0"),
             (self.ttft_slo_s > 0 and self.tpot_slo_s > 0, "SLO thresholds must be > 0"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise ConfigError(f"FrontendConfig: {message}")
+        ])
         object.__setattr__(self, "request_limits", RequestLimits(
             max_messages=self.max_messages, max_stop_strings=self.max_stop_strings,
             max_stop_chars=self.max_stop_chars, max_prompt_chars=self.max_prompt_chars,
             max_schema_bytes=self.max_schema_bytes))
         check_versions(self.models)
-        names: dict[str, str] = {}
-        for spec in self.models:
-            if spec.name in names and names[spec.name] == spec.name and spec.version:
-                continue  # another version of a model already named (check_versions vetted the group)
-            for served in (spec.name, *spec.aliases):
-                if served in names:
-                    raise ConfigError(f"FrontendConfig: model name {served!r} is used twice ({names[served]}, {spec.name})")
-                names[served] = spec.name
-        for spec in self.models:
-            if spec.fallback is not None and spec.fallback not in names:
-                raise ConfigError(f"FrontendConfig: model {spec.name!r}: fallback {spec.fallback!r} is not a served model")
+        _check_served_names(self.models)
+
+
+def _require(checks: list[tuple[bool, str]]) -> None:
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(f"FrontendConfig: {message}")
+
+
+def _check_served_names(models: tuple[ModelSpec, ...]) -> None:
+    """Served names (and aliases) are unique across models (versions share theirs); fallbacks are served."""
+    names: dict[str, str] = {}
+    for spec in models:
+        if spec.name in names and names[spec.name] == spec.name and spec.version:
+            continue  # another version of a model already named (check_versions vetted the group)
+        for served in (spec.name, *spec.aliases):
+            if served in names:
+                raise ConfigError(f"FrontendConfig: model name {served!r} is used twice ({names[served]}, {spec.name})")
+            names[served] = spec.name
+    for spec in models:
+        if spec.fallback is not None and spec.fallback not in names:
+            raise ConfigError(f"FrontendConfig: model {spec.name!r}: fallback {spec.fallback!r} is not a served model")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -385,64 +323,52 @@ def _add_admission_flags(p: argparse.ArgumentParser) -> None:
                    help="refuse a request whose predicted TTFT exceeds this fraction of its TTFT budget")
 
 
-def config_from_args(args: argparse.Namespace) -> FrontendConfig:
-    """Builds the FrontendConfig from parsed flags (reads the models file). Raises ConfigError."""
+# Flags whose FrontendConfig field has another name, and the fields named as their flags.
+_RENAMED = {"tenants": "tenants_file", "models": "models_file", "body_timeout": "body_timeout_s",
+            "request_timeout": "request_timeout_s", "ttft_slo": "ttft_slo_s", "tpot_slo": "tpot_slo_s"}
+_SAME = ("cluster", "host", "port", "limit_share", "limit_share_index", "output_estimate", "max_body_bytes",
+         "max_header_bytes", "max_messages", "max_stop_strings", "max_stop_chars", "max_schema_bytes",
+         "max_prompt_chars", "max_inflight", "batch_inflight_fraction", "sse_keepalive_s", "prepare_queue",
+         "prepare_inline_bytes", "ttft_headroom", "log_prompts", "affinity_blocks", "load_factor", "decode_max_queue",
+         "upstream_attempts", "max_migrations", "log_level")
+
+
+def _models_from_args(args: argparse.Namespace) -> list[ModelSpec]:
     models: list[ModelSpec] = load_models_file(args.models) if args.models else []
     for item in args.model:
         name, sep, path = item.partition("=")
         if not sep or not name or not path:
             raise ConfigError(f"--model must be NAME=PATH, got {item!r}")
         models.append(ModelSpec(name=name, path=os.path.expanduser(path)))
-    endpoints = tuple(e.strip() for item in args.etcd for e in item.split(",") if e.strip())
-    extra: dict[str, Any] = {}
-    if args.frontend_id:
-        extra["frontend_id"] = args.frontend_id
+    return models
+
+
+def _security_from_args(args: argparse.Namespace) -> dict[str, Any]:
     try:
-        extra["rpc"] = rpc_security_from_args(args)
+        rpc = rpc_security_from_args(args)
     except (OSError, ValueError) as err:
         raise ConfigError(f"cluster token / TLS: {err}") from err
     try:
-        extra["tracing"] = tracing_config_from_args(args)
+        return {"rpc": rpc, "tracing": tracing_config_from_args(args)}
     except ValueError as err:
         raise ConfigError(str(err)) from err
+
+
+def config_from_args(args: argparse.Namespace) -> FrontendConfig:
+    """Builds the FrontendConfig from parsed flags (reads the models file). Raises ConfigError."""
+    models = _models_from_args(args)
+    extra: dict[str, Any] = _security_from_args(args)
+    if args.frontend_id:
+        extra["frontend_id"] = args.frontend_id
     if args.prepare_workers is not None:
         extra["prepare_workers"] = args.prepare_workers
     return FrontendConfig(
-        etcd_endpoints=endpoints,
+        etcd_endpoints=tuple(e.strip() for item in args.etcd for e in item.split(",") if e.strip()),
         models=tuple(models),
-        cluster=args.cluster,
-        host=args.host,
-        port=args.port,
-        tenants_file=args.tenants,
-        models_file=args.models,
-        limit_share=args.limit_share,
-        limit_share_index=args.limit_share_index,
-        output_estimate=args.output_estimate,
-        max_body_bytes=args.max_body_bytes,
-        max_header_bytes=args.max_header_bytes,
-        body_timeout_s=args.body_timeout,
-        max_messages=args.max_messages,
-        max_stop_strings=args.max_stop_strings,
-        max_stop_chars=args.max_stop_chars, max_schema_bytes=args.max_schema_bytes,
-        max_prompt_chars=args.max_prompt_chars,
-        max_inflight=args.max_inflight,
-        batch_inflight_fraction=args.batch_inflight_fraction,
-        sse_keepalive_s=args.sse_keepalive_s,
-        prepare_queue=args.prepare_queue,
-        prepare_inline_bytes=args.prepare_inline_bytes,
-        ttft_headroom=args.ttft_headroom,
         request_log=None if args.request_log == "off" else args.request_log,
-        log_prompts=args.log_prompts,
         session_header=args.session_header.lower(),
         user_affinity=not args.no_user_affinity,
-        affinity_blocks=args.affinity_blocks,
-        load_factor=args.load_factor,
-        decode_max_queue=args.decode_max_queue,
-        upstream_attempts=args.upstream_attempts,
-        max_migrations=args.max_migrations,
-        request_timeout_s=args.request_timeout,
-        ttft_slo_s=args.ttft_slo,
-        tpot_slo_s=args.tpot_slo,
-        log_level=args.log_level,
+        **{name: getattr(args, name) for name in _SAME},
+        **{field_name: getattr(args, flag) for flag, field_name in _RENAMED.items()},
         **extra,
     )

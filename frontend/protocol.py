@@ -1,33 +1,46 @@
 """Parsing and validating OpenAI request bodies into one dataclass per request, with OpenAI-style errors.
 
-A lean hand-written validator instead of pydantic models: it runs on every request, it produces the exact
-messages and `param` paths OpenAI uses ("Invalid type for 'temperature' ..."), and it ignores unknown
-fields, because SDKs keep adding new ones. Known fields whose feature is not served (the deprecated
-`functions`, non-text content, ...) are rejected rather than silently dropped, since ignoring them would change what
-the client gets.
+A body is a pydantic model (`ChatBody`, `CompletionBody`; `frontend.validation` says how they read JSON
+and report errors) validated from the orjson-parsed dict, fields declared in the order they are checked.
+Unknown fields are ignored, because SDKs keep adding new ones; known fields whose feature is not served
+(the deprecated `functions`, non-text content, ...) are rejected rather than silently dropped, since
+ignoring them would change what the client gets.
 
-`response_format` and `logit_bias` are read by `frontend.structured`, `tools` by `frontend.tools` (each
-schema's grammar is compiled there, so one that cannot be served is a 400 before any node sees it).
+`messages` are read by `frontend.messages`, `response_format` and `logit_bias` by `frontend.structured`,
+`tools` by `frontend.tools` (each schema's grammar is compiled there, so one that cannot be served is a
+400 before any node sees it).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import orjson
+from pydantic import AfterValidator, Field, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
 
 from pdserve.engine.structured_spec import StructuredSpec
-from pdserve.frontend.errors import APIError, bad_request, invalid_type, invalid_value, missing_parameter
+from pdserve.frontend.errors import APIError, bad_request, invalid_type, invalid_value
+from pdserve.frontend.messages import parse_messages
+from pdserve.frontend.prompts import parse_prompts
 from pdserve.frontend.structured import parse_logit_bias, parse_response_format
-from pdserve.frontend.tools import ToolSpec, parse_tool_calls, parse_tools
+from pdserve.frontend.tools import ToolSpec, parse_tools
+from pdserve.frontend.validation import (
+    INT64_MAX,
+    Integral,
+    StrictBody,
+    as_failure,
+    call_parser,
+    coded_error,
+    type_error,
+    validated,
+    value_error,
+)
 
-ROLES = ("system", "user", "assistant", "tool", "developer", "function")
 MAX_STOP_STRINGS = 4
 MAX_CHOICES = 128
 MAX_TOP_LOGPROBS = 20
-MAX_PROMPTS = 128
-INT64_MAX = (1 << 63) - 1
 SEED_MIN = -(1 << 63)
 
 # Named priorities (`priority` takes these or an integer; lower is served first, as in vLLM).
@@ -110,72 +123,6 @@ def parse_json_body(body: bytes) -> dict[str, Any]:
     return obj
 
 
-# --- field readers --------------------------------------------------------------------------------
-
-
-def _number(obj: dict[str, Any], key: str, default: float, lo: float, hi: float) -> float:
-    value = obj.get(key)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise invalid_type(key, "a number", value)
-    if not lo <= value <= hi:
-        raise invalid_value(key, f"{value} is out of range; it must be between {lo:g} and {hi:g}.")
-    return float(value)
-
-
-def _integer(obj: dict[str, Any], key: str, default: int | None, lo: int, hi: int) -> int | None:
-    value = obj.get(key)
-    if value is None:
-        return default
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise invalid_type(key, "an integer", value)
-    if not lo <= value <= hi:
-        bound = f"at least {lo}" if hi >= INT64_MAX else f"between {lo} and {hi}"
-        raise invalid_value(key, f"{value} is out of range; it must be {bound}.")
-    return value
-
-
-def _boolean(obj: dict[str, Any], key: str, default: bool) -> bool:
-    value = obj.get(key)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise invalid_type(key, "a boolean", value)
-    return value
-
-
-def _string(obj: dict[str, Any], key: str) -> str | None:
-    value = obj.get(key)
-    if value is None:
-        return None
-    if not isinstance(value, str):
-        raise invalid_type(key, "a string", value)
-    return value
-
-
-def _stop(obj: dict[str, Any], limits: RequestLimits) -> tuple[str, ...]:
-    value = obj.get("stop")
-    if value is None:
-        return ()
-    items = [value] if isinstance(value, str) else value
-    if not isinstance(items, list):
-        raise invalid_type("stop", "a string or an array of strings", value)
-    if len(items) > limits.max_stop_strings:
-        raise invalid_value("stop", f"at most {limits.max_stop_strings} stop sequences are allowed, got {len(items)}.")
-    for i, item in enumerate(items):
-        if not isinstance(item, str):
-            raise invalid_type(f"stop[{i}]", "a string", item)
-        if not item:
-            raise invalid_value(f"stop[{i}]", "stop sequences must be non-empty.")
-        if len(item) > limits.max_stop_chars:
-            raise invalid_value(f"stop[{i}]", f"a stop sequence may have at most {limits.max_stop_chars} characters, "
-                                f"got {len(item)}.")
-    return tuple(items)
-
-
 def parse_priority(value: object, param: str) -> int | None:
     """A priority: an integer (lower first) or a class name (PRIORITY_CLASSES); None when absent."""
     if value is None:
@@ -198,159 +145,153 @@ def effective_priority(requested: int | None, tenant_priority: int) -> int:
     return tenant_priority if requested is None else max(requested, tenant_priority)
 
 
-def _prompt_too_long(param: str, size: int, limits: RequestLimits) -> APIError:
-    return APIError(400, f"The {param} is too long: {size} characters; this server accepts at most "
-                    f"{limits.max_prompt_chars}.", param=param, code="prompt_too_long")
+# --- bodies: fields in the order they are checked -------------------------------------------------
 
 
-def _unsupported(obj: dict[str, Any], key: str, ok: bool, what: str) -> None:
-    if obj.get(key) is not None and not ok:
-        raise APIError(400, f"'{key}' is not supported by this server: {what}", param=key, code="unsupported_parameter")
+def _limits(info: ValidationInfo) -> RequestLimits:
+    return info.context["limits"]
 
 
-def _common(obj: dict[str, Any], kind: Kind, limits: RequestLimits) -> GenerationRequest:
-    model = obj.get("model")
-    if model is None:
-        raise APIError(400, "you must provide a model parameter", param="model", code="missing_required_parameter")
-    if not isinstance(model, str):
-        raise invalid_type("model", "a string", model)
-    if not model:
-        raise invalid_value("model", "the model name must not be empty.")
-    max_param = "max_tokens"
-    if kind == "chat" and obj.get("max_completion_tokens") is not None:
-        max_param = "max_completion_tokens"
+def _model_name(value: str | None) -> str:
+    if value is None:
+        raise coded_error("you must provide a model parameter", "missing_required_parameter")
+    if not value:
+        raise value_error("the model name must not be empty.")
+    return value
+
+
+def _stop(value: Any, info: ValidationInfo) -> tuple[str, ...]:
+    limits = _limits(info)
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list):
+        raise type_error("a string or an array of strings", value)
+    if len(items) > limits.max_stop_strings:
+        raise value_error(f"at most {limits.max_stop_strings} stop sequences are allowed, got {len(items)}.")
+    for i, item in enumerate(items):
+        if not isinstance(item, str):
+            raise type_error("a string", item, i)
+        if not item:
+            raise value_error("stop sequences must be non-empty.", i)
+        if len(item) > limits.max_stop_chars:
+            raise value_error(f"a stop sequence may have at most {limits.max_stop_chars} characters, "
+                              f"got {len(item)}.", i)
+    return tuple(items)
+
+
+class _Head(StrictBody):
+    model: Annotated[str | None, AfterValidator(_model_name)] = Field(None, validate_default=True)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, ge=0.0, le=1.0)
+    top_k: Integral = Field(-1, ge=-1, le=INT64_MAX)  # 0 is -1: no top-k
+    seed: Integral = Field(None, ge=SEED_MIN, le=INT64_MAX)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, ge=0.01, le=10.0)
+
+
+class _MaxCompletionTokens(StrictBody):
+    max_completion_tokens: Integral = Field(None, ge=1, le=INT64_MAX)  # chat: wins over max_tokens
+
+
+class _MaxTokens(StrictBody):
+    max_tokens: Integral = Field(None, ge=1, le=INT64_MAX)
+
+
+class _Tail(StrictBody):
+    stop: Annotated[Any, AfterValidator(_stop)] = ()
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: Any = False  # validated: its include_usage
+    user: str = None
+    logit_bias: Annotated[Any, AfterValidator(lambda v: call_parser(parse_logit_bias, {"logit_bias": v}))] = None
+    priority: Annotated[Any, AfterValidator(lambda v: call_parser(parse_priority, v, "priority"))] = None
+    n: Integral = Field(1, ge=1, le=MAX_CHOICES)
+
+    @field_validator("stream_options")
+    @classmethod
+    def _include_usage(cls, value: Any, info: ValidationInfo) -> bool:
+        if not isinstance(value, dict):
+            raise type_error("an object", value)
+        if not info.data.get("stream"):
+            raise value_error("stream_options is only allowed when 'stream' is true.")
+        usage = value.get("include_usage")
+        if usage is not None and not isinstance(usage, bool):
+            raise as_failure(invalid_type("include_usage", "a boolean", usage))
+        return bool(usage)
+
+
+def _sampling(body: ChatBody | CompletionBody, max_tokens: int | None) -> SamplingOptions:
     sampling = SamplingOptions(
-        temperature=_number(obj, "temperature", 1.0, 0.0, 2.0),
-        top_p=_number(obj, "top_p", 1.0, 0.0, 1.0),
-        top_k=_integer(obj, "top_k", -1, -1, INT64_MAX) or -1,
-        seed=_integer(obj, "seed", None, SEED_MIN, INT64_MAX),
-        presence_penalty=_number(obj, "presence_penalty", 0.0, -2.0, 2.0),
-        frequency_penalty=_number(obj, "frequency_penalty", 0.0, -2.0, 2.0),
-        repetition_penalty=_number(obj, "repetition_penalty", 1.0, 0.01, 10.0),
-        max_tokens=_integer(obj, max_param, None, 1, INT64_MAX),
-        stop=_stop(obj, limits),
-        ignore_eos=_boolean(obj, "ignore_eos", False),
-    )
-    if kind == "chat" and max_param == "max_completion_tokens":
-        _integer(obj, "max_tokens", None, 1, INT64_MAX)  # still type-checked when both are sent
+        temperature=body.temperature, top_p=body.top_p, top_k=body.top_k or -1, seed=body.seed,
+        presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+        repetition_penalty=body.repetition_penalty, max_tokens=max_tokens, stop=body.stop,
+        ignore_eos=body.ignore_eos, logit_bias=body.logit_bias, priority=body.priority)
     if sampling.top_p == 0.0:
         # top_p 0 keeps only the most likely token: greedy, which the engine expresses as temperature 0.
         sampling.temperature, sampling.top_p = 0.0, 1.0
-    stream = _boolean(obj, "stream", False)
-    options = obj.get("stream_options")
-    include_usage = False
-    if options is not None:
-        if not isinstance(options, dict):
-            raise invalid_type("stream_options", "an object", options)
-        if not stream:
-            raise invalid_value("stream_options", "stream_options is only allowed when 'stream' is true.")
-        include_usage = _boolean(options, "include_usage", False)
-    user = _string(obj, "user")
-    sampling.logit_bias = parse_logit_bias(obj)
-    sampling.priority = parse_priority(obj.get("priority"), "priority")
-    return GenerationRequest(
-        kind=kind,
-        model=model,
-        sampling=sampling,
-        n=_integer(obj, "n", 1, 1, MAX_CHOICES) or 1,
-        stream=stream,
-        include_usage=include_usage,
-        user=user or None,
-        max_tokens_param=max_param,
-    )
+    return sampling
+
+
+def _request(kind: Kind, body: ChatBody | CompletionBody, max_tokens: int | None, max_param: str) -> GenerationRequest:
+    return GenerationRequest(kind=kind, model=body.model, sampling=_sampling(body, max_tokens), n=body.n,
+                             stream=body.stream, include_usage=body.stream_options, user=body.user or None,
+                             max_tokens_param=max_param)
+
+
+def _unsupported(key: str, what: str) -> PydanticCustomError:
+    return coded_error(f"'{key}' is not supported by this server: {what}", "unsupported_parameter")
 
 
 # --- chat -----------------------------------------------------------------------------------------
 
 
-def _message_text(content: Any, param: str) -> str:
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise invalid_type(param, "a string or an array of content parts", content)
-    parts: list[str] = []
-    for j, part in enumerate(content):
-        where = f"{param}[{j}]"
-        if not isinstance(part, dict):
-            raise invalid_type(where, "an object", part)
-        ptype = part.get("type")
-        if ptype != "text":
-            raise APIError(400, f"Content parts of type {ptype!r} are not supported; only 'text' parts are.",
-                           param=f"{where}.type", code="unsupported_content")
-        text = part.get("text")
-        if not isinstance(text, str):
-            raise invalid_type(f"{where}.text", "a string", text)
-        parts.append(text)
-    return "".join(parts)
+class ChatBody(_Tail, _MaxTokens, _MaxCompletionTokens, _Head):
+    """A /v1/chat/completions body; then `parse_tools`, and `audio` is refused."""
 
+    messages: Any = Field(None, validate_default=True)  # validated: cleaned for the chat template
+    logprobs: bool = False
+    top_logprobs: Integral = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None  # validated: a StructuredSpec
 
-def _messages(obj: dict[str, Any], limits: RequestLimits) -> list[dict[str, Any]]:
-    messages = obj.get("messages")
-    if messages is None:
-        raise missing_parameter("messages")
-    if not isinstance(messages, list):
-        raise invalid_type("messages", "an array", messages)
-    if not messages:
-        raise invalid_value("messages", "the array must not be empty.")
-    if len(messages) > limits.max_messages:
-        raise invalid_value("messages", f"at most {limits.max_messages} messages are allowed, got {len(messages)}.")
-    cleaned: list[dict[str, Any]] = []
-    chars = 0
-    for i, msg in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(msg, dict):
-            raise invalid_type(where, "an object", msg)
-        role = msg.get("role")
-        if role is None:
-            raise missing_parameter(f"{where}.role")
-        if not isinstance(role, str):
-            raise invalid_type(f"{where}.role", "a string", role)
-        if role not in ROLES:
-            raise invalid_value(f"{where}.role", f"{role!r} is not one of {list(ROLES)}.")
-        content = msg.get("content")
-        if content is None:
-            if role != "assistant":
-                raise missing_parameter(f"{where}.content")
-            text = ""
-        else:
-            text = _message_text(content, f"{where}.content")
-        # "developer" is OpenAI's newer name for the system role; chat templates know "system".
-        item: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": text}
-        name = msg.get("name")
-        if name is not None:
-            if not isinstance(name, str):
-                raise invalid_type(f"{where}.name", "a string", name)
-            item["name"] = name
-        if role == "assistant" and msg.get("tool_calls"):
-            item["tool_calls"] = parse_tool_calls(msg["tool_calls"], f"{where}.tool_calls")
-            chars += sum(len(c["function"]["arguments"]) for c in item["tool_calls"])
-        if role == "tool":
-            call_id = msg.get("tool_call_id")
-            if call_id is None:
-                raise missing_parameter(f"{where}.tool_call_id")
-            if not isinstance(call_id, str):
-                raise invalid_type(f"{where}.tool_call_id", "a string", call_id)
-            item["tool_call_id"] = call_id
-        chars += len(text)
-        if chars > limits.max_prompt_chars:
-            raise _prompt_too_long("messages", chars, limits)
-        cleaned.append(item)
-    return cleaned
+    @field_validator("messages")
+    @classmethod
+    def _messages(cls, messages: Any, info: ValidationInfo) -> list[dict[str, Any]]:
+        return call_parser(parse_messages, messages, _limits(info))
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, top: int, info: ValidationInfo) -> int:
+        if not info.data.get("logprobs", True):
+            raise value_error("top_logprobs requires 'logprobs' to be true.")
+        return top
+
+    @field_validator("functions")
+    @classmethod
+    def _functions(cls, value: Any) -> None:
+        if value:
+            raise _unsupported("functions", "the deprecated 'functions' are not served; send them as 'tools'.")
+
+    @field_validator("function_call")
+    @classmethod
+    def _function_call(cls, value: Any) -> None:
+        raise _unsupported("function_call", "the deprecated 'function_call' is not served; use 'tool_choice'.")
+
+    @field_validator("response_format")
+    @classmethod
+    def _response_format(cls, value: Any, info: ValidationInfo) -> StructuredSpec | None:
+        return call_parser(parse_response_format, {"response_format": value}, _limits(info).max_schema_bytes)
 
 
 def parse_chat_request(obj: dict[str, Any], limits: RequestLimits = RequestLimits()) -> GenerationRequest:
     """Validates a /v1/chat/completions body. Raises APIError (400)."""
-    req = _common(obj, "chat", limits)
-    req.messages = _messages(obj, limits)
-    logprobs = _boolean(obj, "logprobs", False)
-    top = _integer(obj, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
-    if top is not None and not logprobs:
-        raise invalid_value("top_logprobs", "top_logprobs requires 'logprobs' to be true.")
-    req.sampling.logprobs = (top or 0) if logprobs else None
-    _unsupported(obj, "functions", not obj.get("functions"), "the deprecated 'functions' are not served; "
-                 "send them as 'tools'.")
-    _unsupported(obj, "function_call", False, "the deprecated 'function_call' is not served; use 'tool_choice'.")
-    req.sampling.structured = parse_response_format(obj, limits.max_schema_bytes)
+    body = validated(ChatBody, obj, {"limits": limits})
+    max_param = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
+    req = _request("chat", body, getattr(body, max_param), max_param)
+    req.messages = body.messages
+    req.sampling.logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    req.sampling.structured = body.response_format
     req.tools = parse_tools(obj, limits.max_schema_bytes)
     constraint = req.tools.constraint() if req.tools is not None else None
     if constraint is not None:
@@ -359,72 +300,52 @@ def parse_chat_request(obj: dict[str, Any], limits: RequestLimits = RequestLimit
                                 "tool_choice 'required' or a named function (the calls' arguments are the "
                                 "structured output).")
         req.sampling.structured = constraint
-    _unsupported(obj, "audio", False, "audio output is not available.")
+    if obj.get("audio") is not None:
+        raise APIError(400, "'audio' is not supported by this server: audio output is not available.",
+                       param="audio", code="unsupported_parameter")
     return req
 
 
 # --- completions ----------------------------------------------------------------------------------
 
+class CompletionBody(_Tail, _MaxTokens, _Head):
+    """A /v1/completions body."""
 
-def _token_list(value: list[Any], param: str) -> list[int]:
-    for j, tok in enumerate(value):
-        if isinstance(tok, bool) or not isinstance(tok, int):
-            raise invalid_type(f"{param}[{j}]", "an integer token id", tok)
-        if tok < 0:
-            raise invalid_value(f"{param}[{j}]", f"token id {tok} is negative.")
-    return value
+    prompt: Any = Field(None, validate_default=True)  # validated: one entry per prompt
+    logprobs: Integral = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False
+    best_of: Integral = Field(None, ge=1, le=MAX_CHOICES)
+    suffix: str = None
 
+    @field_validator("prompt")
+    @classmethod
+    def _prompts(cls, prompt: Any, info: ValidationInfo) -> list[Prompt]:
+        return call_parser(parse_prompts, prompt, _limits(info))
 
-def _prompts(obj: dict[str, Any], limits: RequestLimits) -> list[Prompt]:
-    prompts = _prompt_list(obj)
-    size = sum(len(p) for p in prompts)  # characters of text prompts, ids of token prompts
-    if size > limits.max_prompt_chars:
-        raise _prompt_too_long("prompt", size, limits)
-    return prompts
+    @field_validator("echo")
+    @classmethod
+    def _echo(cls, echo: bool, info: ValidationInfo) -> bool:
+        if echo and info.data.get("logprobs") is not None:
+            raise coded_error("'echo' together with 'logprobs' is not supported (prompt logprobs are not "
+                              "computed).", "unsupported_parameter")
+        return echo
 
-
-def _prompt_list(obj: dict[str, Any]) -> list[Prompt]:
-    prompt = obj.get("prompt")
-    if prompt is None:
-        raise missing_parameter("prompt")
-    if isinstance(prompt, str):
-        return [prompt]
-    if not isinstance(prompt, list):
-        raise invalid_type("prompt", "a string, an array of strings, or an array of token ids", prompt)
-    if not prompt:
-        raise invalid_value("prompt", "the prompt must not be empty.")
-    first = prompt[0]
-    if isinstance(first, int) and not isinstance(first, bool):
-        return [_token_list(prompt, "prompt")]
-    if len(prompt) > MAX_PROMPTS:
-        raise invalid_value("prompt", f"at most {MAX_PROMPTS} prompts per request, got {len(prompt)}.")
-    out: list[Prompt] = []
-    for i, item in enumerate(prompt):
-        if isinstance(item, str):
-            out.append(item)
-        elif isinstance(item, list):
-            if not item:
-                raise invalid_value(f"prompt[{i}]", "a token-id prompt must not be empty.")
-            out.append(_token_list(item, f"prompt[{i}]"))
-        else:
-            raise invalid_type(f"prompt[{i}]", "a string or an array of token ids", item)
-    return out
+    @field_validator("best_of")
+    @classmethod
+    def _best_of(cls, best_of: int, info: ValidationInfo) -> int:
+        if best_of != info.data.get("n", best_of):
+            raise coded_error("'best_of' different from 'n' is not supported.", "unsupported_parameter")
+        return best_of
 
 
 def parse_completion_request(obj: dict[str, Any], limits: RequestLimits = RequestLimits()) -> GenerationRequest:
     """Validates a /v1/completions body. Raises APIError (400)."""
-    req = _common(obj, "completion", limits)
-    req.prompts = _prompts(obj, limits)
-    req.sampling.logprobs = _integer(obj, "logprobs", None, 0, MAX_TOP_LOGPROBS)
-    req.echo = _boolean(obj, "echo", False)
-    if req.echo and req.sampling.logprobs is not None:
-        raise APIError(400, "'echo' together with 'logprobs' is not supported (prompt logprobs are not computed).",
-                       param="echo", code="unsupported_parameter")
-    best_of = _integer(obj, "best_of", None, 1, MAX_CHOICES)
-    if best_of is not None and best_of != req.n:
-        raise APIError(400, "'best_of' different from 'n' is not supported.", param="best_of",
-                       code="unsupported_parameter")
-    req.suffix = _string(obj, "suffix") or None
+    body = validated(CompletionBody, obj, {"limits": limits})
+    req = _request("completion", body, body.max_tokens, "max_tokens")
+    req.prompts = body.prompt
+    req.sampling.logprobs = body.logprobs
+    req.echo = body.echo
+    req.suffix = body.suffix or None
     if len(req.prompts) * req.n > MAX_CHOICES:
         raise invalid_value("n", f"prompts x n must be at most {MAX_CHOICES}, got {len(req.prompts) * req.n}.")
     if req.sampling.max_tokens is None:

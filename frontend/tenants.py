@@ -27,8 +27,18 @@ import hashlib
 import re
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Annotated, Any, ClassVar
 
-from pdserve.frontend.config import ConfigError, check_keys, load_config_file, optional_positive_int
+from pydantic import Field, ValidationInfo, create_model, field_validator
+
+from pdserve.frontend.config_files import (
+    FileEntry,
+    Name,
+    PositiveOrNull,
+    Requirement,
+    entries,
+    load_config_file,
+)
 from pdserve.frontend.errors import APIError
 from pdserve.frontend.protocol import parse_priority
 
@@ -76,6 +86,56 @@ class Tenant:
         return "*" in self.models or any(n in self.models for n in names)
 
 
+class _TenantFields(FileEntry):
+    """An entry of the tenants file, checked in this order: these fields, every TenantLimits field, then
+    `priority` (`TenantEntry`). Names and key digests must be unique across the file: the context of a
+    file's validation holds those of the entries before ({"names": set, "digests": {digest: name}})."""
+
+    kind: ClassVar[str] = "tenant"
+    name: Annotated[Name, Requirement("name is required")]
+    keys_sha256: Annotated[list[Any], Field(min_length=1),
+                           Requirement("keys_sha256 must be a non-empty list of SHA-256 hex digests")]
+    models: Annotated[list[Name], Requirement("models must be a list of model names")] = ["*"]
+
+    @field_validator("name")
+    @classmethod
+    def _unique_name(cls, name: str, info: ValidationInfo) -> str:
+        if name in info.context["names"]:
+            raise ValueError(f"tenant name {name!r} is used twice")
+        info.context["names"].add(name)
+        return name
+
+    @field_validator("keys_sha256")
+    @classmethod
+    def _digests(cls, keys: list[Any], info: ValidationInfo) -> list[str]:
+        owners: dict[str, str] = info.context["digests"]
+        for key in keys:
+            digest = key.lower() if isinstance(key, str) else ""
+            if not _SHA256_HEX.match(digest):
+                raise ValueError(f"{key!r} is not a SHA-256 hex digest (store hashed keys only)")
+            if digest in owners:
+                raise ValueError(f"key digest {digest[:12]}... also belongs to {owners[digest]!r}")
+            owners[digest] = info.data.get("name", "")
+        return keys
+
+    @field_validator("priority", check_fields=False)
+    @classmethod
+    def _priority(cls, value: Any) -> int:
+        try:
+            priority = parse_priority(value, "priority")
+        except APIError as err:
+            raise ValueError(err.message) from None
+        return 0 if priority is None else priority
+
+    def tenant(self) -> Tenant:
+        limits = TenantLimits(**{f.name: getattr(self, f.name) for f in fields(TenantLimits)})
+        return Tenant(self.name, frozenset(self.models), limits, self.priority)
+
+
+TenantEntry = create_model("TenantEntry", __base__=_TenantFields,
+                           **{f.name: (PositiveOrNull, None) for f in fields(TenantLimits)}, priority=(Any, 0))
+
+
 class TenantTable:
     """Resolves API keys to tenants. Immutable after construction."""
 
@@ -91,44 +151,11 @@ class TenantTable:
 
     @classmethod
     def from_file(cls, path: str | Path) -> TenantTable:
-        data = load_config_file(path)
-        check_keys(str(path), data, {"tenants"})
-        entries = data.get("tenants")
-        if not isinstance(entries, list) or not entries:
-            raise ConfigError(f"{path}: 'tenants' must be a non-empty list")
-        tenants: list[Tenant] = []
-        digests: dict[str, str] = {}
-        limit_names = {f.name for f in fields(TenantLimits)}
-        for i, obj in enumerate(entries):
-            where = f"{path}: tenants[{i}]"
-            if not isinstance(obj, dict):
-                raise ConfigError(f"{where}: each tenant must be a mapping")
-            check_keys(where, obj, {"name", "keys_sha256", "models", "priority"} | limit_names)
-            name = obj.get("name")
-            if not isinstance(name, str) or not name:
-                raise ConfigError(f"{where}: name is required")
-            if any(t.name == name for t in tenants):
-                raise ConfigError(f"{where}: tenant name {name!r} is used twice")
-            keys = obj.get("keys_sha256")
-            if not isinstance(keys, list) or not keys:
-                raise ConfigError(f"{where}: keys_sha256 must be a non-empty list of SHA-256 hex digests")
-            for key in keys:
-                digest = key.lower() if isinstance(key, str) else ""
-                if not _SHA256_HEX.match(digest):
-                    raise ConfigError(f"{where}: {key!r} is not a SHA-256 hex digest (store hashed keys only)")
-                if digest in digests:
-                    raise ConfigError(f"{where}: key digest {digest[:12]}... also belongs to {digests[digest]!r}")
-                digests[digest] = name
-            models = obj.get("models", ["*"])
-            if not isinstance(models, list) or not all(isinstance(m, str) and m for m in models):
-                raise ConfigError(f"{where}: models must be a list of model names")
-            limits = TenantLimits(**{k: optional_positive_int(where, obj, k) for k in limit_names})
-            try:
-                priority = parse_priority(obj.get("priority"), "priority")
-            except APIError as err:
-                raise ConfigError(f"{where}: {err.message}") from None
-            tenants.append(Tenant(name, frozenset(models), limits, 0 if priority is None else priority))
-        return cls(tenants, digests, open_access=False)
+        """The table of a tenants file. Raises ConfigError naming the entry and the field at fault."""
+        items = entries(path, load_config_file(path), "tenants")
+        seen: dict[str, Any] = {"names": set(), "digests": {}}
+        tenants = [TenantEntry.read(f"{path}: tenants[{i}]", obj, seen).tenant() for i, obj in enumerate(items)]
+        return cls(tenants, seen["digests"], open_access=False)
 
     @property
     def tenants(self) -> list[Tenant]:

@@ -132,6 +132,30 @@ def nested_schema(depth: int) -> dict[str, Any]:
         ({"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
          "messages[0].content[0].type", "unsupported_content"),
         ({"model": "m", "messages": ["hi"]}, "messages[0]", "invalid_type"),
+        ({"model": "m", "messages": [None]}, "messages[0]", "invalid_type"),
+        ({"model": None, "messages": [{"role": "user", "content": "x"}]}, "model", "missing_required_parameter"),
+        ({"model": "", "messages": [{"role": "user", "content": "x"}]}, "model", "invalid_value"),
+        ({"model": "m", "messages": None}, "messages", "missing_required_parameter"),
+        ({"model": "m", "messages": [{"role": None, "content": "x"}]}, "messages[0].role", "missing_required_parameter"),
+        ({"model": "m", "messages": [{"role": 5, "content": "x"}]}, "messages[0].role", "invalid_type"),
+        ({"model": "m", "messages": [{"role": "user", "content": None}]}, "messages[0].content",
+         "missing_required_parameter"),
+        ({"model": "m", "messages": [{"role": "user", "content": "x", "name": 5}]}, "messages[0].name", "invalid_type"),
+        ({"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+         "messages[0].content[0].text", "invalid_type"),
+        ({"model": "m", "messages": [{"role": "tool", "content": "r"}]}, "messages[0].tool_call_id",
+         "missing_required_parameter"),
+        ({"model": "m", "messages": [{"role": "tool", "content": "r", "tool_call_id": 5}]}, "messages[0].tool_call_id",
+         "invalid_type"),
+        ({"model": "m", "messages": [{"role": "user", "content": "x"}, {"role": "wizard"}]}, "messages[1].role",
+         "invalid_value"),
+        (chat(n=2.5), "n", "invalid_type"),
+        (chat(max_tokens=0.0), "max_tokens", "invalid_value"),
+        (chat(temperature=float("nan")), "temperature", "invalid_value"),
+        (chat(stream=True, stream_options={"include_usage": "yes"}), "include_usage", "invalid_type"),
+        (chat(top_logprobs=2, logprobs=False), "top_logprobs", "invalid_value"),
+        (chat(function_call="auto"), "function_call", "unsupported_parameter"),
+        (chat(audio={"voice": "x"}), "audio", "unsupported_parameter"),
     ],
 )
 def test_chat_validation_errors(body: dict[str, Any], param: str, code: str) -> None:
@@ -156,6 +180,12 @@ def test_chat_validation_errors(body: dict[str, Any], param: str, code: str) -> 
         ({"model": "m", "prompt": "x", "best_of": 3}, "best_of", "unsupported_parameter"),
         ({"model": "m", "prompt": "x", "suffix": 5}, "suffix", "invalid_type"),
         ({"model": "m", "prompt": ["x"] * 65, "n": 2}, "n", "invalid_value"),
+        ({"model": "m", "prompt": None}, "prompt", "missing_required_parameter"),
+        ({"model": "m", "prompt": [[1, -1]]}, "prompt[0][1]", "invalid_value"),
+        ({"model": "m", "prompt": [[1, True]]}, "prompt[0][1]", "invalid_type"),
+        ({"model": "m", "prompt": [1, 2.0]}, "prompt[1]", "invalid_type"),
+        ({"model": "m", "prompt": ["x"] * 129}, "prompt", "invalid_value"),
+        ({"model": "m", "prompt": "x", "n": 2, "best_of": 3.0}, "best_of", "unsupported_parameter"),
     ],
 )
 def test_completion_validation_errors(body: dict[str, Any], param: str, code: str) -> None:
@@ -179,6 +209,22 @@ def test_valid_requests_parse_and_unknown_fields_are_ignored() -> None:
     assert req.messages == [{"role": "system", "content": "ab"}, {"role": "assistant", "content": ""},
                             {"role": "user", "content": "q", "name": "bob"}]
     assert parse_chat_request(chat()).sampling.logprobs is None
+
+    # JSON null is an absent field; an integral float is an integer
+    req = parse_chat_request(chat(temperature=None, n=None, stop=None, max_tokens=5.0, seed=-2.0, user=None,
+                                  messages=[{"role": "user", "content": "q", "name": None}]))
+    assert (req.sampling.temperature, req.n, req.sampling.stop, req.sampling.max_tokens) == (1.0, 1, (), 5)
+    assert req.sampling.seed == -2 and isinstance(req.sampling.max_tokens, int) and req.user is None
+    assert req.messages == [{"role": "user", "content": "q"}]
+    err = api_error(lambda: parse_chat_request(chat(max_tokens=1e30)))
+    assert err.message == "Invalid value for 'max_tokens': 1000000000000000019884624838656 is out of range; it must be at least 1."
+    err = api_error(lambda: parse_chat_request(chat(temperature=2.5)))
+    assert err.message == "Invalid value for 'temperature': 2.5 is out of range; it must be between 0 and 2."
+    err = api_error(lambda: parse_chat_request(chat(stop=["a", 7])))
+    assert err.message == "Invalid type for 'stop[1]': expected a string, but got an integer instead."
+    tool = parse_chat_request(chat(messages=[{"role": "tool", "content": [{"type": "text", "text": "r"}], "tool_call_id": "c1",
+                                              "tool_calls": "ignored for this role"}]))
+    assert tool.messages == [{"role": "tool", "content": "r", "tool_call_id": "c1"}]
 
     for prompt, expect in [("a", ["a"]), (["a", "b"], ["a", "b"]), ([1, 2], [[1, 2]]), ([[1], [2, 3]], [[1], [2, 3]])]:
         req = parse_completion_request({"model": "m", "prompt": prompt, "logprobs": 0, "n": 2, "best_of": 2})
@@ -258,6 +304,14 @@ def test_bad_tenant_files_are_refused(tmp_path: Path) -> None:
         (f"tenants:\n  - name: a\n    keys_sha256: ['{key_digest}']\n  - name: b\n    keys_sha256: ['{key_digest}']\n",
          "also belongs"),
         ("tenants: [\n", "cannot parse"),
+        (f"tenants:\n  - name: a\n    keys_sha256: ['{key_digest}']\n  - name: a\n    keys_sha256: ['{'0' * 64}']\n",
+         "tenants\\[1\\]: tenant name 'a' is used twice"),
+        (f"tenants:\n  - name: a\n    keys_sha256: ['{key_digest}']\n    models: null\n", "models must be a list of model names"),
+        ("tenants:\n  - name: a\n    keys_sha256: []\n", "keys_sha256 must be a non-empty list"),
+        ("tenants:\n  - [a]\n", "tenants\\[0\\]: each tenant must be a mapping"),
+        (f"tenants:\n  - {{name: a, keys_sha256: ['{key_digest}'], ttft_budget_ms: 0}}\n",
+         "ttft_budget_ms must be a positive integer or null, got 0"),
+        ("tenants: []\nextra: 1\n", "unknown field\\(s\\) \\['extra'\\]; allowed: \\['tenants'\\]"),
     ]
     for text, message in bad_cases:
         yaml_file.write_text(text)
@@ -557,6 +611,17 @@ def test_config_validation(tmp_path: Path, tiny_llama_dir: Path) -> None:
     models.write_text("models:\n  - name: a\n    path: /x\n    colour: red\n")
     with pytest.raises(ConfigError, match="unknown field"):
         load_models_file(models)
+    for entry, message in (("- 5", "each model must be a mapping"), ("- {path: /x}", "name is required and must be a string"),
+                           ("- {name: a, path: /x, aliases: [b, '']}", "aliases must be a list of names"),
+                           ("- {name: a, path: /x, weight: null}", "weight must be a number, got None"),
+                           ("- {name: a, path: /x, pool: 5}", "pool must be a string"),
+                           ("- {name: a, path: /x, max_context: 2.0}", "max_context must be a positive integer or null, got 2.0")):
+        models.write_text(f"models:\n  {entry}\n")
+        with pytest.raises(ConfigError) as info:
+            load_models_file(models)
+        assert str(info.value) == f"{models}: models[0]: {message}"
+    models.write_text(f"models:\n  - {{name: a, path: {tiny_llama_dir}, aliases: null, pool: '', weight: 2}}\n")
+    assert load_models_file(models) == [ModelSpec(name="a", path=str(tiny_llama_dir), weight=2.0)]
     # The admission settings are validated too.
     base = {"etcd_endpoints": ("h:1",), "models": tuple(specs)}
     ok = FrontendConfig(**base, limit_share=4, limit_share_index=3, max_messages=10, max_stop_strings=8)
@@ -568,6 +633,13 @@ def test_config_validation(tmp_path: Path, tiny_llama_dir: Path) -> None:
                        ({"prepare_workers": 0}, "prepare_workers"), ({"ttft_headroom": 1.5}, "ttft_headroom")):
         with pytest.raises(ConfigError, match=match):
             FrontendConfig(**base, **bad)  # type: ignore[arg-type]
+    for bad, message in (({"port": 65536}, "port must be in [0, 65535], got 65536"),
+                         ({"batch_inflight_fraction": 0}, "batch_inflight_fraction must be in (0, 1], got 0"),
+                         ({"load_factor": 1.0}, "load_factor must be > 1, got 1.0"),
+                         ({"max_body_bytes": 10}, "max_body_bytes must be >= 1024, got 10")):
+        with pytest.raises(ConfigError) as info:
+            FrontendConfig(**base, **bad)  # type: ignore[arg-type]
+        assert str(info.value) == f"FrontendConfig: {message}"
 
 
 def test_rendered_chunks_and_bodies_match_the_spec(schemas: OpenAPISchemas, catalog: ModelCatalog) -> None:
