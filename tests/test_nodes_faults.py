@@ -24,7 +24,9 @@ from testing.waits import wait_until
 
 pytestmark = pytest.mark.timeout(400)
 
-TTL_S = 3
+# Above the slowest machine's 3000-token prefill on one thread (3.3 s on an AVX2-only Zen core), so that a
+# send is queued before a stopped decode node's lease lapses; the bounds below are in TTLs.
+TTL_S = 8
 TRANSFER_TIMEOUT_S = 60  # far above the lease TTL: only a lapsed lease can explain a quick release
 NODE_ARGS = [
     "--dtype", "float32", "--num-threads", "1", "--num-kv-blocks", "512",
@@ -114,7 +116,7 @@ def test_prefill_lease_loss_before_the_first_token_falls_back_to_local_prefill(c
         # Mid-prefill, no first token yet: the lapsed lease frees the reservation (long before the
         # transfer timeout) and d0 prefills the prompt itself; the caller sees a normal finish.
         messages = drain(call)
-        assert messages and messages[-1].finish_reason == "length" and not messages[-1].error, messages[-1:]
+        assert messages and messages[-1].finish_reason == pb.FINISH_REASON_LENGTH and not messages[-1].error, messages[-1:]
         assert sum(len(m.token_ids) for m in messages) == 4 and messages[0].prefill_node_id == "d0"
         assert cluster.metric("d0", fallbacks, reason="lease_lost") == before + 1, "freed by the lease"
         cluster.wait_clean(["d0"], timeout_s=5)
