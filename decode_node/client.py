@@ -19,6 +19,7 @@ from pdserve.node_common.convert import params_to_proto
 from pdserve.rpc import add_rpc_args, rpc_security_from_args
 from pdserve.rpc import pdserve_pb2 as pb
 from pdserve.rpc import pdserve_pb2_grpc as pb_grpc
+from pdserve.rpc.enums import finish_reason_name
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         "request_id": last.request_id,
         "token_ids": [t for m in messages for t in m.token_ids],
         "text": "".join(m.text for m in messages),
-        "finish_reason": last.finish_reason,
+        "finish_reason": finish_reason_name(last.finish_reason),
         "error": last.error,
         "prefill_node_id": messages[0].prefill_node_id,
         "decode_node_id": messages[0].decode_node_id,

@@ -27,7 +27,7 @@ class DecodeNodeConfig(NodeConfig):
     # (0: no bound; a hung prefill node is then noticed when its registry lease lapses).
     prefill_timeout_s: float = 0.0
     # A drain lets running requests finish for this long, then hands the rest over: each stream ends with
-    # finish_reason "migrate" (the caller continues it on another node) and its blocks are freed.
+    # finish reason HAND_OVER (the caller continues it on another node) and its blocks are freed.
     drain_grace_s: float = 5.0
     # A colocated node prefills every prompt itself and never uses a prefill node; its registry record
     # says so, and a pool of such nodes is ready without prefill nodes.
@@ -55,7 +55,7 @@ class DecodeNodeConfig(NodeConfig):
     @classmethod
     def from_argv(cls, argv: list[str] | None) -> tuple[DecodeNodeConfig, str]:
         """Parses the command line; returns the config and the log level."""
-        parser = argparse.ArgumentParser(prog="python -m decode_node", description="Run a pdserve decode node.")
+        parser = argparse.ArgumentParser(prog="python -m pdserve.decode_node", description="Run a pdserve decode node.")
         add_node_args(parser)
         parser.add_argument("--local-prefill-threshold", type=int, default=64)
         parser.add_argument("--max-prefill-queue-tokens", type=int, default=0,

@@ -41,6 +41,7 @@ from pdserve.decode_node.config import DecodeNodeConfig
 from pdserve.decode_node.metrics import DecodeMetrics
 from pdserve.decode_node.request import DecodeRequest, FailureReason, RemotePrefill, SendReport, Stage
 from pdserve.engine.async_engine import abort_output
+from pdserve.engine.stopping import FinishReason
 from pdserve.kernels import get_kernel_ops
 from pdserve.kernels.interface import KV_LAYOUT_VERSION
 from pdserve.kv_transfer import ChannelError, KVReceiver, TransferHandle, TransferResult
@@ -128,11 +129,11 @@ class PrefillLink:
             await self._run_prefill(req, rem)
             if req.cancelled and not req.stream.finished:
                 # Tell the caller now: a receive already posted may take until its deadline to resolve.
-                req.stream.push(abort_output(req.request_id, "abort"))
+                req.stream.push(abort_output(req.key, FinishReason.ABORT))
             await self._wait_kv(req, rem)
             decision = outcome(req)
             if decision is Outcome.LAND:
-                req.landed_at = self.metrics.landed(req.request_id)
+                req.landed_at = self.metrics.landed(req.key)
             if tracer is not None:
                 trace.end_kv_wait(tracer, req, rem, req.landed_at or time.monotonic(), decision is Outcome.LAND)
         finally:
@@ -148,7 +149,7 @@ class PrefillLink:
     async def _land(self, req: DecodeRequest) -> None:
         req.advance(Stage.IN_ENGINE)  # before `land` is queued, so a later cancel aborts in the engine
         try:
-            await self.ctx.engine.land(req.request_id)
+            await self.ctx.engine.land(req.key)
         except (KeyError, ValueError) as err:
             req.error = f"landing after the transfer failed: {err}"
             await self._end(req)
@@ -169,7 +170,7 @@ class PrefillLink:
                 raise
             rem.fail(FailureReason.ERROR, f"prefill call to {rem.prefill_node.node_id} cancelled")
         except Exception as err:  # a bug here must not leak the reservation
-            log.exception("request %s: driver failed", req.request_id)
+            log.exception("request %s: driver failed", req.key)
             rem.fail(FailureReason.ERROR, f"{type(err).__name__}: {err}")
 
     async def _prefill_here(self, req: DecodeRequest, rem: RemotePrefill, decision: Outcome) -> None:
@@ -187,16 +188,16 @@ class PrefillLink:
                            f"prefill node {rem.prefill_node.node_id} ended the call without {missing}")
         if decision is Outcome.REPREFILL:
             log.warning("request %s: KV from %s did not land after the first token (%s: %s); re-prefilling here",
-                        req.request_id, rem.prefill_node.node_id, failure.reason.value, failure.error)
+                        req.key, rem.prefill_node.node_id, failure.reason.value, failure.error)
             self.metrics.reprefill(failure.reason)
         else:
             log.warning("request %s: prefill on %s failed before its first token (%s: %s); prefilling here",
-                        req.request_id, rem.prefill_node.node_id, failure.reason.value, failure.error)
+                        req.key, rem.prefill_node.node_id, failure.reason.value, failure.error)
             self.metrics.local_prefill_fallback(failure.reason)
         req.remote, req.reservation = None, None
         req.advance(Stage.IN_ENGINE)  # before the engine hears of it, so a later cancel aborts in the engine
         try:
-            await self.ctx.engine.prefill_here(req.request_id)
+            await self.ctx.engine.prefill_here(req.key)
         except (KeyError, ValueError, RuntimeError) as err:
             req.error = f"local prefill after the remote one failed: {err}"
             await self._end(req)
@@ -213,7 +214,8 @@ class PrefillLink:
         # A resumed request is prefilled from prompt + resumed tokens; num_prompt_tokens tells the prefill
         # node where the completion starts (seeded position, penalties, the stop decision).
         msg = pb.PrefillRequest(
-            request_id=req.request_id, prompt_token_ids=req.context_ids, params=params_to_proto(req.params),
+            request_id=req.request_id, attempt=req.attempt, prompt_token_ids=req.context_ids,
+            params=params_to_proto(req.params),
             num_prompt_tokens=len(req.prompt) if req.resume is not None else 0,
             decode_node_id=self.config.node_id, num_skip_blocks=req.reservation.num_cached_blocks,
             dst_block_ids=list(req.reservation.fill_block_ids), block_size=self.config.engine.block_size,
@@ -258,11 +260,11 @@ class PrefillLink:
         if req.cancelled or req.stream.finished:
             return
         logprob = logprob_from_proto(first.logprob) if first.HasField("logprob") else None
-        await self.ctx.engine.append_first_token(req.request_id, first.token_id, logprob)
+        await self.ctx.engine.append_first_token(req.key, first.token_id, logprob)
 
     def _on_transfer_start(self, req: DecodeRequest, rem: RemotePrefill, ts: pb.TransferStart) -> None:
         assert req.reservation is not None
-        meta = transfer_meta_from_proto(ts, req.request_id, rem.prefill_node.node_id, self.config.node_id)
+        meta = transfer_meta_from_proto(ts, req.key, rem.prefill_node.node_id, self.config.node_id)
         address = ts.prefill_kv_address or rem.prefill_node.record.kv_address
         try:
             channel = self.ctx.channels.channel_from(rem.prefill_node.node_id, address, meta.epoch)
@@ -347,11 +349,12 @@ class PrefillLink:
 
         async def abort() -> None:
             try:
-                await self._stub(prefill).Abort(pb.AbortRequest(request_id=req.request_id), timeout=5.0)
+                message = pb.AbortRequest(request_id=req.request_id, attempt=req.attempt)
+                await self._stub(prefill).Abort(message, timeout=5.0)
             except grpc.aio.AioRpcError as err:
-                log.info("abort of %s on %s failed: %s", req.request_id, prefill.node_id, err.code().name)
+                log.info("abort of %s on %s failed: %s", req.key, prefill.node_id, err.code().name)
 
-        self.ctx.spawn(abort(), f"prefill-abort-{req.request_id}")
+        self.ctx.spawn(abort(), f"prefill-abort-{req.key}")
 
     @staticmethod
     def prefill_left(node_id: str, requests: Iterable[DecodeRequest]) -> None:
@@ -362,7 +365,7 @@ class PrefillLink:
                 continue
             if rem.sent is not None:  # its part is done: its leaving no longer concerns the request
                 continue
-            log.warning("prefill node %s left the registry: failing %s", node_id, req.request_id)
+            log.warning("prefill node %s left the registry: failing %s", node_id, req.key)
             rem.fail(FailureReason.LEASE_LOST, f"prefill node {node_id} left the registry")
             if rem.channel is not None:
                 rem.channel.close(f"prefill node {node_id} left the registry")

@@ -119,7 +119,9 @@ def context_ids(prompt: list[int], resume: Resume | None) -> list[int]:
 class DecodeRequest:
     """A request on this decode node, from arrival until the engine let go of it."""
 
+    key: str  # this attempt on this node (`call_key`): what the tables, the engine and the transfer know it by
     request_id: str
+    attempt: int
     prompt: list[int]
     params: SamplingParams
     arrived: float

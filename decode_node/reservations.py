@@ -44,16 +44,16 @@ class ReservationQueue:
         return len(self._queue)
 
     async def reserve(self, req: DecodeRequest) -> Reservation:
-        """Reserves the prompt's blocks, waiting in FIFO order while the pool is full. Raises
+        """Reserves the prompt's blocks, waiting in FIFO order while the KV cache is full. Raises
         ReservationRefused, or ValueError for a request the engine rejects. A reservation made just as
         the caller gave up is left to the abort that ends the request."""
         engine = self._ctx.engine
         num_tokens = len(req.context_ids)
         if engine.engine.block_manager.blocks_needed(num_tokens + 1) > engine.engine.num_blocks:
-            raise ReservationRefused(f"a {num_tokens}-token prompt can never fit this node's KV pool")
+            raise ReservationRefused(f"a {num_tokens}-token prompt can never fit this node's KV cache")
         priority = req.params.priority
         if not any(w.request.params.priority <= priority for w in self._queue):  # nobody ahead of it
-            reservation = await engine.reserve(req.request_id, req.prompt, req.params, req.resume)
+            reservation = await engine.reserve(req.key, req.prompt, req.params, req.resume)
             if reservation is not None:
                 return reservation
         if len(self._queue) >= self._limit:
@@ -111,7 +111,7 @@ class ReservationQueue:
                     continue
                 req = waiter.request
                 try:
-                    reservation = await self._ctx.engine.reserve(req.request_id, req.prompt, req.params, req.resume)
+                    reservation = await self._ctx.engine.reserve(req.key, req.prompt, req.params, req.resume)
                 except ValueError as err:
                     self._queue.popleft()
                     if not waiter.future.done():
@@ -121,7 +121,7 @@ class ReservationQueue:
                     return  # the head waits for blocks, everyone behind it too
                 self._queue.popleft()
                 if waiter.future.done():  # the caller gave up while the reservation was being made
-                    await self._ctx.engine.abort(req.request_id)
+                    await self._ctx.engine.abort(req.key)
                 else:
                     waiter.future.set_result(reservation)
         finally:
@@ -135,5 +135,5 @@ class ReservationQueue:
             if waiter.future.done():
                 continue  # given up or served; leaves the queue on its next pass
             req = waiter.request
-            assert requests.get(req.request_id) is req, f"queued request {req.request_id} is not registered"
-            assert req.stage == Stage.WAITING_FOR_BLOCKS, f"queued request {req.request_id} is {req.stage.name}"
+            assert requests.get(req.key) is req, f"queued request {req.key} is not registered"
+            assert req.stage == Stage.WAITING_FOR_BLOCKS, f"queued request {req.key} is {req.stage.name}"

@@ -8,8 +8,10 @@ import time
 from pdserve.decode_node.metrics import DecodeMetrics
 from pdserve.decode_node.request import DecodeRequest
 from pdserve.engine.llm_engine import RequestOutput
+from pdserve.engine.stopping import FinishReason
 from pdserve.node_common.convert import logprob_to_proto
 from pdserve.rpc import pdserve_pb2 as pb
+from pdserve.rpc.enums import finish_reason_value
 
 
 def response(
@@ -24,6 +26,7 @@ def response(
         logprobs=[logprob_to_proto(lp) for o in batch for lp in o.new_logprobs],
         finished=last.finished, num_prompt_tokens=len(req.prompt), num_completion_tokens=completion,
         prefill_node_id=req.prefill_id or node_id, decode_node_id=node_id,
+        serving_path=pb.SERVING_PATH_DISAGGREGATED if req.remote is not None else pb.SERVING_PATH_LOCAL_PREFILL,
     )
     if request.return_text:
         msg.text = "".join(o.new_text for o in batch)
@@ -36,10 +39,10 @@ def response(
         msg.num_cached_tokens_decode = cached
     msg.num_cached_tokens = cached
     if last.finished:
-        msg.finish_reason = last.finish_reason or ""
+        msg.finish_reason = finish_reason_value(last.finish_reason)
         if last.stop_reason is not None:
             msg.stop_reason = str(last.stop_reason)
-        if last.finish_reason == "error":
+        if last.finish_reason == FinishReason.ERROR:
             msg.error = req.error or "internal error"
     if first or last.finished:  # the last message repeats it, complete (transfer time included)
         msg.timing.CopyFrom(_timing(req, metrics))
@@ -57,7 +60,7 @@ def _timing(req: DecodeRequest, metrics: DecodeMetrics) -> pb.Timing:
         timing.prefill_s = req.local_prefill_s
         return timing
     timing.CopyFrom(req.timing)
-    first_step = metrics.first_step_seconds(req.request_id)
+    first_step = metrics.first_step_seconds(req.key)
     if first_step is not None:
         timing.first_decode_step_s = first_step
     return timing

@@ -17,7 +17,7 @@ the same steps with prompt + those tokens as its context; responses carry only t
 num_completion_tokens counts them too (`engine.sequence.Resume`).
 
 Drain: once the drain's grace (`--drain-grace`) is over, `hand_over` ends every request still here with
-finish_reason "migrate" (after the tokens it produced) and frees its blocks; the frontend resumes it on
+FinishReason.HAND_OVER (after the tokens it produced) and frees its blocks; the frontend resumes it on
 another decode node.
 
 Every request is one `DecodeRequest` (`decode_node.request`) in `requests`, from arrival until the
@@ -48,8 +48,9 @@ from pdserve.decode_node.responses import response
 from pdserve.engine.async_engine import RequestStream, abort_output
 from pdserve.engine.llm_engine import EngineRequests
 from pdserve.engine.sequence import Resume
+from pdserve.engine.stopping import FinishReason
 from pdserve.node_common.config import setup_logging
-from pdserve.node_common.convert import params_from_proto
+from pdserve.node_common.convert import call_key, params_from_proto
 from pdserve.node_common.faults import NodeFaults, load_faults
 from pdserve.node_common.runtime import run_node
 from pdserve.node_common.service import NodeContext, NodeService
@@ -59,10 +60,6 @@ from pdserve.rpc import pdserve_pb2 as pb
 from pdserve.rpc import pdserve_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
-
-# The finish_reason that ends a stream whose request this node hands over (rpc/pdserve.proto): the
-# caller continues the request on another decode node.
-HANDOVER = "migrate"
 
 
 class DecodeService(NodeService, pb_grpc.DecodeNodeServicer):
@@ -95,11 +92,11 @@ class DecodeService(NodeService, pb_grpc.DecodeNodeServicer):
         return self.load_response()
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
-        req = self.requests.get(request.request_id)
+        req = self.requests.get(call_key(request.request_id, request.attempt))
         if req is None or req.stage == Stage.ENDING:
             return pb.AbortResponse(found=False)
         self._cancel(req)
-        req.stream.push(abort_output(req.request_id))
+        req.stream.push(abort_output(req.key))
         return pb.AbortResponse(found=True)
 
     async def Generate(
@@ -132,7 +129,7 @@ class DecodeService(NodeService, pb_grpc.DecodeNodeServicer):
         finally:
             if not req.stream.finished:  # the caller went away: stop the work and free its blocks
                 self._cancel(req)
-            elif req.stage == Stage.IN_ENGINE and self.requests.get(req.request_id) is req:
+            elif req.stage == Stage.IN_ENGINE and self.requests.get(req.key) is req:
                 self._forget(req)  # finished in the engine, which already freed its blocks
             if tracer is not None:
                 trace.end_request(tracer, req, timing, last)
@@ -146,7 +143,8 @@ class DecodeService(NodeService, pb_grpc.DecodeNodeServicer):
         its remote prefill. Aborts the call (INVALID_ARGUMENT, ALREADY_EXISTS, RESOURCE_EXHAUSTED,
         UNAVAILABLE) when it cannot be taken."""
         await self.refuse_if_draining(context)
-        rid = request.request_id or f"req-{uuid.uuid4().hex}"
+        request_id = request.request_id or f"req-{uuid.uuid4().hex}"
+        rid = call_key(request_id, request.attempt)
         prompt = list(request.prompt_token_ids)
         try:
             params = params_from_proto(request.params)
@@ -171,11 +169,11 @@ class DecodeService(NodeService, pb_grpc.DecodeNodeServicer):
                 self.metrics.queue_local_prefill()
                 prefill = None
         if prefill is None:
-            req = DecodeRequest(rid, prompt, params, arrived, RequestStream(rid), Stage.IN_ENGINE, resume=resume,
-                                span=span)
+            req = DecodeRequest(rid, request_id, request.attempt, prompt, params, arrived, RequestStream(rid),
+                                Stage.IN_ENGINE, resume=resume, span=span)
             return await self._start_local(req, context)
-        req = DecodeRequest(rid, prompt, params, arrived, RequestStream(rid), Stage.WAITING_FOR_BLOCKS,
-                            RemotePrefill(prefill), resume=resume, span=span)
+        req = DecodeRequest(rid, request_id, request.attempt, prompt, params, arrived, RequestStream(rid),
+                            Stage.WAITING_FOR_BLOCKS, RemotePrefill(prefill), resume=resume, span=span)
         return await self._start_remote(req, context)
 
     @staticmethod
@@ -221,7 +219,7 @@ class DecodeService(NodeService, pb_grpc.DecodeNodeServicer):
         if self.ctx.engine.load().waiting >= self.config.max_local_waiting:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "decode node queue is full")
         self._register(req)
-        rid = req.request_id
+        rid = req.key
         try:
             req.stream = await self.ctx.engine.add_request(rid, req.prompt, req.params, resume=req.resume)
         except ValueError as err:
@@ -233,7 +231,7 @@ class DecodeService(NodeService, pb_grpc.DecodeNodeServicer):
         return req
 
     async def _start_remote(self, req: DecodeRequest, context: grpc.aio.ServicerContext) -> DecodeRequest:
-        rid, arrived = req.request_id, req.arrived
+        rid, arrived = req.key, req.arrived
         self._register(req)
         req.stream = self.ctx.engine.open_stream(rid)
         try:
@@ -246,7 +244,7 @@ class DecodeService(NodeService, pb_grpc.DecodeNodeServicer):
             # Cancelled while a reservation may have been made: the abort queued now runs after it.
             self._end_later(req)
             raise
-        req.timing.decode_admission_s = time.monotonic() - arrived
+        req.timing.reservation_wait_s = time.monotonic() - arrived
         req.advance(Stage.WAITING_FOR_REMOTE_KV)
         self.ctx.spawn(self.link.drive(req), f"drive-{rid}")
         return req
@@ -255,16 +253,16 @@ class DecodeService(NodeService, pb_grpc.DecodeNodeServicer):
 
     def _register(self, req: DecodeRequest) -> DecodeRequest:
         """Adds a request to the table before the engine hears of it."""
-        assert req.request_id not in self.requests
-        self.requests[req.request_id] = req
+        assert req.key not in self.requests
+        self.requests[req.key] = req
         return req
 
     def _forget(self, req: DecodeRequest) -> None:
         """Drops a request the engine no longer holds."""
-        if self.requests.get(req.request_id) is req:
-            del self.requests[req.request_id]
-        self.ctx.engine.close_stream(req.request_id)
-        self.metrics.forget(req.request_id)
+        if self.requests.get(req.key) is req:
+            del self.requests[req.key]
+        self.ctx.engine.close_stream(req.key)
+        self.metrics.forget(req.key)
 
     async def _end(self, req: DecodeRequest) -> None:
         """Ends a request wherever it is: tells the caller why (if still listening), has the engine drop
@@ -272,9 +270,9 @@ class DecodeService(NodeService, pb_grpc.DecodeNodeServicer):
         if req.stage != Stage.ENDING:
             req.advance(Stage.ENDING)
         if not req.stream.finished:
-            req.stream.push(abort_output(req.request_id, "abort" if req.cancelled else "error"))
+            req.stream.push(abort_output(req.key, FinishReason.ABORT if req.cancelled else FinishReason.ERROR))
         try:
-            await self.ctx.engine.abort(req.request_id)
+            await self.ctx.engine.abort(req.key)
         except RuntimeError:
             pass  # the engine is stopped: it holds nothing any more
         self._forget(req)
@@ -283,7 +281,7 @@ class DecodeService(NodeService, pb_grpc.DecodeNodeServicer):
         """`_end` in a task of its own; the request is ENDING from now on."""
         if req.stage != Stage.ENDING:
             req.advance(Stage.ENDING)
-        self.ctx.spawn(self._end(req), f"end-{req.request_id}")
+        self.ctx.spawn(self._end(req), f"end-{req.key}")
 
     def _cancel(self, req: DecodeRequest) -> None:
         """The caller is gone: stop the request wherever it is."""
@@ -303,7 +301,7 @@ class DecodeService(NodeService, pb_grpc.DecodeNodeServicer):
     def check_requests(self, before: Mapping[str, str], engine: EngineRequests) -> None:
         requests = dict(self.requests)
         for rid, req in requests.items():
-            assert req.request_id == rid
+            assert req.key == rid
             req.check()
         self.reservations.check_integrity(requests)
         # Reserved blocks belong to requests that were waiting for blocks or the remote K/V, or ending (a
@@ -329,7 +327,7 @@ class DecodeService(NodeService, pb_grpc.DecodeNodeServicer):
     def hand_over(self) -> int:
         """Ends every request still here so that its caller continues it on another node, and frees its
         blocks: the stream of a request in the engine or waiting for its remote K/V ends with finish_reason
-        HANDOVER after the tokens already produced (the engine aborts one in the engine; the driver of one
+        FinishReason.HAND_OVER after the tokens already produced (the engine aborts one in the engine; the driver of one
         waiting for its K/V cancels its prefill and frees its reservation); a request still waiting for
         blocks is refused (it has streamed nothing; its caller tries another node). Returns how many
         requests were handed over."""
@@ -337,7 +335,7 @@ class DecodeService(NodeService, pb_grpc.DecodeNodeServicer):
         for req in list(self.requests.values()):
             if req.stage not in (Stage.IN_ENGINE, Stage.WAITING_FOR_REMOTE_KV) or req.stream.finished:
                 continue
-            req.stream.push(abort_output(req.request_id, HANDOVER))
+            req.stream.push(abort_output(req.key, FinishReason.HAND_OVER))
             if req.stage == Stage.IN_ENGINE:
                 self._end_later(req)
             else:

@@ -2,14 +2,14 @@
 
     decode.generate         server, parent: the caller's traceparent (gRPC metadata); arrival to the end
     │                       of the Generate stream
-    ├── decode.admission    arrival to the reservation of its blocks (TTFT stage `decode_admission`)
+    ├── decode.reservation_wait    arrival to the reservation of its blocks (TTFT stage `reservation_wait`)
     ├── decode.kv_wait      client: the Prefill call until the transferred K/V landed (or failed); its
     │                       traceparent goes to the prefill node, whose spans are its children
     ├── decode.prefill      a request prefilled here: arrival to its first message (TTFT stage `prefill`)
     ├── decode.first_step   landing to the end of the first decode step (TTFT stage `first_decode_step`)
     └── decode.decode       landing (or arrival, prefilled here) to the end of the stream
 
-Times are the ones the node reports in `pb.Timing` (arrival, `decode_admission_s`, landing and
+Times are the ones the node reports in `pb.Timing` (arrival, `reservation_wait_s`, landing and
 `first_decode_step_s` from `DecodeMetrics`), so each stage span lasts what the TTFT breakdown says.
 """
 
@@ -33,7 +33,8 @@ def start_request(tracer: Tracer, context: grpc.aio.ServicerContext, request: pb
     """The request's span from `arrived`, child of the caller's traceparent (else a new trace)."""
     return tracer.span("decode.generate", parent=tracer.extract(context.invocation_metadata() or ()), start=arrived,
                        kind="server", attributes={"rpc.system": "grpc", "rpc.method": "DecodeNode/Generate",
-                                                  "pdserve.request_id": request.request_id, "pdserve.node": node_id,
+                                                  "pdserve.request_id": request.request_id, "pdserve.attempt": request.attempt,
+                                                  "pdserve.node": node_id,
                                                   "pdserve.prompt_tokens": len(request.prompt_token_ids),
                                                   "pdserve.resumed_tokens": len(request.resume_token_ids)})
 
@@ -46,7 +47,7 @@ def refused(tracer: Tracer, span: Any, context: grpc.aio.ServicerContext, err: B
 
 def start_kv_wait(tracer: Tracer, req: DecodeRequest, rem: RemotePrefill) -> list[tuple[str, str]]:
     """Starts the KV wait span (from the end of admission) and returns the Prefill call's metadata."""
-    rem.span = tracer.span("decode.kv_wait", parent=req.span, start=req.arrived + req.timing.decode_admission_s,
+    rem.span = tracer.span("decode.kv_wait", parent=req.span, start=req.arrived + req.timing.reservation_wait_s,
                            kind="client", attributes={"rpc.system": "grpc", "rpc.method": "PrefillNode/Prefill",
                                                       "pdserve.prefill_node": rem.prefill_node.node_id})
     return tracer.metadata(rem.span)
@@ -71,15 +72,15 @@ def end_request(tracer: Tracer, req: DecodeRequest, timing: pb.Timing | None, la
     """The Generate stream ended: the stage spans from the timing it reported, then the request's span."""
     now = time.monotonic()
     span = req.span
-    if timing is not None and timing.decode_admission_s:
-        tracer.span("decode.admission", parent=span, start=req.arrived, end=req.arrived + timing.decode_admission_s,
-                    attributes={TTFT_STAGE: "decode_admission"})
+    if timing is not None and timing.reservation_wait_s:
+        tracer.span("decode.reservation_wait", parent=span, start=req.arrived, end=req.arrived + timing.reservation_wait_s,
+                    attributes={TTFT_STAGE: "reservation_wait"})
     if req.landed_at is not None:
         if timing is not None and timing.first_decode_step_s:
             tracer.span("decode.first_step", parent=span, start=req.landed_at,
                         end=req.landed_at + timing.first_decode_step_s, attributes={TTFT_STAGE: "first_decode_step"})
         tracer.span("decode.decode", parent=span, start=req.landed_at, end=now)
-    elif timing is not None and timing.prefill_s and not timing.decode_admission_s:
+    elif timing is not None and timing.prefill_s and not timing.reservation_wait_s:
         tracer.span("decode.prefill", parent=span, start=req.arrived, end=req.arrived + timing.prefill_s,
                     attributes={TTFT_STAGE: "prefill"})
         tracer.span("decode.decode", parent=span, start=req.arrived + timing.prefill_s, end=now)

@@ -24,6 +24,7 @@ from pdserve.engine.block_manager import Reservation
 from pdserve.engine.llm_engine import EngineLoad, LLMEngine, RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import Resume, Sequence, TokenLogprob
+from pdserve.engine.stopping import FinishReason
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +69,7 @@ class RequestStream:
         self.queue.put_nowait(out)
 
 
-def abort_output(request_id: str, finish_reason: str = "abort") -> RequestOutput:
+def abort_output(request_id: str, finish_reason: FinishReason = FinishReason.ABORT) -> RequestOutput:
     """A finished output with no tokens, for requests ended outside the engine's step."""
     return RequestOutput(
         request_id=request_id, new_token_ids=[], new_text="", new_logprobs=[], finished=True,
@@ -318,7 +319,7 @@ class AsyncEngine:
         ids = list(self._streams)
         for rid in ids:
             self.engine.abort(rid)
-        return [abort_output(rid, "error") for rid in ids]
+        return [abort_output(rid, FinishReason.ERROR) for rid in ids]
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         assert self._loop is not None

@@ -42,7 +42,7 @@ class SchedulerOutput:
     prefill_chunk_lens: list[int]
     # Sequences sent back to the waiting queue this step (blocks freed, to be recomputed later).
     preempted: list[Sequence]
-    # Sequences finished this step because they can never fit the pool (see the module docstring).
+    # Sequences finished this step because they can never fit the KV cache (see the module docstring).
     rejected: list[Sequence]
     # len(decode_seqs) + sum(prefill_chunk_lens); never above max_num_batched_tokens.
     num_batched_tokens: int

@@ -1,6 +1,6 @@
-"""Paged KV block pool: ref-counted blocks, a chained-hash prefix cache over full blocks, LRU eviction.
+"""Paged KV cache: ref-counted blocks, a chained-hash prefix cache over full blocks, LRU eviction.
 
-Pure bookkeeping: no tensors live here. A block id is an index into the node's KV pool; a sequence's
+Pure bookkeeping: no tensors live here. A block id is an index into the node's KV cache; a sequence's
 ``block_table`` lists the ids holding its tokens in order (token ``p`` lives in slot
 ``block_table[p // block_size] * block_size + p % block_size``).
 
@@ -48,7 +48,7 @@ class _Holder:
 
 
 class BlockManager:
-    """Owns the block pool of one node. Every method that takes a sequence may change its
+    """Owns the KV cache blocks of one node. Every method that takes a sequence may change its
     ``block_table`` (and, where stated, ``num_computed_tokens`` / ``num_cached_tokens``)."""
 
     def __init__(
@@ -263,7 +263,7 @@ class BlockManager:
     # ----------------------------------------------------------------------------------- integrity
 
     def check_integrity(self) -> None:
-        """Asserts every invariant of the pool; changes nothing."""
+        """Asserts every invariant of the KV cache's blocks; changes nothing."""
         holders_of = [0] * self._num_blocks
         for seq_id, holder in self._holders.items():
             seq = holder.seq

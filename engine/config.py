@@ -10,7 +10,7 @@ import torch
 from pdserve.kernels import BACKENDS
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
-# KV pool element types: "auto" = the model's dtype. fp8_e5m2 is the top byte of a float16 (float16's
+# KV cache element types: "auto" = the model's dtype. fp8_e5m2 is the top byte of a float16 (float16's
 # exponent range, 2 mantissa bits). fp8_e4m3 (torch's float8_e4m3fn: 3 mantissa bits, |x| <= 448, subnormals
 # down to 2^-9) is stored unscaled (a fixed scale of 1), values beyond +-448 saturate: K/V of the models served
 # here stay far inside that range, and the extra mantissa bit halves the rounding error (bench/bf16_accuracy.py
@@ -25,8 +25,8 @@ class EngineConfig:
     device: str = "cpu"  # "cpu" or "cuda[:N]"
     kernel_backend: str = "auto"  # "auto" | "cpu" | "torch" | "triton" (see kernels.get_kernel_ops)
     block_size: int = 16  # tokens per KV block; must match across a cluster
-    kv_cache_memory_bytes: int = 1 << 30  # KV pool budget when num_kv_blocks is not given
-    num_kv_blocks: int | None = None  # exact pool size; overrides the memory budget
+    kv_cache_memory_bytes: int = 1 << 30  # KV cache budget when num_kv_blocks is not given
+    num_kv_blocks: int | None = None  # exact KV cache size; overrides the memory budget
     max_num_seqs: int = 128  # sequences per step at most
     max_num_batched_tokens: int = 2048  # tokens per step at most (chunked-prefill budget)
     max_model_len: int | None = None  # context cap; None = the model's max_position_embeddings
@@ -34,7 +34,7 @@ class EngineConfig:
     prefix_hash_seed: int = 0  # shared by every node of a cluster so prefix hashes agree
     seed: int = 0  # seeds the generator used by sampled requests without their own seed
     num_threads: int | None = None  # torch intra-op threads; None = leave torch's default
-    kv_cache_dtype: str = "auto"  # KV pool element type (KV_CACHE_DTYPES); must match across a cluster
+    kv_cache_dtype: str = "auto"  # KV cache element type (KV_CACHE_DTYPES); must match across a cluster
 
     def __post_init__(self) -> None:
         checks = [
@@ -52,7 +52,7 @@ class EngineConfig:
             (self.kv_cache_dtype in KV_CACHE_DTYPES,
              f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"),
             (self.kv_cache_dtype == "auto" or (self.device == "cpu" and self.kernel_backend != "triton"),
-             f"kv_cache_dtype {self.kv_cache_dtype!r} is implemented for CPU KV pools and the cpu/torch kernels only "
+             f"kv_cache_dtype {self.kv_cache_dtype!r} is implemented for CPU KV caches and the cpu/torch kernels only "
              f"(the Triton kernels read 16/32-bit pools); use kv_cache_dtype auto with device {self.device!r} and "
              f"kernel_backend {self.kernel_backend!r}"),
         ]
@@ -64,7 +64,7 @@ class EngineConfig:
 
 
 def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
-    """The KV pool's element type for a configured kv_cache_dtype ("auto" = the model's dtype)."""
+    """The KV cache's element type for a configured kv_cache_dtype ("auto" = the model's dtype)."""
     if kv_cache_dtype == "auto":
         return model_dtype
     if kv_cache_dtype == "fp8_e5m2":

@@ -1,6 +1,6 @@
 """Which dtype the engine holds weights and KV in when asked for "auto" (no torch: the launcher prints it).
 
-On a CPU with AVX512-BF16 or AMX, bfloat16 GEMMs run about 2-3x as fast as float32 ones and the KV pool
+On a CPU with AVX512-BF16 or AMX, bfloat16 GEMMs run about 2-3x as fast as float32 ones and the KV cache
 (and every KV transfer) is half the bytes, so an fp32 checkpoint is served in bfloat16 there; the residual
 stream, norms, softmax, attention arithmetic and the best logits stay float32 (engine/model.py).
 Elsewhere "auto" keeps the checkpoint's dtype. Ask for "float32" for parity with an fp32 reference.

@@ -20,6 +20,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import Resume, Sequence, SequenceStatus, TokenLogprob
 from pdserve.engine.step_hook import PrefillWatcher
+from pdserve.engine.stopping import FinishReason
 from pdserve.engine.structured import GrammarCompiler
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.kernels import get_kernel_ops
@@ -36,7 +37,7 @@ class RequestOutput:
     new_text: str  # text released this step (held back while it could still become a stop string)
     new_logprobs: list[TokenLogprob]  # one per new token when the request asked for logprobs
     finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" once finished
+    finish_reason: FinishReason | None  # set once finished
     stop_reason: str | int | None  # the matched stop string or stop token id
     num_prompt_tokens: int
     num_completion_tokens: int
@@ -51,7 +52,7 @@ class GenerationResult:
     prompt_token_ids: list[int]
     token_ids: list[int]  # generated tokens (a stop token id, if one ended it, is included)
     text: str  # generated text, without any stop string
-    finish_reason: str | None
+    finish_reason: FinishReason | None
     stop_reason: str | int | None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     num_cached_tokens: int = 0
@@ -97,7 +98,7 @@ class EngineRequests:
 
 
 class LLMEngine:
-    """Owns one model, one KV pool and one scheduler. Not thread-safe: drive it from one thread."""
+    """Owns one model, one KV cache and one scheduler. Not thread-safe: drive it from one thread."""
 
     def __init__(self, cfg: EngineConfig, capture_logits: bool = False):
         self.cfg = cfg
@@ -110,7 +111,7 @@ class LLMEngine:
         self.tokenizer = Tokenizer(cfg.model)
         self.dtype = next(self.model.parameters()).dtype
         self.max_model_len = min(cfg.max_model_len or mc.max_model_len, mc.max_model_len)
-        # An fp8 pool holds twice the blocks of a 16-bit one in the same budget; attention reads it as float32.
+        # An fp8 KV cache holds twice the blocks of a 16-bit one in the same budget; attention reads it as float32.
         self.kv_dtype = kv_cache_torch_dtype(cfg.kv_cache_dtype, self.dtype)
         block_bytes = kv_block_bytes(mc.num_layers, cfg.block_size, mc.num_kv_heads, mc.head_dim, self.kv_dtype)
         num_blocks = cfg.num_kv_blocks or max(2, cfg.kv_cache_memory_bytes // block_bytes)
@@ -197,7 +198,7 @@ class LLMEngine:
     ) -> Reservation | None:
         """Reserves blocks for a request whose context K/V (prompt, and resumed tokens) will arrive by
         transfer (prefix-cache hits are shared instead; see ``Scheduler.reserve``). Returns None,
-        registering nothing, when the pool cannot fit it now; raises ValueError like ``add_request``.
+        registering nothing, when the KV cache cannot fit it now; raises ValueError like ``add_request``.
         Follow with ``append_first_token`` and ``land``, ``prefill_here``, or ``abort``."""
         request = self._new_request(request_id, prompt, params, resume)
         reservation = self.scheduler.reserve(request.seq)
@@ -242,7 +243,7 @@ class LLMEngine:
         return self.scheduler.prefill_backlog_tokens()
 
     def load(self) -> EngineLoad:
-        """A snapshot of queues and pool occupancy. Changes nothing."""
+        """A snapshot of queues and KV cache occupancy. Changes nothing."""
         bm = self.block_manager
         held = self.scheduler.held_seqs
         reserved = self.scheduler.reserved_seqs
@@ -322,13 +323,13 @@ class LLMEngine:
         request = self._requests[seq.seq_id]
         detok = request.detok
         text_tokens = new_tokens
-        if finished and seq.finish_reason == "stop" and isinstance(seq.stop_reason, int):
+        if finished and seq.finish_reason == FinishReason.STOP and isinstance(seq.stop_reason, int):
             text_tokens = []  # a stop token id ends the request without its text
         delta = detok.add(text_tokens) if text_tokens else None
         text = request.pending_text + (delta.text if delta is not None else "")
         request.pending_text = ""
         if delta is not None and delta.stopped and not seq.is_finished:
-            self.scheduler.finish(seq, "stop", stop_reason=delta.stop_string)
+            self.scheduler.finish(seq, FinishReason.STOP, stop_reason=delta.stop_string)
             finished = True
         if finished and not (delta is not None and delta.stopped):
             text += detok.flush()

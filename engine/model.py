@@ -1,4 +1,4 @@
-"""The decoder-only transformer the engine runs (Llama / Mistral / Qwen2 / Qwen3), over a paged KV pool.
+"""The decoder-only transformer the engine runs (Llama / Mistral / Qwen2 / Qwen3), over a paged KV cache.
 
 Every op is batched over the T packed tokens of a step; attention goes through `engine.attention`.
 Numerics follow the Hugging Face reference so fp32 greedy outputs agree token for token: RMSNorm in
@@ -269,7 +269,7 @@ class CausalLM(nn.Module):
         return self.norm.forward_float32(h)
 
     def _layer_caches(self, kv_cache: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Each layer's (k_cache, v_cache) views of the pool [L, 2, NB, BS, Hkv, D], made once per pool
+        """Each layer's (k_cache, v_cache) views of the KV cache [L, 2, NB, BS, Hkv, D], made once per KV cache
         tensor rather than 3 indexing ops per layer per step. Changes only this cache of views."""
         if self._kv_views is None or self._kv_views[0] is not kv_cache:
             self._kv_views = (kv_cache, [(layer[0], layer[1]) for layer in kv_cache])

@@ -128,7 +128,7 @@ class ModelConfig:
         return min(self.max_position_embeddings, self.sliding_window)
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int, int, int]:
-        """Shape of the paged KV pool for this model: [L, 2, NB, BS, Hkv, D]."""
+        """Shape of the paged KV cache for this model: [L, 2, NB, BS, Hkv, D]."""
         return (self.num_layers, 2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
 
     def fingerprint(self) -> str:

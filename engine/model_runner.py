@@ -1,4 +1,4 @@
-"""Turns a scheduled step into tensors, runs the model over the paged KV pool, and samples."""
+"""Turns a scheduled step into tensors, runs the model over the paged KV cache, and samples."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim
 
 
 class ModelRunner:
-    """Owns the KV pool tensor and the model. `run` writes the step's K/V into the pool slots the
+    """Owns the KV cache tensor and the model. `run` writes the step's K/V into the cache slots the
     scheduler assigned and returns sampled tokens; it changes no scheduling state."""
 
     def __init__(

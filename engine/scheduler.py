@@ -20,13 +20,13 @@ A RESERVED sequence holds blocks for a prompt whose K/V are written from outside
 never scheduled. ``land`` commits them once the transfer landed; ``prefill_here`` frees them and queues
 the sequence to be computed here if it failed.
 
-When the pool runs out of blocks for a running sequence, the least urgent running sequence (the newest
+When the KV cache runs out of blocks for a running sequence, the least urgent running sequence (the newest
 among equals) is preempted (blocks freed, progress dropped, put back at the front of its priority in the
 waiting queue) and the allocation is retried; a waiting sequence that finds no blocks or no slot
 preempts running ones only when they are strictly less urgent; a preempted sequence is later recomputed
 from prompt + tokens generated so far, usually mostly from the prefix cache. A sequence that can never
-fit the whole pool is finished instead of spinning: finish_reason "abort" if its prompt alone does not
-fit, "length" if it outgrew the pool while generating. Such sequences appear in
+fit the whole KV cache is finished instead of spinning: finish_reason "abort" if its prompt alone does not
+fit, "length" if it outgrew the KV cache while generating. Such sequences appear in
 ``SchedulerOutput.rejected`` and in the list ``update`` returns.
 
 Where each sequence is (its queue, or reserved, or held) and the read-only views of that are the base
@@ -39,7 +39,7 @@ from pdserve.engine.batch import SchedulerConfig, SchedulerOutput, StepPlan
 from pdserve.engine.block_manager import BlockManager, Reservation
 from pdserve.engine.seq_queues import SequenceQueues
 from pdserve.engine.sequence import Sequence, SequenceStatus
-from pdserve.engine.stopping import FINISH_REASONS, StopDecision, stop_decision
+from pdserve.engine.stopping import FINISH_REASONS, FinishReason, StopDecision, stop_decision
 
 
 class Scheduler(SequenceQueues):
@@ -81,7 +81,7 @@ class Scheduler(SequenceQueues):
     def reserve(self, seq: Sequence) -> Reservation | None:
         """Sets aside blocks for the tokens of a new sequence whose K/V will be written from outside (a
         transfer), sharing prefix-cache hits (``BlockManager.reserve``). Returns None, changing nothing,
-        when the pool cannot fit it now; else it is RESERVED until ``land``, ``prefill_here``, ``finish``,
+        when the KV cache cannot fit it now; else it is RESERVED until ``land``, ``prefill_here``, ``finish``,
         ``abort``."""
         self._check_new(seq)
         reservation = self.block_manager.reserve(seq, seq.num_tokens)
@@ -131,10 +131,10 @@ class Scheduler(SequenceQueues):
         held = self.release(seq_id)
         seq = held or self.get(seq_id)
         if held is None and seq is not None:
-            self.finish(seq, "abort")
+            self.finish(seq, FinishReason.ABORT)
         return seq
 
-    def finish(self, seq: Sequence, finish_reason: str, stop_reason: str | int | None = None) -> None:
+    def finish(self, seq: Sequence, finish_reason: FinishReason, stop_reason: str | int | None = None) -> None:
         """Marks ``seq`` finished with ``finish_reason`` and ``stop_reason``, dropping it from the queues and
         freeing its blocks. On an already finished sequence only the two reason fields change (e.g. a
         stop string matched by the last token of a sequence that also hit max_tokens). Finished other than
@@ -144,7 +144,7 @@ class Scheduler(SequenceQueues):
         if not seq.is_finished:
             if self.get(seq.seq_id) is not seq:
                 raise ValueError(f"sequence {seq.seq_id} is not scheduled here")
-            keep = (seq.hold_blocks or seq.status == SequenceStatus.RESERVED) and finish_reason != "abort"
+            keep = (seq.hold_blocks or seq.status == SequenceStatus.RESERVED) and finish_reason != FinishReason.ABORT
             self._forget(seq, keep_blocks=keep)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = finish_reason
@@ -336,7 +336,7 @@ class Scheduler(SequenceQueues):
         del self._seqs[seq.seq_id]
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = "length" if seq.num_completion_tokens else "abort"
+        seq.finish_reason = FinishReason.LENGTH if seq.num_completion_tokens else FinishReason.ABORT
         seq.stop_reason = None
         step.rejected.append(seq)
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.stopping import FinishReason
 
 if TYPE_CHECKING:
     from pdserve.engine.structured import GrammarState
@@ -59,7 +60,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)  # physical block ids, in order
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_cached_tokens: int = 0  # of those, tokens that came from a prefix-cache hit
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None  # matched stop string or stop token id
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per generated token, if asked
     arrival_time: float = field(default_factory=time.monotonic)

@@ -26,7 +26,7 @@ class Latencies:
     itls: list[float]
     tpot: float | None
     e2e: float
-    queue: float | None  # node-reported queueing (prefill queue + decode admission), the longest choice
+    queue: float | None  # node-reported queueing (prefill queue + reservation wait), the longest choice
     breakdown: dict[str, float]  # TTFT stages of the first choice to produce a token
 
 
@@ -111,7 +111,7 @@ def _latencies(job: Job, now: float) -> Latencies:
         ttft=None if first is None or first.first_at is None else first.first_at - job.arrived,
         itls=[v for p in progress for v in p.itls], tpot=sum(tpots) / len(tpots) if tpots else None,
         e2e=now - job.arrived,
-        queue=max((t.prefill_queue_s + t.decode_admission_s for t in timings), default=None),
+        queue=max((t.prefill_queue_s + t.reservation_wait_s for t in timings), default=None),
         breakdown=_ttft_breakdown(job),
     )
 
@@ -170,7 +170,7 @@ def _ttft_breakdown(job: Job) -> dict[str, float]:
     if p.timing is not None:
         t = p.timing
         out |= {"prefill_queue": t.prefill_queue_s, "prefill": t.prefill_s, "transfer": t.transfer_s,
-                "decode_admission": t.decode_admission_s, "first_decode_step": t.first_decode_step_s}
+                "reservation_wait": t.reservation_wait_s, "first_decode_step": t.first_decode_step_s}
     return out
 
 
@@ -200,6 +200,6 @@ def _route_record(c: Choice) -> dict[str, Any]:
             "prefill": round(t.prefill_s * 1e3, 3),
             "transfer": round(t.transfer_s * 1e3, 3),
             "first_decode_step": round(t.first_decode_step_s * 1e3, 3),
-            "decode_admission": round(t.decode_admission_s * 1e3, 3),
+            "reservation_wait": round(t.reservation_wait_s * 1e3, 3),
         }
     return out

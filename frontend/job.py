@@ -17,6 +17,7 @@ from pdserve.frontend.render import usage_dict
 from pdserve.frontend.routing import RouteDecision, RouteLease
 from pdserve.frontend.tenants import Tenant
 from pdserve.rpc import pdserve_pb2 as pb
+from pdserve.rpc.enums import SERVING_PATHS, finish_reason_name, serving_path_name
 
 if TYPE_CHECKING:
     from pdserve.frontend.tracing import RequestTrace
@@ -42,6 +43,7 @@ class Progress:
 
     tokens: int = 0  # completion tokens
     finish_reason: str | None = None  # set when the choice finished ("stop" | "length")
+    serving_path: str | None = None  # what its decode node said (`serving_path`): disaggregated or local_prefill
     stop_reason: str = ""
     cached_tokens: int = 0
     cached_prefill: int = 0  # of cached_tokens: the prefill node's prefix-cache hit (remote prefill)
@@ -65,6 +67,8 @@ class Progress:
                 self.itls.append(now - self.last_at)
             self.last_at = now
             self.tokens += n
+        if msg.serving_path:
+            self.serving_path = serving_path_name(msg.serving_path)
         if self.timing is None and msg.HasField("timing"):
             self.timing = msg.timing
             self.prefilled_by, self.decoded_by = msg.prefill_node_id, msg.decode_node_id
@@ -76,7 +80,7 @@ class Progress:
     def finish(self, msg: pb.GenerateResponse) -> None:
         """The choice's last message, which completed it: how it ended and what its node counted."""
         assert self.finish_reason is None, "a choice finishes once"
-        self.finish_reason = msg.finish_reason
+        self.finish_reason = finish_reason_name(msg.finish_reason)
         self.stop_reason = msg.stop_reason
         self.cached_tokens = msg.num_cached_tokens
         self.cached_prefill = msg.num_cached_tokens_prefill
@@ -165,23 +169,21 @@ class Job:
 
 
 # How a choice was served (`serving_path`), as the request log and pdserve_frontend_choices_total say it.
-PATHS = ("disaggregated", "local_prefill", "retried", "migrated")
+PATHS = SERVING_PATHS
 
 
 def serving_path(c: Choice) -> str:
-    """How a choice was served: `migrated` (moved to another decode node mid-stream), `retried` (started
-    again on another decode node before its first token), else by who prefilled it: `disaggregated` (a
-    prefill node) or `local_prefill` (the decode node itself: a prompt under its local-prefill threshold,
-    no prefill node, or a re-prefill after the prefill node failed; the node's own
-    pdserve_decode_local_prefill_fallbacks_total tells the last apart)."""
+    """How a choice was served (the proto's ServingPath): `migrated` (moved to another decode node
+    mid-stream), `retried` (started again on another decode node before its first token), both known only
+    here, else what its decode node said: `disaggregated` (a prefill node prefilled it) or `local_prefill`
+    (the decode node itself: a prompt under its local-prefill threshold, no prefill node, or a re-prefill
+    after the prefill node failed; the node's own pdserve_decode_local_prefill_fallbacks_total tells the
+    last apart). A choice that got no message counts as `local_prefill`."""
     if c.migrations:
         return "migrated"
     if len(c.tried) > 1:
         return "retried"
-    p = c.progress
-    if p.prefilled_by and p.prefilled_by != p.decoded_by:
-        return "disaggregated"
-    return "local_prefill"
+    return c.progress.serving_path or "local_prefill"
 
 
 def first_to_token(job: Job) -> Progress | None:

@@ -42,18 +42,6 @@ class FrontendMetrics:
                                   base, registry=r)
         self.requests = Counter("pdserve_frontend_requests_total", "Requests by endpoint, HTTP status and finish reason",
                                 [*base, "endpoint", "status", "finish_reason"], registry=r)
-        self.ttft = Histogram("pdserve_frontend_ttft_seconds", "Time from request arrival to first token",
-                              base, buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("pdserve_frontend_itl_seconds", "Time between streamed token messages",
-                             base, buckets=_TOKEN_LATENCY_BUCKETS, registry=r)
-        self.tpot = Histogram("pdserve_frontend_tpot_seconds",
-                              "Per request: (last token - first token) / (tokens - 1)",
-                              base, buckets=_TOKEN_LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("pdserve_frontend_e2e_seconds", "Time from request arrival to its end",
-                             base, buckets=_LATENCY_BUCKETS, registry=r)
-        self.queue = Histogram("pdserve_frontend_queue_seconds",
-                               "Time queued on the nodes (prefill queue + decode admission) as they report it",
-                               base, buckets=_LATENCY_BUCKETS, registry=r)
         self.choices = Counter("pdserve_frontend_choices_total",
                                "Choices that produced tokens, by how they were served: disaggregated, "
                                "local_prefill, retried, migrated", [*base, "path"], registry=r)
@@ -78,11 +66,28 @@ class FrontendMetrics:
         self.goodput_tokens = Counter("pdserve_frontend_goodput_tokens_total",
                                       "Completion tokens of requests that met both the TTFT and TPOT targets",
                                       base, registry=r)
+        self.inflight_now = self.inflight.labels(POOL, node)
+        self._declare_latencies(base)
+
+    def _declare_latencies(self, base: list[str]) -> None:
+        """The latency histograms: TTFT (and its breakdown by stage), ITL, TPOT, end to end, node queues."""
+        r = self.registry
+        self.ttft = Histogram("pdserve_frontend_ttft_seconds", "Time from request arrival to first token",
+                              base, buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("pdserve_frontend_itl_seconds", "Time between streamed token messages",
+                             base, buckets=_TOKEN_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("pdserve_frontend_tpot_seconds",
+                              "Per request: (last token - first token) / (tokens - 1)",
+                              base, buckets=_TOKEN_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("pdserve_frontend_e2e_seconds", "Time from request arrival to its end",
+                             base, buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue = Histogram("pdserve_frontend_queue_seconds",
+                               "Time queued on the nodes (prefill queue + reservation wait) as they report it",
+                               base, buckets=_LATENCY_BUCKETS, registry=r)
         self.ttft_breakdown = Histogram("pdserve_ttft_breakdown_seconds",
                                         "TTFT by stage: frontend, prefill_queue, prefill, transfer, "
-                                        "decode_admission, first_decode_step", [*base, "stage"],
+                                        "reservation_wait, first_decode_step", [*base, "stage"],
                                         buckets=_LATENCY_BUCKETS, registry=r)
-        self.inflight_now = self.inflight.labels(POOL, node)
 
     def labels(self, model: ServedModel) -> tuple[str, str, str, str]:
         return POOL, self.node, model.name, model.version

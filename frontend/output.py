@@ -19,6 +19,7 @@ from pdserve.frontend.models import TokenTexts
 from pdserve.frontend.render import Delta, chat_logprobs, completion_logprobs
 from pdserve.frontend.tool_calls import ToolCallParser, message_of
 from pdserve.rpc import pdserve_pb2 as pb
+from pdserve.rpc.enums import finish_reason_name
 
 
 class ChoiceOutput:
@@ -49,7 +50,8 @@ class ChoiceOutput:
             text = ""
         if msg.finished:
             calls = self._parser is not None and self._parser.calls
-            self._finish_reason = "tool_calls" if msg.finish_reason == "stop" and calls else msg.finish_reason
+            reason = finish_reason_name(msg.finish_reason)
+            self._finish_reason = "tool_calls" if reason == "stop" and calls else reason
         delta = Delta(text, logprobs, tools, self._finish_reason)
         if self._kept is not None:
             self._kept.append(delta)

@@ -39,6 +39,7 @@ from pdserve.frontend.metrics import FrontendMetrics
 from pdserve.frontend.protocol import SamplingOptions
 from pdserve.frontend.routing import NoRoute, Router
 from pdserve.rpc import pdserve_pb2 as pb
+from pdserve.rpc.enums import finish_reason_name
 
 log = logging.getLogger(__name__)
 
@@ -49,19 +50,16 @@ RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXH
 # cancel raises asyncio.CancelledError instead).
 MIGRATABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL,
                         grpc.StatusCode.UNKNOWN})
-# The finish_reason a draining decode node ends a request's stream with (rpc/pdserve.proto): the
-# request is not done, another node continues it.
-HANDOVER = "migrate"
 # How long a decode node that left the registry has to answer a health check before the calls streaming
 # from it count as broken (a draining node answers; a hung one does not).
 PROBE_TIMEOUT_S = 2.0
 # Finish reasons that complete a choice.
-_DONE_FINISH = frozenset({"stop", "length"})
+_DONE_FINISH = frozenset({pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH})
 # Finish reasons that end a stream without ending the choice -> the migration metric's reason label
 # (the others: a status code's name, "eof", and "node_left" for a call cancelled here because its node
-# left the registry and stopped answering, or its connection was closed). Any other finish reason ("abort")
-# ends the choice with an error.
-_BROKEN_FINISH = {HANDOVER: "handover", "error": "node_error"}
+# left the registry and stopped answering, or its connection was closed). Any other finish reason (ABORT)
+# ends the choice with an error. HAND_OVER is a draining decode node's: the request is not done.
+_BROKEN_FINISH = {pb.FINISH_REASON_HAND_OVER: "hand_over", pb.FINISH_REASON_ERROR: "node_error"}
 Ending = Literal["", "done", "broken", "failed"]
 
 
@@ -104,9 +102,10 @@ def sampling_message(opts: SamplingOptions, max_tokens: int, seed: int | None) -
 
 def _finish_error(c: Choice, msg: pb.GenerateResponse) -> APIError:
     node = msg.decode_node_id or c.decision.decode_id  # the node serving the choice now
-    if msg.finish_reason == "abort":
+    if msg.finish_reason == pb.FINISH_REASON_ABORT:
         return APIError(502, f"decode node {node} aborted the request", type=SERVER, code="upstream_aborted")
-    return APIError(502, f"generation failed on decode node {node}: {msg.error or msg.finish_reason}", type=SERVER,
+    why = msg.error or finish_reason_name(msg.finish_reason)
+    return APIError(502, f"generation failed on decode node {node}: {why}", type=SERVER,
                     code="upstream_error")
 
 
@@ -144,7 +143,7 @@ class Broken(Exception):
 
     def __init__(self, reason: str, error: APIError) -> None:
         super().__init__(error.message)
-        self.reason = reason  # a bounded metric label: a status code name, "eof", "handover", "node_error"
+        self.reason = reason  # a bounded metric label: a status code name, "eof", "hand_over", "node_error"
         self.error = error  # what the client gets when no other node can take over
 
 
@@ -199,7 +198,7 @@ class UpstreamCalls:
         d = c.decision
         c.tried.append(d.decode_id)
         request = pb.GenerateRequest(
-            request_id=c.request_id if not c.migrations else f"{c.request_id}-m{c.migrations}",
+            request_id=c.request_id, attempt=len(c.tried) - 1,
             prompt_token_ids=c.prompt_ids, params=c.params, prefill_node_id=d.prefill_hint, return_text=True,
             resume_token_ids=c.delivered_ids, resume_text_chars=c.delivered_chars,
         )

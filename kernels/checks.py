@@ -9,7 +9,7 @@ import torch
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
-# KV pools the torch and CPU kernels read: the float dtypes, and the two fp8 formats (widened to float32 on
+# KV caches the torch and CPU kernels read: the float dtypes, and the two fp8 formats (widened to float32 on
 # load). The Triton kernels check FLOAT_DTYPES only.
 KV_DTYPES = (*FLOAT_DTYPES, torch.float8_e5m2, torch.float8_e4m3fn)
 
@@ -83,7 +83,7 @@ def check_gqa(hq: int, hkv: int) -> int:
 
 
 def check_kv_pool(name: str, kv_cache: torch.Tensor) -> None:
-    """Requires a [L, 2, NB, BS, Hkv, D] pool whose blocks are contiguous runs. Changes nothing."""
+    """Requires a [L, 2, NB, BS, Hkv, D] KV cache whose blocks are contiguous runs. Changes nothing."""
     check_rank(name, kv_cache, 6, "[L, 2, NB, BS, Hkv, D]")
     check_dim(name, kv_cache, 1, 2, "key and value")
     check_contiguous_inner(name, kv_cache, 3)

@@ -2,7 +2,7 @@
 
 `TorchOps` gathers each chunk of sequences' K/V into a contiguous float32 copy before the fused attention
 kernel reads it; at decode, where every step reads the whole context once, that copy (and the float32
-conversion of a half-precision pool) costs more than the attention itself. `CpuOps` keeps TorchOps for
+conversion of a half-precision KV cache) costs more than the attention itself. `CpuOps` keeps TorchOps for
 prefill (dominated by its matmuls) and the KV movement, and attends decode batches with
 `csrc/cpu_attention.cpp`: one work item per (sequence, KV head, context split) walks the block table,
 converts each K/V row to float32 once for the G query heads of its KV head, and keeps an online softmax
@@ -125,7 +125,7 @@ class DecodePlan:
 
 
 def _pool_rows(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # [N, Hkv, D]
-    """`t` in the pool's dtype with each token's Hkv * D elements contiguous, as the extension's store reads
+    """`t` in the KV cache's dtype with each token's Hkv * D elements contiguous, as the extension's store reads
     them; no copy when it already is (the model's K/V: strided views of the fused projection)."""
     t = t.to(dtype)
     return t if t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] else t.contiguous()
@@ -156,7 +156,7 @@ class CpuOps(TorchOps):
     ) -> None:
         """As TorchOps.store_kv (fp8 pools: rounded by torch's conversion, then copied as bytes), in one
         extension call: writes only the slots' rows of both caches. The extension checks every argument
-        (a slot outside the pool: RuntimeError) before it writes; a malformed cache pair or slot mapping
+        (a slot outside the KV cache: RuntimeError) before it writes; a malformed cache pair or slot mapping
         is then named by the ValueError of the shared checks."""
         if k_cache.device.type != "cpu":
             return super().store_kv(key, value, k_cache, v_cache, slot_mapping)

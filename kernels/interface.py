@@ -1,6 +1,6 @@
 """The one interface the engine and the KV data plane call for attention, cache writes and KV packing.
 
-KV pool layout (shared by every node of a cluster, and by the wire format):
+KV cache layout (shared by every node of a cluster, and by the wire format):
 
     kv_cache: [L, 2, NB, BS, Hkv, D]   L layers, 2 = (key, value), NB blocks of BS slots
     k_cache = kv_cache[l, 0]:  [NB, BS, Hkv, D]   (a contiguous view per layer)
@@ -9,13 +9,13 @@ A *slot* is ``block_id * BS + offset``. Block tables are int32 ``[B, MB]`` rows 
 entries past a sequence's last block are ignored (pad them with 0).
 
 Wire format, layout version 1 (``pack_blocks``): the gathered blocks as one contiguous tensor in the
-pool dtype, ordered ``[L, 2, n, BS, Hkv, D]`` for all layers or ``[2, n, BS, Hkv, D]`` for one layer,
+KV cache dtype, ordered ``[L, 2, n, BS, Hkv, D]`` for all layers or ``[2, n, BS, Hkv, D]`` for one layer,
 ``n`` = number of blocks in the order given. The receiver scatters it into its own block ids, so pools
 of different sizes interoperate as long as L, BS, Hkv, D and dtype agree.
 
 Pool dtypes: float32, bfloat16, float16, and float8_e5m2 / float8_e4m3fn (the `cpu` and `torch` backends
 only; values are rounded to fp8 by `store_kv`, e4m3 saturating at +-448, and widened exactly to float32 by
-every reader). An fp8 pool's wire buffer is
+every reader). An fp8 KV cache's wire buffer is
 the same bytes; transports that lack float8 types send it as a uint8 view.
 """
 
@@ -31,14 +31,14 @@ KV_LAYOUT_VERSION = 1
 
 def fp8_as_bytes(t: torch.Tensor) -> torch.Tensor:
     """A uint8 view (same memory) of a float8 tensor, else the tensor itself. Copies and transports that
-    lack float8 kernels or types (torch's index_copy_, gloo) move an fp8 pool's elements as bytes, which
+    lack float8 kernels or types (torch's index_copy_, gloo) move an fp8 KV cache's elements as bytes, which
     are exactly the same bits."""
     return t.view(torch.uint8) if t.element_size() == 1 and t.dtype.is_floating_point else t
 
 
 class KernelOps(ABC):
-    """Attention and KV-movement operations over a paged KV pool. Implementations never allocate
-    pool memory; they only read it, or write the slots/blocks they are given."""
+    """Attention and KV-movement operations over a paged KV cache. Implementations never allocate
+    KV cache memory; they only read it, or write the slots/blocks they are given."""
 
     name: str = "abstract"
 

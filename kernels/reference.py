@@ -1,6 +1,6 @@
 """Plain float32 references for every kernel, written to be read rather than to be fast.
 
-Each one walks sequences, heads, tokens or blocks with ordinary Python loops and reads the pool through
+Each one walks sequences, heads, tokens or blocks with ordinary Python loops and reads the KV cache through
 the block table one block (or slot) at a time, so it shares no gathering, masking, tiling or merging
 logic with the kernels it checks. Attention is a plain full softmax per query head, in float32 whatever
 the input dtype (inputs are upcast exactly before any arithmetic). Results live on the inputs' device.
@@ -79,7 +79,7 @@ def prefill_attention(
     scale: float,
 ) -> torch.Tensor:  # [T, Hq, D] float32
     """Causal attention for the new tokens of each sequence; the K/V of every position (cached prefix
-    and new tokens alike) are read from the pool. Changes nothing."""
+    and new tokens alike) are read from the KV cache. Changes nothing."""
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     for b in range(block_tables.shape[0]):
         start, stop = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])

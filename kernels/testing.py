@@ -1,5 +1,5 @@
 """Builders of random paged-attention problems, shared by the kernel tests, the CPU bench and the GPU
-check. Block tables are shuffled physical ids, lengths are ragged, and every pool slot that no
+check. Block tables are shuffled physical ids, lengths are ragged, and every cache slot that no
 sequence owns is filled with NaN so that a kernel reading outside a context cannot go unnoticed."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 
 @dataclass
 class PagedProblem:
-    """One batch of sequences over a shuffled paged pool. For decode, q holds one row per sequence."""
+    """One batch of sequences over a shuffled paged KV cache. For decode, q holds one row per sequence."""
 
     q: torch.Tensor  # [T, Hq, D]; T = B for decode
     k_cache: torch.Tensor  # [NB, BS, Hkv, D]
@@ -70,7 +70,7 @@ def make_paged_problem(
 
 def _block_tables(context_lens: list[int], block_size: int, spare_blocks: int,
                   gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block tables [B, MB] int32 (0-padded) over a pool of the blocks needed plus `spare_blocks`, handed
+    """Block tables [B, MB] int32 (0-padded) over a KV cache of the blocks needed plus `spare_blocks`, handed
     out in a random order, and the slots the sequences own ([NB, BS] bool)."""
     b = len(context_lens)
     blocks_per_seq = [math.ceil(n / block_size) for n in context_lens]

@@ -4,7 +4,7 @@ Attention works on chunks of sequences sorted by context length (a loop over a f
 sequences): each chunk gathers only the blocks its longest member needs, so padding stays small and the
 gathered K/V of one chunk stay in the last-level cache while the fused CPU attention kernel reads them.
 That kernel takes the G query heads of each KV head against it directly (as G query rows for a decode,
-enable_gqa for prefill), so K/V are never expanded to Hq heads. Work is float32 whatever the pool dtype.
+enable_gqa for prefill), so K/V are never expanded to Hq heads. Work is float32 whatever the KV cache dtype.
 
 Everything that depends only on the batch (sort, chunks, gather indices, masks) is an `AttentionPlan`
 (`kernels.torch_plan`): the engine makes one per step and every layer reuses it (`plan` /
@@ -38,7 +38,7 @@ __all__ = ["AttentionPlan", "TorchOps", "_plan_chunks"]  # the plan lives in ker
 
 def _kv_pair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor | None:  # [2*NB, BS, Hkv, D]
     """One view over K then V when v_cache directly follows k_cache in memory, as the two halves of
-    a layer of the engine's pool do (kv_cache[l] = [2, NB, BS, Hkv, D]); else None."""
+    a layer of the engine's KV cache do (kv_cache[l] = [2, NB, BS, Hkv, D]); else None."""
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         return None
     if k_cache.untyped_storage().data_ptr() != v_cache.untyped_storage().data_ptr():
@@ -71,7 +71,7 @@ def _gather(
     bk, s = c.stop - c.start, c.s_pad
     shape, stride = (bk, hkv, s, d), (s * hkv * d, d, hkv * d, 1)
     k, v = buf.as_strided(shape, stride), buf.as_strided(shape, stride, buf.storage_offset() + n_el)
-    if k.dtype != torch.float32:  # a half-precision or fp8 pool: attend in float32 (copies)
+    if k.dtype != torch.float32:  # a half-precision or fp8 KV cache: attend in float32 (copies)
         k, v = k.float(), v.float()
     return k, v
 
@@ -146,7 +146,7 @@ class TorchOps(KernelOps):
         if not bool(valid.all()):
             key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
         slots = slot_mapping.long()
-        # an fp8 pool: the values are rounded to fp8 here (round to nearest even), then copied as bytes
+        # an fp8 KV cache: the values are rounded to fp8 here (round to nearest even), then copied as bytes
         fp8_as_bytes(k_cache.view(nb * bs, h, d)).index_copy_(0, slots, fp8_as_bytes(key.to(k_cache.dtype)))
         fp8_as_bytes(v_cache.view(nb * bs, h, d)).index_copy_(0, slots, fp8_as_bytes(value.to(v_cache.dtype)))
 
@@ -330,7 +330,7 @@ class TorchOps(KernelOps):
             return src.index_select(dim, ids)
         check_wire_buffer("out", out, kv_cache, ids.numel(), layer)
         if out.dtype != kv_cache.dtype:
-            raise ValueError(f"out dtype {out.dtype} must equal the pool dtype {kv_cache.dtype}")
+            raise ValueError(f"out dtype {out.dtype} must equal the KV cache dtype {kv_cache.dtype}")
         torch.index_select(src, dim, ids, out=out)
         return out
 

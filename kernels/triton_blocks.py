@@ -1,8 +1,8 @@
 """KV block pack and unpack in Triton, for the transfer between nodes.
 
 Pack gathers a request's blocks (all layers, or one) into one contiguous wire-format v1 buffer
-``[L, 2, n, BS, Hkv, D]`` (or ``[2, n, BS, Hkv, D]``); unpack scatters such a buffer into another pool's
-block ids. A block's BS*Hkv*D elements are one contiguous run in both the pool and the buffer, so one
+``[L, 2, n, BS, Hkv, D]`` (or ``[2, n, BS, Hkv, D]``); unpack scatters such a buffer into another KV cache's
+block ids. A block's BS*Hkv*D elements are one contiguous run in both the KV cache and the buffer, so one
 program copies one chunk of one block of one (layer, key/value) plane.
 """
 
@@ -59,17 +59,17 @@ def _launch_copy_blocks(
     layer: int | None,
     to_buffer: bool,
 ) -> None:
-    """Grid = (block, plane, chunk of a block); a single layer is addressed through its view of the pool."""
+    """Grid = (block, plane, chunk of a block); a single layer is addressed through its view of the KV cache."""
     n = block_ids.numel()
     if n == 0:
         return
-    pool = kv_cache if layer is None else kv_cache[layer : layer + 1]
-    planes = pool.shape[0] * 2
-    block_numel = pool.shape[3] * pool.shape[4] * pool.shape[5]
+    cache = kv_cache if layer is None else kv_cache[layer : layer + 1]
+    planes = cache.shape[0] * 2
+    block_numel = cache.shape[3] * cache.shape[4] * cache.shape[5]
     chunk = min(MAX_CHUNK, triton.next_power_of_2(block_numel))
     grid = (n, planes, triton.cdiv(block_numel, chunk))
     _copy_blocks_kernel[grid](
-        pool, buffer, block_ids, n, block_numel, pool.stride(0), pool.stride(1), pool.stride(2),
+        cache, buffer, block_ids, n, block_numel, cache.stride(0), cache.stride(1), cache.stride(2),
         TO_BUFFER=to_buffer, CHUNK=chunk, num_warps=4,
     )
 
@@ -89,7 +89,7 @@ def pack_blocks(
     layer: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [L, 2, n, BS, Hkv, D] or [2, n, BS, Hkv, D]
-    """Gathers the blocks, in the order given, into one wire-format v1 buffer in the pool dtype.
+    """Gathers the blocks, in the order given, into one wire-format v1 buffer in the KV cache dtype.
     Writes only `out` (allocated when not given)."""
     _check_common(kv_cache, block_ids, layer)
     shape = wire_shape(kv_cache, block_ids.numel(), layer)
@@ -98,7 +98,7 @@ def pack_blocks(
     else:
         check_wire_buffer("out", out, kv_cache, block_ids.numel(), layer)
         if out.dtype != kv_cache.dtype:
-            raise ValueError(f"out dtype {out.dtype} must equal the pool dtype {kv_cache.dtype}")
+            raise ValueError(f"out dtype {out.dtype} must equal the KV cache dtype {kv_cache.dtype}")
     device = check_same_device(kv_cache=kv_cache, block_ids=block_ids, out=out)
     check_launchable(_copy_blocks_kernel, device)
     _launch_copy_blocks(kv_cache, out, block_ids, layer, to_buffer=True)
@@ -111,7 +111,7 @@ def unpack_blocks(
     block_ids: torch.Tensor,  # [n] int64
     layer: int | None = None,
 ) -> None:
-    """Scatters a wire-format v1 buffer into blocks block_ids of kv_cache (converting to the pool dtype).
+    """Scatters a wire-format v1 buffer into blocks block_ids of kv_cache (converting to the KV cache dtype).
     Changes only those blocks; ids must be distinct."""
     _check_common(kv_cache, block_ids, layer)
     check_wire_buffer("buffer", buffer, kv_cache, block_ids.numel(), layer)

@@ -1,7 +1,7 @@
-"""Cache writes in Triton: store a step's new K/V into their pool slots (slot -1 = skip).
+"""Cache writes in Triton: store a step's new K/V into their cache slots (slot -1 = skip).
 
 One program per token copies its [Hkv, D] key and value rows to slot (slot // BS, slot % BS), converting
-through float32 to the pool dtype.
+through float32 to the KV cache dtype.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ earlier part of each prompt possibly already cached (prefix-cache hit or an earl
 One program handles a tile of BLOCK_M queries of one sequence and one query head. Query i of sequence b
 sits at position context_lens[b] - q_len_b + i; the program walks the keys from position 0 up to the
 last position its tile can see, reading them through the block table, with an online softmax in
-float32. The new tokens' K/V are already in the pool when it runs.
+float32. The new tokens' K/V are already in the KV cache when it runs.
 """
 
 from __future__ import annotations

@@ -175,7 +175,7 @@ class ConnectSpec:
     rank: int
     store_address: NodeAddress  # the prefill node's kv_address
     backend: str  # "gloo" or "nccl"
-    device: str  # the KV pool's device
+    device: str  # the KV cache's device
     timeout_s: float
 
 

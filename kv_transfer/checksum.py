@@ -2,7 +2,7 @@
 
 Both sides digest a transfer's messages in order, as the bytes sit in their staging slots: the sender
 after packing a message (before it goes on the wire), the receiver after the message arrived (before it
-is unpacked into the pool). The sender's digest travels to the decode node in TransferDone
+is unpacked into the KV cache). The sender's digest travels to the decode node in TransferDone
 (`kv_checksum`, with its algorithm's name), which compares it with its own before the blocks count as
 landed. xxh3_64 (the `xxhash` package) when installed, else zlib's crc32; the algorithm's name travels
 with the value, so two nodes that disagree on it fail the comparison rather than skip it.

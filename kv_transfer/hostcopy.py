@@ -1,8 +1,8 @@
-"""Block gather/scatter between a CPU KV pool and a wire-format v1 staging buffer, on the calling
+"""Block gather/scatter between a CPU KV cache and a wire-format v1 staging buffer, on the calling
 thread only.
 
 Why not the kernel ops' `pack_blocks`/`unpack_blocks` for CPU pools: their `index_select` /
-`index_copy_` over dim 2 of the 6-D pool go through TensorIterator, which splits anything above
+`index_copy_` over dim 2 of the 6-D KV cache go through TensorIterator, which splits anything above
 32k elements across torch's OpenMP pool. On a small, shared machine the second OpenMP thread is
 often descheduled, and the region then waits for it: a 0.5 MiB copy measured ~8 ms instead of
 ~20 us, which dominated the whole transfer. Both copies here move whole blocks as contiguous
@@ -22,7 +22,7 @@ import torch
 
 
 def supported(kv_cache: torch.Tensor) -> bool:
-    """Whether `kv_cache` ([L, 2, NB, BS, Hkv, D]) can use these copies: a contiguous CPU pool."""
+    """Whether `kv_cache` ([L, 2, NB, BS, Hkv, D]) can use these copies: a contiguous CPU KV cache."""
     return kv_cache.device.type == "cpu" and kv_cache.is_contiguous() and kv_cache.numel() > 0
 
 

@@ -55,7 +55,7 @@ class _RecvJob(ChannelJob):
         self._posted: deque[tuple[StagingSlot, PendingOp, int, int]] = deque()
         self._next_post = 0  # the next message to post; the slot base is fixed once it is past 0
         self._digest = KVDigest()  # over the received messages, in order, before they are unpacked
-        self._host_ids: np.ndarray | None = None  # [n] int64, set when the pool takes hostcopy.scatter
+        self._host_ids: np.ndarray | None = None  # [n] int64, set when the KV cache takes hostcopy.scatter
         if kv_cache is not None and ids is not None and hostcopy.supported(kv_cache):
             self._host_ids = ids.numpy()
 
@@ -132,7 +132,7 @@ class _RecvJob(ChannelJob):
 
 
 class KVReceiver:
-    """Decode side: receives transfers into reserved blocks of the local pool (rank 1)."""
+    """Decode side: receives transfers into reserved blocks of the local KV cache (rank 1)."""
 
     def __init__(self, ops: KernelOps) -> None:
         self._ops = ops
@@ -148,7 +148,7 @@ class KVReceiver:
         on_layer: Callable[[int], None] | None = None,
     ) -> TransferHandle:
         """Queues the receive of `meta`'s transfer and returns at once. `on_layer(l)` runs on the
-        channel worker once layer l is in the pool. If the arguments don't match the metadata the
+        channel worker once layer l is in the KV cache. If the arguments don't match the metadata the
         transfer is still drained (so later ones stay in step) and resolves as failed."""
         if channel.rank != DECODE_RANK:
             raise ValueError("KVReceiver needs a decode-side channel (rank 1)")
@@ -167,7 +167,7 @@ class KVReceiver:
 
     def discard(self, channel: Channel, meta: TransferMeta, *, timeout_s: float) -> TransferHandle:
         """Consumes `meta`'s transfer without storing it (the request was dropped), keeping the
-        channel in step. Changes no pool memory."""
+        channel in step. Changes no KV cache memory."""
         if channel.rank != DECODE_RANK:
             raise ValueError("KVReceiver needs a decode-side channel (rank 1)")
         if meta.channel_key != channel.key:
@@ -194,8 +194,8 @@ class KVReceiver:
         if kv_cache.dim() != 6 or kv_cache.shape[1] != 2:
             return f"kv_cache must be [L, 2, NB, BS, Hkv, D], got {tuple(kv_cache.shape)}"
         if dtype_name(kv_cache.dtype) != meta.dtype:
-            return f"pool dtype {dtype_name(kv_cache.dtype)} differs from the sender's {meta.dtype}"
+            return f"KV cache dtype {dtype_name(kv_cache.dtype)} differs from the sender's {meta.dtype}"
         num_layers, _, _, bs, h, d = kv_cache.shape
         if (num_layers, bs, h, d) != meta.geometry:
-            return f"pool geometry (L, BS, Hkv, D) = {(num_layers, bs, h, d)} differs from the sender's {meta.geometry}"
+            return f"KV cache geometry (L, BS, Hkv, D) = {(num_layers, bs, h, d)} differs from the sender's {meta.geometry}"
         return None

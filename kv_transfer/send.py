@@ -209,7 +209,7 @@ class _SendJob(ChannelJob):
 
 
 class KVSender:
-    """Prefill side: ships KV blocks from the local pool over a channel (rank 0)."""
+    """Prefill side: ships KV blocks from the local KV cache over a channel (rank 0)."""
 
     # The job that ships one send; a subclass may name one of its own (the tests' corrupting sender).
     _job_type: type[_SendJob] = _SendJob

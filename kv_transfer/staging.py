@@ -1,8 +1,8 @@
 """Reusable, double-buffered staging memory for one side of one channel.
 
-The KV pool itself is never handed to the transport: a message is packed into a staging slot
+The KV cache itself is never handed to the transport: a message is packed into a staging slot
 and sent from there, and received into a staging slot and unpacked from there. So a message
-left in flight by an aborted channel can only ever touch staging memory, never pool blocks.
+left in flight by an aborted channel can only ever touch staging memory, never KV cache blocks.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ _GROW_ALIGN = 1 << 20  # grow in whole MiB so slowly growing requests don't real
 
 @dataclass(frozen=True)
 class StagingSlot:
-    """`compute` is what pack/unpack work on (pool device); `wire` is what the transport sees.
+    """`compute` is what pack/unpack work on (KV cache device); `wire` is what the transport sees.
     They are the same tensor except for CUDA pools over gloo, where `wire` is a pinned host mirror."""
 
     compute: torch.Tensor
@@ -38,7 +38,7 @@ class StagingBuffers:
 
     def __init__(self, device: torch.device, host_mirror: bool) -> None:
         self._device = device
-        # Only a CUDA pool sent over a host transport needs a pinned mirror.
+        # Only a CUDA KV cache sent over a host transport needs a pinned mirror.
         self._host_mirror = host_mirror and device.type == "cuda"
         self._compute: list[torch.Tensor | None] = [None] * self.NUM_SLOTS  # flat uint8
         self._wire: list[torch.Tensor | None] = [None] * self.NUM_SLOTS

@@ -84,7 +84,7 @@ class ChannelConfig:
     idle_timeout_s: float = 60.0
     connect_timeout_s: float = 30.0
     backend: BackendName = "auto"  # auto: nccl for CUDA pools, gloo for CPU pools
-    device: str = "cpu"  # the KV pool's device
+    device: str = "cpu"  # the KV cache's device
     interface: str | None = None  # bind the gloo device to this NIC instead of kv_address's host
     reap_interval_s: float = 0.1  # how often idle channels and overdue queued transfers are checked
 
@@ -123,7 +123,7 @@ class TransferMeta:
     num_tokens: int  # prompt tokens whose KV the decode node will hold after this transfer
     layout_version: int
     dtype: str  # torch dtype name without the "torch." prefix, e.g. "float32"
-    geometry: tuple[int, int, int, int]  # (L, BS, Hkv, D) of the sender's pool
+    geometry: tuple[int, int, int, int]  # (L, BS, Hkv, D) of the sender's KV cache
     layers_per_message: int  # wire chunking: each message holds this many layers (the last may hold fewer)
 
     @property
@@ -150,7 +150,7 @@ class PhaseSeconds:
     though its time fell inside the previous transfer's `seconds`."""
 
     layers: float = 0.0  # a layer-wise send waiting for the compute to mark layers ready
-    copy: float = 0.0  # the sender's gather into staging, the receiver's scatter into the pool
+    copy: float = 0.0  # the sender's gather into staging, the receiver's scatter into the KV cache
     digest: float = 0.0  # the checksum pass over the staged bytes
     wire: float = 0.0  # in the transport: posting a send or receive, waiting for one to complete
 

@@ -24,7 +24,7 @@ class NodeConfig:
     cluster: str
     etcd_endpoints: tuple[str, ...]
     engine: EngineConfig
-    model_name: str = ""  # the pool's model name; "" = the model directory's name
+    model_name: str = ""  # the KV cache's model name; "" = the model directory's name
     grpc_host: str = "127.0.0.1"  # address the gRPC server binds
     grpc_port: int = 0  # 0 picks a free port (reported in the ready line and the registry)
     advertise_host: str = ""  # host others use to reach this node's gRPC server; "" = grpc_host
@@ -74,7 +74,7 @@ class NodeConfig:
     @property
     def prefills_every_prompt(self) -> bool:
         """Whether this node prefills every prompt itself (a colocated decode node): its registry record
-        says so, so that its pool counts as ready without prefill nodes."""
+        says so, so that its KV cache counts as ready without prefill nodes."""
         return False
 
     @property
@@ -106,7 +106,7 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cpus", default="", metavar="LIST",
                         help="pin the node to these CPUs, e.g. 0 or 0,2-3 (default: not pinned)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
-                        help="KV pool element type: auto (the model dtype) or fp8_e5m2 (half the bytes of bf16); "
+                        help="KV cache element type: auto (the model dtype) or fp8_e5m2 (half the bytes of bf16); "
                              "prefill and decode nodes of a cluster must agree")
     parser.add_argument("--grpc-host", default="127.0.0.1")
     parser.add_argument("--grpc-port", type=int, default=0)

@@ -98,6 +98,14 @@ def load_to_proto(node_id: str, role: str, load: NodeLoad) -> pb.LoadResponse:
         kv_blocks_total=load.kv_blocks_total, kv_blocks_used=load.kv_blocks_used,
         kv_blocks_free=load.kv_blocks_free, kv_blocks_cached=load.kv_blocks_cached,
         kv_blocks_held_for_transfer=load.kv_blocks_held, tokens_per_s=load.tokens_per_s,
-        kv_blocks_reserved=load.kv_blocks_reserved, admission_queue=load.reservation_queue,
+        kv_blocks_reserved=load.kv_blocks_reserved, reservation_queue=load.reservation_queue,
         in_flight=load.in_flight, draining=load.draining,
     )
+
+
+def call_key(request_id: str, attempt: int) -> str:
+    """What a node knows one attempt of a request by (its tables, its engine, its KV transfers): the
+    request's id, and from the second attempt on the attempt after a '#'. A node can meet a request again
+    (a retry or a migration that lands where an earlier attempt is still ending); keyed this way the two
+    never meet, while the request keeps one id on the wire, in logs' `request` fields and in traces."""
+    return request_id if attempt == 0 else f"{request_id}#{attempt}"

@@ -2,7 +2,7 @@
 NOT_SERVING, stops taking new work (UNAVAILABLE), waits until no request depends on a peer seeing it in
 the registry, revokes its lease, and lets the requests it still runs finish, all within
 ``--drain-timeout``. A decode node lets them run for ``--drain-grace`` only, then hands the rest over
-(`NodeService.hand_over`): each stream ends with finish_reason "migrate", which the frontend answers by
+(`NodeService.hand_over`): each stream ends with finish reason HAND_OVER, which the frontend answers by
 resuming the request on another decode node. After a signal the node then exits; after a Drain call it
 idles until signalled. A second signal skips what is left of the drain.
 

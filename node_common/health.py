@@ -3,7 +3,7 @@ for too long (hung), is no use to anyone however well its gRPC server answers. `
 engine's progress (`AsyncEngine.progress`) a few times a second; once `--max-step-failures` steps have
 failed in a row or one step has run for `--step-stall-timeout` seconds, `node_common.runtime` turns the node's
 service NOT_SERVING, revokes its lease (routers stop sending work; peers drop what they share with it),
-hands its requests over (a decode node's streams end with finish_reason "migrate", which the frontend
+hands its requests over (a decode node's streams end with finish reason HAND_OVER, which the frontend
 resumes on another node; a prefill node's calls end, which decode nodes answer by prefilling elsewhere)
 and exits with `EXIT_UNHEALTHY` for the launcher or Kubernetes to restart it. It does not wait for a hung
 engine thread: the process exit is what frees it.

@@ -128,7 +128,7 @@ class _EngineCollector(Collector):
         # are moved to `held` (clamped: a held prefix shared with a running sequence counts once).
         held = min(load.kv_blocks_held + load.kv_blocks_reserved, load.kv_blocks_used)
         cached = min(load.kv_blocks_cached, load.kv_blocks_free)
-        blocks = GaugeMetricFamily("pdserve_kv_blocks", "KV blocks by state (the states partition the pool)",
+        blocks = GaugeMetricFamily("pdserve_kv_blocks", "KV blocks by state (the states partition the KV cache)",
                                    labels=[*names, "state"])
         for state, n in (("used", load.kv_blocks_used - held), ("held", held), ("cached", cached),
                          ("free", load.kv_blocks_free - cached)):

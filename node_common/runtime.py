@@ -150,16 +150,10 @@ async def _build(config: NodeConfig, role: str, make_service: type[NodeService],
     return _Node(ctx, service, server, health, service_name, drainer, watch)
 
 
-async def _join(node: _Node) -> int | None:
-    """Starts serving gRPC, then joins the registry (watching it, registering under a lease). Returns
-    None once registered, else the exit code of a refused or unreachable registry."""
-    ctx, config = node.ctx, node.ctx.config
-    port = config.rpc.add_port(node.server, f"{config.grpc_host}:{config.grpc_port}")
-    if port == 0:
-        raise OSError(f"cannot bind gRPC to {config.grpc_host}:{config.grpc_port}")
-    await node.server.start()
-    engine = ctx.engine.engine
-    ctx.record = NodeRecord(
+def _record(ctx: NodeContext, port: int) -> NodeRecord:
+    """The node's registry record, once its gRPC port is bound."""
+    config, engine = ctx.config, ctx.engine.engine
+    return NodeRecord(
         role=ctx.role, node_id=config.node_id, cluster=config.cluster,  # type: ignore[arg-type]
         grpc_address=f"{config.grpc_public_host}:{port}", kv_address=ctx.channels.kv_address,
         model=config.model_name, model_fingerprint=ctx.fingerprint,
@@ -168,33 +162,50 @@ async def _join(node: _Node) -> int | None:
         capacity=NodeCapacity(engine.num_blocks, config.engine.max_num_seqs, config.engine.max_num_batched_tokens),
         colocated=config.prefills_every_prompt,
     )
+
+
+def _peer_watch(node: _Node) -> Callable[[ViewChange], None]:
+    """The registry-view callback that tells the service (and the KV channels) a peer is gone: it left,
+    or it came back as a new process under its id before its old lease lapsed."""
+    ctx, own_id = node.ctx, node.ctx.config.node_id
+    incarnations: dict[str, tuple[str, int, float]] = {}  # peer -> (hostname, pid, started_at) last seen
+
+    def on_change(change: ViewChange) -> None:
+        peer = change.node_id
+        if peer == own_id:
+            return
+        # A disconnected view reports no departures; a resync after an outage reports real ones.
+        if change.kind == "left" and ctx.view.connected:
+            incarnations.pop(peer, None)
+            node.service.on_member_left(peer)
+            ctx.channels.close_peer(peer, f"node {peer} left the registry")
+        elif change.kind in ("joined", "updated") and change.member is not None:
+            rec = change.member.record
+            seen, now = incarnations.get(peer), (rec.hostname, rec.pid, rec.started_at)
+            incarnations[peer] = now
+            if seen is not None and seen != now:
+                # Restarted under the same id before its old lease lapsed (so no "left" came): what
+                # was shared with the old process is gone, its KV channel included.
+                log.warning("node %s restarted (pid %s -> %s): dropping what was shared with it", peer,
+                            seen[1], now[1])
+                node.service.on_member_left(peer)
+                ctx.channels.close_peer(peer, f"node {peer} restarted")
+
+    return on_change
+
+
+async def _join(node: _Node) -> int | None:
+    """Starts serving gRPC, then joins the registry (watching it, registering under a lease). Returns
+    None once registered, else the exit code of a refused or unreachable registry."""
+    ctx, config = node.ctx, node.ctx.config
+    port = config.rpc.add_port(node.server, f"{config.grpc_host}:{config.grpc_port}")
+    if port == 0:
+        raise OSError(f"cannot bind gRPC to {config.grpc_host}:{config.grpc_port}")
+    await node.server.start()
+    ctx.record = _record(ctx, port)
     try:
         await ctx.view.start(sync_timeout_s=config.join_timeout_s)
-
-        incarnations: dict[str, tuple[str, int, float]] = {}  # peer -> (hostname, pid, started_at) last seen
-
-        def on_change(change: ViewChange) -> None:
-            peer = change.node_id
-            if peer == config.node_id:
-                return
-            # A disconnected view reports no departures; a resync after an outage reports real ones.
-            if change.kind == "left" and ctx.view.connected:
-                incarnations.pop(peer, None)
-                node.service.on_member_left(peer)
-                ctx.channels.close_peer(peer, f"node {peer} left the registry")
-            elif change.kind in ("joined", "updated") and change.member is not None:
-                rec = change.member.record
-                seen, now = incarnations.get(peer), (rec.hostname, rec.pid, rec.started_at)
-                incarnations[peer] = now
-                if seen is not None and seen != now:
-                    # Restarted under the same id before its old lease lapsed (so no "left" came): what
-                    # was shared with the old process is gone, its KV channel included.
-                    log.warning("node %s restarted (pid %s -> %s): dropping what was shared with it", peer,
-                                seen[1], now[1])
-                    node.service.on_member_left(peer)
-                    ctx.channels.close_peer(peer, f"node {peer} restarted")
-
-        ctx.view.subscribe(on_change)
+        ctx.view.subscribe(_peer_watch(node))
         registration = NodeRegistration(
             config.etcd_endpoints, ctx.record, node.service.node_load, ttl_s=config.lease_ttl_s,
             load_interval_s=config.load_interval_s, join_timeout_s=config.join_timeout_s,

@@ -134,7 +134,9 @@ class NodeService(ABC):
         )
 
     def load_response(self) -> pb.LoadResponse:
-        return load_to_proto(self.ctx.config.node_id, self.ctx.role, self.node_load())
+        response = load_to_proto(self.ctx.config.node_id, self.ctx.role, self.node_load())
+        response.members.extend(sorted(self.ctx.view.snapshot()))
+        return response
 
     async def check_integrity(self) -> None:
         """Asserts that blocks, engine requests, output streams and request objects agree: the engine's

@@ -38,7 +38,9 @@ class LayerwiseSend:
 class PrefillCall:
     """One Prefill call on this node, from arrival until the engine let go of its blocks."""
 
+    key: str  # this attempt on this node (`call_key`): what the tables, the engine and the send know it by
     request_id: str
+    attempt: int
     decode_id: str
     arrived: float
     stage: Stage = Stage.IN_ENGINE
@@ -61,7 +63,7 @@ class PrefillCall:
 
     def advance(self, stage: Stage) -> None:
         """Moves to `stage`; asserts the move is allowed."""
-        assert stage in _NEXT[self.stage], f"request {self.request_id}: {self.stage.name} -> {stage.name}"
+        assert stage in _NEXT[self.stage], f"request {self.key}: {self.stage.name} -> {stage.name}"
         self.stage = stage
 
     def close_channel_under_send(self, reason: str) -> bool:

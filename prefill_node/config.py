@@ -23,7 +23,7 @@ class PrefillNodeConfig(NodeConfig):
     @classmethod
     def from_argv(cls, argv: list[str] | None) -> tuple[PrefillNodeConfig, str]:
         """Parses the command line; returns the config and the log level."""
-        parser = argparse.ArgumentParser(prog="python -m prefill_node", description="Run a pdserve prefill node.")
+        parser = argparse.ArgumentParser(prog="python -m pdserve.prefill_node", description="Run a pdserve prefill node.")
         add_node_args(parser)
         parser.add_argument("--max-pending", type=int, default=1024)
         parser.add_argument("--no-layerwise-send", dest="layerwise_send", action="store_false",

@@ -28,7 +28,7 @@ class Sends:
         metrics: PrefillMetrics, timeout_s: float,
     ) -> None:
         self._sender = sender
-        self._kv_cache = kv_cache  # [L, 2, NB, BS, Hkv, D], the engine's pool (the sends read it)
+        self._kv_cache = kv_cache  # [L, 2, NB, BS, Hkv, D], the engine's KV cache (the sends read it)
         self._channels = channels
         self._calls = calls  # the service's calls, by request id (read only)
         self._metrics = metrics
@@ -45,7 +45,7 @@ class Sends:
             try:
                 channel = self._channels.channel_to(call.decode_id)
                 handle = self._sender.send(
-                    channel, self._kv_cache, src_blocks, request_id=call.request_id,
+                    channel, self._kv_cache, src_blocks, request_id=call.key,
                     num_tokens=num_tokens, timeout_s=self._timeout_s, layerwise=layerwise,
                 )
             except (ChannelError, ValueError) as err:

@@ -43,7 +43,7 @@ from pdserve.kernels.interface import KV_LAYOUT_VERSION
 from pdserve.kv_transfer import SendHandle
 from pdserve.kv_transfer.checksum import CHECKSUM_ALGO
 from pdserve.node_common.config import setup_logging
-from pdserve.node_common.convert import logprob_to_proto, params_from_proto, transfer_start_to_proto
+from pdserve.node_common.convert import call_key, logprob_to_proto, params_from_proto, transfer_start_to_proto
 from pdserve.node_common.faults import load_faults
 from pdserve.node_common.runtime import run_node
 from pdserve.node_common.service import NodeContext, NodeService
@@ -87,7 +87,7 @@ class PrefillService(NodeService, pb_grpc.PrefillNodeServicer):
     def check_requests(self, before: Mapping[str, str], engine: EngineRequests) -> None:
         assert not engine.reserved, f"a prefill node reserves nothing: {sorted(engine.reserved)}"
         for rid, call in dict(self.calls).items():
-            assert call.request_id == rid
+            assert call.key == rid
             if call.stage == Stage.SENDING:
                 assert call.handle is not None and call.channel is not None
         # A prefill still in the engine belongs to a call in the engine, or ending and about to abort it.
@@ -105,7 +105,7 @@ class PrefillService(NodeService, pb_grpc.PrefillNodeServicer):
         return self.load_response()
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
-        call = self.calls.get(request.request_id)
+        call = self.calls.get(call_key(request.request_id, request.attempt))
         if call is None:
             return pb.AbortResponse(found=False)
         self._abort(call, "aborted by the decode node")
@@ -116,7 +116,8 @@ class PrefillService(NodeService, pb_grpc.PrefillNodeServicer):
     ) -> AsyncIterator[pb.PrefillResponse]:
         params = await self._accept(request, context)
         prompt, resume = self._split_resumed(request)
-        call = PrefillCall(request.request_id, request.decode_node_id, time.monotonic())
+        key = call_key(request.request_id, request.attempt)
+        call = PrefillCall(key, request.request_id, request.attempt, request.decode_node_id, time.monotonic())
         tracer = self.ctx.tracer
         if tracer is not None:
             start_call_span(tracer, call, context.invocation_metadata() or (), self.config.node_id,
@@ -126,13 +127,13 @@ class PrefillService(NodeService, pb_grpc.PrefillNodeServicer):
         num_resumed = len(resume.token_ids) if resume is not None else 0
         first_params = dataclasses.replace(params, max_tokens=num_resumed + 1, stop=[])
         call.layerwise = self._layerwise_send(request, params, num_resumed)
-        self.calls[call.request_id] = call
+        self.calls[call.key] = call
         try:
             try:
                 if num_resumed >= params.max_tokens:
                     raise ValueError(f"{num_resumed} resumed tokens leave nothing of max_tokens ({params.max_tokens})")
                 stream = await self.ctx.engine.add_request(
-                    call.request_id, prompt, first_params, hold_blocks=True, resume=resume)
+                    call.key, prompt, first_params, hold_blocks=True, resume=resume)
             except ValueError as err:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
             async for msg in self._serve(call, request, params, stream):
@@ -141,8 +142,8 @@ class PrefillService(NodeService, pb_grpc.PrefillNodeServicer):
             # Also reached when the caller's stream is cancelled (its process died or it gave up):
             # blocks are handed back once no send can still be reading them.
             self.sends.end(call)
-            call.close_channel_under_send(f"Prefill call for {call.request_id} ended while its send was in flight")
-            self.ctx.spawn(self._finish(call), f"prefill-finish-{call.request_id}")
+            call.close_channel_under_send(f"Prefill call for {call.key} ended while its send was in flight")
+            self.ctx.spawn(self._finish(call), f"prefill-finish-{call.key}")
             if tracer is not None:
                 finish_call_spans(tracer, call)
 
@@ -156,9 +157,9 @@ class PrefillService(NodeService, pb_grpc.PrefillNodeServicer):
             params = params_from_proto(request.params)
         except ValueError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-        if request.request_id in self.calls:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS,
-                                f"request {request.request_id!r} is already being prefilled")
+        key = call_key(request.request_id, request.attempt)
+        if key in self.calls:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {key!r} is already being prefilled")
         if len(self.calls) >= self.config.max_pending:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "prefill queue is full")
         return params
@@ -260,7 +261,7 @@ class PrefillService(NodeService, pb_grpc.PrefillNodeServicer):
 
     def _first_token(self, call: PrefillCall, out: RequestOutput) -> pb.FirstToken:
         first = pb.FirstToken(token_id=out.new_token_ids[0], num_cached_tokens=out.num_cached_tokens)
-        timing = self.metrics.first_token(call.request_id, call.arrived)
+        timing = self.metrics.first_token(call.key, call.arrived)
         call.timing = timing
         if timing is not None:
             first.queue_s, first.prefill_s = timing.queue_s, timing.prefill_s
@@ -313,27 +314,27 @@ class PrefillService(NodeService, pb_grpc.PrefillNodeServicer):
         """Marks the call aborted. Before its send is queued the engine drops it (freeing its blocks); a
         queued send is left to finish or fail, since the decode node drains or discards it."""
         if not self.sends.abort(call, reason):
-            self.ctx.spawn(self.ctx.engine.abort(call.request_id), f"prefill-abort-{call.request_id}")
+            self.ctx.spawn(self.ctx.engine.abort(call.key), f"prefill-abort-{call.key}")
 
     async def _finish(self, call: PrefillCall) -> None:
         if call.handle is not None:
             await call.handle.wait()  # the send may still be reading the blocks
-        await self.ctx.engine.abort(call.request_id)  # frees held blocks, or drops a still-queued prefill
-        self.metrics.forget(call.request_id)
-        if self.calls.get(call.request_id) is call:
-            del self.calls[call.request_id]
+        await self.ctx.engine.abort(call.key)  # frees held blocks, or drops a still-queued prefill
+        self.metrics.forget(call.key)
+        if self.calls.get(call.key) is call:
+            del self.calls[call.key]
 
     def on_member_left(self, node_id: str) -> None:
         for call in list(self.calls.values()):
             if call.decode_id != node_id:
                 continue
-            log.warning("decode node %s left the registry: dropping %s", node_id, call.request_id)
+            log.warning("decode node %s left the registry: dropping %s", node_id, call.key)
             self._abort(call, f"decode node {node_id} left the registry")
             if call.close_channel_under_send(f"decode node {node_id} left the registry"):
                 # A send blocked on a hung peer resolves only at its deadline (gloo cannot interrupt it),
                 # so the blocks are given back now; the send's outcome is reported as failed.
                 call.released_under_send = True
-                self.ctx.spawn(self.ctx.engine.abort(call.request_id), f"prefill-release-{call.request_id}")
+                self.ctx.spawn(self.ctx.engine.abort(call.key), f"prefill-release-{call.key}")
 
     async def quiesce(self, deadline: float) -> None:
         loop = asyncio.get_running_loop()

@@ -22,6 +22,7 @@ def start_call_span(tracer: Tracer, call: PrefillCall, metadata: Iterable[tuple[
     call.span = tracer.span(
         "prefill.request", parent=tracer.extract(metadata), start=call.arrived, kind="server",
         attributes={"rpc.system": "grpc", "rpc.method": "PrefillNode/Prefill", "pdserve.request_id": call.request_id,
+                    "pdserve.attempt": call.attempt,
                     "pdserve.node": node_id, "pdserve.decode_node": call.decode_id,
                     "pdserve.prompt_tokens": prompt_tokens})
 

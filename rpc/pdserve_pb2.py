@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rpdserve.proto\x12\npdserve.v1\"\xd7\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_p\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x05 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x06 \x01(\x01\x12\x1a\n\x12repetition_penalty\x18\x07 \x01(\x01\x12\x12\n\nmax_tokens\x18\x08 \x01(\x05\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x16\n\x0estop_token_ids\x18\n \x03(\x05\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x15\n\x08logprobs\x18\x0c \x01(\x05H\x01\x88\x01\x01\x12=\n\nlogit_bias\x18\r \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x30\n\nstructured\x18\x0e \x01(\x0b\x32\x1c.pdserve.v1.StructuredOutput\x12\x10\n\x08priority\x18\x0f \x01(\x05\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobs\"5\n\x10StructuredOutput\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x13\n\x0bschema_json\x18\x02 \x01(\t\"^\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\x81\x01\n\x06Timing\x12\x17\n\x0fprefill_queue_s\x18\x01 \x01(\x01\x12\x11\n\tprefill_s\x18\x02 \x01(\x01\x12\x12\n\ntransfer_s\x18\x03 \x01(\x01\x12\x1b\n\x13\x66irst_decode_step_s\x18\x04 \x01(\x01\x12\x1a\n\x12\x64\x65\x63ode_admission_s\x18\x05 \x01(\x01\"\xf8\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12*\n\x06params\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x17\n\x0fprefill_node_id\x18\x05 \x01(\t\x12\x1b\n\x13\x66orce_local_prefill\x18\x06 \x01(\x08\x12\x13\n\x0breturn_text\x18\x07 \x01(\x08\x12\x18\n\x10resume_token_ids\x18\x08 \x03(\x05\x12\x19\n\x11resume_text_chars\x18\t \x01(\x05J\x04\x08\x02\x10\x03R\x05model\"\xaf\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12\x13\n\x0bstop_reason\x18\x07 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x08 \x01(\x05\x12\x19\n\x11num_cached_tokens\x18\t \x01(\x05\x12\x1d\n\x15num_completion_tokens\x18\n \x01(\x05\x12\"\n\x06timing\x18\x0b \x01(\x0b\x32\x12.pdserve.v1.Timing\x12\x17\n\x0fprefill_node_id\x18\x0c \x01(\t\x12\x16\n\x0e\x64\x65\x63ode_node_id\x18\r \x01(\t\x12\r\n\x05\x65rror\x18\x0e \x01(\t\x12 \n\x18num_cached_tokens_decode\x18\x0f \x01(\x05\x12!\n\x19num_cached_tokens_prefill\x18\x10 \x01(\x05\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\xa6\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12*\n\x06params\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x16\n\x0e\x64\x65\x63ode_node_id\x18\x04 \x01(\t\x12\x17\n\x0fnum_skip_blocks\x18\x05 \x01(\x05\x12\x15\n\rdst_block_ids\x18\x06 \x03(\x05\x12\x12\n\nblock_size\x18\x07 \x01(\x05\x12\x10\n\x08kv_dtype\x18\x08 \x01(\t\x12\x16\n\x0elayout_version\x18\t \x01(\x05\x12\x19\n\x11model_fingerprint\x18\n \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x0b \x01(\x05\"\x88\x01\n\nFirstToken\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12)\n\x07logprob\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\x05\x12\x0f\n\x07queue_s\x18\x04 \x01(\x01\x12\x11\n\tprefill_s\x18\x05 \x01(\x01\"\xf1\x01\n\rTransferStart\x12\x15\n\rchannel_epoch\x18\x01 \x01(\x03\x12\x0e\n\x06seq_no\x18\x02 \x01(\x03\x12\x12\n\nnum_blocks\x18\x03 \x01(\x05\x12\x12\n\nnum_tokens\x18\x06 \x01(\x05\x12\x16\n\x0elayout_version\x18\x07 \x01(\x05\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x10\n\x08geometry\x18\t \x03(\x05\x12\x1a\n\x12layers_per_message\x18\n \x01(\x05\x12\x1a\n\x12prefill_kv_address\x18\x0b \x01(\tJ\x04\x08\x04\x10\x05J\x04\x08\x05\x10\x06R\tnum_bytesR\tlayerwise\"\x8e\x01\n\x0cTransferDone\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x12\n\ntransfer_s\x18\x03 \x01(\x01\x12\x0f\n\x07skipped\x18\x05 \x01(\x08\x12\x13\n\x0bkv_checksum\x18\x06 \x01(\x04\x12\x18\n\x10kv_checksum_algo\x18\x07 \x01(\tJ\x04\x08\x04\x10\x05R\tnum_bytes\"\xb1\x01\n\x0fPrefillResponse\x12-\n\x0b\x66irst_token\x18\x01 \x01(\x0b\x32\x16.pdserve.v1.FirstTokenH\x00\x12\x33\n\x0etransfer_start\x18\x02 \x01(\x0b\x32\x19.pdserve.v1.TransferStartH\x00\x12\x31\n\rtransfer_done\x18\x03 \x01(\x0b\x32\x18.pdserve.v1.TransferDoneH\x00\x42\x07\n\x05\x65vent\"\r\n\x0bLoadRequest\"\xc7\x02\n\x0cLoadResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07waiting\x18\x03 \x01(\x05\x12\x0f\n\x07running\x18\x04 \x01(\x05\x12\x17\n\x0fkv_blocks_total\x18\x05 \x01(\x05\x12\x16\n\x0ekv_blocks_used\x18\x06 \x01(\x05\x12\x16\n\x0ekv_blocks_free\x18\x07 \x01(\x05\x12\x18\n\x10kv_blocks_cached\x18\x08 \x01(\x05\x12#\n\x1bkv_blocks_held_for_transfer\x18\t \x01(\x05\x12\x14\n\x0ctokens_per_s\x18\n \x01(\x01\x12\x1a\n\x12kv_blocks_reserved\x18\x0b \x01(\x05\x12\x17\n\x0f\x61\x64mission_queue\x18\x0c \x01(\x05\x12\x11\n\tin_flight\x18\r \x01(\x05\x12\x10\n\x08\x64raining\x18\x0e \x01(\x08\"\x0e\n\x0c\x44rainRequest\"\x12\n\x10IntegrityRequest\".\n\x0fIntegrityReport\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0f\n\x07problem\x18\x02 \x01(\t2\xd1\x01\n\nDecodeNode\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12<\n\x07GetLoad\x12\x17.pdserve.v1.LoadRequest\x1a\x18.pdserve.v1.LoadResponse2\xcf\x01\n\x0bPrefillNode\x12\x44\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12<\n\x07GetLoad\x12\x17.pdserve.v1.LoadRequest\x1a\x18.pdserve.v1.LoadResponse2\x97\x01\n\x0bNodeControl\x12;\n\x05\x44rain\x12\x18.pdserve.v1.DrainRequest\x1a\x18.pdserve.v1.LoadResponse\x12K\n\x0e\x43heckIntegrity\x12\x1c.pdserve.v1.IntegrityRequest\x1a\x1b.pdserve.v1.IntegrityReportb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rpdserve.proto\x12\npdserve.v1\"\xd7\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_p\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x05 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x06 \x01(\x01\x12\x1a\n\x12repetition_penalty\x18\x07 \x01(\x01\x12\x12\n\nmax_tokens\x18\x08 \x01(\x05\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x16\n\x0estop_token_ids\x18\n \x03(\x05\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x15\n\x08logprobs\x18\x0c \x01(\x05H\x01\x88\x01\x01\x12=\n\nlogit_bias\x18\r \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x30\n\nstructured\x18\x0e \x01(\x0b\x32\x1c.pdserve.v1.StructuredOutput\x12\x10\n\x08priority\x18\x0f \x01(\x05\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobs\"5\n\x10StructuredOutput\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x13\n\x0bschema_json\x18\x02 \x01(\t\"^\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\x81\x01\n\x06Timing\x12\x17\n\x0fprefill_queue_s\x18\x01 \x01(\x01\x12\x11\n\tprefill_s\x18\x02 \x01(\x01\x12\x12\n\ntransfer_s\x18\x03 \x01(\x01\x12\x1b\n\x13\x66irst_decode_step_s\x18\x04 \x01(\x01\x12\x1a\n\x12reservation_wait_s\x18\x05 \x01(\x01\"\x89\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\n \x01(\x05\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12*\n\x06params\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x17\n\x0fprefill_node_id\x18\x05 \x01(\t\x12\x1b\n\x13\x66orce_local_prefill\x18\x06 \x01(\x08\x12\x13\n\x0breturn_text\x18\x07 \x01(\x08\x12\x18\n\x10resume_token_ids\x18\x08 \x03(\x05\x12\x19\n\x11resume_text_chars\x18\t \x01(\x05J\x04\x08\x02\x10\x03R\x05model\"\xfe\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\x12/\n\rfinish_reason\x18\x11 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x07 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x08 \x01(\x05\x12\x19\n\x11num_cached_tokens\x18\t \x01(\x05\x12\x1d\n\x15num_completion_tokens\x18\n \x01(\x05\x12\"\n\x06timing\x18\x0b \x01(\x0b\x32\x12.pdserve.v1.Timing\x12\x17\n\x0fprefill_node_id\x18\x0c \x01(\t\x12\x16\n\x0e\x64\x65\x63ode_node_id\x18\r \x01(\t\x12\r\n\x05\x65rror\x18\x0e \x01(\t\x12 \n\x18num_cached_tokens_decode\x18\x0f \x01(\x05\x12!\n\x19num_cached_tokens_prefill\x18\x10 \x01(\x05\x12-\n\x0cserving_path\x18\x12 \x01(\x0e\x32\x17.pdserve.v1.ServingPathJ\x04\x08\x06\x10\x07\"3\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\x05\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\xb7\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x0c \x01(\x05\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12*\n\x06params\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x16\n\x0e\x64\x65\x63ode_node_id\x18\x04 \x01(\t\x12\x17\n\x0fnum_skip_blocks\x18\x05 \x01(\x05\x12\x15\n\rdst_block_ids\x18\x06 \x03(\x05\x12\x12\n\nblock_size\x18\x07 \x01(\x05\x12\x10\n\x08kv_dtype\x18\x08 \x01(\t\x12\x16\n\x0elayout_version\x18\t \x01(\x05\x12\x19\n\x11model_fingerprint\x18\n \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x0b \x01(\x05\"\x88\x01\n\nFirstToken\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12)\n\x07logprob\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\x05\x12\x0f\n\x07queue_s\x18\x04 \x01(\x01\x12\x11\n\tprefill_s\x18\x05 \x01(\x01\"\xf1\x01\n\rTransferStart\x12\x15\n\rchannel_epoch\x18\x01 \x01(\x03\x12\x0e\n\x06seq_no\x18\x02 \x01(\x03\x12\x12\n\nnum_blocks\x18\x03 \x01(\x05\x12\x12\n\nnum_tokens\x18\x06 \x01(\x05\x12\x16\n\x0elayout_version\x18\x07 \x01(\x05\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x10\n\x08geometry\x18\t \x03(\x05\x12\x1a\n\x12layers_per_message\x18\n \x01(\x05\x12\x1a\n\x12prefill_kv_address\x18\x0b \x01(\tJ\x04\x08\x04\x10\x05J\x04\x08\x05\x10\x06R\tnum_bytesR\tlayerwise\"\x8e\x01\n\x0cTransferDone\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x12\n\ntransfer_s\x18\x03 \x01(\x01\x12\x0f\n\x07skipped\x18\x05 \x01(\x08\x12\x13\n\x0bkv_checksum\x18\x06 \x01(\x04\x12\x18\n\x10kv_checksum_algo\x18\x07 \x01(\tJ\x04\x08\x04\x10\x05R\tnum_bytes\"\xb1\x01\n\x0fPrefillResponse\x12-\n\x0b\x66irst_token\x18\x01 \x01(\x0b\x32\x16.pdserve.v1.FirstTokenH\x00\x12\x33\n\x0etransfer_start\x18\x02 \x01(\x0b\x32\x19.pdserve.v1.TransferStartH\x00\x12\x31\n\rtransfer_done\x18\x03 \x01(\x0b\x32\x18.pdserve.v1.TransferDoneH\x00\x42\x07\n\x05\x65vent\"\r\n\x0bLoadRequest\"\xda\x02\n\x0cLoadResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07waiting\x18\x03 \x01(\x05\x12\x0f\n\x07running\x18\x04 \x01(\x05\x12\x17\n\x0fkv_blocks_total\x18\x05 \x01(\x05\x12\x16\n\x0ekv_blocks_used\x18\x06 \x01(\x05\x12\x16\n\x0ekv_blocks_free\x18\x07 \x01(\x05\x12\x18\n\x10kv_blocks_cached\x18\x08 \x01(\x05\x12#\n\x1bkv_blocks_held_for_transfer\x18\t \x01(\x05\x12\x14\n\x0ctokens_per_s\x18\n \x01(\x01\x12\x1a\n\x12kv_blocks_reserved\x18\x0b \x01(\x05\x12\x19\n\x11reservation_queue\x18\x0c \x01(\x05\x12\x11\n\tin_flight\x18\r \x01(\x05\x12\x10\n\x08\x64raining\x18\x0e \x01(\x08\x12\x0f\n\x07members\x18\x0f \x03(\t\"\x0e\n\x0c\x44rainRequest\"\x12\n\x10IntegrityRequest\".\n\x0fIntegrityReport\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0f\n\x07problem\x18\x02 \x01(\t*\xae\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x12\x1b\n\x17\x46INISH_REASON_HAND_OVER\x10\x05*\xa0\x01\n\x0bServingPath\x12\x1c\n\x18SERVING_PATH_UNSPECIFIED\x10\x00\x12\x1e\n\x1aSERVING_PATH_DISAGGREGATED\x10\x01\x12\x1e\n\x1aSERVING_PATH_LOCAL_PREFILL\x10\x02\x12\x18\n\x14SERVING_PATH_RETRIED\x10\x03\x12\x19\n\x15SERVING_PATH_MIGRATED\x10\x04\x32\xd1\x01\n\nDecodeNode\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12<\n\x07GetLoad\x12\x17.pdserve.v1.LoadRequest\x1a\x18.pdserve.v1.LoadResponse2\xcf\x01\n\x0bPrefillNode\x12\x44\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12<\n\x07GetLoad\x12\x17.pdserve.v1.LoadRequest\x1a\x18.pdserve.v1.LoadResponse2\x97\x01\n\x0bNodeControl\x12;\n\x05\x44rain\x12\x18.pdserve.v1.DrainRequest\x1a\x18.pdserve.v1.LoadResponse\x12K\n\x0e\x43heckIntegrity\x12\x1c.pdserve.v1.IntegrityRequest\x1a\x1b.pdserve.v1.IntegrityReportb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,6 +33,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_FINISHREASON']._serialized_start=3123
+  _globals['_FINISHREASON']._serialized_end=3297
+  _globals['_SERVINGPATH']._serialized_start=3300
+  _globals['_SERVINGPATH']._serialized_end=3460
   _globals['_SAMPLINGPARAMS']._serialized_start=30
   _globals['_SAMPLINGPARAMS']._serialized_end=501
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=431
@@ -44,37 +48,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TIMING']._serialized_start=655
   _globals['_TIMING']._serialized_end=784
   _globals['_GENERATEREQUEST']._serialized_start=787
-  _globals['_GENERATEREQUEST']._serialized_end=1035
-  _globals['_GENERATERESPONSE']._serialized_start=1038
-  _globals['_GENERATERESPONSE']._serialized_end=1469
-  _globals['_ABORTREQUEST']._serialized_start=1471
-  _globals['_ABORTREQUEST']._serialized_end=1505
-  _globals['_ABORTRESPONSE']._serialized_start=1507
-  _globals['_ABORTRESPONSE']._serialized_end=1537
-  _globals['_PREFILLREQUEST']._serialized_start=1540
-  _globals['_PREFILLREQUEST']._serialized_end=1834
-  _globals['_FIRSTTOKEN']._serialized_start=1837
-  _globals['_FIRSTTOKEN']._serialized_end=1973
-  _globals['_TRANSFERSTART']._serialized_start=1976
-  _globals['_TRANSFERSTART']._serialized_end=2217
-  _globals['_TRANSFERDONE']._serialized_start=2220
-  _globals['_TRANSFERDONE']._serialized_end=2362
-  _globals['_PREFILLRESPONSE']._serialized_start=2365
-  _globals['_PREFILLRESPONSE']._serialized_end=2542
-  _globals['_LOADREQUEST']._serialized_start=2544
-  _globals['_LOADREQUEST']._serialized_end=2557
-  _globals['_LOADRESPONSE']._serialized_start=2560
-  _globals['_LOADRESPONSE']._serialized_end=2887
-  _globals['_DRAINREQUEST']._serialized_start=2889
-  _globals['_DRAINREQUEST']._serialized_end=2903
-  _globals['_INTEGRITYREQUEST']._serialized_start=2905
-  _globals['_INTEGRITYREQUEST']._serialized_end=2923
-  _globals['_INTEGRITYREPORT']._serialized_start=2925
-  _globals['_INTEGRITYREPORT']._serialized_end=2971
-  _globals['_DECODENODE']._serialized_start=2974
-  _globals['_DECODENODE']._serialized_end=3183
-  _globals['_PREFILLNODE']._serialized_start=3186
-  _globals['_PREFILLNODE']._serialized_end=3393
-  _globals['_NODECONTROL']._serialized_start=3396
-  _globals['_NODECONTROL']._serialized_end=3547
+  _globals['_GENERATEREQUEST']._serialized_end=1052
+  _globals['_GENERATERESPONSE']._serialized_start=1055
+  _globals['_GENERATERESPONSE']._serialized_end=1565
+  _globals['_ABORTREQUEST']._serialized_start=1567
+  _globals['_ABORTREQUEST']._serialized_end=1618
+  _globals['_ABORTRESPONSE']._serialized_start=1620
+  _globals['_ABORTRESPONSE']._serialized_end=1650
+  _globals['_PREFILLREQUEST']._serialized_start=1653
+  _globals['_PREFILLREQUEST']._serialized_end=1964
+  _globals['_FIRSTTOKEN']._serialized_start=1967
+  _globals['_FIRSTTOKEN']._serialized_end=2103
+  _globals['_TRANSFERSTART']._serialized_start=2106
+  _globals['_TRANSFERSTART']._serialized_end=2347
+  _globals['_TRANSFERDONE']._serialized_start=2350
+  _globals['_TRANSFERDONE']._serialized_end=2492
+  _globals['_PREFILLRESPONSE']._serialized_start=2495
+  _globals['_PREFILLRESPONSE']._serialized_end=2672
+  _globals['_LOADREQUEST']._serialized_start=2674
+  _globals['_LOADREQUEST']._serialized_end=2687
+  _globals['_LOADRESPONSE']._serialized_start=2690
+  _globals['_LOADRESPONSE']._serialized_end=3036
+  _globals['_DRAINREQUEST']._serialized_start=3038
+  _globals['_DRAINREQUEST']._serialized_end=3052
+  _globals['_INTEGRITYREQUEST']._serialized_start=3054
+  _globals['_INTEGRITYREQUEST']._serialized_end=3072
+  _globals['_INTEGRITYREPORT']._serialized_start=3074
+  _globals['_INTEGRITYREPORT']._serialized_end=3120
+  _globals['_DECODENODE']._serialized_start=3463
+  _globals['_DECODENODE']._serialized_end=3672
+  _globals['_PREFILLNODE']._serialized_start=3675
+  _globals['_PREFILLNODE']._serialized_end=3882
+  _globals['_NODECONTROL']._serialized_start=3885
+  _globals['_NODECONTROL']._serialized_end=4036
 # @@protoc_insertion_point(module_scope)

@@ -1,10 +1,39 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
+    FINISH_REASON_STOP: _ClassVar[FinishReason]
+    FINISH_REASON_LENGTH: _ClassVar[FinishReason]
+    FINISH_REASON_ABORT: _ClassVar[FinishReason]
+    FINISH_REASON_ERROR: _ClassVar[FinishReason]
+    FINISH_REASON_HAND_OVER: _ClassVar[FinishReason]
+
+class ServingPath(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SERVING_PATH_UNSPECIFIED: _ClassVar[ServingPath]
+    SERVING_PATH_DISAGGREGATED: _ClassVar[ServingPath]
+    SERVING_PATH_LOCAL_PREFILL: _ClassVar[ServingPath]
+    SERVING_PATH_RETRIED: _ClassVar[ServingPath]
+    SERVING_PATH_MIGRATED: _ClassVar[ServingPath]
+FINISH_REASON_UNSPECIFIED: FinishReason
+FINISH_REASON_STOP: FinishReason
+FINISH_REASON_LENGTH: FinishReason
+FINISH_REASON_ABORT: FinishReason
+FINISH_REASON_ERROR: FinishReason
+FINISH_REASON_HAND_OVER: FinishReason
+SERVING_PATH_UNSPECIFIED: ServingPath
+SERVING_PATH_DISAGGREGATED: ServingPath
+SERVING_PATH_LOCAL_PREFILL: ServingPath
+SERVING_PATH_RETRIED: ServingPath
+SERVING_PATH_MIGRATED: ServingPath
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "max_tokens", "stop", "stop_token_ids", "ignore_eos", "logprobs", "logit_bias", "structured", "priority")
@@ -68,22 +97,23 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Timing(_message.Message):
-    __slots__ = ("prefill_queue_s", "prefill_s", "transfer_s", "first_decode_step_s", "decode_admission_s")
+    __slots__ = ("prefill_queue_s", "prefill_s", "transfer_s", "first_decode_step_s", "reservation_wait_s")
     PREFILL_QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_S_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
     FIRST_DECODE_STEP_S_FIELD_NUMBER: _ClassVar[int]
-    DECODE_ADMISSION_S_FIELD_NUMBER: _ClassVar[int]
+    RESERVATION_WAIT_S_FIELD_NUMBER: _ClassVar[int]
     prefill_queue_s: float
     prefill_s: float
     transfer_s: float
     first_decode_step_s: float
-    decode_admission_s: float
-    def __init__(self, prefill_queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., first_decode_step_s: _Optional[float] = ..., decode_admission_s: _Optional[float] = ...) -> None: ...
+    reservation_wait_s: float
+    def __init__(self, prefill_queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., first_decode_step_s: _Optional[float] = ..., reservation_wait_s: _Optional[float] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "prefill_node_id", "force_local_prefill", "return_text", "resume_token_ids", "resume_text_chars")
+    __slots__ = ("request_id", "attempt", "prompt_token_ids", "params", "prefill_node_id", "force_local_prefill", "return_text", "resume_token_ids", "resume_text_chars")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_NODE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -92,6 +122,7 @@ class GenerateRequest(_message.Message):
     RESUME_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     RESUME_TEXT_CHARS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
+    attempt: int
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: SamplingParams
     prefill_node_id: str
@@ -99,10 +130,10 @@ class GenerateRequest(_message.Message):
     return_text: bool
     resume_token_ids: _containers.RepeatedScalarFieldContainer[int]
     resume_text_chars: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., prefill_node_id: _Optional[str] = ..., force_local_prefill: _Optional[bool] = ..., return_text: _Optional[bool] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., resume_text_chars: _Optional[int] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., attempt: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., prefill_node_id: _Optional[str] = ..., force_local_prefill: _Optional[bool] = ..., return_text: _Optional[bool] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., resume_text_chars: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text", "logprobs", "finished", "finish_reason", "stop_reason", "num_prompt_tokens", "num_cached_tokens", "num_completion_tokens", "timing", "prefill_node_id", "decode_node_id", "error", "num_cached_tokens_decode", "num_cached_tokens_prefill")
+    __slots__ = ("request_id", "token_ids", "text", "logprobs", "finished", "finish_reason", "stop_reason", "num_prompt_tokens", "num_cached_tokens", "num_completion_tokens", "timing", "prefill_node_id", "decode_node_id", "error", "num_cached_tokens_decode", "num_cached_tokens_prefill", "serving_path")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -119,12 +150,13 @@ class GenerateResponse(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_DECODE_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_PREFILL_FIELD_NUMBER: _ClassVar[int]
+    SERVING_PATH_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     finished: bool
-    finish_reason: str
+    finish_reason: FinishReason
     stop_reason: str
     num_prompt_tokens: int
     num_cached_tokens: int
@@ -135,13 +167,16 @@ class GenerateResponse(_message.Message):
     error: str
     num_cached_tokens_decode: int
     num_cached_tokens_prefill: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., stop_reason: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., num_completion_tokens: _Optional[int] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., prefill_node_id: _Optional[str] = ..., decode_node_id: _Optional[str] = ..., error: _Optional[str] = ..., num_cached_tokens_decode: _Optional[int] = ..., num_cached_tokens_prefill: _Optional[int] = ...) -> None: ...
+    serving_path: ServingPath
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop_reason: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., num_completion_tokens: _Optional[int] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., prefill_node_id: _Optional[str] = ..., decode_node_id: _Optional[str] = ..., error: _Optional[str] = ..., num_cached_tokens_decode: _Optional[int] = ..., num_cached_tokens_prefill: _Optional[int] = ..., serving_path: _Optional[_Union[ServingPath, str]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
-    __slots__ = ("request_id",)
+    __slots__ = ("request_id", "attempt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+    attempt: int
+    def __init__(self, request_id: _Optional[str] = ..., attempt: _Optional[int] = ...) -> None: ...
 
 class AbortResponse(_message.Message):
     __slots__ = ("found",)
@@ -150,8 +185,9 @@ class AbortResponse(_message.Message):
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "decode_node_id", "num_skip_blocks", "dst_block_ids", "block_size", "kv_dtype", "layout_version", "model_fingerprint", "num_prompt_tokens")
+    __slots__ = ("request_id", "attempt", "prompt_token_ids", "params", "decode_node_id", "num_skip_blocks", "dst_block_ids", "block_size", "kv_dtype", "layout_version", "model_fingerprint", "num_prompt_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     DECODE_NODE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -163,6 +199,7 @@ class PrefillRequest(_message.Message):
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
+    attempt: int
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: SamplingParams
     decode_node_id: str
@@ -173,7 +210,7 @@ class PrefillRequest(_message.Message):
     layout_version: int
     model_fingerprint: str
     num_prompt_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., decode_node_id: _Optional[str] = ..., num_skip_blocks: _Optional[int] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., layout_version: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., attempt: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., decode_node_id: _Optional[str] = ..., num_skip_blocks: _Optional[int] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., layout_version: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class FirstToken(_message.Message):
     __slots__ = ("token_id", "logprob", "num_cached_tokens", "queue_s", "prefill_s")
@@ -242,7 +279,7 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadResponse(_message.Message):
-    __slots__ = ("node_id", "role", "waiting", "running", "kv_blocks_total", "kv_blocks_used", "kv_blocks_free", "kv_blocks_cached", "kv_blocks_held_for_transfer", "tokens_per_s", "kv_blocks_reserved", "admission_queue", "in_flight", "draining")
+    __slots__ = ("node_id", "role", "waiting", "running", "kv_blocks_total", "kv_blocks_used", "kv_blocks_free", "kv_blocks_cached", "kv_blocks_held_for_transfer", "tokens_per_s", "kv_blocks_reserved", "reservation_queue", "in_flight", "draining", "members")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -254,9 +291,10 @@ class LoadResponse(_message.Message):
     KV_BLOCKS_HELD_FOR_TRANSFER_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_RESERVED_FIELD_NUMBER: _ClassVar[int]
-    ADMISSION_QUEUE_FIELD_NUMBER: _ClassVar[int]
+    RESERVATION_QUEUE_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     role: str
     waiting: int
@@ -268,10 +306,11 @@ class LoadResponse(_message.Message):
     kv_blocks_held_for_transfer: int
     tokens_per_s: float
     kv_blocks_reserved: int
-    admission_queue: int
+    reservation_queue: int
     in_flight: int
     draining: bool
-    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., waiting: _Optional[int] = ..., running: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., kv_blocks_held_for_transfer: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., kv_blocks_reserved: _Optional[int] = ..., admission_queue: _Optional[int] = ..., in_flight: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
+    members: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., waiting: _Optional[int] = ..., running: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., kv_blocks_held_for_transfer: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., kv_blocks_reserved: _Optional[int] = ..., reservation_queue: _Optional[int] = ..., in_flight: _Optional[int] = ..., draining: _Optional[bool] = ..., members: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ()

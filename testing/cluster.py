@@ -40,6 +40,8 @@ from pdserve.registry import EtcdServer, Member, RegistryView
 from pdserve.rpc import RpcSecurity
 from pdserve.rpc import pdserve_pb2 as pb
 from pdserve.rpc import pdserve_pb2_grpc as pb_grpc
+from pdserve.rpc.enums import finish_reason_name
+from testing.waits import wait_until
 
 if TYPE_CHECKING:
     from testing.faults import FaultSpec
@@ -192,7 +194,8 @@ class LocalCluster:
         # so a request sent at once could find its decode node not yet knowing the prefill nodes.
         ids = {n.node_id for n in started}
         self.wait_registry(lambda m: ids <= m.keys(), timeout_s=30, what="every node in the registry")
-        time.sleep(0.2)  # the watch delivery to each node (no RPC reports a node's view; bounded margin)
+        for node_id in sorted(ids):  # each node's own view (GetLoad's members), which its registry watch fills
+            wait_until(lambda n=node_id: ids <= set(self.get_load(n).members), 30, f"node {node_id} seeing every node")
 
     def is_stopped(self, node_id: str) -> bool:
         """Whether the node was sent SIGSTOP (and no SIGCONT since)."""
@@ -280,7 +283,7 @@ class LocalCluster:
         last = messages[-1]
         return GenerateResult(
             request_id=last.request_id, token_ids=[t for m in messages for t in m.token_ids],
-            text="".join(m.text for m in messages), finish_reason=last.finish_reason, error=last.error,
+            text="".join(m.text for m in messages), finish_reason=finish_reason_name(last.finish_reason) or "", error=last.error,
             messages=messages, ttft_s=ttft, prefill_node_id=messages[0].prefill_node_id,
             num_cached_tokens=max(m.num_cached_tokens for m in messages),
         )
@@ -355,7 +358,7 @@ class LocalCluster:
 def _clean(load: pb.LoadResponse) -> bool:
     return (
         load.kv_blocks_used == 0 and load.in_flight == 0 and load.running == 0 and load.waiting == 0
-        and load.kv_blocks_held_for_transfer == 0 and load.kv_blocks_reserved == 0 and load.admission_queue == 0
+        and load.kv_blocks_held_for_transfer == 0 and load.kv_blocks_reserved == 0 and load.reservation_queue == 0
     )
 
 

@@ -12,7 +12,7 @@ max_tokens, applies stop strings to the text (holding back text that could still
 deterministic logprobs when asked, and rotates the reply by the seed when sampling (temperature > 0), so
 seeded choices differ. A call whose seed equals `--fail-seed` fails after its second token with finish
 reason "error". A request whose seed equals `--handover-seed` is handed over after its first two tokens
-(finish reason "migrate", as a draining node does). A resumed call (`resume_token_ids`, which must be
+(finish reason HAND_OVER, as a draining node does). A resumed call (`resume_token_ids`, which must be
 the script's own tokens) continues the script after them. With `--reject` every Generate call is
 refused with UNAVAILABLE. KV blocks are
 accounted as a node would (prompt + generated tokens, in blocks) and freed when a request ends or is
@@ -50,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pdserve.registry import NodeCapacity, NodeLoad, NodeRecord, NodeRegistration  # noqa: E402
 from pdserve.rpc import pdserve_pb2 as pb  # noqa: E402
 from pdserve.rpc import pdserve_pb2_grpc as pbg  # noqa: E402
+from pdserve.rpc.enums import finish_reason_value  # noqa: E402
 
 log = logging.getLogger("scripted_decode_node")
 DEFAULT_REPLY = (
@@ -205,6 +206,7 @@ class ScriptedDecodeNode(pbg.DecodeNodeServicer):
                 msg.timing.CopyFrom(pb.Timing(prefill_s=time.perf_counter() - t0))
                 msg.prefill_node_id = request.prefill_node_id or self.node_id
                 msg.decode_node_id = self.node_id
+                msg.serving_path = pb.SERVING_PATH_DISAGGREGATED if request.prefill_node_id else pb.SERVING_PATH_LOCAL_PREFILL
                 msg.num_prompt_tokens = len(request.prompt_token_ids)
             reason, stop_reason = "", ""
             hits = [(text.find(s, max(0, released - len(s))), s) for s in stops]
@@ -213,7 +215,7 @@ class ScriptedDecodeNode(pbg.DecodeNodeServicer):
                 at, stop_reason = min(hits)
                 text, reason = text[:at], "stop"
             elif self.cfg.fail_seed is not None and seed == self.cfg.fail_seed and i == start + 1:
-                msg.finished, msg.finish_reason, msg.error = True, "error", "scripted failure"
+                msg.finished, msg.finish_reason, msg.error = True, pb.FINISH_REASON_ERROR, "scripted failure"
                 yield msg
                 return
             elif i + 1 >= natural and not p.ignore_eos:
@@ -221,12 +223,12 @@ class ScriptedDecodeNode(pbg.DecodeNodeServicer):
             elif i + 1 >= p.max_tokens:
                 reason = "length"
             elif self.cfg.handover_seed is not None and seed == self.cfg.handover_seed and start == 0 and i == 1:
-                reason = "migrate"  # the drain hand-over: this token is delivered, the rest comes elsewhere
+                reason = "hand_over"  # the drain hand-over: this token is delivered, the rest comes elsewhere
             held = 0 if reason in ("stop", "length") else _hold_back(text[released:], stops)
             end = len(text) - held
             msg.text, released = text[released:end], max(released, end)
             if reason:
-                msg.finished, msg.finish_reason, msg.stop_reason = True, reason, stop_reason
+                msg.finished, msg.finish_reason, msg.stop_reason = True, finish_reason_value(reason), stop_reason
                 msg.num_prompt_tokens = len(request.prompt_token_ids)
                 msg.num_completion_tokens = i + 1
                 msg.decode_node_id = self.node_id

@@ -1,7 +1,7 @@
 """The fp8 KV caches (e5m2, e4m3) through the real tiny model (head dim 64: the C++ kernel's AVX-512 rows): greedy
 tokens from the C++ decode kernel equal the torch reference path's over the same fp8 pool, with ragged
-prompts, chunked prefill over cached prefixes and prefix-cache hits; the pool really is one byte per
-element (twice the blocks of a 16-bit pool in one budget); unsupported choices are refused at start; the
+prompts, chunked prefill over cached prefixes and prefix-cache hits; the KV cache really is one byte per
+element (twice the blocks of a 16-bit KV cache in one budget); unsupported choices are refused at start; the
 option reaches the nodes from `pdserve up` and works in `pdserve generate`."""
 
 from __future__ import annotations
@@ -65,8 +65,8 @@ def test_fp8_pool_holds_twice_the_blocks_of_a_16_bit_one() -> None:
 
 @pytest.mark.parametrize(("kw", "match"), [
     ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype must be one of"),
-    ({"kv_cache_dtype": "fp8_e5m2", "kernel_backend": "triton"}, "CPU KV pools and the cpu/torch kernels only"),
-    ({"kv_cache_dtype": "fp8_e5m2", "device": "cuda"}, "CPU KV pools and the cpu/torch kernels only"),
+    ({"kv_cache_dtype": "fp8_e5m2", "kernel_backend": "triton"}, "CPU KV caches and the cpu/torch kernels only"),
+    ({"kv_cache_dtype": "fp8_e5m2", "device": "cuda"}, "CPU KV caches and the cpu/torch kernels only"),
 ])
 def test_unsupported_kv_cache_dtypes_are_refused(kw: dict[str, str], match: str) -> None:
     with pytest.raises(ValueError, match=match):

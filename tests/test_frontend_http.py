@@ -608,10 +608,10 @@ def frontend_metric(env: Env, sample: str, **labels: str) -> float:
 
 def test_handed_over_stream_continues_on_the_other_node(env: Env) -> None:
     """Injects the drain hand-over: the decode node ends the stream after two tokens with finish_reason
-    "migrate". The frontend resumes the choice on the other node (resume_token_ids checked by that node)
+    HAND_OVER. The frontend resumes the choice on the other node (resume_token_ids checked by that node)
     and the client sees the text of an uninterrupted run, one finish and usage counting every token once."""
     client, transport = sdk(env)
-    before = frontend_metric(env, "pdserve_frontend_migrations_total", model="tiny-llama", reason="handover")
+    before = frontend_metric(env, "pdserve_frontend_migrations_total", model="tiny-llama", reason="hand_over")
     # The scripted reply is rotated by seed mod its length: this seed gives the same text, never handed over.
     same_text_seed = HANDOVER_SEED + len(env.reply_ids)
     for endpoint in ("chat", "completions"):
@@ -652,7 +652,7 @@ def test_handed_over_stream_continues_on_the_other_node(env: Env) -> None:
         texts2.append(by_choice)
         assert chunks[-1].usage.completion_tokens == 24
     assert texts2[0] == texts2[1] and texts2[0][0] == texts[0] and texts2[0][0] != texts2[0][1]
-    after = frontend_metric(env, "pdserve_frontend_migrations_total", model="tiny-llama", reason="handover")
+    after = frontend_metric(env, "pdserve_frontend_migrations_total", model="tiny-llama", reason="hand_over")
     assert after - before == 3
     assert_conformant(env, transport)
 

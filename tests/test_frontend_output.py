@@ -28,6 +28,7 @@ from pdserve.frontend.job import Job
 from pdserve.frontend.pipeline import Frontend
 from pdserve.registry import Member, NodeCapacity, NodeLoad, NodeRecord
 from pdserve.rpc import pdserve_pb2 as pb
+from pdserve.rpc.enums import finish_reason_value
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -47,7 +48,7 @@ def lp(token: int, value: float, *tops: tuple[int, float]) -> pb.TokenLogprob:
 
 
 def done(reason: str = "stop", tokens: int = 0, cached: int = 0, **fields: Any) -> dict[str, Any]:
-    return {"finished": True, "finish_reason": reason, "num_completion_tokens": tokens, "num_cached_tokens": cached,
+    return {"finished": True, "finish_reason": finish_reason_value(reason), "num_completion_tokens": tokens, "num_cached_tokens": cached,
             "decode_node_id": "d0", **fields}
 
 
@@ -117,10 +118,10 @@ CASES: dict[str, tuple[str, dict[str, Any], Script]] = {
                                                                    (0, "fail")]),
     "completion_handover_logprobs": ("completion", {"prompt": "Hello", "logprobs": 1}, [
         (0, {"token_ids": [450], "text": " The", "logprobs": [lp(450, -0.5, (450, -0.5))]}),
-        (0, {**done("migrate", 1), "token_ids": [4996], "text": " quick", "logprobs": [lp(4996, -1.0, (4996, -1.0))]}),
+        (0, {**done("hand_over", 1), "token_ids": [4996], "text": " quick", "logprobs": [lp(4996, -1.0, (4996, -1.0))]}),
         (0, {**done("stop", 3), "token_ids": [17354], "text": " brown", "logprobs": [lp(17354, -2.0, (13, -1.0))]})]),
     "chat_handover_tool": ("chat", {"tools": [WEATHER], "tool_choice": "required"}, [
-        TOOL_CALL[0], (0, done("migrate", 2)), *TOOL_CALL[1:]]),
+        TOOL_CALL[0], (0, done("hand_over", 2)), *TOOL_CALL[1:]]),
 }
 
 
@@ -162,9 +163,8 @@ class ScriptedNodes:
         return self
 
     def Generate(self, request: pb.GenerateRequest, timeout: float, metadata: Any) -> ScriptedCall:  # noqa: N802
-        base, _, attempt = request.request_id.rpartition("-m")
-        index = self._index[request.request_id] if request.request_id in self._index else self._index[base]
-        self.calls.append([index, attempt if base in self._index else "", list(request.resume_token_ids),
+        index = self._index[request.request_id]  # one id for the choice's life, whatever the attempt
+        self.calls.append([index, str(request.attempt) if request.attempt else "", list(request.resume_token_ids),
                            request.resume_text_chars])
         return ScriptedCall(self, index)
 

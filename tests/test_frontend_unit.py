@@ -867,16 +867,40 @@ def test_prepare_worker_errors_and_deaths(tiny_llama_dir: Path) -> None:
 def test_serving_path_of_a_choice() -> None:
     from pdserve.frontend.job import Choice, Progress, serving_path
 
-    def choice(prefill_id: str, served_prefill: str, served_decode: str = "d0", tried: int = 1,
-               migrations: int = 0) -> Choice:
+    def choice(prefill_id: str, node_said: int | None, tried: int = 1, migrations: int = 0) -> Choice:
         decision = RouteDecision("m", "d0", "addr", "", "least_loaded", prefill_id, "", "local", "", "fp")
-        return Choice(index=0, prompt_index=0, request_id="r", prompt_ids=[1], max_tokens=1,
-                      params=pb.SamplingParams(), decision=decision, lease=None,  # type: ignore[arg-type]
-                      tried=[f"d{i}" for i in range(tried)], migrations=migrations,
-                      progress=Progress(prefilled_by=served_prefill, decoded_by=served_decode))
+        c = Choice(index=0, prompt_index=0, request_id="r", prompt_ids=[1], max_tokens=1,
+                   params=pb.SamplingParams(), decision=decision, lease=None,  # type: ignore[arg-type]
+                   tried=[f"d{i}" for i in range(tried)], migrations=migrations, progress=Progress())
+        if node_said is not None:  # the decode node's first message says who prefilled the call
+            c.progress.record(pb.GenerateResponse(token_ids=[5], serving_path=node_said), 1.0, migrated=False)
+        return c
 
-    assert serving_path(choice("p0", "p0")) == "disaggregated"
-    assert serving_path(choice("", "d0")) == "local_prefill"
-    assert serving_path(choice("p0", "d0")) == "local_prefill"  # routed to p0, prefilled by the decode node
-    assert serving_path(choice("p0", "p0", tried=2)) == "retried"
-    assert serving_path(choice("p0", "p0", tried=2, migrations=1)) == "migrated"
+    disaggregated, local = pb.SERVING_PATH_DISAGGREGATED, pb.SERVING_PATH_LOCAL_PREFILL
+    assert serving_path(choice("p0", disaggregated)) == "disaggregated"
+    assert serving_path(choice("", local)) == "local_prefill"
+    assert serving_path(choice("p0", local)) == "local_prefill"  # routed to p0, prefilled by the decode node
+    assert serving_path(choice("p0", None)) == "local_prefill"  # no message: nothing was served remotely
+    assert serving_path(choice("p0", disaggregated, tried=2)) == "retried"
+    assert serving_path(choice("p0", disaggregated, tried=2, migrations=1)) == "migrated"
+
+
+def test_proto_enums_speak_the_clusters_words() -> None:
+    from pdserve.engine.stopping import FinishReason
+    from pdserve.rpc.enums import (
+        FINISH_REASONS,
+        SERVING_PATHS,
+        finish_reason_name,
+        finish_reason_value,
+        serving_path_name,
+    )
+
+    assert FINISH_REASONS == tuple(r.value for r in FinishReason)  # the engine's words are the proto's
+    assert SERVING_PATHS == ("disaggregated", "local_prefill", "retried", "migrated")
+    for name in FINISH_REASONS:
+        assert finish_reason_name(finish_reason_value(name)) == name
+    assert finish_reason_value(FinishReason.HAND_OVER) == pb.FINISH_REASON_HAND_OVER
+    assert finish_reason_name(pb.FINISH_REASON_UNSPECIFIED) is None and finish_reason_value(None) == 0
+    assert serving_path_name(pb.SERVING_PATH_MIGRATED) == "migrated" and serving_path_name(0) is None
+    with pytest.raises(ValueError):
+        finish_reason_value("migrate")

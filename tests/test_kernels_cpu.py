@@ -1,6 +1,6 @@
 """The C++ CPU decode kernel (`kernels.cpu_ops`) against the float32 references: shuffled block tables,
 ragged lengths (1, block boundaries, long), every head dim path (64 and 128 in AVX-512 registers, others
-in the portable loop), GQA groups, pool dtypes, and context splits merged by log-sum-exp."""
+in the portable loop), GQA groups, KV cache dtypes, and context splits merged by log-sum-exp."""
 
 from __future__ import annotations
 
@@ -111,7 +111,7 @@ FP8 = [torch.float8_e5m2, torch.float8_e4m3fn]
 @pytest.mark.parametrize(("bs", "d", "gh"), SHAPES[1::2])
 def test_fp8_decode_matches_the_dequantized_reference(fp8: torch.dtype, q_dtype: torch.dtype, bs: int, d: int,
                                                       gh: tuple[int, int]) -> None:
-    """An fp8 pool (AVX-512 rows for D 64/128, the portable loop for 80/32): the reference reads the same
+    """An fp8 KV cache (AVX-512 rows for D 64/128, the portable loop for 80/32): the reference reads the same
     fp8 values widened exactly by torch, so the kernel must match it to float32 noise; against the unrounded
     float32 pool it differs only by fp8 rounding (up to 12.5% per element for e5m2, 6.25% for e4m3)."""
     g, hkv = gh
@@ -238,7 +238,7 @@ def test_store_kv_matches_reference(dtype: torch.dtype, slot_dtype: torch.dtype)
     ops.store_kv(key, value, k_cache, v_cache, slots.to(slot_dtype))
     bits = (lambda t: t.view(torch.uint8)) if dtype.itemsize == 1 else (lambda t: t)
     assert torch.equal(bits(k_cache), bits(k_expected)) and torch.equal(bits(v_cache), bits(v_expected))
-    with pytest.raises(RuntimeError, match="outside the pool"):
+    with pytest.raises(RuntimeError, match="outside the KV cache"):
         ops.store_kv(key[:1], value[:1], k_cache, v_cache, torch.tensor([nb * bs]))
 
 

@@ -160,7 +160,7 @@ def test_the_packaged_folders_are_the_listed_packages() -> None:
 def test_rpc_holds_the_protocol_its_security_and_tracing() -> None:
     names = {p.name for p in (REPO_ROOT / "rpc").iterdir() if p.name != "__pycache__"}
     assert names == {"__init__.py", "pdserve.proto", "pdserve_pb2.py", "pdserve_pb2.pyi", "pdserve_pb2_grpc.py",
-                     "security.py", "tracing"}
+                     "security.py", "enums.py", "tracing"}
 
 
 @pytest.mark.parametrize("module", ["pdserve.frontend.main", "pdserve.frontend.app", "pdserve.deploy.launcher",

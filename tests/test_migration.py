@@ -254,7 +254,7 @@ def test_drain_hands_running_requests_over_to_the_other_node(env: Env) -> None:
     prompts = [f"Request number {i} tells a long story about" for i in range(4)]
     references = [stream_completion(client, p, 400, temperature=0.0) for p in prompts]
     assert all(r.error is None and r.completion_tokens == 400 for r in references), [(r.error, r.completion_tokens) for r in references]
-    before = env.metric("pdserve_frontend_migrations_total", model=MODEL, reason="handover")
+    before = env.metric("pdserve_frontend_migrations_total", model=MODEL, reason="hand_over")
     started = threading.Barrier(len(prompts) + 1)
 
     def run(prompt: str) -> Streamed:
@@ -286,7 +286,7 @@ def test_drain_hands_running_requests_over_to_the_other_node(env: Env) -> None:
     moved = sum(r["routes"][0]["migrations"] for r in records)
     assert moved >= 1 and all(r["routes"][0]["served_by"]["decode"] != drained for r in records
                               if r["routes"][0]["migrations"])
-    assert env.metric("pdserve_frontend_migrations_total", model=MODEL, reason="handover") - before == moved
+    assert env.metric("pdserve_frontend_migrations_total", model=MODEL, reason="hand_over") - before == moved
     env.cluster.wait_clean()  # the other nodes hold nothing of the handed-over requests
     env.replace(drained)
 

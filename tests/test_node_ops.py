@@ -1,7 +1,7 @@
 """Node operations on a real cluster (etcd, one prefill and one decode node process): /metrics with the
 catalogue's names, labels and buckets and values that match the requests served; the TTFT stage times
 in the Generate stream; gRPC health; drain with `pdserve drain` (a request that ends within the drain grace
-finishes, a longer one is handed over with finish_reason "migrate" and its blocks freed, node out of the
+finishes, a longer one is handed over with finish reason HAND_OVER and its blocks freed, node out of the
 registry, new work refused) and graceful exit on SIGTERM leaving no registry key."""
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def test_metrics_follow_the_catalogue(cluster: LocalCluster) -> None:
     assert first.prefill_node_id == "p0" and len(first.token_ids) == 8
     timing = first.messages[-1].timing
     assert timing.prefill_s > 0 and timing.transfer_s > 0 and timing.first_decode_step_s > 0
-    assert timing.prefill_queue_s >= 0 and timing.decode_admission_s >= 0
+    assert timing.prefill_queue_s >= 0 and timing.reservation_wait_s >= 0
     again = cluster.generate("d0", prompt, SamplingParams(max_tokens=4, ignore_eos=True))
     assert again.num_cached_tokens > 0  # the decode node's prefix cache now holds the prompt's full blocks
     cluster.wait_clean()
@@ -134,7 +134,7 @@ def test_health_drain_and_graceful_exit(cluster: LocalCluster) -> None:
 
     # Two requests are decoding on d0 when the drain starts: a short one ends within the drain's grace and
     # finishes; a long one is still running when the grace is over and is handed over (its stream ends
-    # with finish_reason "migrate", for the frontend to continue it elsewhere), and its blocks are freed.
+    # with finish reason HAND_OVER, for the frontend to continue it elsewhere), and its blocks are freed.
     streams = {}
     for rid, max_tokens in (("short", 30), ("long", 4000)):
         request = pb.GenerateRequest(request_id=rid, prompt_token_ids=list(range(200, 260)),
@@ -165,8 +165,8 @@ def test_health_drain_and_graceful_exit(cluster: LocalCluster) -> None:
         reader.result(timeout=60)
     assert drain.returncode == 0, drain.stderr
     assert "0 request(s) in flight" in drain.stdout
-    assert len(tokens["short"]) == 30 and last["short"].finish_reason == "length", "the short request finished"
-    assert last["long"].finished and last["long"].finish_reason == "migrate", last["long"]
+    assert len(tokens["short"]) == 30 and last["short"].finish_reason == pb.FINISH_REASON_LENGTH, "the short request finished"
+    assert last["long"].finished and last["long"].finish_reason == pb.FINISH_REASON_HAND_OVER, last["long"]
     assert 0 < len(tokens["long"]) < 4000 and last["long"].num_completion_tokens in (0, len(tokens["long"]))
     assert finished_at["long"] - drain_started >= DRAIN_GRACE_S, "the long request ran for the drain's grace"
     assert drain_started < finished_at["long"] <= drain_ended, "the drain returned once the request was handed over"

@@ -234,7 +234,7 @@ def test_admission_queues_then_refuses_when_blocks_run_out(cluster: LocalCluster
         with ThreadPoolExecutor(1) as pool:
             queued = pool.submit(cluster.generate, "dq", queued_prompt, SamplingParams(max_tokens=3, ignore_eos=True),
                                  prefill_node_id="p1")
-            assert poll(lambda: cluster.get_load("dq").admission_queue == 1, 10), "the second request waits"
+            assert poll(lambda: cluster.get_load("dq").reservation_queue == 1, 10), "the second request waits"
             assert cluster.get_load("p1").in_flight == 0, "no prefill work is spent before blocks are reserved"
             with pytest.raises(grpc.RpcError) as refused:
                 cluster.generate("dq", rand_tokens(rng, 3000), SamplingParams(max_tokens=3), prefill_node_id="p1")
@@ -285,7 +285,7 @@ def test_abort_rpc_and_load_records_in_registry(cluster: LocalCluster) -> None:
     assert first.token_ids
     assert cluster.decode_stub("d1").Abort(pb.AbortRequest(request_id=first.request_id)).found
     rest = list(call)
-    assert rest and rest[-1].finished and rest[-1].finish_reason == "abort"
+    assert rest and rest[-1].finished and rest[-1].finish_reason == pb.FINISH_REASON_ABORT
     cluster.wait_clean()
 
     # The registry load records (republished about once a second) show the same: no used blocks.

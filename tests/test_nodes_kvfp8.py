@@ -2,7 +2,7 @@
 model in float32): a request prefilled on an fp8 prefill node and decoded on an fp8 decode node yields
 exactly the tokens of the same request prefilled on the decode node itself and of a single-process engine
 at fp8 (both sides round K/V to fp8 once, at the store, and the blocks travel as their bytes, checksummed);
-the wire carries one byte per element; a prefill node whose pool dtype differs refuses the request, which
+the wire carries one byte per element; a prefill node whose KV cache dtype differs refuses the request, which
 the decode node then prefills itself. Every KV block is accounted for after every test."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("check_integrity
 
 BLOCK = 16
 NODE_ARGS = ["--dtype", "float32", "--num-threads", "1", "--num-kv-blocks", "256", "--block-size", str(BLOCK)]
-KV_DTYPES = {"fp8_e5m2": "float8_e5m2", "fp8_e4m3": "float8_e4m3fn"}  # option -> pool dtype
+KV_DTYPES = {"fp8_e5m2": "float8_e5m2", "fp8_e4m3": "float8_e4m3fn"}  # option -> KV cache dtype
 FALLBACKS = "pdserve_decode_local_prefill_fallbacks_total"
 REPREFILLS = "pdserve_decode_reprefills_total"
 CHECKSUM_FAILURES = "pdserve_decode_kv_checksum_failures_total"

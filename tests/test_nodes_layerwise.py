@@ -197,7 +197,7 @@ def test_cancel_mid_send_frees_every_block(cluster: LocalCluster, reference: LLM
     else:
         assert cluster.decode_stub("d0").Abort(pb.AbortRequest(request_id=first.request_id)).found
         rest = list(stream)
-        assert rest[-1].finished and rest[-1].finish_reason == "abort"
+        assert rest[-1].finished and rest[-1].finish_reason == pb.FINISH_REASON_ABORT
     loads = cluster.wait_clean(["p2", "d0"], timeout_s=STALL_S + 20)
     for load in loads.values():
         assert load.kv_blocks_used == 0 and load.in_flight == 0

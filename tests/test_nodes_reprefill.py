@@ -77,7 +77,7 @@ def assert_reprefilled(cluster: LocalCluster, reference: LLMEngine, prompt: list
     fallback, and d0 clean."""
     want = reference.generate([prompt], params)[0]
     last = messages[-1]
-    assert last.finish_reason == "length" and not last.error, last
+    assert last.finish_reason == pb.FINISH_REASON_LENGTH and not last.error, last
     assert [t for m in messages for t in m.token_ids] == want.token_ids
     assert "".join(m.text for m in messages) == want.text
     assert last.num_completion_tokens == params.max_tokens

@@ -36,7 +36,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 MODEL = "tiny-llama"
 NODE_ARGS = ["--dtype", "float32", "--num-threads", "1", "--num-kv-blocks", "256", "--block-size", "16",
              "--model-name", MODEL]
-STAGES = ("frontend", "prefill_queue", "prefill", "transfer", "decode_admission", "first_decode_step")
+STAGES = ("frontend", "prefill_queue", "prefill", "transfer", "reservation_wait", "first_decode_step")
 TOLERANCE_MS = 5.0
 
 
@@ -198,7 +198,7 @@ def client_of(fe: FrontendProc) -> openai.OpenAI:
 
 FRONTEND_SPANS = {"POST /v1/chat/completions", "frontend.dispatch", "frontend.admission", "frontend.parse",
                   "frontend.tokenize", "frontend.routing", "frontend.limits", "frontend.upstream", "frontend.stream"}
-DECODE_SPANS = {"decode.generate", "decode.admission", "decode.kv_wait", "decode.first_step", "decode.decode"}
+DECODE_SPANS = {"decode.generate", "decode.reservation_wait", "decode.kv_wait", "decode.first_step", "decode.decode"}
 PREFILL_SPANS = {"prefill.request", "prefill.queue", "prefill.compute", "prefill.kv_send"}
 
 

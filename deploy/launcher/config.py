@@ -49,7 +49,7 @@ class LauncherConfig:
     port: int = 8000
     dtype: str = "auto"
     kv_memory_mib: int = 512  # KV cache budget of each node
-    kv_cache_dtype: str = "auto"  # KV pool element type of every node (they must agree)
+    kv_cache_dtype: str = "auto"  # KV cache element type of every node (they must agree)
     # torch threads per node; None = `node_threads`' rule: with `pin` the size of the node's CPU set,
     # unpinned the usable CPUs divided among the nodes of the node's pool.
     num_threads: int | None = None
