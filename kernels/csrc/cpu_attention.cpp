@@ -1,16 +1,16 @@
-// Paged decode attention for CPU pools, reading K/V blocks in place (no gathered copy).
+// Paged decode attention for CPU KV caches, reading K/V blocks in place (no gathered copy).
 //
 // One work item is (sequence, KV head, context split): it walks its share of the sequence's block table and
 // serves the G query heads of that KV head with an online softmax (running max and sum in float32). Splits of
 // one sequence are merged by their log-sum-exp. Work items are handed out dynamically, so ragged context
 // lengths keep both cores busy. Each item prefetches the rows two blocks ahead (blocks sit anywhere in the
-// pool, so the hardware prefetcher can't), into L2 rather than L1: a core keeps few L1 misses in flight and
+// KV cache, so the hardware prefetcher can't), into L2 rather than L1: a core keeps few L1 misses in flight and
 // many L2 ones, so the L1 hint left the cores waiting on memory (the same reads with no compute: 20 GB/s with
 // L1 hints, as with none; 29 GB/s with L2 hints; the bf16 kernel 1.61x faster at 32 x 512 x 30 layers on Zen 4).
 //
 // The cache element type is float32, bfloat16, float16, float8_e5m2 or float8_e4m3fn; sums are float32.
 //
-// bfloat16 and fp8 pools with head dim 64 or 128 on AVX512-BF16 + VBMI builds (attend_item_bf16) work on 16
+// bfloat16 and fp8 KV caches with head dim 64 or 128 on AVX512-BF16 + VBMI builds (attend_item_bf16) work on 16
 // tokens at a time. Scores: VDPBF16PS of q (as bfloat16: one part, exact, for a bfloat16 model's q; three
 // parts summing to a float32 q otherwise) with each token's bfloat16 K row, giving 16 vectors of partial sums
 // that one transpose-and-add tree reduces to one vector of 16 scores (instead of 16 horizontal reductions).
@@ -20,16 +20,16 @@
 // their subnormals as normal numbers) by two VPERMI2B table lookups (low and high byte of the bfloat16 bits
 // of the 128 magnitudes) and the sign or-ed in; V rows are widened to float32 as on the other path. At 32
 // sequences x 512 tokens x 30 layers of the default model (bench/decode_kernel_cpu.py) this is 1.45x (bf16)
-// and 1.2-1.3x (fp8) faster than the per-token version, 1.7x and 1.3-1.5x with the pool cache-resident: from
+// and 1.2-1.3x (fp8) faster than the per-token version, 1.7x and 1.3-1.5x with the KV cache cache-resident: from
 // DRAM it is bound by the cache lines the two cores keep in flight, not by its instructions.
 //
-// Other pools and head dims (attend_item, attend_item_generic) convert each K/V row to float32 once and take
+// Other KV caches and head dims (attend_item, attend_item_generic) convert each K/V row to float32 once and take
 // one horizontal reduction per token and query head. An e5m2 byte is the top byte of a float16 (same
 // sign/exponent layout, 2 of its 10 mantissa bits), so it widens exactly as (uint16)b << 8 reinterpreted as
 // float16: no scale, and the AVX-512 path reuses the F16C conversion. An e4m3fn byte (bias 7, 3 mantissa
 // bits) becomes exact float16 bits the same way: its 7 magnitude bits shifted left by 7 read as a float16 are
 // the value times 2^-8, subnormals included (both formats' subnormals line up), so widen and multiply by 256.
-// (e4m3fn's NaN, 0x7F, reads as 480 on every path: the pool never stores one, since torch's conversion
+// (e4m3fn's NaN, 0x7F, reads as 480 on every path: the KV cache never stores one, since torch's conversion
 // saturates at +-448.) At one byte per element either halves the DRAM traffic that bounds decode attention.
 
 #include <torch/extension.h>
@@ -163,7 +163,7 @@ void attend_item(const float* qs, const T* k_cache, const T* v_cache, const int3
     const int64_t n = std::min(BS, ctx - j * BS);
     const T* kb = k_cache + blk * BS * row_stride + h * D;
     const T* vb = v_cache + blk * BS * row_stride + h * D;
-    if (j + 2 < j1) {  // blocks sit anywhere in the pool: ask for the rows two blocks ahead while this one computes
+    if (j + 2 < j1) {  // blocks sit anywhere in the KV cache: ask for the rows two blocks ahead while this one computes
       const int64_t nxt = table[j + 2] * BS * row_stride + h * D;
       constexpr int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
       for (int64_t t = 0; t < BS; ++t)
@@ -339,7 +339,7 @@ struct Bf16Work {
 // the max only keeps exp() in range (p <= e^8 here), so most blocks skip the reduction and the rescale.
 constexpr float kMaxSlack = 8.f;
 
-// One (sequence, KV head h, split) item over a bfloat16 or fp8 pool, head dim D = 64 or 128,
+// One (sequence, KV head h, split) item over a bfloat16 or fp8 KV cache, head dim D = 64 or 128,
 // 16 tokens at a time: scores by VDPBF16PS and one reduction tree per query head, the softmax on whole
 // vectors, and one V pass serving up to 4 query heads. q ([NQ, G, D] in w.qp) is unscaled; the scale is
 // applied to the scores.
@@ -359,7 +359,7 @@ void attend_item_bf16_impl(float scale, const T* k_cache, const T* v_cache, cons
   for (int64_t j = j0; j < j1; ++j) {
     const int64_t blk = table[j];
     const int64_t n = std::min(BS, ctx - j * BS);
-    // blocks sit anywhere in the pool, so the hardware prefetcher can't follow: the V pass asks for the rows
+    // blocks sit anywhere in the KV cache, so the hardware prefetcher can't follow: the V pass asks for the rows
     // two blocks ahead (into L2) a few lines per token (a burst of a whole block's lines at once stalls the
     // core on its miss buffers and leaves memory idle while the block computes: 1.34x slower in bf16 at
     // 32 x 512 x 30 layers; one block ahead 1.19x slower, three 1.02x, four 1.05x)
@@ -688,7 +688,7 @@ torch::Tensor paged_decode(torch::Tensor q_in,          // [B, Hq, D]
   return result;
 }
 
-// This step's K and V rows into their pool slots, as raw bytes (the caller has rounded them to the pool's
+// This step's K and V rows into their cache slots, as raw bytes (the caller has rounded them to the KV cache's
 // dtype): k_cache.view(NB * BS, Hkv * D)[slots[i]] = key[i], the same for V; slot -1 is skipped. One call
 // per layer with a memcpy per row, where masking and two index_copy_ calls cost about 100 us a layer in
 // operator dispatch at 32 decode tokens, for 24 KB of rows.
@@ -698,13 +698,13 @@ void store_rows(const char* key, const char* value, int64_t key_stride, int64_t 
   for (int64_t i = 0; i < n; ++i) {
     const int64_t s = slots[i];
     if (s < 0) continue;
-    TORCH_CHECK(s < num_slots, "slot ", s, " is outside the pool's ", num_slots, " slots");
+    TORCH_CHECK(s < num_slots, "slot ", s, " is outside the KV cache's ", num_slots, " slots");
     std::memcpy(k_cache + s * row_bytes, key + i * key_stride, row_bytes);
     std::memcpy(v_cache + s * row_bytes, value + i * value_stride, row_bytes);
   }
 }
 
-void store_kv(torch::Tensor key,           // [N, Hkv, D], the pool's dtype; rows of Hkv * D contiguous elements
+void store_kv(torch::Tensor key,           // [N, Hkv, D], the KV cache's dtype; rows of Hkv * D contiguous elements
               torch::Tensor value,         // [N, Hkv, D], likewise
               torch::Tensor k_cache,       // [NB, BS, Hkv, D]
               torch::Tensor v_cache,       // [NB, BS, Hkv, D]
@@ -716,7 +716,7 @@ void store_kv(torch::Tensor key,           // [N, Hkv, D], the pool's dtype; row
   const int64_t n = slot_mapping.size(0), h = k_cache.size(2), d = k_cache.size(3);
   for (const auto& t : {key, value}) {
     TORCH_CHECK(t.dim() == 3 && t.size(0) == n && t.size(1) == h && t.size(2) == d, "key/value must be [N, Hkv, D]");
-    TORCH_CHECK(t.scalar_type() == k_cache.scalar_type(), "key/value must have the pool's dtype");
+    TORCH_CHECK(t.scalar_type() == k_cache.scalar_type(), "key/value must have the KV cache's dtype");
     TORCH_CHECK(n == 0 || (t.stride(2) == 1 && t.stride(1) == d), "key/value rows must be contiguous");
   }
   TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.is_contiguous(), "slot_mapping must be contiguous [N]");
@@ -1134,8 +1134,8 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {  // [T, 2I] bfloat16 or float16,
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "paged decode attention over a CPU KV pool, blocks read in place");
-  m.def("store_kv", &store_kv, "this step's K/V rows into their CPU pool slots");
+  m.def("paged_decode", &paged_decode, "paged decode attention over a CPU KV cache, blocks read in place");
+  m.def("store_kv", &store_kv, "this step's K/V rows into their CPU cache slots");
   m.def("rotary", &rotary, "rotate-half RoPE of [T, H, D] rows, the same bits as the torch ops");
   m.def("argmax_rows", &argmax_rows, "row-wise argmax of [N, V] float32, torch's ties and NaN rule");
   m.def("rms_norm_half", &rms_norm_half, "x += add, then RMSNorm of float32 rows into half-precision weights");
