@@ -221,8 +221,9 @@ def test_cancel_frees_every_block_on_both_nodes(cluster: LocalCluster, stage: st
     assert hits, f"never managed to cancel during {stage}"
 
 
-def test_admission_queues_then_refuses_when_blocks_run_out(cluster: LocalCluster) -> None:
-    # A decode node whose pool holds one 3000-token request (188 blocks + decode growth) but not two.
+def test_reservation_queue_waits_then_refuses_when_blocks_run_out(cluster: LocalCluster) -> None:
+    # A decode node whose KV cache holds one 3000-token request (188 blocks + decode growth) but not two;
+    # its queue is set with the flags' older names, the aliases deploy scripts may still use.
     small = cluster.spawn_node("decode", "dq", ["--num-kv-blocks", "300", "--admission-queue-limit", "1",
                                                 "--admission-timeout", "60", "--local-prefill-threshold", "32"])
     cluster.wait_ready([small])

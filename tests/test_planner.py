@@ -178,8 +178,8 @@ def test_colocated_tpot_spikes_on_long_prompts_and_disaggregated_does_not() -> N
     assert p99[(long_, "2C")] > 2 * p99[(long_, "1P:1D")]
 
 
-def test_kv_capacity_makes_admission_wait_and_preempts() -> None:
-    """A pool of 20 blocks (320 tokens) and requests of 100 + 100 tokens: they cannot all run together,
+def test_kv_capacity_makes_requests_wait_for_blocks_and_preempts() -> None:
+    """A KV cache of 20 blocks (320 tokens) and requests of 100 + 100 tokens: they cannot all run together,
     so some wait for blocks or are preempted, and every block is free at the end (checked by the run)."""
     prof = synthetic(decode=Linear(0.01), prefill=Linear(0.01), blocks=20)
     reqs = [SimRequest(i, 0.0, 100, 100) for i in range(6)]
