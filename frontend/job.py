@@ -17,7 +17,7 @@ from pdserve.frontend.render import usage_dict
 from pdserve.frontend.routing import RouteDecision, RouteLease
 from pdserve.frontend.tenants import Tenant
 from pdserve.rpc import pdserve_pb2 as pb
-from pdserve.rpc.enums import SERVING_PATHS, finish_reason_name, serving_path_name
+from pdserve.rpc.enums import finish_reason_name, serving_path_name
 
 if TYPE_CHECKING:
     from pdserve.frontend.tracing import RequestTrace
@@ -166,10 +166,6 @@ class Job:
     @property
     def endpoint(self) -> str:
         return "chat.completions" if self.kind == CHAT else "completions"
-
-
-# How a choice was served (`serving_path`), as the request log and pdserve_frontend_choices_total say it.
-PATHS = SERVING_PATHS
 
 
 def serving_path(c: Choice) -> str:
