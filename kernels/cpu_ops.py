@@ -88,17 +88,18 @@ def load_extension() -> ModuleType:
         return _loaded
 
 
-def build_extension(source: bytes, prefix: str) -> ModuleType:
-    """Builds (or loads the cached build of) the extension from `source` (the C++ text) in a directory
-    of extension_dir() named by `prefix` and a digest of source, flags and CPU. Raises what the build
-    raises."""
+def build_extension(source: bytes, prefix: str, cflags: tuple[str, ...] = CFLAGS,
+                    filename: str = "cpu_attention.cpp") -> ModuleType:
+    """Builds (or loads the cached build of) the extension from `source` (the C++ text, written to
+    `filename`) with `cflags` in a directory of extension_dir() named by `prefix` and a digest of source,
+    flags and CPU. Raises what the build raises."""
     from torch.utils.cpp_extension import load
 
-    key = hashlib.sha256(source + " ".join(CFLAGS).encode() + _cpu_signature().encode())
+    key = hashlib.sha256(source + " ".join(cflags).encode() + _cpu_signature().encode())
     name = f"{prefix}_{key.hexdigest()[:12]}"
     build = extension_dir() / name
     build.mkdir(parents=True, exist_ok=True)
-    src = build / "cpu_attention.cpp"
+    src = build / filename
     if not src.exists() or src.read_bytes() != source:
         src.write_bytes(source)
     # torch's own build lock is a plain file its waiters poll: a builder killed mid-build (a node
@@ -108,7 +109,7 @@ def build_extension(source: bytes, prefix: str) -> ModuleType:
     with open(build / "pdserve-build.lock", "w") as guard:
         fcntl.flock(guard, fcntl.LOCK_EX)
         (build / "lock").unlink(missing_ok=True)
-        return load(name=name, sources=[str(src)], extra_cflags=list(CFLAGS), extra_ldflags=["-fopenmp"],
+        return load(name=name, sources=[str(src)], extra_cflags=list(cflags), extra_ldflags=["-fopenmp"],
                     build_directory=str(build), verbose=False)
 
 

@@ -1,13 +1,33 @@
-"""GGUF block-quantized weights (`kernels.quant_format`): the checked constructor from a file's bytes,
-the float reference, row selection and stacking, and the quantizers' error and stability."""
+"""GGUF block-quantized weights and their CPU kernels: `kernels.quant_format` (the checked constructor from
+a file's bytes, the float reference, row selection and stacking, the quantizers' error and stability) and
+`kernels.quant_ops` (matmul and embedding on every ISA path this CPU has, against x @ dequantize(w).T).
+
+Tolerance of matmul. The kernels round each activation group of 32 to int8 with scale d = max|x| / 127,
+so each activation moves by at most d / 2 and an output by at most sum_g d_g / 2 * sum_{i in g} |w_i|
+(`rounding_bound`); on top of that the float32 sums of the group products may round, by at most
+FLOAT_RTOL of sum |w| |x|. Where every activation group is exactly d * (integers up to 127) with d a
+power of two, the int8 rounding is exact and only the float32 part remains.
+"""
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import pytest
 import torch
 
+from pdserve.kernels.cpu_ops import ExtensionUnavailable
 from pdserve.kernels.quant_format import QUANT_TYPES, QuantFormatError, QuantWeight, block_layout, quantize
+from pdserve.kernels.quant_ops import ISA_ENV, ISAS, QuantOps, available_isas, choose_isa, missing_flags
+from pdserve.kernels.quant_ops import load_extension as load_quant_extension
+
+try:
+    load_quant_extension()
+except ExtensionUnavailable as e:  # pragma: no cover - a machine without a C++ toolchain
+    pytest.skip(f"CPU quant extension unavailable: {e}", allow_module_level=True)
+
+FLOAT_RTOL = 1e-5
 
 # Relative RMSE of dequantize(quantize(w)) on standard Gaussian rows; ggml's reference quantizers land at
 # about 0.005 / 0.086 / 0.078 / 0.043 / 0.072 / 0.036 / 0.018 (the K types' searches beat min/max).
@@ -87,3 +107,190 @@ def test_select_rows_and_cat() -> None:
         QuantWeight.cat([q, quantize(torch.randn(4, 64), "Q4_0")])
     with pytest.raises(QuantFormatError, match="share type"):
         QuantWeight.cat([q, quantize(torch.randn(4, 96), "Q4_1")])
+
+
+# ------------------------------------------------------------------------------------------ kernels
+
+_OPS: dict[str, QuantOps] = {}
+
+
+def _ops(isa: str) -> QuantOps:
+    """The ops of path `isa`; skips (naming the missing CPU flags) where this CPU lacks it."""
+    lacking = missing_flags(isa)
+    if lacking:
+        pytest.skip(f"this CPU lacks {' '.join(lacking)} for the {isa} path")
+    if isa not in _OPS:
+        _OPS[isa] = QuantOps.create(isa)
+    return _OPS[isa]
+
+
+# fp16 scales the random blocks draw from: ordinary, zero, the extremes, a subnormal, negative.
+_SCALES = np.array([0.0, 65504.0, -65504.0, 6e-8, -6e-8, 1.0, -0.75, 0.0123, -0.002, 3.5], dtype=np.float16)
+
+
+def random_weight(type_name: str, rows: int, cols: int, seed: int) -> QuantWeight:
+    """Random blocks of `type_name`: random quants (some blocks all-max or all-min) under scales that
+    include zero, +-65504, subnormals and negatives (and random mins)."""
+    rng = np.random.default_rng(seed)
+    values, size = block_layout(type_name)
+    nb = rows * cols // values
+    raw = rng.integers(0, 256, size=(nb, size), dtype=np.uint8)
+
+    def halves(n: int) -> np.ndarray:  # [nb, 2] uint8: mostly ordinary scales, some extreme
+        pick = np.where(rng.random(n) < 0.3, rng.choice(_SCALES, n), (rng.standard_normal(n) * 0.05))
+        return pick.astype(np.float16).reshape(-1, 1).view(np.uint8)
+
+    quant = {"Q8_0": slice(2, 34), "Q4_0": slice(2, 18), "Q4_1": slice(4, 20), "Q5_0": slice(2, 22),
+             "Q4_K": slice(4, 144), "Q5_K": slice(16, 176), "Q6_K": slice(0, 192)}[type_name]
+    edge = rng.random(nb)
+    raw[edge < 0.1, quant] = 0xFF  # all quants at their maximum (Q8_0: -1; Q4_K: also the largest scales)
+    raw[(edge >= 0.1) & (edge < 0.2), quant] = 0x00  # all at their minimum
+    if type_name == "Q8_0":
+        raw[(edge >= 0.2) & (edge < 0.3), quant] = 0x7F
+        raw[(edge >= 0.3) & (edge < 0.4), quant] = 0x80
+    if type_name == "Q6_K":
+        raw[:, 208:210] = halves(nb)
+        raw[edge < 0.05, 192:208] = 0x80  # scales of -128
+    else:
+        raw[:, 0:2] = halves(nb)
+        if type_name in ("Q4_1", "Q4_K", "Q5_K"):
+            raw[:, 2:4] = halves(nb)
+    raw[rng.random(nb) < 0.05, :] = 0  # whole blocks of zeros
+    return QuantWeight.from_raw("random", type_name, (rows, cols), raw.reshape(-1))
+
+
+def rounding_bound(x: torch.Tensor, w_abs: torch.Tensor) -> torch.Tensor:  # [M, N] float64
+    """The most the int8 rounding of x's groups of 32 can move each output: sum_g d_g / 2 * sum |w|."""
+    m, k = x.shape
+    d = x.abs().reshape(m, k // 32, 32).amax(-1) / 127.0  # [M, K/32]
+    half = (d / 2).repeat_interleave(32, dim=1)  # [M, K]
+    return (half.double() * 1.0001) @ w_abs.T
+
+
+def check_matmul(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+                 exact_x: bool = False) -> None:
+    w64 = w.double()
+    ref = x.double() @ w64.T + (0 if bias is None else bias.double())
+    scale = x.double().abs() @ w64.abs().T  # [M, N]
+    tol = FLOAT_RTOL * scale + 1e-30
+    if not exact_x:
+        tol = tol + rounding_bound(x, w64.abs())
+    err = (got.double() - ref).abs()
+    worst = (err / tol).max().item() if err.numel() else 0.0
+    assert worst <= 1.0, f"error {worst:.3g} x the tolerance (max abs err {err.max().item():.3g})"
+
+
+def _cols(type_name: str, blocks: int) -> int:
+    return block_layout(type_name)[0] * blocks
+
+
+# (rows N, blocks per row, activation rows M): one and three blocks, odd N, M across the kernels' tiles
+# and blocks of activation rows; 40 / 5 blocks span two decode chunks.
+SHAPES = [(1, 1, 1), (7, 3, 3), (33, 1, 17), (33, 3, 64), (7, 2, 130), (16, 3, 5)]
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("type_name", QUANT_TYPES)
+def test_matmul_matches_the_float_reference(type_name: str, isa: str) -> None:
+    ops = _ops(isa)
+    gen = torch.Generator().manual_seed(7)
+    long_blocks = 40 if block_layout(type_name)[0] == 32 else 5
+    for i, (n, blocks, m) in enumerate([*SHAPES, (20, long_blocks, 9)]):
+        k = _cols(type_name, blocks)
+        qw = random_weight(type_name, n, k, seed=100 * i + len(type_name))
+        w = qw.dequantize()
+        x = torch.randn(m, k, generator=gen) * torch.rand(m, 1, generator=gen) * 4
+        check_matmul(ops.matmul(x, qw), x, w)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("type_name", QUANT_TYPES)
+def test_matmul_is_exact_up_to_float_rounding_on_8bit_activations(type_name: str, isa: str) -> None:
+    """Each activation group is 2^e times integers in [-127, 127] with one at +-127: the int8 rounding
+    loses nothing, only float32 sums remain (no rounding_bound in the tolerance)."""
+    ops = _ops(isa)
+    gen = torch.Generator().manual_seed(3)
+    m, n = 5, 19
+    k = _cols(type_name, 2 if block_layout(type_name)[0] == 256 else 9)
+    qw = random_weight(type_name, n, k, seed=11)
+    ints = torch.randint(-127, 128, (m, k // 32, 32), generator=gen)
+    ints[:, :, 0] = 127 * torch.where(torch.rand(m, k // 32, generator=gen) < 0.5, 1, -1)
+    exps = torch.randint(-12, 4, (m, k // 32, 1), generator=gen)
+    x = (ints.double() * torch.pow(2.0, exps.double())).float().reshape(m, k)
+    check_matmul(ops.matmul(x, qw), x, qw.dequantize(), exact_x=True)
+
+
+@pytest.mark.parametrize("type_name", QUANT_TYPES)
+def test_isa_paths_agree(type_name: str) -> None:
+    """Every path rounds the activations alike and sums the same integers; only float sums may differ."""
+    paths = available_isas()
+    k = _cols(type_name, 4 if block_layout(type_name)[0] == 256 else 24)
+    qw = random_weight(type_name, 45, k, seed=5)
+    x = torch.randn(21, k)
+    results = {isa: _ops(isa).matmul(x, qw) for isa in paths}
+    scale = x.double().abs() @ qw.dequantize().double().abs().T
+    for isa, y in results.items():
+        err = (y.double() - results["portable"].double()).abs()
+        assert torch.all(err <= 2 * FLOAT_RTOL * scale + 1e-30), (isa, (err / scale).max().item())
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_matmul_strided_x_bias_and_out(isa: str) -> None:
+    ops = _ops(isa)
+    qw = random_weight("Q4_K", 37, 512, seed=9)
+    w = qw.dequantize()
+    wide = torch.randn(6, 700)
+    x = wide[:, 100:612]  # rows of a wider tensor: unit column stride, row stride 700
+    bias = torch.randn(37)
+    check_matmul(ops.matmul(x, qw, bias), x, w, bias)
+    xt = torch.randn(512, 6).T  # column-major: made contiguous
+    check_matmul(ops.matmul(xt, qw), xt, w)
+    shuffled = wide[torch.tensor([4, 0, 5, 2]), 100:612]
+    check_matmul(ops.matmul(shuffled, qw), shuffled, w)
+    out = torch.full((6, 50), 7.0)
+    y = ops.matmul(x, qw, bias, out=out[:, 5:42])
+    assert y.data_ptr() == out[:, 5:42].data_ptr()
+    check_matmul(out[:, 5:42], x, w, bias)
+    assert torch.all(out[:, :5] == 7) and torch.all(out[:, 42:] == 7)
+    assert ops.matmul(x[:0], qw).shape == (0, 37)
+    with pytest.raises(ValueError, match="x must be"):
+        ops.matmul(torch.randn(2, 256), qw)
+    with pytest.raises(ValueError, match="out must be"):
+        ops.matmul(x, qw, out=torch.empty(6, 36))
+
+
+@pytest.mark.parametrize("type_name", QUANT_TYPES)
+def test_embedding_is_the_dequantized_rows(type_name: str) -> None:
+    qw = random_weight(type_name, 11, _cols(type_name, 3), seed=2)
+    ids = torch.tensor([3, 0, 10, 3, 7])
+    ops = _ops(available_isas()[-1])
+    assert torch.equal(ops.embedding(ids, qw), qw.dequantize()[ids])
+    assert ops.embedding(ids.reshape(1, 5), qw).shape == (1, 5, qw.cols)
+    with pytest.raises(IndexError, match="outside"):
+        ops.embedding(torch.tensor([11]), qw)
+
+
+def test_isa_choice_auto_env_and_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pdserve.kernels import quant_ops
+
+    monkeypatch.delenv(ISA_ENV, raising=False)
+    auto = choose_isa()
+    assert auto.name == available_isas()[-1] and auto.reason.startswith(f"{auto.name}: ")
+    monkeypatch.setenv(ISA_ENV, "portable")
+    assert choose_isa() == quant_ops.IsaChoice("portable", f"portable: forced by {ISA_ENV}")
+    assert QuantOps.create().isa.name == "portable"
+    assert choose_isa("auto").name == auto.name  # an explicit request wins over the environment
+    monkeypatch.setenv(ISA_ENV, "sse9")
+    with pytest.raises(ValueError, match="not a quant kernel path"):
+        choose_isa()
+    for isa in ISAS:
+        if missing_flags(isa):  # a path this CPU really lacks
+            with pytest.raises(ValueError, match=" ".join(missing_flags(isa))):
+                choose_isa(isa)
+    # A CPU without AVX-512 VNNI (this one's flags less avx512_vnni): auto falls back, forcing it fails.
+    lacking = quant_ops.cpu_flags() - {"avx512_vnni"}
+    monkeypatch.setattr(quant_ops, "cpu_flags", lambda: lacking)
+    with pytest.raises(ValueError, match="needs CPU flags avx512_vnni, which this CPU lacks"):
+        choose_isa("avx512_vnni")
+    assert choose_isa("auto").name in ("avx2", "portable")
+    assert os.environ[ISA_ENV] == "sse9"

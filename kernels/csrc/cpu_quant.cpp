@@ -1,0 +1,983 @@
+// Matmuls and embedding lookups against GGUF block-quantized weights, read in place (pdserve.kernels.quant_ops).
+//
+// One binary serves every x86-64 CPU: it is compiled for the baseline ISA, and the AVX2 and AVX-512 VNNI
+// functions carry their own target attributes; Python picks the path (quant_ops.choose_isa) and passes it
+// in, and `isa_supported` refuses a path this CPU cannot run.
+//
+// Method. y[m, n] = sum_k x[m, k] * w[n, k]. Each call first quantizes the activation rows to int8 in groups
+// of 32 (a float scale d per group; the group's int sum, kept per 16, for the weight offsets and mins).
+// Every served type reads as groups of 32 weights w = a * q + b, q an unsigned integer of 4 to 8 bits,
+// with one (a, b) per group (per 16 for Q6_K); b is an integer offset times a for the symmetric types
+// (Q8_0, Q4_0, Q5_0, Q6_K) and a float min for the others (Q4_1, Q4_K, Q5_K). So a group contributes
+//   a * d * sum(q * xq) + b-term,  sum(q * xq) an exact integer dot product,
+// with the offset folded into the integer sum (-offset * sum(xq)) and the min as b * d * sum(xq).
+//
+// The SIMD paths take weight rows in panels of one vector's lanes (16 rows AVX-512, 8 rows AVX2): each
+// 4-byte lane of a decoded vector holds four consecutive quants of one row, so one VPDPBUSD (AVX2:
+// PMADDUBSW + PMADDWD) against four broadcast activation bytes advances 16 (8) rows at once and every lane
+// is a separate output; no horizontal sums. A panel is decoded from the GGUF bytes (16-byte loads of each
+// row transposed to lanes by unpacks, nibbles and high bits split, scales widened) a chunk of groups at a
+// time into an L1 buffer, and every activation row of the call is dotted against it there, so each weight
+// byte is read from memory once per call and decoded once per block of MB activation rows.
+// OpenMP threads split the panels.
+
+#include <pybind11/pybind11.h>
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define PDQ_X86 1
+#else
+#define PDQ_X86 0
+#endif
+
+namespace py = pybind11;
+
+namespace {
+
+// ------------------------------------------------------------------------------------------- the types
+
+// The order of quant_format.QUANT_TYPES.
+enum QType : int { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, Q5_0 = 3, Q4_K = 4, Q5_K = 5, Q6_K = 6, NUM_TYPES = 7 };
+enum Isa : int { PORTABLE = 0, AVX2 = 1, AVX512_VNNI = 2 };
+
+struct TypeInfo {
+  int block_values;  // values per block
+  int block_bytes;   // bytes per block
+  bool asym;         // float min per group (else an integer offset)
+  int offset;        // symmetric types: w = a * (q - offset), q unsigned
+  int halves;        // scales per group of 32 (2: Q6_K's groups of 16)
+};
+
+constexpr TypeInfo TYPES[NUM_TYPES] = {
+    {32, 34, false, 128, 1},   // Q8_0: d, qs[32] int8 (read as q + 128)
+    {32, 18, false, 8, 1},     // Q4_0: d, qs[16] nibbles
+    {32, 20, true, 0, 1},      // Q4_1: d, m, qs[16]
+    {32, 22, false, 16, 1},    // Q5_0: d, qh[4], qs[16]
+    {256, 144, true, 0, 1},    // Q4_K: d, dmin, scales[12], qs[128]
+    {256, 176, true, 0, 1},    // Q5_K: d, dmin, scales[12], qh[32], qs[128]
+    {256, 210, false, 32, 2},  // Q6_K: ql[128], qh[64], scales[16] int8, d
+};
+
+constexpr int KC = 32;   // groups of 32 per decoded chunk (a multiple of 8: whole K-type blocks)
+constexpr int MB = 64;   // activation rows per block: one panel decode serves this many rows
+
+inline uint16_t rd16(const uint8_t* p) { uint16_t v; std::memcpy(&v, p, 2); return v; }
+inline uint32_t rd32(const uint8_t* p) { uint32_t v; std::memcpy(&v, p, 4); return v; }
+
+// fp16 bits -> float, exact (subnormals, inf, nan included), without F16C.
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = uint32_t(h & 0x8000) << 16;
+  const uint32_t exp = (h >> 10) & 0x1f;
+  const uint32_t man = h & 0x3ff;
+  uint32_t bits;
+  if (exp == 0) {
+    float v = float(man) * 5.9604644775390625e-08f;  // man * 2^-24, exact
+    std::memcpy(&bits, &v, 4);
+    bits |= sign;
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// Q4_K / Q5_K: the 6-bit scale and min of group j (0..7) from the 12 packed bytes.
+inline void k_scale_min(const uint8_t* s, int j, int& sc, int& mn) {
+  if (j < 4) {
+    sc = s[j] & 63;
+    mn = s[j + 4] & 63;
+  } else {
+    sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+    mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+// ------------------------------------------------------------------ the float reference (embedding)
+
+// One row's values, in the order and float32 roundings of gguf.quants.dequantize (the tests compare
+// bit for bit). Needs -ffp-contract=off: no multiply-add may be fused.
+void dequant_row(int type, const uint8_t* src, float* dst, int64_t k) {
+  const TypeInfo& t = TYPES[type];
+  const int64_t nb = k / t.block_values;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* p = src + b * t.block_bytes;
+    float* y = dst + b * t.block_values;
+    switch (type) {
+      case Q8_0: {
+        const float d = half_to_float(rd16(p));
+        for (int i = 0; i < 32; ++i) y[i] = d * float(int8_t(p[2 + i]));
+        break;
+      }
+      case Q4_0: {
+        const float d = half_to_float(rd16(p));
+        for (int i = 0; i < 16; ++i) {
+          y[i] = d * float(int(p[2 + i] & 0xF) - 8);
+          y[i + 16] = d * float(int(p[2 + i] >> 4) - 8);
+        }
+        break;
+      }
+      case Q4_1: {
+        const float d = half_to_float(rd16(p)), m = half_to_float(rd16(p + 2));
+        for (int i = 0; i < 16; ++i) {
+          y[i] = d * float(p[4 + i] & 0xF) + m;
+          y[i + 16] = d * float(p[4 + i] >> 4) + m;
+        }
+        break;
+      }
+      case Q5_0: {
+        const float d = half_to_float(rd16(p));
+        const uint32_t qh = rd32(p + 2);
+        for (int i = 0; i < 16; ++i) {
+          const int lo = (p[6 + i] & 0xF) | (((qh >> i) & 1) << 4);
+          const int hi = (p[6 + i] >> 4) | (((qh >> (i + 16)) & 1) << 4);
+          y[i] = d * float(lo - 16);
+          y[i + 16] = d * float(hi - 16);
+        }
+        break;
+      }
+      case Q4_K:
+      case Q5_K: {
+        const float d = half_to_float(rd16(p)), dmin = half_to_float(rd16(p + 2));
+        const uint8_t* sc = p + 4;
+        const uint8_t* qh = p + 16;
+        const uint8_t* qs = p + (type == Q4_K ? 16 : 48);
+        for (int j = 0; j < 8; ++j) {
+          int s, m;
+          k_scale_min(sc, j, s, m);
+          const float dl = d * float(s), ml = dmin * float(m);
+          const uint8_t* q = qs + (j / 2) * 32;
+          const int shift = (j % 2) * 4;
+          for (int l = 0; l < 32; ++l) {
+            int v = (q[l] >> shift) & 0xF;
+            if (type == Q5_K) v |= ((qh[l] >> j) & 1) << 4;
+            y[j * 32 + l] = dl * float(v) - ml;
+          }
+        }
+        break;
+      }
+      case Q6_K: {
+        const uint8_t* ql = p;
+        const uint8_t* qh = p + 128;
+        const int8_t* sc = reinterpret_cast<const int8_t*>(p + 192);
+        const float d = half_to_float(rd16(p + 208));
+        for (int e = 0; e < 256; ++e) {
+          const int h = e / 128, s = (e % 128) / 32, l = e % 32;
+          const int lo = (ql[h * 64 + (s % 2) * 32 + l] >> (4 * (s / 2))) & 0xF;
+          const int hi = (qh[h * 32 + l] >> (2 * s)) & 3;
+          const float dl = d * float(sc[e / 16]);
+          y[e] = dl * float((lo | (hi << 4)) - 32);
+        }
+        break;
+      }
+    }
+  }
+}
+
+// --------------------------------------------------------------------------- activations to int8
+
+// Per activation row and group of 32: the scale, d * sum(xq) (the min term), and -offset * sum(xq) over
+// each half of 16 (o[0] covers the whole group when the type has one scale per group).
+struct XGroup {
+  float d;
+  float s;
+  int32_t o[2];
+};
+
+struct XQuant {
+  std::vector<int8_t> q;     // [M, K]
+  std::vector<XGroup> g;     // [M, K / 32]
+  int64_t k = 0, groups = 0;
+};
+
+void quantize_rows(const float* x, int64_t ldx, int64_t m0, int64_t m1, int64_t k, const TypeInfo& t, int offset,
+                   XQuant& xq) {
+  const int64_t groups = k / 32;
+  for (int64_t m = m0; m < m1; ++m) {
+    const float* xr = x + m * ldx;
+    int8_t* q = xq.q.data() + m * k;
+    XGroup* g = xq.g.data() + m * groups;
+    for (int64_t j = 0; j < groups; ++j) {
+      const float* v = xr + j * 32;
+      float amax = 0.f;
+      for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(v[i]));
+      const float d = amax / 127.f;
+      const float id = d != 0.f ? 1.f / d : 0.f;
+      int sum[2] = {0, 0};
+      for (int i = 0; i < 32; ++i) {
+        const int qi = int(std::nearbyint(std::min(127.f, std::max(-127.f, v[i] * id))));
+        q[j * 32 + i] = int8_t(qi);
+        sum[i / 16] += qi;
+      }
+      g[j].d = d;
+      g[j].s = d * float(sum[0] + sum[1]);
+      if (t.halves == 2) {
+        g[j].o[0] = -offset * sum[0];
+        g[j].o[1] = -offset * sum[1];
+      } else {
+        g[j].o[0] = -offset * (sum[0] + sum[1]);
+        g[j].o[1] = 0;
+      }
+    }
+  }
+}
+
+// Asks for the bytes [off, off + len) of each of `rows` rows ahead of their decode: a panel reads its rows
+// as that many separate streams, more than the hardware prefetchers follow.
+inline void prefetch_rows(const uint8_t* const* rp, int rows, int64_t off, int64_t len) {
+  for (int r = 0; r < rows; ++r)
+    for (int64_t b = 0; b < len; b += 64) __builtin_prefetch(rp[r] + off + b, 0, 3);
+}
+
+// What every kernel reads: the weight, the quantized activations, the output.
+struct Problem {
+  int type;
+  const uint8_t* w;
+  int64_t n, k, row_bytes;
+  const XQuant* x;
+  int64_t m;
+  float* out;
+  int64_t ldo;
+  const float* bias;  // [N] or null
+};
+
+// --------------------------------------------------------------------------------- portable path
+
+// One row of canonical groups: q as signed values minus the offset (symmetric types) or unsigned
+// (asymmetric), a per group (or half), b per group.
+void decode_row_canonical(int type, const uint8_t* src, int64_t k, int16_t* q, float* a, float* b) {
+  const TypeInfo& t = TYPES[type];
+  const int64_t nb = k / t.block_values;
+  for (int64_t blk = 0; blk < nb; ++blk) {
+    const uint8_t* p = src + blk * t.block_bytes;
+    const int64_t g0 = blk * (t.block_values / 32);
+    int16_t* qq = q + blk * t.block_values;
+    switch (type) {
+      case Q8_0:
+        a[g0] = half_to_float(rd16(p));
+        for (int i = 0; i < 32; ++i) qq[i] = int8_t(p[2 + i]);
+        break;
+      case Q4_0:
+        a[g0] = half_to_float(rd16(p));
+        for (int i = 0; i < 16; ++i) {
+          qq[i] = int16_t((p[2 + i] & 0xF) - 8);
+          qq[i + 16] = int16_t((p[2 + i] >> 4) - 8);
+        }
+        break;
+      case Q4_1:
+        a[g0] = half_to_float(rd16(p));
+        b[g0] = half_to_float(rd16(p + 2));
+        for (int i = 0; i < 16; ++i) {
+          qq[i] = int16_t(p[4 + i] & 0xF);
+          qq[i + 16] = int16_t(p[4 + i] >> 4);
+        }
+        break;
+      case Q5_0: {
+        a[g0] = half_to_float(rd16(p));
+        const uint32_t qh = rd32(p + 2);
+        for (int i = 0; i < 16; ++i) {
+          qq[i] = int16_t(((p[6 + i] & 0xF) | (((qh >> i) & 1) << 4)) - 16);
+          qq[i + 16] = int16_t(((p[6 + i] >> 4) | (((qh >> (i + 16)) & 1) << 4)) - 16);
+        }
+        break;
+      }
+      case Q4_K:
+      case Q5_K: {
+        const float d = half_to_float(rd16(p)), dmin = half_to_float(rd16(p + 2));
+        const uint8_t* qh = p + 16;
+        const uint8_t* qs = p + (type == Q4_K ? 16 : 48);
+        for (int j = 0; j < 8; ++j) {
+          int s, m;
+          k_scale_min(p + 4, j, s, m);
+          a[g0 + j] = d * float(s);
+          b[g0 + j] = -(dmin * float(m));
+          const uint8_t* src_q = qs + (j / 2) * 32;
+          for (int l = 0; l < 32; ++l) {
+            int v = (src_q[l] >> ((j % 2) * 4)) & 0xF;
+            if (type == Q5_K) v |= ((qh[l] >> j) & 1) << 4;
+            qq[j * 32 + l] = int16_t(v);
+          }
+        }
+        break;
+      }
+      case Q6_K: {
+        const float d = half_to_float(rd16(p + 208));
+        const int8_t* sc = reinterpret_cast<const int8_t*>(p + 192);
+        for (int h16 = 0; h16 < 16; ++h16) a[2 * g0 + h16] = d * float(sc[h16]);
+        for (int e = 0; e < 256; ++e) {
+          const int h = e / 128, s = (e % 128) / 32, l = e % 32;
+          const int lo = (p[h * 64 + (s % 2) * 32 + l] >> (4 * (s / 2))) & 0xF;
+          const int hi = (p[128 + h * 32 + l] >> (2 * s)) & 3;
+          qq[e] = int16_t((lo | (hi << 4)) - 32);
+        }
+        break;
+      }
+    }
+  }
+}
+
+void run_portable(const Problem& pb, int64_t n0, int64_t n1) {
+  const TypeInfo& t = TYPES[pb.type];
+  const int64_t groups = pb.k / 32;
+  std::vector<int16_t> q(pb.k);
+  std::vector<float> a(groups * 2), b(groups);
+  for (int64_t n = n0; n < n1; ++n) {
+    decode_row_canonical(pb.type, pb.w + n * pb.row_bytes, pb.k, q.data(), a.data(), b.data());
+    for (int64_t m = 0; m < pb.m; ++m) {
+      const int8_t* xq = pb.x->q.data() + m * pb.k;
+      const XGroup* xg = pb.x->g.data() + m * groups;
+      float acc = 0.f;
+      for (int64_t g = 0; g < groups; ++g) {
+        const int16_t* qg = q.data() + g * 32;
+        const int8_t* xg8 = xq + g * 32;
+        if (t.halves == 2) {
+          for (int h = 0; h < 2; ++h) {
+            int32_t s = 0;
+            for (int i = 0; i < 16; ++i) s += int32_t(qg[h * 16 + i]) * xg8[h * 16 + i];
+            acc += float(s) * (a[2 * g + h] * xg[g].d);
+          }
+        } else {
+          int32_t s = 0;
+          for (int i = 0; i < 32; ++i) s += int32_t(qg[i]) * xg8[i];
+          acc += float(s) * (a[g] * xg[g].d);
+          if (t.asym) acc += b[g] * xg[g].s;
+        }
+      }
+      pb.out[m * pb.ldo + n] = acc + (pb.bias ? pb.bias[n] : 0.f);
+    }
+  }
+}
+
+#if PDQ_X86
+
+// ------------------------------------------------------------------------------------ AVX-512 VNNI
+
+#define PDQ_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,fma,f16c")))
+#define PDQ_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+// A decoded chunk of one panel: groups g (local) x 8 lane vectors of four quants, a per group (per half),
+// b per group. L lanes (rows) per vector.
+template <int L>
+struct Chunk {
+  alignas(64) uint32_t q[KC][8][L];
+  alignas(64) float a[KC * 2][L];
+  alignas(64) float b[KC][L];
+};
+
+// 16 rows x 16 bytes at `off` -> out[j] lane r = bytes off+4j..off+4j+3 of row r.
+PDQ_AVX512 inline void load16x16(const uint8_t* const* rp, int64_t off, __m512i out[4]) {
+  __m512i a[4];
+  for (int i = 0; i < 4; ++i) {  // a[i]: 128-bit lane l holds row 4l + i
+    __m512i v = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rp[i] + off)));
+    v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(rp[4 + i] + off)), 1);
+    v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(rp[8 + i] + off)), 2);
+    a[i] = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(rp[12 + i] + off)), 3);
+  }
+  const __m512i u0 = _mm512_unpacklo_epi32(a[0], a[1]), u1 = _mm512_unpackhi_epi32(a[0], a[1]);
+  const __m512i u2 = _mm512_unpacklo_epi32(a[2], a[3]), u3 = _mm512_unpackhi_epi32(a[2], a[3]);
+  out[0] = _mm512_unpacklo_epi64(u0, u2);
+  out[1] = _mm512_unpackhi_epi64(u0, u2);
+  out[2] = _mm512_unpacklo_epi64(u1, u3);
+  out[3] = _mm512_unpackhi_epi64(u1, u3);
+}
+
+// The fp16 at `off` of each of 16 rows, widened.
+PDQ_AVX512 inline __m512 load16_half(const uint8_t* const* rp, int64_t off) {
+  alignas(32) uint16_t h[16];
+  for (int r = 0; r < 16; ++r) h[r] = rd16(rp[r] + off);
+  return _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(h)));
+}
+
+PDQ_AVX512 inline void put(Chunk<16>& c, int g, int j, __m512i v) {
+  _mm512_store_si512(reinterpret_cast<__m512i*>(c.q[g][j]), v);
+}
+
+// Decodes groups [g0, g0 + gn) of the 16 rows `rp` into `c` (g0, gn multiples of 8 for the K types).
+PDQ_AVX512 void decode_avx512(int type, const uint8_t* const* rp, int64_t g0, int gn, Chunk<16>& c) {
+  const __m512i lo4 = _mm512_set1_epi8(0x0F);
+  const TypeInfo& t = TYPES[type];
+  if (t.block_values == 32) {
+    for (int g = 0; g < gn; ++g) {
+      const int64_t off = (g0 + g) * t.block_bytes;
+      __m512i v[4];
+      switch (type) {
+        case Q8_0: {
+          const __m512i flip = _mm512_set1_epi8(char(0x80));
+          load16x16(rp, off + 2, v);
+          for (int j = 0; j < 4; ++j) put(c, g, j, _mm512_xor_si512(v[j], flip));
+          load16x16(rp, off + 18, v);
+          for (int j = 0; j < 4; ++j) put(c, g, 4 + j, _mm512_xor_si512(v[j], flip));
+          _mm512_store_ps(c.a[g], load16_half(rp, off));
+          break;
+        }
+        case Q4_0:
+        case Q4_1: {
+          const int qs = type == Q4_0 ? 2 : 4;
+          load16x16(rp, off + qs, v);
+          for (int j = 0; j < 4; ++j) {
+            put(c, g, j, _mm512_and_si512(v[j], lo4));
+            put(c, g, 4 + j, _mm512_and_si512(_mm512_srli_epi16(v[j], 4), lo4));
+          }
+          _mm512_store_ps(c.a[g], load16_half(rp, off));
+          if (type == Q4_1) _mm512_store_ps(c.b[g], load16_half(rp, off + 2));
+          break;
+        }
+        case Q5_0: {
+          load16x16(rp, off + 6, v);
+          alignas(64) uint32_t h[16];
+          for (int r = 0; r < 16; ++r) h[r] = rd32(rp[r] + off + 2);
+          const __m512i qh = _mm512_load_si512(h);
+          // Quant 4j + i of the group (i = byte in lane) takes bit 4j + i of qh as its bit 4: spread the
+          // four bits to the four bytes (bit i to byte i) by a shift per byte and a mask.
+          for (int j = 0; j < 8; ++j) {
+            const __m512i bits = _mm512_srli_epi32(qh, 4 * j);  // bits 4j.. at 0..
+            const __m512i spread = _mm512_or_si512(
+                _mm512_or_si512(_mm512_and_si512(_mm512_slli_epi32(bits, 4), _mm512_set1_epi32(0x10)),
+                                _mm512_and_si512(_mm512_slli_epi32(bits, 11), _mm512_set1_epi32(0x1000))),
+                _mm512_or_si512(_mm512_and_si512(_mm512_slli_epi32(bits, 18), _mm512_set1_epi32(0x100000)),
+                                _mm512_and_si512(_mm512_slli_epi32(bits, 25), _mm512_set1_epi32(0x10000000))));
+            const __m512i nib = j < 4 ? _mm512_and_si512(v[j], lo4)
+                                      : _mm512_and_si512(_mm512_srli_epi16(v[j - 4], 4), lo4);
+            put(c, g, j, _mm512_or_si512(nib, spread));
+          }
+          _mm512_store_ps(c.a[g], load16_half(rp, off));
+          break;
+        }
+      }
+    }
+    return;
+  }
+  // K types: 8 groups per block.
+  for (int gb = 0; gb < gn; gb += 8) {
+    const int64_t off = ((g0 + gb) / 8) * t.block_bytes;
+    if (type == Q6_K) {
+      __m512i s[4];
+      load16x16(rp, off + 192, s);
+      const __m512 d = load16_half(rp, off + 208);
+      for (int t16 = 0; t16 < 16; ++t16) {  // scale of 16-value group t16: int8 byte t16 % 4 of s[t16 / 4]
+        const __m512i sc = _mm512_srai_epi32(_mm512_slli_epi32(s[t16 / 4], 24 - 8 * (t16 % 4)), 24);
+        _mm512_store_ps(c.a[2 * gb + t16], _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc)));
+      }
+      const __m512i m30 = _mm512_set1_epi8(0x30);
+      for (int h = 0; h < 2; ++h) {
+        __m512i ql[16], qh[8];
+        for (int i = 0; i < 4; ++i) load16x16(rp, off + h * 64 + 16 * i, ql + 4 * i);
+        load16x16(rp, off + 128 + h * 32, qh);
+        load16x16(rp, off + 128 + h * 32 + 16, qh + 4);
+        for (int s4 = 0; s4 < 4; ++s4) {
+          const int g = gb + h * 4 + s4;
+          for (int j = 0; j < 8; ++j) {
+            const __m512i low = _mm512_and_si512(
+                s4 >= 2 ? _mm512_srli_epi16(ql[(s4 % 2) * 8 + j], 4) : ql[(s4 % 2) * 8 + j], lo4);
+            __m512i high;
+            switch (s4) {
+              case 0: high = _mm512_slli_epi16(qh[j], 4); break;
+              case 1: high = _mm512_slli_epi16(qh[j], 2); break;
+              case 2: high = qh[j]; break;
+              default: high = _mm512_srli_epi16(qh[j], 2); break;
+            }
+            put(c, g, j, _mm512_or_si512(low, _mm512_and_si512(high, m30)));
+          }
+        }
+      }
+      continue;
+    }
+    // Q4_K, Q5_K: scales and mins of 6 bits packed in bytes 4..15.
+    __m512i s[4];
+    load16x16(rp, off, s);  // s[0]: d | dmin, s[1]: bytes 4-7, s[2]: 8-11, s[3]: 12-15
+    const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(s[0]));
+    const __m512 dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(s[0], 16)));
+    const __m512i m6 = _mm512_set1_epi32(63), m4 = _mm512_set1_epi32(15), m2 = _mm512_set1_epi32(3);
+    for (int j = 0; j < 8; ++j) {
+      __m512i sc, mn;
+      if (j < 4) {
+        sc = _mm512_and_si512(_mm512_srli_epi32(s[1], 8 * j), m6);
+        mn = _mm512_and_si512(_mm512_srli_epi32(s[2], 8 * j), m6);
+      } else {
+        const int i = j - 4;
+        sc = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(s[3], 8 * i), m4),
+                             _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(s[1], 8 * i + 6), m2), 4));
+        mn = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(s[3], 8 * i + 4), m4),
+                             _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(s[2], 8 * i + 6), m2), 4));
+      }
+      _mm512_store_ps(c.a[gb + j], _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc)));
+      _mm512_store_ps(c.b[gb + j], _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(mn))));
+    }
+    __m512i qh[8];
+    if (type == Q5_K) {
+      load16x16(rp, off + 16, qh);
+      load16x16(rp, off + 32, qh + 4);
+    }
+    const int64_t qs = off + (type == Q4_K ? 16 : 48);
+    const __m512i b4 = _mm512_set1_epi8(0x10);
+    for (int ch = 0; ch < 4; ++ch) {  // groups 2ch (low nibbles) and 2ch + 1 (high) share 32 bytes
+      __m512i v[8];
+      load16x16(rp, qs + 32 * ch, v);
+      load16x16(rp, qs + 32 * ch + 16, v + 4);
+      for (int j = 0; j < 8; ++j) {
+        __m512i lo = _mm512_and_si512(v[j], lo4);
+        __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v[j], 4), lo4);
+        if (type == Q5_K) {  // bit 2ch (2ch + 1) of qh[l] is bit 4 of quant l of group 2ch (2ch + 1)
+          const int e = 2 * ch;
+          const __m512i h0 = e <= 4 ? _mm512_slli_epi16(qh[j], 4 - e) : _mm512_srli_epi16(qh[j], e - 4);
+          const __m512i h1 = e + 1 <= 4 ? _mm512_slli_epi16(qh[j], 3 - e) : _mm512_srli_epi16(qh[j], e - 3);
+          lo = _mm512_or_si512(lo, _mm512_and_si512(h0, b4));
+          hi = _mm512_or_si512(hi, _mm512_and_si512(h1, b4));
+        }
+        put(c, gb + 2 * ch, j, lo);
+        put(c, gb + 2 * ch + 1, j, hi);
+      }
+    }
+  }
+}
+
+// acc[m] (16 rows' outputs of activation row m) += the chunk's groups [0, gn) against rows m0..m0+MT.
+template <int MT, bool ASYM, int H>
+PDQ_AVX512 void dot_avx512(const Chunk<16>& c, int gn, const XQuant& x, int64_t m0, int64_t g0, float* acc) {
+  __m512 A[MT];
+  for (int i = 0; i < MT; ++i) A[i] = _mm512_load_ps(acc + 16 * i);
+  const int64_t k = x.k, groups = x.groups;
+  for (int g = 0; g < gn; ++g) {
+    __m512i w[8];
+    for (int j = 0; j < 8; ++j) w[j] = _mm512_load_si512(c.q[g][j]);
+    const int64_t gg = g0 + g;
+    for (int i = 0; i < MT; ++i) {
+      const int8_t* xq = x.q.data() + (m0 + i) * k + gg * 32;
+      const XGroup& xg = x.g[(m0 + i) * groups + gg];
+      const __m512 d = _mm512_set1_ps(xg.d);
+      for (int h = 0; h < H; ++h) {
+        __m512i s = ASYM ? _mm512_setzero_si512() : _mm512_set1_epi32(xg.o[h]);
+        for (int j = h * (8 / H); j < (h + 1) * (8 / H); ++j) {
+          int32_t xv;
+          std::memcpy(&xv, xq + 4 * j, 4);
+          s = _mm512_dpbusd_epi32(s, w[j], _mm512_set1_epi32(xv));
+        }
+        const __m512 a = _mm512_load_ps(c.a[H == 2 ? 2 * g + h : g]);
+        A[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(a, d), A[i]);
+      }
+      if (ASYM) A[i] = _mm512_fmadd_ps(_mm512_load_ps(c.b[g]), _mm512_set1_ps(xg.s), A[i]);
+    }
+  }
+  for (int i = 0; i < MT; ++i) _mm512_store_ps(acc + 16 * i, A[i]);
+}
+
+template <bool ASYM, int H>
+PDQ_AVX512 void dot_rows_avx512(const Chunk<16>& c, int gn, const XQuant& x, int64_t m0, int64_t m1, int64_t g0,
+                                float* acc) {
+  constexpr int T = 8;
+  int64_t m = m0;
+  for (; m + T <= m1; m += T) dot_avx512<T, ASYM, H>(c, gn, x, m, g0, acc + 16 * (m - m0));
+  float* a = acc + 16 * (m - m0);
+  switch (m1 - m) {
+    case 7: dot_avx512<7, ASYM, H>(c, gn, x, m, g0, a); break;
+    case 6: dot_avx512<6, ASYM, H>(c, gn, x, m, g0, a); break;
+    case 5: dot_avx512<5, ASYM, H>(c, gn, x, m, g0, a); break;
+    case 4: dot_avx512<4, ASYM, H>(c, gn, x, m, g0, a); break;
+    case 3: dot_avx512<3, ASYM, H>(c, gn, x, m, g0, a); break;
+    case 2: dot_avx512<2, ASYM, H>(c, gn, x, m, g0, a); break;
+    case 1: dot_avx512<1, ASYM, H>(c, gn, x, m, g0, a); break;
+    default: break;
+  }
+}
+
+PDQ_AVX512 void run_avx512(const Problem& pb, int64_t p0, int64_t p1) {
+  const TypeInfo& t = TYPES[pb.type];
+  const int64_t groups = pb.k / 32;
+  Chunk<16>* c = static_cast<Chunk<16>*>(std::aligned_alloc(64, sizeof(Chunk<16>)));
+  std::vector<float, std::allocator<float>> accv(16 * MB + 16);
+  float* acc = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(accv.data()) + 63) & ~uintptr_t(63));
+  const uint8_t* rp[16];
+  for (int64_t mb = 0; mb < pb.m; mb += MB) {
+    const int64_t me = std::min(pb.m, mb + MB);
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t n0 = p * 16;
+      for (int r = 0; r < 16; ++r) rp[r] = pb.w + std::min(n0 + r, pb.n - 1) * pb.row_bytes;
+      std::memset(acc, 0, sizeof(float) * 16 * (me - mb));
+      const int64_t chunk_bytes = int64_t(KC) * 32 / t.block_values * t.block_bytes;
+      for (int64_t g0 = 0; g0 < groups; g0 += KC) {
+        const int gn = int(std::min<int64_t>(KC, groups - g0));
+        if (g0 + KC < groups) prefetch_rows(rp, 16, (g0 + KC) * 32 / t.block_values * t.block_bytes, chunk_bytes);
+        decode_avx512(pb.type, rp, g0, gn, *c);
+        if (t.halves == 2) dot_rows_avx512<false, 2>(*c, gn, *pb.x, mb, me, g0, acc);
+        else if (t.asym) dot_rows_avx512<true, 1>(*c, gn, *pb.x, mb, me, g0, acc);
+        else dot_rows_avx512<false, 1>(*c, gn, *pb.x, mb, me, g0, acc);
+      }
+      const int64_t nv = std::min<int64_t>(16, pb.n - n0);
+      const __mmask16 mask = __mmask16((1u << nv) - 1);
+      const __m512 bias = pb.bias ? _mm512_maskz_loadu_ps(mask, pb.bias + n0) : _mm512_setzero_ps();
+      for (int64_t m = mb; m < me; ++m)
+        _mm512_mask_storeu_ps(pb.out + m * pb.ldo + n0, mask, _mm512_add_ps(_mm512_load_ps(acc + 16 * (m - mb)), bias));
+    }
+  }
+  std::free(c);
+}
+
+// ---------------------------------------------------------------------------------------------- AVX2
+
+// 8 rows x 16 bytes at `off` -> out[j] lane r = bytes off+4j..off+4j+3 of row r.
+PDQ_AVX2 inline void load8x16(const uint8_t* const* rp, int64_t off, __m256i out[4]) {
+  __m256i a[4];
+  for (int i = 0; i < 4; ++i)  // a[i]: 128-bit lane l holds row 4l + i
+    a[i] = _mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rp[i] + off))),
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(rp[4 + i] + off)), 1);
+  const __m256i u0 = _mm256_unpacklo_epi32(a[0], a[1]), u1 = _mm256_unpackhi_epi32(a[0], a[1]);
+  const __m256i u2 = _mm256_unpacklo_epi32(a[2], a[3]), u3 = _mm256_unpackhi_epi32(a[2], a[3]);
+  out[0] = _mm256_unpacklo_epi64(u0, u2);
+  out[1] = _mm256_unpackhi_epi64(u0, u2);
+  out[2] = _mm256_unpacklo_epi64(u1, u3);
+  out[3] = _mm256_unpackhi_epi64(u1, u3);
+}
+
+PDQ_AVX2 inline __m256 load8_half(const uint8_t* const* rp, int64_t off) {
+  alignas(16) uint16_t h[8];
+  for (int r = 0; r < 8; ++r) h[r] = rd16(rp[r] + off);
+  return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(h)));
+}
+
+PDQ_AVX2 inline void put(Chunk<8>& c, int g, int j, __m256i v) {
+  _mm256_store_si256(reinterpret_cast<__m256i*>(c.q[g][j]), v);
+}
+
+// As decode_avx512 for 8 rows; Q8_0 keeps its signed quants (the dot takes their signs).
+PDQ_AVX2 void decode_avx2(int type, const uint8_t* const* rp, int64_t g0, int gn, Chunk<8>& c) {
+  const __m256i lo4 = _mm256_set1_epi8(0x0F);
+  const TypeInfo& t = TYPES[type];
+  if (t.block_values == 32) {
+    for (int g = 0; g < gn; ++g) {
+      const int64_t off = (g0 + g) * t.block_bytes;
+      __m256i v[4];
+      switch (type) {
+        case Q8_0:
+          load8x16(rp, off + 2, v);
+          for (int j = 0; j < 4; ++j) put(c, g, j, v[j]);
+          load8x16(rp, off + 18, v);
+          for (int j = 0; j < 4; ++j) put(c, g, 4 + j, v[j]);
+          _mm256_store_ps(c.a[g], load8_half(rp, off));
+          break;
+        case Q4_0:
+        case Q4_1: {
+          load8x16(rp, off + (type == Q4_0 ? 2 : 4), v);
+          for (int j = 0; j < 4; ++j) {
+            put(c, g, j, _mm256_and_si256(v[j], lo4));
+            put(c, g, 4 + j, _mm256_and_si256(_mm256_srli_epi16(v[j], 4), lo4));
+          }
+          _mm256_store_ps(c.a[g], load8_half(rp, off));
+          if (type == Q4_1) _mm256_store_ps(c.b[g], load8_half(rp, off + 2));
+          break;
+        }
+        case Q5_0: {
+          load8x16(rp, off + 6, v);
+          alignas(32) uint32_t h[8];
+          for (int r = 0; r < 8; ++r) h[r] = rd32(rp[r] + off + 2);
+          const __m256i qh = _mm256_load_si256(reinterpret_cast<const __m256i*>(h));
+          for (int j = 0; j < 8; ++j) {
+            const __m256i bits = _mm256_srli_epi32(qh, 4 * j);
+            const __m256i spread = _mm256_or_si256(
+                _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi32(bits, 4), _mm256_set1_epi32(0x10)),
+                                _mm256_and_si256(_mm256_slli_epi32(bits, 11), _mm256_set1_epi32(0x1000))),
+                _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi32(bits, 18), _mm256_set1_epi32(0x100000)),
+                                _mm256_and_si256(_mm256_slli_epi32(bits, 25), _mm256_set1_epi32(0x10000000))));
+            const __m256i nib = j < 4 ? _mm256_and_si256(v[j], lo4)
+                                      : _mm256_and_si256(_mm256_srli_epi16(v[j - 4], 4), lo4);
+            put(c, g, j, _mm256_or_si256(nib, spread));
+          }
+          _mm256_store_ps(c.a[g], load8_half(rp, off));
+          break;
+        }
+      }
+    }
+    return;
+  }
+  for (int gb = 0; gb < gn; gb += 8) {
+    const int64_t off = ((g0 + gb) / 8) * t.block_bytes;
+    if (type == Q6_K) {
+      __m256i s[4];
+      load8x16(rp, off + 192, s);
+      const __m256 d = load8_half(rp, off + 208);
+      for (int t16 = 0; t16 < 16; ++t16) {
+        const __m256i sc = _mm256_srai_epi32(_mm256_slli_epi32(s[t16 / 4], 24 - 8 * (t16 % 4)), 24);
+        _mm256_store_ps(c.a[2 * gb + t16], _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc)));
+      }
+      const __m256i m30 = _mm256_set1_epi8(0x30);
+      for (int h = 0; h < 2; ++h) {
+        __m256i ql[16], qh[8];
+        for (int i = 0; i < 4; ++i) load8x16(rp, off + h * 64 + 16 * i, ql + 4 * i);
+        load8x16(rp, off + 128 + h * 32, qh);
+        load8x16(rp, off + 128 + h * 32 + 16, qh + 4);
+        for (int s4 = 0; s4 < 4; ++s4) {
+          const int g = gb + h * 4 + s4;
+          for (int j = 0; j < 8; ++j) {
+            const __m256i low = _mm256_and_si256(
+                s4 >= 2 ? _mm256_srli_epi16(ql[(s4 % 2) * 8 + j], 4) : ql[(s4 % 2) * 8 + j], lo4);
+            __m256i high;
+            switch (s4) {
+              case 0: high = _mm256_slli_epi16(qh[j], 4); break;
+              case 1: high = _mm256_slli_epi16(qh[j], 2); break;
+              case 2: high = qh[j]; break;
+              default: high = _mm256_srli_epi16(qh[j], 2); break;
+            }
+            put(c, g, j, _mm256_or_si256(low, _mm256_and_si256(high, m30)));
+          }
+        }
+      }
+      continue;
+    }
+    __m256i s[4];
+    load8x16(rp, off, s);
+    const __m256 d = _mm256_cvtph_ps(_mm256_castsi256_si128(_mm256_permutevar8x32_epi32(
+        _mm256_shuffle_epi8(s[0], _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1, 0, 1, 4,
+                                                   5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1)),
+        _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7))));
+    const __m256 dmin = _mm256_cvtph_ps(_mm256_castsi256_si128(_mm256_permutevar8x32_epi32(
+        _mm256_shuffle_epi8(s[0], _mm256_setr_epi8(2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1, 2, 3,
+                                                   6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1)),
+        _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7))));
+    const __m256i m6 = _mm256_set1_epi32(63), m4 = _mm256_set1_epi32(15), m2 = _mm256_set1_epi32(3);
+    for (int j = 0; j < 8; ++j) {
+      __m256i sc, mn;
+      if (j < 4) {
+        sc = _mm256_and_si256(_mm256_srli_epi32(s[1], 8 * j), m6);
+        mn = _mm256_and_si256(_mm256_srli_epi32(s[2], 8 * j), m6);
+      } else {
+        const int i = j - 4;
+        sc = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(s[3], 8 * i), m4),
+                             _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(s[1], 8 * i + 6), m2), 4));
+        mn = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(s[3], 8 * i + 4), m4),
+                             _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(s[2], 8 * i + 6), m2), 4));
+      }
+      _mm256_store_ps(c.a[gb + j], _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc)));
+      _mm256_store_ps(c.b[gb + j], _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(mn))));
+    }
+    __m256i qh[8];
+    if (type == Q5_K) {
+      load8x16(rp, off + 16, qh);
+      load8x16(rp, off + 32, qh + 4);
+    }
+    const int64_t qs = off + (type == Q4_K ? 16 : 48);
+    const __m256i b4 = _mm256_set1_epi8(0x10);
+    for (int ch = 0; ch < 4; ++ch) {
+      __m256i v[8];
+      load8x16(rp, qs + 32 * ch, v);
+      load8x16(rp, qs + 32 * ch + 16, v + 4);
+      for (int j = 0; j < 8; ++j) {
+        __m256i lo = _mm256_and_si256(v[j], lo4);
+        __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v[j], 4), lo4);
+        if (type == Q5_K) {
+          const int e = 2 * ch;
+          const __m256i h0 = e <= 4 ? _mm256_slli_epi16(qh[j], 4 - e) : _mm256_srli_epi16(qh[j], e - 4);
+          const __m256i h1 = e + 1 <= 4 ? _mm256_slli_epi16(qh[j], 3 - e) : _mm256_srli_epi16(qh[j], e - 3);
+          lo = _mm256_or_si256(lo, _mm256_and_si256(h0, b4));
+          hi = _mm256_or_si256(hi, _mm256_and_si256(h1, b4));
+        }
+        put(c, gb + 2 * ch, j, lo);
+        put(c, gb + 2 * ch + 1, j, hi);
+      }
+    }
+  }
+}
+
+// PMADDUBSW sums pairs of u8 * s8 into int16 with saturation; S products of a lane's pair sums are added
+// in int16 before PMADDWD widens them: S = 8 for 4-bit quants (8 * 2 * 15 * 127 < 2^15), 4 for 5-bit,
+// 2 for 6-bit; Q8_0 (SIGN) takes |w| * sign-adjusted x one at a time (2 * 128 * 127 < 2^15).
+template <int MT, bool ASYM, int H, int S, bool SIGN>
+PDQ_AVX2 void dot_avx2(const Chunk<8>& c, int gn, const XQuant& x, int64_t m0, int64_t g0, float* acc) {
+  __m256 A[MT];
+  for (int i = 0; i < MT; ++i) A[i] = _mm256_load_ps(acc + 8 * i);
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int64_t k = x.k, groups = x.groups;
+  for (int g = 0; g < gn; ++g) {
+    const int64_t gg = g0 + g;
+    const int8_t* xq[MT];
+    for (int i = 0; i < MT; ++i) xq[i] = x.q.data() + (m0 + i) * k + gg * 32;
+    for (int h = 0; h < H; ++h) {
+      __m256i s[MT];
+      for (int i = 0; i < MT; ++i)
+        s[i] = ASYM ? _mm256_setzero_si256() : _mm256_set1_epi32(x.g[(m0 + i) * groups + gg].o[h]);
+      for (int j0 = h * (8 / H); j0 < (h + 1) * (8 / H); j0 += S) {
+        __m256i p[MT];
+        for (int j = j0; j < j0 + S; ++j) {
+          const __m256i w = _mm256_load_si256(reinterpret_cast<const __m256i*>(c.q[g][j]));
+          const __m256i wa = SIGN ? _mm256_abs_epi8(w) : w;
+          for (int i = 0; i < MT; ++i) {
+            int32_t xv;
+            std::memcpy(&xv, xq[i] + 4 * j, 4);
+            __m256i xb = _mm256_set1_epi32(xv);
+            if (SIGN) xb = _mm256_sign_epi8(xb, w);
+            const __m256i prod = _mm256_maddubs_epi16(wa, xb);
+            p[i] = j == j0 ? prod : _mm256_add_epi16(p[i], prod);
+          }
+        }
+        for (int i = 0; i < MT; ++i) s[i] = _mm256_add_epi32(s[i], _mm256_madd_epi16(p[i], ones));
+      }
+      const __m256 a = _mm256_load_ps(c.a[H == 2 ? 2 * g + h : g]);
+      for (int i = 0; i < MT; ++i)
+        A[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[i]),
+                               _mm256_mul_ps(a, _mm256_set1_ps(x.g[(m0 + i) * groups + gg].d)), A[i]);
+    }
+    if (ASYM) {
+      const __m256 b = _mm256_load_ps(c.b[g]);
+      for (int i = 0; i < MT; ++i) A[i] = _mm256_fmadd_ps(b, _mm256_set1_ps(x.g[(m0 + i) * groups + gg].s), A[i]);
+    }
+  }
+  for (int i = 0; i < MT; ++i) _mm256_store_ps(acc + 8 * i, A[i]);
+}
+
+template <bool ASYM, int H, int S, bool SIGN>
+PDQ_AVX2 void dot_rows_avx2(const Chunk<8>& c, int gn, const XQuant& x, int64_t m0, int64_t m1, int64_t g0,
+                            float* acc) {
+  constexpr int T = 4;
+  int64_t m = m0;
+  for (; m + T <= m1; m += T) dot_avx2<T, ASYM, H, S, SIGN>(c, gn, x, m, g0, acc + 8 * (m - m0));
+  float* a = acc + 8 * (m - m0);
+  switch (m1 - m) {
+    case 3: dot_avx2<3, ASYM, H, S, SIGN>(c, gn, x, m, g0, a); break;
+    case 2: dot_avx2<2, ASYM, H, S, SIGN>(c, gn, x, m, g0, a); break;
+    case 1: dot_avx2<1, ASYM, H, S, SIGN>(c, gn, x, m, g0, a); break;
+    default: break;
+  }
+}
+
+PDQ_AVX2 void run_avx2(const Problem& pb, int64_t p0, int64_t p1) {
+  const TypeInfo& t = TYPES[pb.type];
+  const int64_t groups = pb.k / 32;
+  Chunk<8>* c = static_cast<Chunk<8>*>(std::aligned_alloc(64, sizeof(Chunk<8>)));
+  std::vector<float> accv(8 * MB + 16);
+  float* acc = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(accv.data()) + 63) & ~uintptr_t(63));
+  const uint8_t* rp[8];
+  for (int64_t mb = 0; mb < pb.m; mb += MB) {
+    const int64_t me = std::min(pb.m, mb + MB);
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t n0 = p * 8;
+      for (int r = 0; r < 8; ++r) rp[r] = pb.w + std::min(n0 + r, pb.n - 1) * pb.row_bytes;
+      std::memset(acc, 0, sizeof(float) * 8 * (me - mb));
+      const int64_t chunk_bytes = int64_t(KC) * 32 / t.block_values * t.block_bytes;
+      for (int64_t g0 = 0; g0 < groups; g0 += KC) {
+        const int gn = int(std::min<int64_t>(KC, groups - g0));
+        if (g0 + KC < groups) prefetch_rows(rp, 8, (g0 + KC) * 32 / t.block_values * t.block_bytes, chunk_bytes);
+        decode_avx2(pb.type, rp, g0, gn, *c);
+        switch (pb.type) {
+          case Q8_0: dot_rows_avx2<false, 1, 1, true>(*c, gn, *pb.x, mb, me, g0, acc); break;
+          case Q4_0: dot_rows_avx2<false, 1, 8, false>(*c, gn, *pb.x, mb, me, g0, acc); break;
+          case Q5_0: dot_rows_avx2<false, 1, 4, false>(*c, gn, *pb.x, mb, me, g0, acc); break;
+          case Q4_1:
+          case Q4_K: dot_rows_avx2<true, 1, 8, false>(*c, gn, *pb.x, mb, me, g0, acc); break;
+          case Q5_K: dot_rows_avx2<true, 1, 4, false>(*c, gn, *pb.x, mb, me, g0, acc); break;
+          case Q6_K: dot_rows_avx2<false, 2, 2, false>(*c, gn, *pb.x, mb, me, g0, acc); break;
+        }
+      }
+      const int64_t nv = std::min<int64_t>(8, pb.n - n0);
+      const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(int(nv)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+      const __m256 bias = pb.bias ? _mm256_maskload_ps(pb.bias + n0, mask) : _mm256_setzero_ps();
+      for (int64_t m = mb; m < me; ++m)
+        _mm256_maskstore_ps(pb.out + m * pb.ldo + n0, mask, _mm256_add_ps(_mm256_load_ps(acc + 8 * (m - mb)), bias));
+    }
+  }
+  std::free(c);
+}
+
+#endif  // PDQ_X86
+
+// -------------------------------------------------------------------------------------- entry points
+
+bool isa_supported(int isa) {
+#if PDQ_X86
+  __builtin_cpu_init();
+  switch (isa) {
+    case PORTABLE: return true;
+    case AVX2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    case AVX512_VNNI:
+      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+             __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("fma");
+    default: return false;
+  }
+#else
+  return isa == PORTABLE;
+#endif
+}
+
+void check_type(int type) {
+  if (type < 0 || type >= NUM_TYPES) throw std::invalid_argument("unknown quant type index " + std::to_string(type));
+}
+
+// out[m, :n] = x[m, :k] @ w^T (+ bias) for m < M. Pointers are addresses of float32 / uint8 buffers the
+// caller checked: x [M, ldx], w [N, row_bytes], out [M, ldo], bias [N] or 0.
+void matmul(int isa, int type, uintptr_t x_ptr, int64_t m, int64_t ldx, uintptr_t w_ptr, int64_t n, int64_t k,
+            uintptr_t bias_ptr, uintptr_t out_ptr, int64_t ldo, int threads) {
+  check_type(type);
+  if (!isa_supported(isa)) throw std::invalid_argument("this CPU cannot run quant ISA path " + std::to_string(isa));
+  const TypeInfo& t = TYPES[type];
+  if (k % t.block_values) throw std::invalid_argument("k is not a whole number of blocks");
+  if (m <= 0 || n <= 0) return;
+  threads = std::max(1, threads);
+  XQuant xq;
+  xq.k = k;
+  xq.groups = k / 32;
+  xq.q.resize(m * k);
+  xq.g.resize(m * xq.groups);
+  const float* x = reinterpret_cast<const float*>(x_ptr);
+  // The AVX2 path takes Q8_0's signed quants as they are (no offset); the others read them as q + 128.
+  const int offset = (type == Q8_0 && isa == AVX2) ? 0 : t.offset;
+  const int xthreads = int(std::min<int64_t>(threads, std::max<int64_t>(1, m * k / 16384)));
+#pragma omp parallel num_threads(xthreads)
+  {
+    const int nt = omp_get_num_threads(), tid = omp_get_thread_num();
+    quantize_rows(x, ldx, m * tid / nt, m * (tid + 1) / nt, k, t, offset, xq);
+  }
+  Problem pb{type, reinterpret_cast<const uint8_t*>(w_ptr), n, k, k / t.block_values * t.block_bytes, &xq, m,
+             reinterpret_cast<float*>(out_ptr), ldo, reinterpret_cast<const float*>(bias_ptr)};
+  const int64_t lanes = isa == AVX512_VNNI ? 16 : isa == AVX2 ? 8 : 1;
+  const int64_t panels = (n + lanes - 1) / lanes;
+  const int nthreads = int(std::min<int64_t>(threads, panels));
+#pragma omp parallel num_threads(nthreads)
+  {
+    const int nt = omp_get_num_threads(), tid = omp_get_thread_num();
+    const int64_t p0 = panels * tid / nt, p1 = panels * (tid + 1) / nt;
+    switch (isa) {
+#if PDQ_X86
+      case AVX512_VNNI: run_avx512(pb, p0, p1); break;
+      case AVX2: run_avx2(pb, p0, p1); break;
+#endif
+      default: run_portable(pb, p0, p1); break;
+    }
+  }
+}
+
+// out[t, :k] = the float32 values of row ids[t] of w, exactly gguf.quants.dequantize's.
+void embedding(int type, uintptr_t ids_ptr, int64_t count, uintptr_t w_ptr, int64_t n, int64_t k, uintptr_t out_ptr,
+               int threads) {
+  check_type(type);
+  const TypeInfo& t = TYPES[type];
+  const int64_t row_bytes = k / t.block_values * t.block_bytes;
+  const int64_t* ids = reinterpret_cast<const int64_t*>(ids_ptr);
+  for (int64_t i = 0; i < count; ++i)
+    if (ids[i] < 0 || ids[i] >= n)
+      throw std::out_of_range("embedding id " + std::to_string(ids[i]) + " outside the " + std::to_string(n) + " rows");
+  const uint8_t* w = reinterpret_cast<const uint8_t*>(w_ptr);
+  float* out = reinterpret_cast<float*>(out_ptr);
+  const int nthreads = int(std::max<int64_t>(1, std::min<int64_t>(threads, count * k / 65536)));
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+  for (int64_t i = 0; i < count; ++i) dequant_row(type, w + ids[i] * row_bytes, out + i * k, k);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "GGUF block-quantized matmul and embedding kernels (pdserve.kernels.quant_ops)";
+  m.def("isa_supported", &isa_supported, "whether this CPU can run ISA path i (0 portable, 1 avx2, 2 avx512_vnni)");
+  m.def("matmul", &matmul, py::call_guard<py::gil_scoped_release>());
+  m.def("embedding", &embedding, py::call_guard<py::gil_scoped_release>());
+}

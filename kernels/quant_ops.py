@@ -1,0 +1,183 @@
+"""Matmuls and embedding lookups against GGUF block-quantized weights on the CPU, the weights read in place.
+
+A decode step reads every weight once, so at 1-64 activation rows its time is the weight bytes read and
+the integer dot-product rate: `QuantOps.matmul` reads a Q4_K weight's 4.5 bits per value where float32
+F.linear reads 32. The kernels (csrc/cpu_quant.cpp) quantize the activation rows to int8 per group of 32
+once per call and take integer multiply-adds per group against the weight quants, scaled into float32;
+see the source for the method. One binary serves every x86-64 CPU (compiled for the baseline ISA, no
+-march=native); its AVX2 and AVX-512 VNNI functions carry their own target attributes, and `choose_isa`
+picks the widest path this CPU has (PDSERVE_QUANT_ISA forces one). The extension is compiled on first use
+(cached in cpu_ops.extension_dir(), keyed by source and flags) and loads in well under a second after.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from pdserve.kernels.cpu_ops import ExtensionUnavailable, build_extension, extension_dir
+from pdserve.kernels.quant_format import QUANT_TYPES, QuantWeight
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_quant.cpp"
+# No -march=native: the binary must run on every CPU the cache may be shared with; the ISA paths carry
+# their target attributes. No fused multiply-adds the source did not ask for: embedding rows must equal
+# gguf's float32 roundings bit for bit.
+CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off")
+
+# The kernel paths, widest last (the index is the extension's ISA number).
+ISAS = ("portable", "avx2", "avx512_vnni")
+ISA_ENV = "PDSERVE_QUANT_ISA"
+# The /proc/cpuinfo flags each path needs.
+ISA_FLAGS: dict[str, tuple[str, ...]] = {
+    "portable": (),
+    "avx2": ("avx2", "fma", "f16c"),
+    "avx512_vnni": ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "fma", "f16c"),
+}
+
+
+@dataclass(frozen=True)
+class IsaChoice:
+    name: str  # one of ISAS
+    reason: str  # one line: why this path
+
+
+def cpu_flags() -> frozenset[str]:
+    """This CPU's flags from /proc/cpuinfo (empty where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() == "flags":
+            return frozenset(value.split())
+    return frozenset()
+
+
+def missing_flags(isa: str, flags: frozenset[str] | None = None) -> list[str]:
+    """The CPU flags path `isa` needs that this CPU (or `flags`) lacks; every one off x86-64."""
+    need = ISA_FLAGS[isa]
+    if isa != "portable" and platform.machine().lower() not in ("x86_64", "amd64"):
+        return list(need)
+    have = cpu_flags() if flags is None else flags
+    return [f for f in need if f not in have]
+
+
+def available_isas() -> tuple[str, ...]:
+    """The paths this CPU can run, widest last."""
+    return tuple(isa for isa in ISAS if not missing_flags(isa))
+
+
+def choose_isa(requested: str | None = None) -> IsaChoice:
+    """The kernel path: `requested`, else $PDSERVE_QUANT_ISA, else "auto" (the widest this CPU has).
+    Raises ValueError for an unknown name or a path whose CPU flags this CPU lacks (naming them)."""
+    source = "the caller"
+    if requested is None:
+        requested = os.environ.get(ISA_ENV) or "auto"
+        source = ISA_ENV
+    requested = requested.strip().lower()
+    if requested == "auto":
+        best = available_isas()[-1]
+        if best == "portable":
+            return IsaChoice(best, f"portable: this CPU lacks {' '.join(missing_flags('avx2'))} for the avx2 path")
+        wider = [isa for isa in ISAS if ISAS.index(isa) > ISAS.index(best)]
+        lacks = f"; lacks {' '.join(missing_flags(wider[0]))} for {wider[0]}" if wider else ""
+        return IsaChoice(best, f"{best}: this CPU has {' '.join(ISA_FLAGS[best])}{lacks}")
+    if requested not in ISAS:
+        raise ValueError(f"{ISA_ENV if source == ISA_ENV else 'isa'}={requested!r} is not a quant kernel path "
+                         f"(auto, {', '.join(ISAS)})")
+    lacking = missing_flags(requested)
+    if lacking:
+        raise ValueError(f"the {requested} quant kernel path needs CPU flags {' '.join(lacking)}, which this CPU "
+                         f"lacks (it can run: {', '.join(available_isas())}); set {ISA_ENV}=auto")
+    return IsaChoice(requested, f"{requested}: forced by {source}")
+
+
+_lock = threading.Lock()
+_loaded: ModuleType | None = None
+_error: ExtensionUnavailable | None = None
+
+
+def load_extension() -> ModuleType:
+    """Builds (first use) or loads the extension; raises ExtensionUnavailable with the compiler's
+    complaint when it can't. The outcome is remembered for the process."""
+    global _loaded, _error
+    with _lock:
+        if _loaded is not None:
+            return _loaded
+        if _error is not None:
+            raise _error
+        try:
+            _loaded = build_extension(SOURCE.read_bytes(), "pdserve_cpu_quant", CFLAGS, "cpu_quant.cpp")
+        except Exception as e:  # noqa: BLE001 - any build failure means "not here"; keep the reason
+            _error = ExtensionUnavailable(f"the CPU quant extension could not be built in {extension_dir()}: "
+                                          f"{type(e).__name__}: {str(e)[-600:]}")
+            raise _error from e
+        return _loaded
+
+
+_TYPE_INDEX = {name: i for i, name in enumerate(QUANT_TYPES)}
+
+
+class QuantOps:
+    """The quantized kernels on one ISA path. Construct through `create`."""
+
+    def __init__(self, ext: ModuleType, isa: IsaChoice) -> None:
+        if not ext.isa_supported(ISAS.index(isa.name)):
+            raise ValueError(f"the extension reports this CPU cannot run the {isa.name} path")
+        self._ext = ext
+        self.isa = isa
+        self._isa_index = ISAS.index(isa.name)
+
+    @classmethod
+    def create(cls, isa: str | None = None) -> QuantOps:
+        """Chooses the path (choose_isa(isa)) and builds or loads the extension: ValueError for a path
+        this CPU lacks, ExtensionUnavailable when the extension can't be built."""
+        choice = choose_isa(isa)
+        return cls(load_extension(), choice)
+
+    def matmul(self, x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor:  # [M, N] float32
+        """x [M, K] float32 @ w.dequantize().T (+ bias [N]), into `out` ([M, N] float32 with unit column
+        stride, e.g. a column slice of a wider output) when given. The activations are rounded to int8
+        per group of 32 (see the module docstring), so the result differs from the float product by at
+        most sum over groups of d / 2 * sum |w| (d the group's activation scale, max |x| / 127)."""
+        if x.dim() != 2 or x.shape[1] != w.cols:
+            raise ValueError(f"x must be [M, {w.cols}] for a {w.type_name} weight [{w.rows}, {w.cols}], "
+                             f"got {tuple(x.shape)}")
+        if x.dtype != torch.float32 or x.device.type != "cpu":
+            raise ValueError(f"x must be float32 on the CPU, got {x.dtype} on {x.device}")
+        if x.stride(1) != 1 or x.stride(0) < x.shape[1]:
+            x = x.contiguous()
+        m, n = x.shape[0], w.rows
+        if out is None:
+            out = torch.empty(m, n, dtype=torch.float32)
+        elif (out.shape != (m, n) or out.dtype != torch.float32 or out.device.type != "cpu"
+              or (m > 0 and n > 0 and (out.stride(1) != 1 or out.stride(0) < n))):
+            raise ValueError(f"out must be float32 [{m}, {n}] on the CPU with unit column stride, got "
+                             f"{out.dtype} {tuple(out.shape)} strides {out.stride()}")
+        if bias is not None:
+            if bias.shape != (n,):
+                raise ValueError(f"bias must be [{n}], got {tuple(bias.shape)}")
+            bias = bias.to(torch.float32).contiguous()
+        data = w.data if w.data.is_contiguous() else w.data.contiguous()
+        self._ext.matmul(self._isa_index, _TYPE_INDEX[w.type_name], x.data_ptr(), m, x.stride(0),
+                         data.data_ptr(), n, w.cols, 0 if bias is None else bias.data_ptr(), out.data_ptr(),
+                         out.stride(0), torch.get_num_threads())
+        return out
+
+    def embedding(self, ids: torch.Tensor, w: QuantWeight) -> torch.Tensor:  # [T, K] float32
+        """Rows `ids` ([T] int64) of w as float32, exactly dequantize()'s values. IndexError for an id
+        outside the rows."""
+        flat = ids.reshape(-1).to(torch.int64).contiguous()
+        out = torch.empty(flat.numel(), w.cols, dtype=torch.float32)
+        data = w.data if w.data.is_contiguous() else w.data.contiguous()
+        self._ext.embedding(_TYPE_INDEX[w.type_name], flat.data_ptr(), flat.numel(), data.data_ptr(), w.rows,
+                            w.cols, out.data_ptr(), torch.get_num_threads())
+        return out.reshape(*ids.shape, w.cols)
