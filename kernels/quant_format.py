@@ -63,6 +63,18 @@ class QuantWeight:
     cols: int  # K, input features, a multiple of the block size
     data: torch.Tensor  # [rows, cols // block_values * block_bytes] uint8, contiguous
 
+    def __post_init__(self) -> None:
+        """The kernels read `data` through its pointer: a weight built directly (not by from_raw) is held
+        to the same layout."""
+        values, size = block_layout(_check_type("QuantWeight", self.type_name))
+        want = (self.rows, self.cols // values * size)
+        d = self.data
+        if (self.cols % values or d.dtype != torch.uint8 or tuple(d.shape) != want or not d.is_contiguous()
+                or d.device.type != "cpu"):
+            raise QuantFormatError(f"QuantWeight {self.type_name} [{self.rows}, {self.cols}] needs data uint8 "
+                                   f"{list(want)} contiguous on the CPU, got {d.dtype} {list(d.shape)} "
+                                   f"(contiguous: {d.is_contiguous()}) on {d.device}")
+
     @property
     def row_bytes(self) -> int:
         values, size = block_layout(self.type_name)

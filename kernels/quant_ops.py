@@ -147,29 +147,36 @@ class QuantOps:
         """x [M, K] float32 @ w.dequantize().T (+ bias [N]), into `out` ([M, N] float32 with unit column
         stride, e.g. a column slice of a wider output) when given. The activations are rounded to int8
         per group of 32 (see the module docstring), so the result differs from the float product by at
-        most sum over groups of d / 2 * sum |w| (d the group's activation scale, max |x| / 127)."""
-        if x.dim() != 2 or x.shape[1] != w.cols:
-            raise ValueError(f"x must be [M, {w.cols}] for a {w.type_name} weight [{w.rows}, {w.cols}], "
-                             f"got {tuple(x.shape)}")
-        if x.dtype != torch.float32 or x.device.type != "cpu":
-            raise ValueError(f"x must be float32 on the CPU, got {x.dtype} on {x.device}")
-        if x.stride(1) != 1 or x.stride(0) < x.shape[1]:
+        most sum over groups of d / 2 * sum |w| (d the group's activation scale, max |x| / 127).
+        Called for every projection of every layer at each step: the checks are few attribute reads."""
+        if x.dtype is not torch.float32 or not x.is_cpu or x.dim() != 2 or x.shape[1] != w.cols:
+            raise ValueError(f"x must be float32 [M, {w.cols}] on the CPU for a {w.type_name} weight "
+                             f"[{w.rows}, {w.cols}], got {x.dtype} {tuple(x.shape)} on {x.device}")
+        m, k = x.shape
+        sx = x.stride()
+        if sx[1] != 1 or sx[0] < k:
             x = x.contiguous()
-        m, n = x.shape[0], w.rows
+            sx = (k, 1)
+        n = w.rows
         if out is None:
-            out = torch.empty(m, n, dtype=torch.float32)
-        elif (out.shape != (m, n) or out.dtype != torch.float32 or out.device.type != "cpu"
-              or (m > 0 and n > 0 and (out.stride(1) != 1 or out.stride(0) < n))):
-            raise ValueError(f"out must be float32 [{m}, {n}] on the CPU with unit column stride, got "
-                             f"{out.dtype} {tuple(out.shape)} strides {out.stride()}")
+            out = torch.empty((m, n), dtype=torch.float32)
+            ldo = n
+        else:
+            so = out.stride()
+            if (out.dtype is not torch.float32 or not out.is_cpu or out.shape != (m, n)
+                    or (m and n and (so[1] != 1 or so[0] < n))):
+                raise ValueError(f"out must be float32 [{m}, {n}] on the CPU with unit column stride, got "
+                                 f"{out.dtype} {tuple(out.shape)} strides {so}")
+            ldo = so[0]
+        bias_ptr = 0
         if bias is not None:
             if bias.shape != (n,):
                 raise ValueError(f"bias must be [{n}], got {tuple(bias.shape)}")
-            bias = bias.to(torch.float32).contiguous()
-        data = w.data if w.data.is_contiguous() else w.data.contiguous()
-        self._ext.matmul(self._isa_index, _TYPE_INDEX[w.type_name], x.data_ptr(), m, x.stride(0),
-                         data.data_ptr(), n, w.cols, 0 if bias is None else bias.data_ptr(), out.data_ptr(),
-                         out.stride(0), torch.get_num_threads())
+            if bias.dtype is not torch.float32 or not bias.is_contiguous():
+                bias = bias.to(torch.float32).contiguous()
+            bias_ptr = bias.data_ptr()
+        self._ext.matmul(self._isa_index, _TYPE_INDEX[w.type_name], x.data_ptr(), m, sx[0], w.data.data_ptr(),
+                         n, k, bias_ptr, out.data_ptr(), ldo, torch.get_num_threads())
         return out
 
     def embedding(self, ids: torch.Tensor, w: QuantWeight) -> torch.Tensor:  # [T, K] float32
@@ -177,7 +184,6 @@ class QuantOps:
         outside the rows."""
         flat = ids.reshape(-1).to(torch.int64).contiguous()
         out = torch.empty(flat.numel(), w.cols, dtype=torch.float32)
-        data = w.data if w.data.is_contiguous() else w.data.contiguous()
-        self._ext.embedding(_TYPE_INDEX[w.type_name], flat.data_ptr(), flat.numel(), data.data_ptr(), w.rows,
+        self._ext.embedding(_TYPE_INDEX[w.type_name], flat.data_ptr(), flat.numel(), w.data.data_ptr(), w.rows,
                             w.cols, out.data_ptr(), torch.get_num_threads())
         return out.reshape(*ids.shape, w.cols)

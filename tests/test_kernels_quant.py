@@ -107,6 +107,11 @@ def test_select_rows_and_cat() -> None:
         QuantWeight.cat([q, quantize(torch.randn(4, 64), "Q4_0")])
     with pytest.raises(QuantFormatError, match="share type"):
         QuantWeight.cat([q, quantize(torch.randn(4, 96), "Q4_1")])
+    # Built directly, a weight is held to the layout the kernels read through its pointer.
+    with pytest.raises(QuantFormatError, match="contiguous"):
+        QuantWeight("Q4_1", 9, 64, q.data.T.contiguous().T)
+    with pytest.raises(QuantFormatError, match=r"needs data uint8 \[9, 40\]"):
+        QuantWeight("Q4_1", 9, 64, q.data[:, :-1])
 
 
 # ------------------------------------------------------------------------------------------ kernels
@@ -294,3 +299,16 @@ def test_isa_choice_auto_env_and_errors(monkeypatch: pytest.MonkeyPatch) -> None
         choose_isa("avx512_vnni")
     assert choose_isa("auto").name in ("avx2", "portable")
     assert os.environ[ISA_ENV] == "sse9"
+
+
+def test_bench_smoke_reports_every_path(capsys: pytest.CaptureFixture[str]) -> None:
+    """bench/quant_kernels.py --smoke: seconds, so the bench cannot rot unnoticed."""
+    from bench.quant_kernels import main
+
+    results = main(["--smoke"])
+    printed = capsys.readouterr().out
+    assert "CPU ISA " in printed and f"quant path: {results['path']}" in printed
+    assert results["copy_gb_s"] > 0 and {r["type"] for r in results["results"]} == {"Q4_K", "Q8_0"}
+    for r in results["results"]:
+        assert r["flinear_ms"] > 0 and set(r["paths"]) == set(available_isas())
+        assert all(p["ms"] > 0 and p["weight_gb_s"] > 0 for p in r["paths"].values())

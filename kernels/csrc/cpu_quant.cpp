@@ -70,6 +70,7 @@ constexpr TypeInfo TYPES[NUM_TYPES] = {
 
 constexpr int KC = 32;   // groups of 32 per decoded chunk (a multiple of 8: whole K-type blocks)
 constexpr int MB = 64;   // activation rows per block: one panel decode serves this many rows
+constexpr int64_t MIN_THREAD_WORK = 1 << 16;  // row-group units below which another thread does not pay
 
 inline uint16_t rd16(const uint8_t* p) { uint16_t v; std::memcpy(&v, p, 2); return v; }
 inline uint32_t rd32(const uint8_t* p) { uint32_t v; std::memcpy(&v, p, 4); return v; }
@@ -376,6 +377,13 @@ struct Chunk {
   alignas(64) float b[KC][L];
 };
 
+// A thread's decode buffer and accumulators (thread_local: OpenMP's threads live across calls).
+template <int L>
+struct Scratch {
+  Chunk<L> chunk;
+  alignas(64) float acc[MB * L];
+};
+
 // 16 rows x 16 bytes at `off` -> out[j] lane r = bytes off+4j..off+4j+3 of row r.
 PDQ_AVX512 inline void load16x16(const uint8_t* const* rp, int64_t off, __m512i out[4]) {
   __m512i a[4];
@@ -595,9 +603,9 @@ PDQ_AVX512 void dot_rows_avx512(const Chunk<16>& c, int gn, const XQuant& x, int
 PDQ_AVX512 void run_avx512(const Problem& pb, int64_t p0, int64_t p1) {
   const TypeInfo& t = TYPES[pb.type];
   const int64_t groups = pb.k / 32;
-  Chunk<16>* c = static_cast<Chunk<16>*>(std::aligned_alloc(64, sizeof(Chunk<16>)));
-  std::vector<float, std::allocator<float>> accv(16 * MB + 16);
-  float* acc = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(accv.data()) + 63) & ~uintptr_t(63));
+  static thread_local Scratch<16> scratch;
+  Chunk<16>* c = &scratch.chunk;
+  float* acc = scratch.acc;
   const uint8_t* rp[16];
   for (int64_t mb = 0; mb < pb.m; mb += MB) {
     const int64_t me = std::min(pb.m, mb + MB);
@@ -621,7 +629,6 @@ PDQ_AVX512 void run_avx512(const Problem& pb, int64_t p0, int64_t p1) {
         _mm512_mask_storeu_ps(pb.out + m * pb.ldo + n0, mask, _mm512_add_ps(_mm512_load_ps(acc + 16 * (m - mb)), bias));
     }
   }
-  std::free(c);
 }
 
 // ---------------------------------------------------------------------------------------------- AVX2
@@ -853,9 +860,9 @@ PDQ_AVX2 void dot_rows_avx2(const Chunk<8>& c, int gn, const XQuant& x, int64_t 
 PDQ_AVX2 void run_avx2(const Problem& pb, int64_t p0, int64_t p1) {
   const TypeInfo& t = TYPES[pb.type];
   const int64_t groups = pb.k / 32;
-  Chunk<8>* c = static_cast<Chunk<8>*>(std::aligned_alloc(64, sizeof(Chunk<8>)));
-  std::vector<float> accv(8 * MB + 16);
-  float* acc = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(accv.data()) + 63) & ~uintptr_t(63));
+  static thread_local Scratch<8> scratch;
+  Chunk<8>* c = &scratch.chunk;
+  float* acc = scratch.acc;
   const uint8_t* rp[8];
   for (int64_t mb = 0; mb < pb.m; mb += MB) {
     const int64_t me = std::min(pb.m, mb + MB);
@@ -885,7 +892,6 @@ PDQ_AVX2 void run_avx2(const Problem& pb, int64_t p0, int64_t p1) {
         _mm256_maskstore_ps(pb.out + m * pb.ldo + n0, mask, _mm256_add_ps(_mm256_load_ps(acc + 8 * (m - mb)), bias));
     }
   }
-  std::free(c);
 }
 
 #endif  // PDQ_X86
@@ -923,11 +929,15 @@ void matmul(int isa, int type, uintptr_t x_ptr, int64_t m, int64_t ldx, uintptr_
   if (k % t.block_values) throw std::invalid_argument("k is not a whole number of blocks");
   if (m <= 0 || n <= 0) return;
   threads = std::max(1, threads);
-  XQuant xq;
+  // The calling thread's scratch, kept between calls (a decode step makes hundreds of small ones).
+  // (Named through a reference: inside the OpenMP regions below the thread_local's own name would be
+  // each worker's copy.)
+  static thread_local XQuant scratch;
+  XQuant& xq = scratch;
   xq.k = k;
   xq.groups = k / 32;
-  xq.q.resize(m * k);
-  xq.g.resize(m * xq.groups);
+  if (int64_t(xq.q.size()) < m * k) xq.q.resize(m * k);
+  if (int64_t(xq.g.size()) < m * xq.groups) xq.g.resize(m * xq.groups);
   const float* x = reinterpret_cast<const float*>(x_ptr);
   // The AVX2 path takes Q8_0's signed quants as they are (no offset); the others read them as q + 128.
   const int offset = (type == Q8_0 && isa == AVX2) ? 0 : t.offset;
@@ -941,7 +951,10 @@ void matmul(int isa, int type, uintptr_t x_ptr, int64_t m, int64_t ldx, uintptr_
              reinterpret_cast<float*>(out_ptr), ldo, reinterpret_cast<const float*>(bias_ptr)};
   const int64_t lanes = isa == AVX512_VNNI ? 16 : isa == AVX2 ? 8 : 1;
   const int64_t panels = (n + lanes - 1) / lanes;
-  const int nthreads = int(std::min<int64_t>(threads, panels));
+  // A thread's share must outweigh waking it (a few microseconds, far more when the cores are shared):
+  // work in (rows x groups) units, each about one row-group's decode plus its dot with every activation row.
+  const int64_t work = n * xq.groups * (m + 4);
+  const int nthreads = int(std::max<int64_t>(1, std::min<int64_t>({threads, panels, work / MIN_THREAD_WORK})));
 #pragma omp parallel num_threads(nthreads)
   {
     const int nt = omp_get_num_threads(), tid = omp_get_thread_num();
