@@ -264,6 +264,22 @@ def test_matmul_strided_x_bias_and_out(isa: str) -> None:
         ops.matmul(x, qw, out=torch.empty(6, 36))
 
 
+@pytest.mark.parametrize("isa", ISAS)
+def test_matmul_nan_and_tiny_activations(isa: str) -> None:
+    """A NaN activation makes its row's outputs NaN, as in F.linear; activation groups too small to scale
+    (max below 1e-28) count as zeros instead of overflowing the scale."""
+    ops = _ops(isa)
+    qw = quantize(torch.randn(9, 64), "Q8_0")
+    x = torch.randn(3, 64)
+    x[1, 40] = float("nan")
+    x[2, :32] = 1e-35
+    y = ops.matmul(x, qw)
+    assert torch.all(torch.isnan(y[1])) and not torch.any(torch.isnan(y[[0, 2]]))
+    tail = x[2:, 32:]
+    torch.testing.assert_close(y[2:], ops.matmul(tail, quantize(qw.dequantize()[:, 32:], "Q8_0")), rtol=1e-5,
+                               atol=1e-5)
+
+
 @pytest.mark.parametrize("type_name", QUANT_TYPES)
 def test_embedding_is_the_dequantized_rows(type_name: str) -> None:
     qw = random_weight(type_name, 11, _cols(type_name, 3), seed=2)

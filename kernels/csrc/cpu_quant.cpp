@@ -29,6 +29,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -70,6 +71,7 @@ constexpr TypeInfo TYPES[NUM_TYPES] = {
 
 constexpr int KC = 32;   // groups of 32 per decoded chunk (a multiple of 8: whole K-type blocks)
 constexpr int MB = 64;   // activation rows per block: one panel decode serves this many rows
+constexpr int64_t KEEP_SCRATCH_BYTES = 8 << 20;  // activation scratch a thread keeps between calls
 constexpr int64_t MIN_THREAD_WORK = 1 << 16;  // row-group units below which another thread does not pay
 
 inline uint16_t rd16(const uint8_t* p) { uint16_t v; std::memcpy(&v, p, 2); return v; }
@@ -213,9 +215,16 @@ void quantize_rows(const float* x, int64_t ldx, int64_t m0, int64_t m1, int64_t 
     for (int64_t j = 0; j < groups; ++j) {
       const float* v = xr + j * 32;
       float amax = 0.f;
-      for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(v[i]));
-      const float d = amax / 127.f;
+      bool nan = false;
+      for (int i = 0; i < 32; ++i) {
+        amax = std::max(amax, std::fabs(v[i]));
+        nan |= v[i] != v[i];
+      }
+      // Groups below 1e-28 (where 1 / d could overflow) count as zeros; a NaN makes the group's scale NaN,
+      // so it reaches the outputs as F.linear's would.
+      float d = amax >= 1e-28f ? amax / 127.f : 0.f;
       const float id = d != 0.f ? 1.f / d : 0.f;
+      if (nan) d = std::numeric_limits<float>::quiet_NaN();
       int sum[2] = {0, 0};
       for (int i = 0; i < 32; ++i) {
         const int qi = int(std::nearbyint(std::min(127.f, std::max(-127.f, v[i] * id))));
@@ -825,6 +834,8 @@ PDQ_AVX2 void dot_avx2(const Chunk<8>& c, int gn, const XQuant& x, int64_t m0, i
             if (SIGN) xb = _mm256_sign_epi8(xb, w);
             const __m256i prod = _mm256_maddubs_epi16(wa, xb);
             p[i] = j == j0 ? prod : _mm256_add_epi16(p[i], prod);
+            // Keeps the sums a chain per row: re-associated into trees, their temporaries spill.
+            __asm__("" : "+x"(p[i]));
           }
         }
         for (int i = 0; i < MT; ++i) s[i] = _mm256_add_epi32(s[i], _mm256_madd_epi16(p[i], ones));
@@ -845,7 +856,7 @@ PDQ_AVX2 void dot_avx2(const Chunk<8>& c, int gn, const XQuant& x, int64_t m0, i
 template <bool ASYM, int H, int S, bool SIGN>
 PDQ_AVX2 void dot_rows_avx2(const Chunk<8>& c, int gn, const XQuant& x, int64_t m0, int64_t m1, int64_t g0,
                             float* acc) {
-  constexpr int T = 4;
+  constexpr int T = (S == 8 || SIGN) ? 4 : 3;  // rows per tile that fit the 16 registers with their sums
   int64_t m = m0;
   for (; m + T <= m1; m += T) dot_avx2<T, ASYM, H, S, SIGN>(c, gn, x, m, g0, acc + 8 * (m - m0));
   float* a = acc + 8 * (m - m0);
@@ -929,11 +940,12 @@ void matmul(int isa, int type, uintptr_t x_ptr, int64_t m, int64_t ldx, uintptr_
   if (k % t.block_values) throw std::invalid_argument("k is not a whole number of blocks");
   if (m <= 0 || n <= 0) return;
   threads = std::max(1, threads);
-  // The calling thread's scratch, kept between calls (a decode step makes hundreds of small ones).
-  // (Named through a reference: inside the OpenMP regions below the thread_local's own name would be
-  // each worker's copy.)
+  // The calling thread's scratch, kept between calls (a decode step makes hundreds of small ones); a
+  // long prompt's activations get their own, freed after the call. (Named through a reference: inside
+  // the OpenMP regions below the thread_local's own name would be each worker's copy.)
   static thread_local XQuant scratch;
-  XQuant& xq = scratch;
+  XQuant local;
+  XQuant& xq = m * k <= KEEP_SCRATCH_BYTES ? scratch : local;
   xq.k = k;
   xq.groups = k / 32;
   if (int64_t(xq.q.size()) < m * k) xq.q.resize(m * k);
