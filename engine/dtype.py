@@ -45,10 +45,14 @@ class DtypeChoice:
     reason: str  # one line for the start-up log
 
 
-def resolve_dtype(requested: str, checkpoint: str, device: str, cpuinfo: str | None = None) -> DtypeChoice:
-    """Maps the configured dtype ("auto" or a name) and the checkpoint's dtype name to the one to serve in."""
+def resolve_dtype(requested: str, checkpoint: str, device: str, cpuinfo: str | None = None,
+                  quantized: bool = False) -> DtypeChoice:
+    """Maps the configured dtype ("auto" or a name) and the checkpoint's dtype name to the one to serve in.
+    `quantized`: the weights stay in GGUF blocks, whose kernels take float32 activations."""
     if requested != "auto":
         return DtypeChoice(requested, f"{requested} as configured")
+    if quantized:
+        return DtypeChoice("float32", "float32 activations: the weights stay quantized (GGUF blocks)")
     if device.split(":")[0] == "cpu" and checkpoint == "float32":
         flags = cpu_bf16_flags(cpuinfo)
         if flags:

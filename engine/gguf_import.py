@@ -39,8 +39,9 @@ from pdserve.engine.gguf_config import (
     llama3_factors,
     llama3_rope_scaling,
 )
-from pdserve.engine.gguf_plan import Plan, make_plan
+from pdserve.engine.gguf_plan import Plan, make_plan, unpermute_rows
 from pdserve.engine.gguf_scan import SUPPORTED_TYPES, GGUFFile, GGUFImportError, GGUFTensorEntry, scan_gguf
+from pdserve.engine.model_config import GGUF_WEIGHTS
 
 __all__ = [
     "ARCHITECTURES", "MAX_SHARD_BYTES", "OUTPUT_DTYPES", "ROPE_FREQS", "SUPPORTED_TYPES", "GGUFFile",
@@ -105,13 +106,6 @@ class _Silent:
 # -- tensors -------------------------------------------------------------------------------------------
 
 
-def unpermute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """Undoes llama.cpp's `permute` of a Q or K projection (weight or bias): within each head it stores
-    the rotary pairs interleaved (row 2j is HF row j, row 2j+1 is HF row j + D/2)."""
-    rows, rest = weight.shape[0], weight.shape[1:]
-    return weight.reshape(num_heads, rows // num_heads // 2, 2, *rest).transpose(1, 2).reshape(weight.shape)
-
-
 def _shards(plan: Plan, gguf_file: GGUFFile, itemsize: int) -> list[list[str]]:
     shards: list[list[str]] = [[]]
     size = 0
@@ -150,6 +144,27 @@ def _write_weights(plan: Plan, gguf_file: GGUFFile, out: Path, dtype: torch.dtyp
     if len(shards) > 1:
         index = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
         _write_json(out / "model.safetensors.index.json", index)
+
+
+def _check_blocks(plan: Plan, gguf_file: GGUFFile) -> None:
+    """Every quantized matrix must be servable as blocks (raises GGUFImportError naming the tensor)."""
+    from pdserve.kernels.quant_format import QUANT_TYPES, QuantFormatError, QuantWeight
+
+    for name in plan.tensors.values():
+        entry = gguf_file.tensors[name]
+        if entry.type_name in QUANT_TYPES and len(entry.shape) == 2:
+            try:
+                QuantWeight.from_raw(name, entry.type_name, (entry.shape[0], entry.shape[1]),
+                                     gguf_file.data[entry.offset : entry.offset + entry.nbytes])
+            except QuantFormatError as e:
+                raise GGUFImportError(f"{gguf_file.path}: {e}") from e
+
+
+def _place_file(src: Path, dst: Path) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copyfile(src, dst)
 
 
 # -- tokenizer -----------------------------------------------------------------------------------------
@@ -210,10 +225,16 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
+WEIGHTS = ("gguf", "float")
+
+
 def import_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "float32",
-                progress: ImportProgress | None = None) -> Path:
-    """Writes the Hugging Face directory `out_dir` (which must not exist, or be empty) from `gguf_path`,
-    with weights in `dtype` ("float32" | "bfloat16"), and returns it. The file is checked completely
+                progress: ImportProgress | None = None, weights: str = "float") -> Path:
+    """Writes the Hugging Face directory `out_dir` (which must not exist, or be empty) from `gguf_path`
+    and returns it. `weights`: "float" dequantizes every tensor into model.safetensors in `dtype`
+    ("float32" | "bfloat16"); "gguf" places the file itself in the directory as model.gguf (a hard link
+    when the filesystem allows, else a copy), whose blocks the engine serves as they are
+    (engine.gguf_weights; `dtype` is then the activations', float32). The file is checked completely
     before anything is written; the directory is built beside `out_dir` and renamed into place, so it
     either appears complete or not at all. Raises GGUFImportError (see `scan_gguf`, and: unsupported
     architecture, missing or misshapen tensors, metadata the engine cannot serve, no tokenizer)."""
@@ -221,6 +242,10 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "float3
     report = progress or _Silent()
     if dtype not in OUTPUT_DTYPES:
         raise GGUFImportError(f"dtype must be one of {', '.join(OUTPUT_DTYPES)}, got {dtype!r}")
+    if weights not in WEIGHTS:
+        raise GGUFImportError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
+    if weights == "gguf":
+        dtype = "float32"
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"{out}: already exists and is not an empty directory")
     started = time.perf_counter()
@@ -229,13 +254,19 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "float3
     plan = make_plan(gguf_file, GGUFMetadata(gguf_file), dtype)
     types = sorted({gguf_file.tensors[n].type_name for n in plan.tensors.values()})
     report.stage(f"{plan.config['architectures'][0]}: {plan.config['num_hidden_layers']} layers, "
-                 f"{len(plan.tensors)} tensors ({', '.join(types)}) -> {dtype}")
+                 f"{len(plan.tensors)} tensors ({', '.join(types)}) -> "
+                 f"{'served as they are' if weights == 'gguf' else dtype}")
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        report.stage("dequantizing the weights")
-        _write_weights(plan, gguf_file, tmp, OUTPUT_DTYPES[dtype], report)
+        if weights == "gguf":
+            _check_blocks(plan, gguf_file)
+            report.stage(f"placing {src.name} as {GGUF_WEIGHTS}")
+            _place_file(src, tmp / GGUF_WEIGHTS)
+        else:
+            report.stage("dequantizing the weights")
+            _write_weights(plan, gguf_file, tmp, OUTPUT_DTYPES[dtype], report)
         report.stage("converting the tokenizer")
         _write_tokenizer(src, GGUFMetadata(gguf_file), plan.config, tmp)
         _write_json(tmp / "config.json", plan.config)

@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pdserve.engine.gguf_config import ROPE_FREQS, GGUFMetadata, hf_configs
 from pdserve.engine.gguf_scan import GGUFFile, GGUFImportError
 from pdserve.engine.model_config import ModelLoadError, parse_model_config
+
+if TYPE_CHECKING:
+    import torch
 
 GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -40,6 +43,13 @@ LAYER_TENSORS = {  # blk.N.<gguf> -> model.layers.N.<hf>
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(.+)")
 
 
+def unpermute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undoes llama.cpp's `permute` of a Q or K projection (weight or bias): within each head it stores
+    the rotary pairs interleaved (row 2j is HF row j, row 2j+1 is HF row j + D/2)."""
+    rows, rest = weight.shape[0], weight.shape[1:]
+    return weight.reshape(num_heads, rows // num_heads // 2, 2, *rest).transpose(1, 2).reshape(weight.shape)
+
+
 @dataclass(frozen=True)
 class Plan:
     """Everything decided before writing: the config files and where each HF tensor comes from."""
@@ -51,7 +61,8 @@ class Plan:
     permute_heads: dict[str, int]  # GGUF name -> heads whose rows llama.cpp interleaved
 
 
-def _hf_name(name: str) -> str | None:
+def hf_tensor_name(name: str) -> str | None:
+    """The Hugging Face name of a GGUF tensor (None for one with no place in the model, e.g. rope_freqs)."""
     if name in GLOBAL_TENSORS:
         return GLOBAL_TENSORS[name]
     m = _LAYER_NAME.fullmatch(name)
@@ -112,7 +123,7 @@ def _tensor_mapping(gguf_file: GGUFFile, config: dict[str, Any], arch: str) -> d
     for name, entry in gguf_file.tensors.items():
         if name == ROPE_FREQS:
             continue
-        hf = _hf_name(name)
+        hf = hf_tensor_name(name)
         if hf is None or hf not in expected:
             raise GGUFImportError(f"{path}: tensor '{name}' has no place in a {arch} model with this metadata "
                                   f"({layers} layers)")

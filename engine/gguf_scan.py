@@ -10,6 +10,7 @@ GGUFImportError naming the file and the field or tensor. Tensor data stays memor
 
 from __future__ import annotations
 
+import hashlib
 import math
 import struct
 from dataclasses import dataclass
@@ -26,6 +27,9 @@ DEFAULT_ALIGNMENT = 32
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
                    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 MAX_DIMS = 4
+# Weight files up to this size are hashed whole for the weights digest; larger ones are sampled.
+FULL_HASH_BYTES = 512 * 1024**2
+DIGEST_SAMPLES, DIGEST_SAMPLE_BYTES = 256, 64 * 1024
 
 # Fixed-size GGUF metadata value types -> struct format (8 = string and 9 = array are variable-size).
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
@@ -233,3 +237,39 @@ def _place_tensors(cur: _Cursor, raw: list[tuple[str, tuple[int, ...], int, int]
             )
         tensors[name] = GGUFTensorEntry(name, type_name, tuple(reversed(dims)), offset, nbytes)
     return tensors
+
+
+# -- a model directory's GGUF weights (torch-free: the fingerprint is computed without torch) ------------
+
+
+def open_gguf_weights(path: Path) -> GGUFFile:
+    """`scan_gguf` for a directory's weights file: its errors become ModelLoadErrors, as for safetensors."""
+    from pdserve.engine.model_config import ModelLoadError
+
+    try:
+        return scan_gguf(path)
+    except GGUFImportError as e:
+        raise ModelLoadError(str(e)) from e
+
+
+def gguf_weights_digest(path: Path) -> str:
+    """Hex digest of the file: whole up to FULL_HASH_BYTES, else its size and DIGEST_SAMPLES evenly spaced
+    chunks (cheap for an 8B file; misses edits confined to unsampled bytes)."""
+    size = path.stat().st_size
+    h = hashlib.sha256(f"gguf:{size};".encode())
+    with open(path, "rb") as f:
+        if size <= FULL_HASH_BYTES:
+            while chunk := f.read(1 << 22):
+                h.update(chunk)
+        else:
+            for i in range(DIGEST_SAMPLES):
+                f.seek(size * i // DIGEST_SAMPLES)
+                h.update(f.read(DIGEST_SAMPLE_BYTES))
+    return h.hexdigest()
+
+
+def gguf_weight_format(path: Path) -> str:
+    """How the file stores its matrices, e.g. "gguf:Q4_1+Q8_0" (the fingerprint covers it: nodes serving
+    other blocks of the same model must not exchange KV)."""
+    kinds = {e.type_name for e in open_gguf_weights(path).tensors.values() if len(e.shape) == 2}
+    return "gguf:" + ("+".join(sorted(kinds)) or "F32")

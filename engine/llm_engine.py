@@ -110,6 +110,7 @@ class LLMEngine:
         self.model = loaded.model
         self.tokenizer = Tokenizer(cfg.model)
         self.dtype = next(self.model.parameters()).dtype
+        self.weights = self.model.weights_info()
         self.max_model_len = min(cfg.max_model_len or mc.max_model_len, mc.max_model_len)
         # An fp8 KV cache holds twice the blocks of a 16-bit one in the same budget; attention reads it as float32.
         self.kv_dtype = kv_cache_torch_dtype(cfg.kv_cache_dtype, self.dtype)
@@ -129,8 +130,8 @@ class LLMEngine:
         self.num_blocks = num_blocks
         self.last_step = StepStats()
         self.prefill_watcher: PrefillWatcher | None = None  # see engine.step_hook; set before requests arrive
-        log.info("engine ready: %s, %d KV blocks of %d tokens (%.1f MiB)", mc.arch, num_blocks,
-                 cfg.block_size, num_blocks * block_bytes / 2**20)
+        log.info("engine ready: %s, weights %s, %d KV blocks of %d tokens (%.1f MiB)", mc.arch,
+                 self.weights.describe(), num_blocks, cfg.block_size, num_blocks * block_bytes / 2**20)
 
     # -- requests ---------------------------------------------------------------------------------
 

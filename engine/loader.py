@@ -16,6 +16,7 @@ from safetensors import safe_open
 from pdserve.engine.dtype import resolve_dtype
 from pdserve.engine.model import CausalLM
 from pdserve.engine.model_config import (
+    GGUF_WEIGHTS,
     SAFETENSORS_INDEX,
     ModelConfig,
     ModelLoadError,
@@ -52,6 +53,16 @@ class CheckpointReader:
     def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         """Returns tensor `name` on CPU in its stored dtype. Raises ModelLoadError naming the file and tensor
         when it is missing or its shape differs from `shape`."""
+        tensor = self.tensor(name)
+        if tuple(tensor.shape) != tuple(shape):
+            raise ModelLoadError(
+                f"{self.files[name]}: tensor '{name}' has shape {list(tensor.shape)}, but config.json implies "
+                f"{list(shape)}"
+            )
+        return tensor
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """Tensor `name` as stored, whatever its shape (ModelLoadError when missing or unreadable)."""
         file = self.files.get(name)
         if file is None:
             raise ModelLoadError(f"{self._listing()}: tensor '{name}' is missing from the checkpoint")
@@ -61,14 +72,9 @@ class CheckpointReader:
             except Exception as e:  # safetensors raises its own error types for corrupt files
                 raise ModelLoadError(f"{file}: unreadable safetensors file ({e})") from e
         try:
-            tensor = self._handles[file].get_tensor(name)
+            return self._handles[file].get_tensor(name)
         except Exception as e:
             raise ModelLoadError(f"{file}: tensor '{name}' is not readable ({e})") from e
-        if tuple(tensor.shape) != tuple(shape):
-            raise ModelLoadError(
-                f"{file}: tensor '{name}' has shape {list(tensor.shape)}, but config.json implies {list(shape)}"
-            )
-        return tensor
 
     def close(self) -> None:
         """Unmaps every opened file."""
@@ -91,21 +97,39 @@ def load_model(
     Raises ModelLoadError naming the file and field/tensor for a directory that cannot be served."""
     root = Path(path)
     config = load_model_config(root)
+    quantized = bool(config.weight_format)
     if dtype == "auto":
-        choice = resolve_dtype("auto", config.dtype_name, str(device))
+        choice = resolve_dtype("auto", config.dtype_name, str(device), quantized=quantized)
         log.info("dtype %s", choice.reason)
         config = dataclasses.replace(config, dtype_name=choice.name)
     elif dtype is not None:
         config = dataclasses.replace(config, dtype_name=dtype_name(dtype))
+    if quantized and (config.dtype_name != "float32" or torch.device(device).type != "cpu"):
+        raise ModelLoadError(f"{root}: quantized weights ({config.weight_format}) are served on CPU with float32 "
+                             f"activations, not {config.dtype_name} on {device}")
     ops = ops if ops is not None else get_kernel_ops("auto", str(device))
     with torch.device(device):
-        model = CausalLM(config, ops)
-    reader = CheckpointReader(root, weight_files(root))
-    try:
-        model.load_hf_weights(reader.get)
-    finally:
-        reader.close()
+        model = CausalLM(config, ops, quantized=quantized)
+    if quantized:
+        _load_quantized(model, root, config)
+    else:
+        reader = CheckpointReader(root, weight_files(root))
+        try:
+            model.load_hf_weights(reader.get)
+        finally:
+            reader.close()
     model.eval()
     if pack_weights and model.pack_cpu_weights():
         log.info("linear weights packed for oneDNN (bfloat16 on CPU)")
     return LoadedModel(config=config, model=model, path=root)
+
+
+def _load_quantized(model: CausalLM, root: Path, config: ModelConfig) -> None:
+    """Fills `model` from the directory's GGUF blocks, run by the quantized kernels this CPU is best at."""
+    from pdserve.engine.gguf_weights import GGUFWeights
+    from pdserve.kernels.quant_ops import QuantOps
+
+    qops = QuantOps.create()
+    reader = GGUFWeights(root / GGUF_WEIGHTS, config)
+    model.load_quantized_weights(reader.get, reader.get_weight, qops)
+    log.info("weights %s served quantized: kernels %s", config.weight_format, qops.isa.reason)

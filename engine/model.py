@@ -4,7 +4,9 @@ Every op is batched over the T packed tokens of a step; attention goes through `
 Numerics follow the Hugging Face reference so fp32 greedy outputs agree token for token: RMSNorm in
 float32 then cast back, RoPE tables in float32 with the rotate-half convention, SiLU-gated MLP. q/k/v and
 gate/up are fused into one matmul each at load time; bf16 weights on a CPU are then packed for oneDNN
-(`CausalLM.pack_cpu_weights`, the same output bits).
+(`CausalLM.pack_cpu_weights`, the same output bits). A GGUF checkpoint's projections, LM head and embedding
+may instead stay in their quantized blocks (`load_quantized_weights`, `engine.linear`), the activations in
+float32.
 """
 
 from __future__ import annotations
@@ -18,52 +20,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.engine.attention import AttentionMetadata, paged_attention
+from pdserve.engine.linear import Linear, cpu_weight_packing, empty_param
 from pdserve.engine.model_config import ModelConfig
 from pdserve.kernels import KernelOps
+from pdserve.kernels.quant_format import QuantWeight
+from pdserve.kernels.quant_ops import QuantOps
 
 # Returns the named Hugging Face tensor after checking it has the given shape (the loader owns the files).
 WeightGetter = Callable[[str, tuple[int, ...]], torch.Tensor]
+# The same for a projection or embedding of a quantized checkpoint: its blocks, or float32 for other types.
+QuantGetter = Callable[[str, tuple[int, int]], QuantWeight | torch.Tensor]
 
 DEFAULT_ROPE_TABLE_LEN = 32768
 # Logits recomputed in float32 per row when the LM head runs in half precision (see compute_logits).
 REFINE_TOP = 16
-
-
-def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
-    # Uninitialized: every parameter is overwritten by load_hf_weights, so skip nn.Linear's random init.
-    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
-
-
-# Batch size the CPU weight packing is tuned for (any batch size works; outputs do not depend on it).
-PACK_BATCH_HINT = 32
-
-
-def cpu_weight_packing(dtype: torch.dtype) -> bool:
-    """Whether linear weights of `dtype` on this CPU can be packed once into oneDNN's blocked layout
-    (bfloat16 with oneDNN: a plain bf16 GEMM repacks its weight on every call, at a decode step's small
-    batch a large part of its time). Checked by packing one small weight and comparing with F.linear,
-    which must agree bit for bit. Changes nothing."""
-    if dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
-        return False
-    try:
-        w = torch.linspace(-1, 1, 24 * 40).reshape(24, 40).to(dtype)  # [out, in]
-        x = torch.linspace(-2, 2, 3 * 40).reshape(3, 40).to(dtype)  # [M, in]
-        b = torch.linspace(-3, 3, 24).to(dtype)  # [out]
-        packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_HINT)
-        return all(
-            torch.equal(torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], ""), F.linear(x, w, bias))
-            for bias in (None, b)
-        )
-    except (RuntimeError, AttributeError):
-        return False
-
-
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None) -> torch.Tensor:
-    """x @ weight.T + bias: through the packed weight when the model was packed (`CausalLM.pack_cpu_weights`;
-    the same bits as F.linear), else F.linear."""
-    if packed is not None:
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
-    return F.linear(x, weight, bias)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:  # [D/2] float32
@@ -109,7 +79,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.ops = ops
         self.eps = eps
-        self.weight = _param(dim, dtype=dtype)
+        self.weight = empty_param(dim, dtype=dtype)
 
     def forward(self, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:  # [..., dim], weight's dtype
         """Rounded to the weight dtype before the scale, as transformers does (KernelOps.rms_norm). `add`:
@@ -124,21 +94,17 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: KernelOps) -> None:
+    def __init__(self, cfg: ModelConfig, ops: KernelOps, quantized: bool) -> None:
         super().__init__()
         self.ops = ops
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
         self.scale = cfg.head_dim**-0.5
         dt = cfg.dtype
-        self.qkv_weight = _param(cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size, dtype=dt)  # rows: q | k | v
-        self.qkv_bias = _param(cfg.q_size + 2 * cfg.kv_size, dtype=dt) if cfg.attention_bias else None
-        self.o_weight = _param(cfg.hidden_size, cfg.q_size, dtype=dt)
-        self.o_bias = _param(cfg.hidden_size, dtype=dt) if cfg.o_proj_bias else None
+        self.qkv = Linear(cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size, cfg.attention_bias, dt, quantized)  # q | k | v
+        self.o = Linear(cfg.hidden_size, cfg.q_size, cfg.o_proj_bias, dt, quantized)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dt, ops) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dt, ops) if cfg.qk_norm else None
-        self.qkv_packed: torch.Tensor | None = None  # oneDNN-packed weights (CausalLM.pack_cpu_weights)
-        self.o_packed: torch.Tensor | None = None
 
     def forward(
         self,
@@ -151,7 +117,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:  # [T, hidden]
         t = x.shape[0]
         hq, hkv = self.num_heads, self.num_kv_heads
-        qkv = _linear(x, self.qkv_weight, self.qkv_bias, self.qkv_packed).view(t, hq + 2 * hkv, self.head_dim)  # [T, Hq+2Hkv, D]
+        qkv = self.qkv(x).view(t, hq + 2 * hkv, self.head_dim)  # [T, Hq+2Hkv, D]
         if self.q_norm is not None and self.k_norm is not None:
             q, k, v = qkv.split((hq, hkv, hkv), dim=1)
             q = self.ops.rotary(self.q_norm(q), cos, sin)  # [T, Hq, D]
@@ -160,34 +126,28 @@ class Attention(nn.Module):
             qk, v = qkv.split((hq + hkv, hkv), dim=1)  # [T, Hq+Hkv, D], [T, Hkv, D]
             q, k = self.ops.rotary(qk, cos, sin).split((hq, hkv), dim=1)
         out = paged_attention(self.ops, q, k, v, k_cache, v_cache, meta, self.scale)  # [T, Hq, D]
-        return _linear(out.reshape(t, self.q_size), self.o_weight, self.o_bias, self.o_packed)
+        return self.o(out.reshape(t, self.q_size))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: KernelOps) -> None:
+    def __init__(self, cfg: ModelConfig, ops: KernelOps, quantized: bool) -> None:
         super().__init__()
         self.ops = ops
-        dt = cfg.dtype
-        self.gate_up_weight = _param(2 * cfg.intermediate_size, cfg.hidden_size, dtype=dt)  # rows: gate | up
-        self.gate_up_bias = _param(2 * cfg.intermediate_size, dtype=dt) if cfg.mlp_bias else None
-        self.down_weight = _param(cfg.hidden_size, cfg.intermediate_size, dtype=dt)
-        self.down_bias = _param(cfg.hidden_size, dtype=dt) if cfg.mlp_bias else None
-        self.gate_up_packed: torch.Tensor | None = None  # oneDNN-packed weights (CausalLM.pack_cpu_weights)
-        self.down_packed: torch.Tensor | None = None
+        dt, hid, inter = cfg.dtype, cfg.hidden_size, cfg.intermediate_size
+        self.gate_up = Linear(2 * inter, hid, cfg.mlp_bias, dt, quantized)  # rows: gate | up
+        self.down = Linear(hid, inter, cfg.mlp_bias, dt, quantized)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
-        gate_up = _linear(x, self.gate_up_weight, self.gate_up_bias, self.gate_up_packed)  # [T, 2I]
-        act = self.ops.silu_mul(gate_up)  # [T, I]
-        return _linear(act, self.down_weight, self.down_bias, self.down_packed)
+        return self.down(self.ops.silu_mul(self.gate_up(x)))  # silu(gate) * up: [T, I]
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: KernelOps) -> None:
+    def __init__(self, cfg: ModelConfig, ops: KernelOps, quantized: bool) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype, ops)
-        self.self_attn = Attention(cfg, ops)
+        self.self_attn = Attention(cfg, ops, quantized)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype, ops)
-        self.mlp = MLP(cfg, ops)
+        self.mlp = MLP(cfg, ops, quantized)
 
     def forward(
         self,
@@ -206,27 +166,70 @@ class DecoderLayer(nn.Module):
         return self.mlp(self.post_attention_layernorm(h, add=attn))
 
 
+class WeightsInfo(NamedTuple):
+    format: str  # "float32", "bfloat16", or the GGUF block types served, e.g. "Q4_1+Q8_0"
+    kernels: str  # the quantized kernels' instruction set ("avx2", ...); "" for float weights
+    reason: str  # why those kernels, one line ("" for float weights)
+
+    def describe(self) -> str:
+        if not self.kernels:
+            return f"{self.format} (float weights)"
+        return f"{self.format} GGUF blocks, served as they are; kernels {self.reason}"
+
+
 class CausalLM(nn.Module):
     """Parameters are created uninitialized in `cfg.dtype` on the current default device; fill them with
-    `load_hf_weights`. `forward` writes this step's K/V into `kv_cache` and returns final-normed hidden states
+    `load_hf_weights` (float checkpoints) or `load_quantized_weights` (GGUF blocks, when built with
+    `quantized`). `forward` writes this step's K/V into `kv_cache` and returns final-normed hidden states
     (float32 whatever the weights' dtype).
     Both run under no_grad rather than inference_mode, so callers may edit the returned logits in place."""
 
-    def __init__(self, cfg: ModelConfig, ops: KernelOps, rope_table_len: int | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, ops: KernelOps, rope_table_len: int | None = None,
+                 quantized: bool = False) -> None:
         super().__init__()
         self.cfg = cfg
         self.ops = ops
-        self.embed_weight = _param(cfg.vocab_size, cfg.hidden_size, dtype=cfg.dtype)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, ops) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype, ops)
-        self.lm_head_weight = (
-            self.embed_weight if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size, dtype=cfg.dtype)
-        )
-        self.lm_head_packed: torch.Tensor | None = None  # oneDNN-packed LM head (pack_cpu_weights)
+        vocab, hid, dt = cfg.vocab_size, cfg.hidden_size, cfg.dtype
+        self.embed_weight = empty_param(*((0,) if quantized else (vocab, hid)), dtype=dt)
+        self.embed_quant: QuantWeight | None = None  # the token embedding as GGUF blocks (quantized models)
+        self.qops: QuantOps | None = None
+        self.layers = nn.ModuleList(DecoderLayer(cfg, ops, quantized) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(hid, cfg.rms_norm_eps, dt, ops)
+        tied = self.embed_weight if cfg.tie_word_embeddings else None
+        self.lm_head = Linear(vocab, hid, False, dt, quantized, weight=tied)
         # Plain tensors, not buffers: model.to(dtype) must not round the float32 tables.
         self._inv_freq = rope_inv_freq(cfg).to(self.embed_weight.device)  # [D/2]
         self._table = rope_tables(self._inv_freq, rope_table_len or min(cfg.max_model_len, DEFAULT_ROPE_TABLE_LEN))
         self._kv_views: tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
+
+    @property
+    def act_dtype(self) -> torch.dtype:
+        """The dtype activations (and RoPE tables) run in: float32 for quantized weights."""
+        return torch.float32 if self.embed_quant is not None else self.embed_weight.dtype
+
+    def linears(self) -> list[Linear]:
+        """Every projection, the LM head last."""
+        out: list[Linear] = []
+        for layer in self.layers:
+            out += [layer.self_attn.qkv, layer.self_attn.o, layer.mlp.gate_up, layer.mlp.down]
+        return [*out, self.lm_head]
+
+    def weights_info(self) -> WeightsInfo:
+        """How the weights are held and which kernels run them (the node's ready line and metrics say it)."""
+        if self.qops is None:
+            return WeightsInfo(str(self.embed_weight.dtype).removeprefix("torch."), "", "")
+        return WeightsInfo(self.cfg.weight_format.removeprefix("gguf:"), self.qops.isa.name, self.qops.isa.reason)
+
+    def weight_bytes(self) -> int:
+        """Bytes of weight a decode step reads: every projection and the LM head (the embedding rows a step
+        gathers are negligible)."""
+        return sum(lin.nbytes() for lin in self.linears())
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden] float32 (fresh)
+        if self.embed_quant is not None:
+            assert self.qops is not None
+            return self.qops.embedding(input_ids, self.embed_quant)
+        return F.embedding(input_ids, self.embed_weight).float()
 
     def _rope(self, positions: torch.Tensor) -> Rope:  # [T, 1, D] each, in the model dtype
         # One host sync per step (positions.max) buys the window check and the lazily grown table.
@@ -239,7 +242,7 @@ class CausalLM(nn.Module):
         table = self._table
         if top > table.cos.shape[0]:  # grow; entries already there come out identical
             table = self._table = rope_tables(self._inv_freq, max(top, 2 * table.cos.shape[0]))
-        dt = self.embed_weight.dtype
+        dt = self.act_dtype
         return Rope(
             table.cos.index_select(0, positions).to(dt)[:, None, :],
             table.sin.index_select(0, positions).to(dt)[:, None, :],
@@ -258,7 +261,7 @@ class CausalLM(nn.Module):
         (and may grow the RoPE table when a position is past it). `on_layer(i)` is called after layer i's
         ops were issued (engine.step_hook says what that means on CUDA)."""
         cos, sin = self._rope(positions)
-        h = F.embedding(input_ids, self.embed_weight).float()  # [T, hidden] float32 residual stream (fresh)
+        h = self._embed(input_ids)  # [T, hidden] float32 residual stream (fresh)
         pending = None  # the last layer's MLP output, added by the next layer's first norm
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, self._layer_caches(kv_cache), strict=True)):
             pending = layer(h, pending, cos, sin, meta, k_cache, v_cache)
@@ -281,38 +284,56 @@ class CausalLM(nn.Module):
 
         Half-precision weights: the LM head GEMM runs in the weights' dtype, whose rounded outputs are
         0.125 apart near a logit of 25, coarser than the gap between the two best tokens at many steps.
-        The REFINE_TOP best rows are recomputed in float32 from the float32 hidden state (a few
-        dot products per row), so greedy picks and top logprobs see float32 logits; the rest keep the
-        rounded values, which is enough for sampling."""
-        w = self.lm_head_weight
-        logits = _linear(hidden.to(w.dtype), w, None, self.lm_head_packed).float()  # [N, V]
-        if w.dtype == torch.float32 or logits.numel() == 0:
+        Quantized weights: the kernels round the activations to 8 bits per block. Either way the REFINE_TOP
+        best rows are recomputed in float32 from the float32 hidden state and the weight's own rows (the
+        dequantized blocks for a quantized head; a few dot products per row), so greedy picks and top
+        logprobs see the logits of the float model; the rest keep the rounded values, which is enough for
+        sampling."""
+        head = self.lm_head
+        exact_rows = self._head_rows()
+        if exact_rows is None:
+            return head(hidden)  # float32 weights: exact already
+        logits = head(hidden.to(self.embed_weight.dtype if head.groups is None else torch.float32)).float()  # [N, V]
+        if logits.numel() == 0:
             return logits
         top = self.ops.topk(logits, min(REFINE_TOP, logits.shape[1]))[1]  # [N, K]
-        exact = torch.bmm(w[top].float(), hidden.float()[:, :, None])[:, :, 0]  # [N, K, H] x [N, H, 1]
+        rows = exact_rows(top.reshape(-1)).view(*top.shape, -1)  # [N, K, H] float32
+        exact = torch.bmm(rows, hidden.float()[:, :, None])[:, :, 0]  # [N, K, H] x [N, H, 1]
         return logits.scatter_(1, top, exact)
+
+    def _head_rows(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """index [R] -> the LM head's rows as float32 [R, H], for heads whose GEMM rounds (half precision,
+        quantized); None for a float32 head."""
+        head = self.lm_head
+        if head.groups is not None:
+            group = head.groups[0]
+            if len(head.groups) != 1:
+                return None  # a head of mixed row types: no cheap exact rows (never written by the importers)
+            if isinstance(group, torch.Tensor):
+                return lambda index: group[index]
+            assert self.qops is not None
+            qops = self.qops
+            return lambda index: qops.embedding(index, group)
+        w = head.weight
+        if w.dtype == torch.float32:
+            return None
+        return lambda index: w[index].float()
 
     @torch.no_grad()
     def pack_cpu_weights(self) -> bool:
-        """Packs every linear weight (q/k/v, o, gate/up, down, the LM head) once into oneDNN's blocked
+        """Packs every float linear weight (q/k/v, o, gate/up, down, the LM head) once into oneDNN's blocked
         layout when `cpu_weight_packing` allows it for this model's dtype on a CPU. A step's outputs are
         the same bits as before; its GEMMs are 1.2-2x faster at decode batch sizes. The layers' plain
         weights are then freed (the packed copies replace them); the embedding, which the LM head may
-        share, stays. Call after load_hf_weights. Returns whether it packed."""
+        share, stays. Call after loading. Returns whether it packed."""
         w0 = self.embed_weight
-        if w0.device.type != "cpu" or not cpu_weight_packing(w0.dtype) or self.lm_head_packed is not None:
+        if (w0.device.type != "cpu" or self.embed_quant is not None or not cpu_weight_packing(w0.dtype)
+                or self.lm_head.packed is not None):
             return False
-
-        def pack(w: torch.Tensor) -> torch.Tensor:
-            return torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_BATCH_HINT)
-
-        for layer in self.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            attn.qkv_packed, attn.o_packed = pack(attn.qkv_weight), pack(attn.o_weight)
-            mlp.gate_up_packed, mlp.down_packed = pack(mlp.gate_up_weight), pack(mlp.down_weight)
-            for p in (attn.qkv_weight, attn.o_weight, mlp.gate_up_weight, mlp.down_weight):
-                p.data = p.data.new_empty(0)  # only the packed copy is read from now on
-        self.lm_head_packed = pack(self.lm_head_weight)
+        for lin in self.linears():
+            lin.pack()
+            if lin is not self.lm_head:  # the head's plain rows give the exact top logits (compute_logits)
+                lin.weight.data = lin.weight.data.new_empty(0)  # only the packed copy is read from now on
         return True
 
     @torch.no_grad()
@@ -321,31 +342,73 @@ class CausalLM(nn.Module):
         the parameter dtype/device. Changes every parameter; raises whatever `get` raises for a missing or
         misshapen tensor."""
         cfg = self.cfg
-        hid, q, kv, inter, d = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size, cfg.head_dim
-        self.embed_weight.copy_(get("model.embed_tokens.weight", (cfg.vocab_size, hid)))
+        self.embed_weight.copy_(get("model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size)))
+        self._load_small(get)
+        for lin, parts, biases in self._sources():
+            lo = 0
+            for name, shape in parts:
+                lin.weight[lo : lo + shape[0]].copy_(get(name, shape))
+                lo += shape[0]
+            if lin.bias is not None:
+                _copy_rows(lin.bias, [get(name, shape) for name, shape in biases])
+
+    @torch.no_grad()
+    def load_quantized_weights(self, get: WeightGetter, get_weight: QuantGetter, qops: QuantOps) -> None:
+        """Serves the projections, the LM head and the embedding from GGUF blocks: `get_weight` hands out
+        a QuantWeight (or a float32 tensor for a type the kernels don't run), `get` the small float tensors
+        (norms, biases). Changes every parameter; raises what the getters raise."""
+        cfg = self.cfg
+        self.qops = qops
+        embed = get_weight("model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size))
+        if isinstance(embed, QuantWeight):
+            self.embed_quant = embed
+        else:
+            self.embed_weight.data = embed.to(self.embed_weight.dtype)
+        self._load_small(get)
+        for lin, parts, biases in self._sources():
+            if lin is self.lm_head and cfg.tie_word_embeddings:
+                lin.set_quantized([embed if isinstance(embed, QuantWeight) else embed.float()], qops)
+                continue
+            lin.set_quantized([get_weight(name, shape) for name, shape in parts], qops)
+            if lin.bias is not None:
+                _copy_rows(lin.bias, [get(name, shape) for name, shape in biases])
+
+    def _load_small(self, get: WeightGetter) -> None:
+        """The norms, whatever form the projections take."""
+        cfg = self.cfg
+        hid, d = cfg.hidden_size, cfg.head_dim
         self.norm.weight.copy_(get("model.norm.weight", (hid,)))
-        if not cfg.tie_word_embeddings:
-            self.lm_head_weight.copy_(get("lm_head.weight", (cfg.vocab_size, hid)))
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
-            attn, mlp = layer.self_attn, layer.mlp
             layer.input_layernorm.weight.copy_(get(p + "input_layernorm.weight", (hid,)))
             layer.post_attention_layernorm.weight.copy_(get(p + "post_attention_layernorm.weight", (hid,)))
-            spans = (("q_proj", 0, q), ("k_proj", q, q + kv), ("v_proj", q + kv, q + 2 * kv))
-            for name, lo, hi in spans:
-                attn.qkv_weight[lo:hi].copy_(get(f"{p}self_attn.{name}.weight", (hi - lo, hid)))
-                if attn.qkv_bias is not None:
-                    attn.qkv_bias[lo:hi].copy_(get(f"{p}self_attn.{name}.bias", (hi - lo,)))
-            attn.o_weight.copy_(get(p + "self_attn.o_proj.weight", (hid, q)))
-            if attn.o_bias is not None:
-                attn.o_bias.copy_(get(p + "self_attn.o_proj.bias", (hid,)))
+            attn = layer.self_attn
             if attn.q_norm is not None and attn.k_norm is not None:
                 attn.q_norm.weight.copy_(get(p + "self_attn.q_norm.weight", (d,)))
                 attn.k_norm.weight.copy_(get(p + "self_attn.k_norm.weight", (d,)))
-            for name, lo, hi in (("gate_proj", 0, inter), ("up_proj", inter, 2 * inter)):
-                mlp.gate_up_weight[lo:hi].copy_(get(f"{p}mlp.{name}.weight", (inter, hid)))
-                if mlp.gate_up_bias is not None:
-                    mlp.gate_up_bias[lo:hi].copy_(get(f"{p}mlp.{name}.bias", (inter,)))
-            mlp.down_weight.copy_(get(p + "mlp.down_proj.weight", (hid, inter)))
-            if mlp.down_bias is not None:
-                mlp.down_bias.copy_(get(p + "mlp.down_proj.bias", (hid,)))
+
+    def _sources(self) -> list[tuple[Linear, list[tuple[str, tuple[int, int]]], list[tuple[str, tuple[int]]]]]:
+        """Each projection with the checkpoint tensors that fill its rows, in order: (linear, weights, biases)."""
+        cfg = self.cfg
+        hid, q, kv, inter = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
+        out: list[tuple[Linear, list[tuple[str, tuple[int, int]]], list[tuple[str, tuple[int]]]]] = []
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv = [(f"{p}self_attn.{n}", rows) for n, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv))]
+            mlp_in = [(f"{p}mlp.{n}", inter) for n in ("gate_proj", "up_proj")]
+            for lin, srcs, cols in ((attn.qkv, qkv, hid), (attn.o, [(f"{p}self_attn.o_proj", hid)], q),
+                                    (mlp.gate_up, mlp_in, hid), (mlp.down, [(f"{p}mlp.down_proj", hid)], inter)):
+                out.append((lin, [(f"{n}.weight", (r, cols)) for n, r in srcs], [(f"{n}.bias", (r,)) for n, r in srcs]))
+        if not cfg.tie_word_embeddings:
+            out.append((self.lm_head, [("lm_head.weight", (cfg.vocab_size, hid))], []))
+        else:
+            out.append((self.lm_head, [], []))
+        return out
+
+
+def _copy_rows(dst: torch.Tensor, parts: list[torch.Tensor]) -> None:
+    lo = 0
+    for t in parts:
+        dst[lo : lo + t.shape[0]].copy_(t)
+        lo += t.shape[0]

@@ -37,6 +37,7 @@ DTYPE_NAMES: dict[str, str] = {
 }
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_SINGLE = "model.safetensors"
+GGUF_WEIGHTS = "model.gguf"  # a directory holding it serves its quantized blocks (engine.gguf_weights)
 # Checkpoints up to this size are hashed completely; larger ones are sampled (see `weights_digest`).
 FULL_HASH_LIMIT_BYTES = 256 * 1024 * 1024
 SAMPLED_ROWS_PER_TENSOR = 8
@@ -74,6 +75,9 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]  # sorted; generation_config.json's when it has them, else config.json's
     bos_token_id: int | None
     weights_digest: str = ""  # hex digest of the tensors (see `weights_digest`); "" when not computed
+    # "" for float weights in `dtype_name`; "gguf:Q4_1+Q8_0" for a directory serving its GGUF's blocks
+    # (engine.gguf_weights; activations then run in float32)
+    weight_format: str = ""
 
     def __post_init__(self) -> None:
         positive = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
@@ -394,4 +398,10 @@ def load_model_config(path: str | Path) -> ModelConfig:
     gen_path = root / "generation_config.json"
     generation = read_json(gen_path) if gen_path.exists() else None
     config = parse_model_config(raw, generation, config_path)  # config errors first, before the weights
+    gguf = root / GGUF_WEIGHTS
+    if gguf.is_file():
+        from pdserve.engine.gguf_scan import gguf_weight_format, gguf_weights_digest
+
+        return dataclasses.replace(config, weights_digest=gguf_weights_digest(gguf),
+                                   weight_format=gguf_weight_format(gguf))
     return dataclasses.replace(config, weights_digest=weights_digest(weight_files(root)))

@@ -70,6 +70,7 @@ class _Node:
     service_name: str  # the health service name of the node's own service
     drainer: Drainer
     watch: HealthWatch
+    weights: str  # how the engine holds its weights, for the ready line (WeightsInfo.describe)
 
 
 async def run_node(
@@ -103,6 +104,7 @@ async def run_node(
             "node_id": config.node_id, "role": role, "grpc_address": node.ctx.record.grpc_address,
             "kv_address": node.ctx.record.kv_address, "metrics_address": metrics_server.address,
             "pid": os.getpid(), "fingerprint": node.ctx.fingerprint,
+            "weights": node.weights,
         }), flush=True)
         unhealthy = await _serve_until_signalled(node)
         if unhealthy is not None:
@@ -136,7 +138,8 @@ async def _build(config: NodeConfig, role: str, make_service: type[NodeService],
     # None unless an OTLP endpoint is configured; span times are this process's time.monotonic readings.
     ctx.tracer = start_tracing(config.tracing, f"pdserve-{role}", {"service.instance.id": config.node_id},
                                time.monotonic)
-    metrics.set_info(ctx.fingerprint, str(engine.dtype).removeprefix("torch."), config.engine.block_size)
+    metrics.set_info(ctx.fingerprint, str(engine.dtype).removeprefix("torch."), config.engine.block_size,
+                     engine.weights.format, engine.weights.kernels)
     service = make_service(ctx)
     metrics.bind(service.node_load)
     server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=config.rpc.server_interceptors())
@@ -147,7 +150,7 @@ async def _build(config: NodeConfig, role: str, make_service: type[NodeService],
     await health.set(service_name, health_pb2.HealthCheckResponse.NOT_SERVING)
     drainer = Drainer(service, health, service_name, config.drain_timeout_s)
     pb_grpc.add_NodeControlServicer_to_server(NodeControlServicer(drainer, service), server)
-    return _Node(ctx, service, server, health, service_name, drainer, watch)
+    return _Node(ctx, service, server, health, service_name, drainer, watch, engine.weights.describe())
 
 
 def _record(ctx: NodeContext, port: int) -> NodeRecord:

@@ -214,11 +214,22 @@ def test_real_greedy_text_equals_transformers(smollm2_dir: Path, reference: tupl
 
 def test_cli_generate_serves_smollm2_by_default(smollm2_dir: Path, capsys: pytest.CaptureFixture[str],
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """By default the GGUF's Q4_1 blocks as they are (a directory holding a hard link to the verified
+    file); --weights float: the dequantized float32 directory."""
+    from pdserve.engine.default_model import GGUF_DIR_NAME, GGUF_MEMBER
+
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(smollm2_dir.parent))
-    rc, out, err = run_cli(["generate", "--chat", "--prompt", "What is the capital of France?"], capsys)
-    assert rc == 0, err
-    assert out.strip() == "The capital of France is Paris.", out
-    assert f"model={smollm2_dir}" in err
+    for flags, model_dir, weights in (([], smollm2_dir.parent / GGUF_DIR_NAME, "weights=Q4_1+Q8_0/"),
+                                      (["--weights", "float"], smollm2_dir, " weights=")):
+        rc, out, err = run_cli(["generate", "--chat", "--prompt", "What is the capital of France?", *flags], capsys)
+        assert rc == 0, err
+        assert f"model={model_dir} " in err and weights in err, err
+        if flags:  # the float weights give transformers' answer token for token
+            assert out.strip() == "The capital of France is Paris.", out
+        else:
+            assert out.strip(), err
+    linked = smollm2_dir.parent / GGUF_DIR_NAME / "model.gguf"
+    assert linked.stat().st_ino == (smollm2_dir.parent / Path(GGUF_MEMBER).name).stat().st_ino
 
 
 # -- the default model: fetch failures, races, --model values ------------------------------------------
@@ -254,7 +265,7 @@ def test_concurrent_fetches_import_once(tmp_path: Path, smollm2_gguf: Path, monk
         at_lock.append(path)
         return real_lock(path)
 
-    def fake_import(src: Path, out: Path, dtype: str, progress: object = None) -> Path:
+    def fake_import(src: Path, out: Path, dtype: str, progress: object = None, weights: str = "float") -> Path:
         calls.append(Path(out))
         wait_until(lambda: len(at_lock) == 3, 30, "the other fetches to queue on the lock")
         Path(out).mkdir()

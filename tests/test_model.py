@@ -276,8 +276,8 @@ def test_packed_cpu_weights_give_the_same_bits(tiny_model_dir: Callable[[str], P
         pytest.skip("no oneDNN bfloat16 packing on this CPU")
     packed = load_model(tiny_model_dir(arch), dtype=torch.bfloat16)
     plain = load_model(tiny_model_dir(arch), dtype=torch.bfloat16, pack_weights=False)
-    assert packed.model.lm_head_packed is not None and plain.model.lm_head_packed is None
-    assert all(layer.mlp.down_weight.numel() == 0 for layer in packed.model.layers)
+    assert packed.model.lm_head.packed is not None and plain.model.lm_head.packed is None
+    assert all(layer.mlp.down.weight.numel() == 0 for layer in packed.model.layers)
     prompts = random_prompts([9, 26, 1], packed.config.vocab_size, seed=7)
     logits = {}
     for name, m in (("packed", packed), ("plain", plain)):

@@ -35,11 +35,19 @@ def endpoint(cfg: LauncherConfig, slot: Slot, etcd_endpoints: Sequence[str]) -> 
 def served_dtype(cfg: LauncherConfig) -> str:
     """The dtype the nodes will serve in and why (what each node also logs at start)."""
     from pdserve.engine.dtype import checkpoint_dtype_name, resolve_dtype
+    from pdserve.engine.model_config import GGUF_WEIGHTS
 
+    quantized = (Path(cfg.model) / GGUF_WEIGHTS).is_file()
     try:
-        return resolve_dtype(cfg.dtype, checkpoint_dtype_name(cfg.model), "cpu").reason
+        return resolve_dtype(cfg.dtype, checkpoint_dtype_name(cfg.model), "cpu", quantized=quantized).reason
     except (OSError, ValueError) as e:
         return f"{cfg.dtype} (checkpoint dtype unreadable: {e})"
+
+
+def _weights(slots: Sequence[Slot]) -> str:
+    """How the nodes hold the weights, as their ready lines said (every node of a pool loads the same)."""
+    said = {str(s.info["weights"]) for s in slots if s.pool in ("prefill", "decode") and s.info.get("weights")}
+    return " | ".join(sorted(said)) or "unknown (no node said)"
 
 
 def print_banner(out: Console, cfg: LauncherConfig, slots: Sequence[Slot], etcd_endpoints: Sequence[str],
@@ -62,6 +70,7 @@ def print_banner(out: Console, cfg: LauncherConfig, slots: Sequence[Slot], etcd_
     out.print(
         f"\n[bold green]pdserve is up[/bold green]: {model}, {_shape(cfg)}, cluster {cfg.cluster!r}\n"
         f"  dtype      {served_dtype(cfg)}\n"
+        f"  weights    {_weights(slots)}\n"
         f"  cores      {_cores(cfg)}\n\n"
         f"  URL        {url}/v1  (OpenAI-compatible)\n\n"
         f"  curl       curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
