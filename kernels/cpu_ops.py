@@ -226,11 +226,12 @@ class CpuOps(TorchOps):
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  add: torch.Tensor | None = None) -> torch.Tensor:
-        """As KernelOps.rms_norm (the same bits), in one extension call for float32 rows [T, H] and bfloat16 /
-        float16 weights on a CPU: the add, the sum of squares in the order torch's sum kernel takes (see
-        `_torch_sum_lanes`), the scale and both roundings in one pass over each row. Float32 weights and
-        other shapes take the torch ops."""
-        if (self._norm_lanes is None or x.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float16)
+        """As KernelOps.rms_norm (the same bits), in one extension call for float32 rows [T, H] and float32,
+        bfloat16 or float16 weights on a CPU: the add, the sum of squares in the order torch's sum kernel
+        takes (see `_torch_sum_lanes`), the scale and the roundings in one pass over each row. Other shapes
+        take the torch ops."""
+        if (self._norm_lanes is None or x.device.type != "cpu"
+                or weight.dtype not in (torch.bfloat16, torch.float16, torch.float32)
                 or x.dtype != torch.float32 or x.dim() != 2 or x.stride(-1) != 1):
             return super().rms_norm(x, weight, eps, add)
         if add is not None and (add.dim() != 2 or add.stride(-1) != 1 or add.dtype not in (torch.float32, weight.dtype)):

@@ -1058,15 +1058,16 @@ torch::Tensor sum_sq_rows(torch::Tensor x, int64_t lanes) {
 
 torch::Tensor rms_norm_half(torch::Tensor x,                     // [T, H] float32, unit last stride; changed
                             c10::optional<torch::Tensor> add,    // [T, H] float32 or weight's dtype, or None
-                            torch::Tensor weight,                // [H] bfloat16 or float16, contiguous
+                            torch::Tensor weight,                // [H] float32, bfloat16 or float16, contiguous
                             double eps,
                             int64_t lanes) {                     // -> [T, H] in weight's dtype
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kFloat,
               "x must be [T, H] float32 with unit last stride");
   const int64_t T_ = x.size(0), H = x.size(1);
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == H && weight.is_contiguous() &&
-                  (weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kHalf),
-              "weight must be [H] bfloat16 or float16, contiguous");
+                  (weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kHalf ||
+                   weight.scalar_type() == at::kFloat),
+              "weight must be [H] float32, bfloat16 or float16, contiguous");
   const bool has_add = add.has_value() && add->defined();
   if (has_add)
     TORCH_CHECK(add->dim() == 2 && add->size(0) == T_ && add->size(1) == H && add->stride(1) == 1 &&
@@ -1087,7 +1088,8 @@ torch::Tensor rms_norm_half(torch::Tensor x,                     // [T, H] float
       rms_norm_rows<W, W>(x.data_ptr<float>(), x.stride(0), add->data_ptr<W>(), add->stride(0), w, o, T_, H, e, lanes);
   };
   if (weight.scalar_type() == at::kBFloat16) run(at::BFloat16());
-  else run(at::Half());
+  else if (weight.scalar_type() == at::kHalf) run(at::Half());
+  else run(float());  // half_round<float> is the identity: torch's (x * r) * w in float32
   return out;
 }
 
@@ -1138,7 +1140,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("store_kv", &store_kv, "this step's K/V rows into their CPU cache slots");
   m.def("rotary", &rotary, "rotate-half RoPE of [T, H, D] rows, the same bits as the torch ops");
   m.def("argmax_rows", &argmax_rows, "row-wise argmax of [N, V] float32, torch's ties and NaN rule");
-  m.def("rms_norm_half", &rms_norm_half, "x += add, then RMSNorm of float32 rows into half-precision weights");
+  m.def("rms_norm_half", &rms_norm_half, "x += add, then RMSNorm of float32 rows times float32 or half-precision weights");
   m.def("sum_sq_rows", &sum_sq_rows, "row sums of squares in torch's cascade-sum order at a vector width");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of fused [T, 2I] half-precision rows");
   m.def("topk_rows", &topk_rows, "the k largest of each row of [N, V] float32, sorted; lower index wins ties");
