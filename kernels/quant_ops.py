@@ -2,9 +2,10 @@
 
 A decode step reads every weight once, so at 1-64 activation rows its time is the weight bytes read and
 the integer dot-product rate: `QuantOps.matmul` reads a Q4_K weight's 4.5 bits per value where float32
-F.linear reads 32. The kernels (csrc/cpu_quant.cpp) quantize the activation rows to int8 per group of 32
-once per call and take integer multiply-adds per group against the weight quants, scaled into float32;
-see the source for the method. One binary serves every x86-64 CPU (compiled for the baseline ISA, no
+F.linear reads 32. The kernels (csrc/cpu_quant.cpp) quantize the activation rows to int8 once per call
+(per 32 values; per 256 for the K types at up to ROW_MAX_M rows) and take integer multiply-adds per group
+against the weight quants, scaled into float32: at 1-2 activation rows one weight row at a time decoded in
+registers, at more in panels of 16 (8) rows decoded into vector lanes; see the source for the method. One binary serves every x86-64 CPU (compiled for the baseline ISA, no
 -march=native); its AVX2 and AVX-512 VNNI functions carry their own target attributes, and `choose_isa`
 picks the widest path this CPU has (PDSERVE_QUANT_ISA forces one). The extension is compiled on first use
 (cached in cpu_ops.extension_dir(), keyed by source and flags) and loads in well under a second after.
@@ -123,6 +124,10 @@ def load_extension() -> ModuleType:
 
 
 _TYPE_INDEX = {name: i for i, name in enumerate(QUANT_TYPES)}
+# Activation rows up to which a matmul takes the row kernels (each weight row decoded in registers, in its
+# own order); more take the panels (16 / 8 rows decoded into lanes, then dotted with every activation row).
+# Measured crossover on Zen 4 (AVX2 and AVX-512 paths alike); at most 4 (the extension's limit).
+ROW_MAX_M = 2
 
 
 class QuantOps:
@@ -146,8 +151,9 @@ class QuantOps:
                out: torch.Tensor | None = None) -> torch.Tensor:  # [M, N] float32
         """x [M, K] float32 @ w.dequantize().T (+ bias [N]), into `out` ([M, N] float32 with unit column
         stride, e.g. a column slice of a wider output) when given. The activations are rounded to int8
-        per group of 32 (see the module docstring), so the result differs from the float product by at
-        most sum over groups of d / 2 * sum |w| (d the group's activation scale, max |x| / 127).
+        per span of 32 (256 for the K types at up to ROW_MAX_M rows), so the result differs from the
+        float product by at most sum over spans of d / 2 * sum |w| (d the span's scale, max |x| / 127),
+        plus float32 rounding.
         Called for every projection of every layer at each step: the checks are few attribute reads."""
         if x.dtype is not torch.float32 or not x.is_cpu or x.dim() != 2 or x.shape[1] != w.cols:
             raise ValueError(f"x must be float32 [M, {w.cols}] on the CPU for a {w.type_name} weight "
@@ -176,7 +182,7 @@ class QuantOps:
                 bias = bias.to(torch.float32).contiguous()
             bias_ptr = bias.data_ptr()
         self._ext.matmul(self._isa_index, _TYPE_INDEX[w.type_name], x.data_ptr(), m, sx[0], w.data.data_ptr(),
-                         n, k, bias_ptr, out.data_ptr(), ldo, torch.get_num_threads())
+                         n, k, bias_ptr, out.data_ptr(), ldo, torch.get_num_threads(), ROW_MAX_M)
         return out
 
     def embedding(self, ids: torch.Tensor, w: QuantWeight) -> torch.Tensor:  # [T, K] float32

@@ -2,11 +2,13 @@
 a file's bytes, the float reference, row selection and stacking, the quantizers' error and stability) and
 `kernels.quant_ops` (matmul and embedding on every ISA path this CPU has, against x @ dequantize(w).T).
 
-Tolerance of matmul. The kernels round each activation group of 32 to int8 with scale d = max|x| / 127,
-so each activation moves by at most d / 2 and an output by at most sum_g d_g / 2 * sum_{i in g} |w_i|
-(`rounding_bound`); on top of that the float32 sums of the group products may round, by at most
-FLOAT_RTOL of sum |w| |x|. Where every activation group is exactly d * (integers up to 127) with d a
-power of two, the int8 rounding is exact and only the float32 part remains.
+Tolerance of matmul. The kernels round each span of activations (32 values; 256 for the K types in the
+row kernels, at up to quant_ops.ROW_MAX_M activation rows) to int8 with scale d = max|x| / 127, so each activation moves by at most d / 2 and
+an output by at most sum over spans of d / 2 * sum |w| (`rounding_bound`, taken over spans of 256 for the
+K types, which bounds both); on top of that the float32 sums of the group products may round, by at most
+FLOAT_RTOL of sum |w| |x|. Where every activation group of 32 is exactly d * (integers up to 127, one of
+them +-127) with d a power of two shared by its 256, the int8 rounding is exact and only the float32 part
+remains.
 """
 
 from __future__ import annotations
@@ -164,22 +166,22 @@ def random_weight(type_name: str, rows: int, cols: int, seed: int) -> QuantWeigh
     return QuantWeight.from_raw("random", type_name, (rows, cols), raw.reshape(-1))
 
 
-def rounding_bound(x: torch.Tensor, w_abs: torch.Tensor) -> torch.Tensor:  # [M, N] float64
-    """The most the int8 rounding of x's groups of 32 can move each output: sum_g d_g / 2 * sum |w|."""
+def rounding_bound(x: torch.Tensor, w_abs: torch.Tensor, span: int) -> torch.Tensor:  # [M, N] float64
+    """The most the int8 rounding of x's spans can move each output: sum over spans of d / 2 * sum |w|."""
     m, k = x.shape
-    d = x.abs().reshape(m, k // 32, 32).amax(-1) / 127.0  # [M, K/32]
-    half = (d / 2).repeat_interleave(32, dim=1)  # [M, K]
+    d = x.abs().reshape(m, k // span, span).amax(-1) / 127.0  # [M, K/span]
+    half = (d / 2).repeat_interleave(span, dim=1)  # [M, K]
     return (half.double() * 1.0001) @ w_abs.T
 
 
 def check_matmul(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-                 exact_x: bool = False) -> None:
+                 exact_x: bool = False, span: int = 32) -> None:
     w64 = w.double()
     ref = x.double() @ w64.T + (0 if bias is None else bias.double())
     scale = x.double().abs() @ w64.abs().T  # [M, N]
     tol = FLOAT_RTOL * scale + 1e-30
     if not exact_x:
-        tol = tol + rounding_bound(x, w64.abs())
+        tol = tol + rounding_bound(x, w64.abs(), span)
     err = (got.double() - ref).abs()
     worst = (err / tol).max().item() if err.numel() else 0.0
     assert worst <= 1.0, f"error {worst:.3g} x the tolerance (max abs err {err.max().item():.3g})"
@@ -205,24 +207,42 @@ def test_matmul_matches_the_float_reference(type_name: str, isa: str) -> None:
         qw = random_weight(type_name, n, k, seed=100 * i + len(type_name))
         w = qw.dequantize()
         x = torch.randn(m, k, generator=gen) * torch.rand(m, 1, generator=gen) * 4
-        check_matmul(ops.matmul(x, qw), x, w)
+        check_matmul(ops.matmul(x, qw), x, w, span=block_layout(type_name)[0])
 
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("type_name", QUANT_TYPES)
 def test_matmul_is_exact_up_to_float_rounding_on_8bit_activations(type_name: str, isa: str) -> None:
-    """Each activation group is 2^e times integers in [-127, 127] with one at +-127: the int8 rounding
-    loses nothing, only float32 sums remain (no rounding_bound in the tolerance)."""
+    """Each activation group of 32 is 2^e times integers in [-127, 127] with one at +-127, e shared by
+    its 256: the int8 rounding loses nothing in spans of 32 or 256, only float32 sums remain (no
+    rounding_bound in the tolerance). At 2 rows (the row kernels) and 9 (the panels)."""
     ops = _ops(isa)
     gen = torch.Generator().manual_seed(3)
-    m, n = 5, 19
-    k = _cols(type_name, 2 if block_layout(type_name)[0] == 256 else 9)
+    n = 19
+    k = _cols(type_name, 2 if block_layout(type_name)[0] == 256 else 16)
     qw = random_weight(type_name, n, k, seed=11)
-    ints = torch.randint(-127, 128, (m, k // 32, 32), generator=gen)
-    ints[:, :, 0] = 127 * torch.where(torch.rand(m, k // 32, generator=gen) < 0.5, 1, -1)
-    exps = torch.randint(-12, 4, (m, k // 32, 1), generator=gen)
-    x = (ints.double() * torch.pow(2.0, exps.double())).float().reshape(m, k)
-    check_matmul(ops.matmul(x, qw), x, qw.dequantize(), exact_x=True)
+    for m in (2, 9):
+        ints = torch.randint(-127, 128, (m, k // 32, 32), generator=gen)
+        ints[:, :, 0] = 127 * torch.where(torch.rand(m, k // 32, generator=gen) < 0.5, 1, -1)
+        exps = torch.randint(-12, 4, (m, k // 256, 1, 1), generator=gen).expand(m, k // 256, 8, 1)
+        x = (ints.double() * torch.pow(2.0, exps.reshape(m, k // 32, 1).double())).float().reshape(m, k)
+        check_matmul(ops.matmul(x, qw), x, qw.dequantize(), exact_x=True)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("type_name", QUANT_TYPES)
+def test_row_kernels_up_to_their_limit(type_name: str, isa: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The row kernels take up to 4 activation rows (quant_ops serves only up to ROW_MAX_M with them)."""
+    from pdserve.kernels import quant_ops
+
+    monkeypatch.setattr(quant_ops, "ROW_MAX_M", 4)
+    ops = _ops(isa)
+    k = _cols(type_name, 2 if block_layout(type_name)[0] == 256 else 12)
+    qw = random_weight(type_name, 23, k, seed=8)
+    bias = torch.randn(23)
+    for m in (1, 2, 3, 4):
+        x = torch.randn(m, k) * 3
+        check_matmul(ops.matmul(x, qw, bias), x, qw.dequantize(), bias, span=block_layout(type_name)[0])
 
 
 @pytest.mark.parametrize("type_name", QUANT_TYPES)
@@ -231,12 +251,14 @@ def test_isa_paths_agree(type_name: str) -> None:
     paths = available_isas()
     k = _cols(type_name, 4 if block_layout(type_name)[0] == 256 else 24)
     qw = random_weight(type_name, 45, k, seed=5)
-    x = torch.randn(21, k)
-    results = {isa: _ops(isa).matmul(x, qw) for isa in paths}
-    scale = x.double().abs() @ qw.dequantize().double().abs().T
-    for isa, y in results.items():
-        err = (y.double() - results["portable"].double()).abs()
-        assert torch.all(err <= 2 * FLOAT_RTOL * scale + 1e-30), (isa, (err / scale).max().item())
+    w_abs = qw.dequantize().double().abs()
+    for m in (2, 21):  # the row kernels and the panels
+        x = torch.randn(m, k)
+        results = {isa: _ops(isa).matmul(x, qw) for isa in paths}
+        scale = x.double().abs() @ w_abs.T
+        for isa, y in results.items():
+            err = (y.double() - results["portable"].double()).abs()
+            assert torch.all(err <= 2 * FLOAT_RTOL * scale + 1e-30), (isa, m, (err / scale).max().item())
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -250,12 +272,15 @@ def test_matmul_strided_x_bias_and_out(isa: str) -> None:
     check_matmul(ops.matmul(x, qw, bias), x, w, bias)
     xt = torch.randn(512, 6).T  # column-major: made contiguous
     check_matmul(ops.matmul(xt, qw), xt, w)
-    shuffled = wide[torch.tensor([4, 0, 5, 2]), 100:612]
-    check_matmul(ops.matmul(shuffled, qw), shuffled, w)
+    shuffled = wide[torch.tensor([4, 0]), 100:612]  # 2 rows: the row kernels, spans of 256
+    check_matmul(ops.matmul(shuffled, qw), shuffled, w, span=256)
+    check_matmul(ops.matmul(shuffled, qw, bias), shuffled, w, bias, span=256)
     out = torch.full((6, 50), 7.0)
     y = ops.matmul(x, qw, bias, out=out[:, 5:42])
     assert y.data_ptr() == out[:, 5:42].data_ptr()
     check_matmul(out[:, 5:42], x, w, bias)
+    ops.matmul(x[:2], qw, bias, out=out[:2, 5:42])
+    check_matmul(out[:2, 5:42], x[:2], w, bias, span=256)
     assert torch.all(out[:, :5] == 7) and torch.all(out[:, 42:] == 7)
     assert ops.matmul(x[:0], qw).shape == (0, 37)
     with pytest.raises(ValueError, match="x must be"):

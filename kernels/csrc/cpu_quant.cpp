@@ -4,22 +4,26 @@
 // functions carry their own target attributes; Python picks the path (quant_ops.choose_isa) and passes it
 // in, and `isa_supported` refuses a path this CPU cannot run.
 //
-// Method. y[m, n] = sum_k x[m, k] * w[n, k]. Each call first quantizes the activation rows to int8 in groups
-// of 32 (a float scale d per group; the group's int sum, kept per 16, for the weight offsets and mins).
-// Every served type reads as groups of 32 weights w = a * q + b, q an unsigned integer of 4 to 8 bits,
-// with one (a, b) per group (per 16 for Q6_K); b is an integer offset times a for the symmetric types
-// (Q8_0, Q4_0, Q5_0, Q6_K) and a float min for the others (Q4_1, Q4_K, Q5_K). So a group contributes
+// Method. y[m, n] = sum_k x[m, k] * w[n, k]. Each call first quantizes the activation rows to int8 (one
+// float scale d per span of 32 values, or 256 for the K types in the row kernels; the spans' int sums kept
+// per 16 for the weight offsets and mins). Every served type reads as groups of 32 weights w = a * q + b, q
+// an unsigned integer of 4 to 8 bits, with one (a, b) per group (per 16 for Q6_K); b is an integer offset
+// times a for the symmetric types (Q8_0, Q4_0, Q5_0, Q6_K) and a float min for the others (Q4_1, Q4_K,
+// Q5_K). So a group contributes
 //   a * d * sum(q * xq) + b-term,  sum(q * xq) an exact integer dot product,
 // with the offset folded into the integer sum (-offset * sum(xq)) and the min as b * d * sum(xq).
 //
-// The SIMD paths take weight rows in panels of one vector's lanes (16 rows AVX-512, 8 rows AVX2): each
-// 4-byte lane of a decoded vector holds four consecutive quants of one row, so one VPDPBUSD (AVX2:
-// PMADDUBSW + PMADDWD) against four broadcast activation bytes advances 16 (8) rows at once and every lane
-// is a separate output; no horizontal sums. A panel is decoded from the GGUF bytes (16-byte loads of each
-// row transposed to lanes by unpacks, nibbles and high bits split, scales widened) a chunk of groups at a
-// time into an L1 buffer, and every activation row of the call is dotted against it there, so each weight
-// byte is read from memory once per call and decoded once per block of MB activation rows.
-// OpenMP threads split the panels.
+// Two kernel shapes. The row kernels (1-2 activation rows, quant_ops.ROW_MAX_M) read each weight row once,
+// decode its blocks in registers in their own order and dot them with every activation row there; the K
+// types apply their sub-block scales in the integers (PMADDWD by the scale), floats only once per 256.
+// The panel kernels (more rows) take weight rows in panels of one vector's lanes (16 rows AVX-512, 8 rows
+// AVX2): each 4-byte lane of a decoded vector holds four consecutive quants of one row, so one VPDPBUSD
+// (AVX2: PMADDUBSW + PMADDWD) against four broadcast activation bytes advances 16 (8) rows at once and
+// every lane is a separate output; no horizontal sums. A panel is decoded from the GGUF bytes (16-byte
+// loads of each row transposed to lanes by unpacks, nibbles and high bits split, scales widened) a chunk
+// of groups at a time into an L1 buffer, and every activation row of a block of MB is dotted against it
+// there, so each weight byte is read from memory once per call and decoded once per MB activation rows.
+// OpenMP threads split the rows (panels).
 
 #include <pybind11/pybind11.h>
 
@@ -71,6 +75,7 @@ constexpr TypeInfo TYPES[NUM_TYPES] = {
 
 constexpr int KC = 32;   // groups of 32 per decoded chunk (a multiple of 8: whole K-type blocks)
 constexpr int MB = 64;   // activation rows per block: one panel decode serves this many rows
+constexpr int ROW_MAX_M = 4;  // the most activation rows the row kernels take
 constexpr int64_t KEEP_SCRATCH_BYTES = 8 << 20;  // activation scratch a thread keeps between calls
 constexpr int64_t MIN_THREAD_WORK = 1 << 16;  // row-group units below which another thread does not pay
 
@@ -197,48 +202,67 @@ struct XGroup {
   float d;
   float s;
   int32_t o[2];
+  float od;  // d * o[0]: the row kernels' offset term, per unit of weight scale
+};
+
+// Per activation row and block of 256 (the K types' row kernels): the block's scale and the sums of its
+// int8 values per 16.
+struct XBlock {
+  float d;
+  int16_t bsum[16];    // per 16
+  int16_t bsum32[8];   // per 32
 };
 
 struct XQuant {
   std::vector<int8_t> q;     // [M, K]
   std::vector<XGroup> g;     // [M, K / 32]
-  int64_t k = 0, groups = 0;
+  std::vector<XBlock> b;     // [M, K / 256] when quantized with span 256
+  int64_t k = 0, groups = 0, blocks = 0;
 };
 
+// Rows [m0, m1) of x to int8: one scale d = max|x| / 127 per `span` values (32, or 256 for the K types'
+// row kernels, whose integer sums run over a whole block), records per group of 32 (d, d * sum, and
+// -offset * sum per group or per half) and, with span 256, per block.
 void quantize_rows(const float* x, int64_t ldx, int64_t m0, int64_t m1, int64_t k, const TypeInfo& t, int offset,
-                   XQuant& xq) {
+                   int span, XQuant& xq) {
   const int64_t groups = k / 32;
   for (int64_t m = m0; m < m1; ++m) {
     const float* xr = x + m * ldx;
     int8_t* q = xq.q.data() + m * k;
     XGroup* g = xq.g.data() + m * groups;
-    for (int64_t j = 0; j < groups; ++j) {
-      const float* v = xr + j * 32;
+    for (int64_t j0 = 0; j0 < k; j0 += span) {
+      const float* v = xr + j0;
       float amax = 0.f;
       bool nan = false;
-      for (int i = 0; i < 32; ++i) {
+      for (int i = 0; i < span; ++i) {
         amax = std::max(amax, std::fabs(v[i]));
         nan |= v[i] != v[i];
       }
-      // Groups below 1e-28 (where 1 / d could overflow) count as zeros; a NaN makes the group's scale NaN,
+      // Spans below 1e-28 (where 1 / d could overflow) count as zeros; a NaN makes the span's scale NaN,
       // so it reaches the outputs as F.linear's would.
       float d = amax >= 1e-28f ? amax / 127.f : 0.f;
       const float id = d != 0.f ? 1.f / d : 0.f;
       if (nan) d = std::numeric_limits<float>::quiet_NaN();
-      int sum[2] = {0, 0};
-      for (int i = 0; i < 32; ++i) {
+      int16_t sum16[16] = {0};
+      for (int i = 0; i < span; ++i) {
         const int qi = int(std::nearbyint(std::min(127.f, std::max(-127.f, v[i] * id))));
-        q[j * 32 + i] = int8_t(qi);
-        sum[i / 16] += qi;
+        q[j0 + i] = int8_t(qi);
+        sum16[i / 16] = int16_t(sum16[i / 16] + qi);
       }
-      g[j].d = d;
-      g[j].s = d * float(sum[0] + sum[1]);
-      if (t.halves == 2) {
-        g[j].o[0] = -offset * sum[0];
-        g[j].o[1] = -offset * sum[1];
-      } else {
-        g[j].o[0] = -offset * (sum[0] + sum[1]);
-        g[j].o[1] = 0;
+      for (int j = 0; j < span / 32; ++j) {
+        XGroup& gr = g[j0 / 32 + j];
+        const int lo = sum16[2 * j], hi = sum16[2 * j + 1];
+        gr.d = d;
+        gr.s = d * float(lo + hi);
+        gr.o[0] = t.halves == 2 ? -offset * lo : -offset * (lo + hi);
+        gr.o[1] = t.halves == 2 ? -offset * hi : 0;
+        gr.od = d * float(gr.o[0]);
+      }
+      if (span == 256) {
+        XBlock& b = xq.b[m * xq.blocks + j0 / 256];
+        b.d = d;
+        std::memcpy(b.bsum, sum16, sizeof(sum16));
+        for (int j = 0; j < 8; ++j) b.bsum32[j] = int16_t(sum16[2 * j] + sum16[2 * j + 1]);
       }
     }
   }
@@ -905,6 +929,287 @@ PDQ_AVX2 void run_avx2(const Problem& pb, int64_t p0, int64_t p1) {
   }
 }
 
+
+// ------------------------------------------------------------------------ row kernels (few activations)
+
+// At 1-4 activation rows a call is one pass over the weight bytes: each row's blocks are decoded in
+// registers in their own order (no transposition) and dotted with every activation row while there.
+// The 32-value types scale each group's integer sum in float (8 lanes a group, summed at the row's end);
+// the K types apply their 6-/8-bit sub-block scales in the integers (PMADDWD of the int16 pair sums by
+// the scale), so floats appear once per block of 256 under the block's one activation scale, and their
+// mins and offsets are the sub-block scales against the activations' sums per 16. AVX2 code: on AVX-512
+// CPUs too (it is the weight bytes, not the lanes, that bound these calls).
+
+PDQ_AVX2 inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+PDQ_AVX2 inline float f16(const uint8_t* p) { return _cvtsh_ss(rd16(p)); }
+
+// 32 bits -> 32 bytes, byte i 0x10 where bit i is set (Q5_0's fifth bits).
+PDQ_AVX2 inline __m256i bits_to_0x10(uint32_t bits) {
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(int(bits)),
+      _mm256_setr_epi64x(0x0000000000000000, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
+  const __m256i sel = _mm256_set1_epi64x(int64_t(0x8040201008040201ULL));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, sel), sel), _mm256_set1_epi8(0x10));
+}
+
+// The 32 quants of a 32-value block in their order, as unsigned bytes (Q8_0: signed, as stored).
+template <int TYPE>
+PDQ_AVX2 inline __m256i block_quants(const uint8_t* p) {
+  const __m128i m4 = _mm_set1_epi8(0x0F);
+  if (TYPE == Q8_0) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2));
+  const int qs = TYPE == Q4_0 ? 2 : TYPE == Q4_1 ? 4 : 6;
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + qs));
+  const __m256i w = _mm256_setr_m128i(_mm_and_si128(q, m4), _mm_and_si128(_mm_srli_epi16(q, 4), m4));
+  if (TYPE == Q5_0) return _mm256_or_si256(w, bits_to_0x10(rd32(p + 2)));
+  return w;
+}
+
+template <int MT, int TYPE>
+PDQ_AVX2 void rows32_avx2(const Problem& pb, int64_t n0, int64_t n1) {
+  const TypeInfo& t = TYPES[TYPE];
+  const int64_t nb = pb.k / 32;
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int8_t* xq[MT];
+  const XGroup* xg[MT];
+  for (int i = 0; i < MT; ++i) {
+    xq[i] = pb.x->q.data() + i * pb.k;
+    xg[i] = pb.x->g.data() + i * pb.x->groups;
+  }
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = pb.w + n * pb.row_bytes;
+    __m256 acc[MT];
+    float accs[MT];  // the offsets' (mins') part
+    for (int i = 0; i < MT; ++i) {
+      acc[i] = _mm256_setzero_ps();
+      accs[i] = 0.f;
+    }
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* p = row + b * t.block_bytes;
+      const __m256i w = block_quants<TYPE>(p);
+      const __m256i wa = TYPE == Q8_0 ? _mm256_abs_epi8(w) : w;
+      const float d = f16(p);
+      const float mn = TYPE == Q4_1 ? f16(p + 2) : 0.f;
+      for (int i = 0; i < MT; ++i) {
+        __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[i] + 32 * b));
+        if (TYPE == Q8_0) x = _mm256_sign_epi8(x, w);
+        const __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(wa, x), ones);
+        const XGroup& g = xg[i][b];
+        const float dd = d * g.d;
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(dd), acc[i]);
+        accs[i] += TYPE == Q4_1 ? mn * g.s : d * g.od;
+      }
+    }
+    const float bias = pb.bias ? pb.bias[n] : 0.f;
+    for (int i = 0; i < MT; ++i) pb.out[i * pb.ldo + n] = hsum8(acc[i]) + accs[i] + bias;
+  }
+}
+
+// Q4_K / Q5_K: the 8 scales and 8 mins of 6 bits from the 12 packed bytes, as bytes [sc0..7 | m0..7].
+inline __m128i k_scales_mins(const uint8_t* p) {
+  uint32_t a, b, c;
+  std::memcpy(&a, p, 4);
+  std::memcpy(&b, p + 4, 4);
+  std::memcpy(&c, p + 8, 4);
+  const uint32_t m6 = 0x3f3f3f3f, m4 = 0x0f0f0f0f, m2 = 0x03030303;
+  const uint32_t sc_lo = a & m6, mn_lo = b & m6;
+  const uint32_t sc_hi = (c & m4) | (((a >> 6) & m2) << 4), mn_hi = ((c >> 4) & m4) | (((b >> 6) & m2) << 4);
+  return _mm_set_epi32(int(mn_hi), int(mn_lo), int(sc_hi), int(sc_lo));
+}
+
+template <int MT, int TYPE>
+PDQ_AVX2 void rowsk_avx2(const Problem& pb, int64_t n0, int64_t n1) {
+  const TypeInfo& t = TYPES[TYPE];
+  const int64_t nsb = pb.k / 256;
+  const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30), b4 = _mm256_set1_epi8(0x10);
+  const int8_t* xq[MT];
+  const XBlock* xb[MT];
+  for (int i = 0; i < MT; ++i) {
+    xq[i] = pb.x->q.data() + i * pb.k;
+    xb[i] = pb.x->b.data() + i * pb.x->blocks;
+  }
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = pb.w + n * pb.row_bytes;
+    __m256 acc[MT];
+    for (int i = 0; i < MT; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t sb = 0; sb < nsb; ++sb) {
+      const uint8_t* p = row + sb * t.block_bytes;
+      __m256i sumi[MT], offs[MT];  // the scaled quant sums; the sub-block scales (mins) against activation sums
+      if (TYPE == Q6_K) {
+        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192)));
+        for (int i = 0; i < MT; ++i) {
+          sumi[i] = _mm256_setzero_si256();
+          offs[i] = _mm256_madd_epi16(sc16, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb[i][sb].bsum)));
+        }
+        for (int h = 0; h < 2; ++h) {
+          const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * h));
+          const __m256i ql1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * h + 32));
+          const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 128 + 32 * h));
+          const __m256i q[4] = {
+              _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30)),
+              _mm256_or_si256(_mm256_and_si256(ql1, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30)),
+              _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), _mm256_and_si256(qh, m30)),
+              _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
+                              _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30))};
+          // Scales of this half's 8 sub-blocks of 16 (int16 lanes 0-7 of sc16's lane h) in both lanes.
+          const __m256i half = _mm256_permute2x128_si256(sc16, sc16, h == 0 ? 0x00 : 0x11);
+          for (int s4 = 0; s4 < 4; ++s4) {
+            const int gi = 4 * h + s4;  // group of 32: sub-blocks 2gi (low lane), 2gi + 1 (high lane)
+            const char lo = char(4 * s4), hi = char(4 * s4 + 2);
+            const __m256i sv = _mm256_shuffle_epi8(
+                half, _mm256_setr_epi8(lo, lo + 1, lo, lo + 1, lo, lo + 1, lo, lo + 1, lo, lo + 1, lo, lo + 1, lo,
+                                       lo + 1, lo, lo + 1, hi, hi + 1, hi, hi + 1, hi, hi + 1, hi, hi + 1, hi, hi + 1,
+                                       hi, hi + 1, hi, hi + 1, hi, hi + 1));
+            for (int i = 0; i < MT; ++i) {
+              const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[i] + 256 * sb + 32 * gi));
+              sumi[i] = _mm256_add_epi32(sumi[i], _mm256_madd_epi16(_mm256_maddubs_epi16(q[s4], x), sv));
+            }
+          }
+        }
+        const float d = f16(p + 208);
+        for (int i = 0; i < MT; ++i) {  // w = d * sc * (q - 32)
+          const float dx = d * xb[i][sb].d;
+          acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[i]), _mm256_set1_ps(dx), acc[i]);
+          acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(offs[i]), _mm256_set1_ps(-32.f * dx), acc[i]);
+        }
+        continue;
+      }
+      const __m128i scm = k_scales_mins(p + 4);
+      const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(scm));  // 8 scales, both lanes
+      const __m128i mn16 = _mm_cvtepu8_epi16(_mm_srli_si128(scm, 8));           // 8 mins
+      for (int i = 0; i < MT; ++i) {
+        sumi[i] = _mm256_setzero_si256();
+        offs[i] = _mm256_castsi128_si256(
+            _mm_madd_epi16(mn16, _mm_loadu_si128(reinterpret_cast<const __m128i*>(xb[i][sb].bsum32))));
+      }
+      const uint8_t* qs = p + (TYPE == Q4_K ? 16 : 48);
+      const __m256i qh = TYPE == Q5_K ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16))
+                                      : _mm256_setzero_si256();
+      for (int c = 0; c < 4; ++c) {  // groups 2c (low nibbles) and 2c + 1 (high) of 32 bytes
+        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * c));
+        __m256i lo = _mm256_and_si256(q, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+        if (TYPE == Q5_K) {  // bit j of qh[l]: the fifth bit of quant l of group j
+          const int e = 2 * c;
+          const __m256i h0 = e <= 4 ? _mm256_slli_epi16(qh, 4 - e) : _mm256_srli_epi16(qh, e - 4);
+          const __m256i h1 = e + 1 <= 4 ? _mm256_slli_epi16(qh, 3 - e) : _mm256_srli_epi16(qh, e - 3);
+          lo = _mm256_or_si256(lo, _mm256_and_si256(h0, b4));
+          hi = _mm256_or_si256(hi, _mm256_and_si256(h1, b4));
+        }
+        const __m256i s_lo = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16(int16_t(0x0100 + 0x0202 * (2 * c))));
+        const __m256i s_hi = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16(int16_t(0x0100 + 0x0202 * (2 * c + 1))));
+        for (int i = 0; i < MT; ++i) {
+          const int8_t* x = xq[i] + 256 * sb + 64 * c;
+          const __m256i xl = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+          const __m256i xh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32));
+          sumi[i] = _mm256_add_epi32(sumi[i], _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(lo, xl), s_lo),
+                                                               _mm256_madd_epi16(_mm256_maddubs_epi16(hi, xh), s_hi)));
+        }
+      }
+      const float d = f16(p), dmin = f16(p + 2);
+      for (int i = 0; i < MT; ++i) {  // w = d * sc * q - dmin * m
+        const float xd = xb[i][sb].d;
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[i]), _mm256_set1_ps(d * xd), acc[i]);
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(offs[i]), _mm256_set1_ps(-dmin * xd), acc[i]);
+      }
+    }
+    const float bias = pb.bias ? pb.bias[n] : 0.f;
+    for (int i = 0; i < MT; ++i) pb.out[i * pb.ldo + n] = hsum8(acc[i]) + bias;
+  }
+}
+
+template <int MT>
+PDQ_AVX2 void rows_avx2(const Problem& pb, int64_t n0, int64_t n1) {
+  switch (pb.type) {
+    case Q8_0: rows32_avx2<MT, Q8_0>(pb, n0, n1); break;
+    case Q4_0: rows32_avx2<MT, Q4_0>(pb, n0, n1); break;
+    case Q4_1: rows32_avx2<MT, Q4_1>(pb, n0, n1); break;
+    case Q5_0: rows32_avx2<MT, Q5_0>(pb, n0, n1); break;
+    case Q4_K: rowsk_avx2<MT, Q4_K>(pb, n0, n1); break;
+    case Q5_K: rowsk_avx2<MT, Q5_K>(pb, n0, n1); break;
+    case Q6_K: rowsk_avx2<MT, Q6_K>(pb, n0, n1); break;
+  }
+}
+
+PDQ_AVX2 void run_rows_avx2(const Problem& pb, int64_t n0, int64_t n1) {
+  switch (pb.m) {
+    case 1: rows_avx2<1>(pb, n0, n1); break;
+    case 2: rows_avx2<2>(pb, n0, n1); break;
+    case 3: rows_avx2<3>(pb, n0, n1); break;
+    default: rows_avx2<4>(pb, n0, n1); break;
+  }
+}
+
+
+// quantize_rows with AVX2: the same roundings in the same order, so every path sees the same int8
+// activations (the ISA paths' integer sums agree exactly).
+PDQ_AVX2 void quantize_rows_avx2(const float* x, int64_t ldx, int64_t m0, int64_t m1, int64_t k, const TypeInfo& t,
+                                 int offset, int span, XQuant& xq) {
+  const int64_t groups = k / 32;
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m256 lim = _mm256_set1_ps(127.f), nlim = _mm256_set1_ps(-127.f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t m = m0; m < m1; ++m) {
+    const float* xr = x + m * ldx;
+    int8_t* q = xq.q.data() + m * k;
+    XGroup* g = xq.g.data() + m * groups;
+    for (int64_t j0 = 0; j0 < k; j0 += span) {
+      const float* v = xr + j0;
+      __m256 vmax = _mm256_setzero_ps(), vnan = _mm256_setzero_ps();
+      for (int i = 0; i < span; i += 8) {
+        const __m256 a = _mm256_loadu_ps(v + i);
+        vmax = _mm256_max_ps(_mm256_and_ps(a, absmask), vmax);  // a NaN lane keeps vmax, as std::max does
+        vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+      }
+      __m128 h = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+      h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+      h = _mm_max_ss(h, _mm_movehdup_ps(h));
+      const float amax = _mm_cvtss_f32(h);
+      float d = amax >= 1e-28f ? amax / 127.f : 0.f;
+      const float id = d != 0.f ? 1.f / d : 0.f;
+      if (_mm256_movemask_ps(vnan)) d = std::numeric_limits<float>::quiet_NaN();
+      const __m256 vid = _mm256_set1_ps(id);
+      int16_t sum16[16];
+      for (int i = 0; i < span; i += 32) {
+        __m256i iv[4];
+        for (int u = 0; u < 4; ++u) {
+          const __m256 s = _mm256_mul_ps(_mm256_loadu_ps(v + i + 8 * u), vid);
+          iv[u] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_min_ps(lim, _mm256_max_ps(nlim, s)),
+                                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        }
+        const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(iv[0], iv[1]), _mm256_packs_epi32(iv[2], iv[3]));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + j0 + i), _mm256_permutevar8x32_epi32(p, order));
+        for (int u = 0; u < 2; ++u) {
+          const __m256i s8 = _mm256_add_epi32(iv[2 * u], iv[2 * u + 1]);
+          __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
+          s4 = _mm_add_epi32(s4, _mm_unpackhi_epi64(s4, s4));
+          s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 1));
+          sum16[i / 16 + u] = int16_t(_mm_cvtsi128_si32(s4));
+        }
+      }
+      for (int j = 0; j < span / 32; ++j) {
+        XGroup& gr = g[j0 / 32 + j];
+        const int lo = sum16[2 * j], hi = sum16[2 * j + 1];
+        gr.d = d;
+        gr.s = d * float(lo + hi);
+        gr.o[0] = t.halves == 2 ? -offset * lo : -offset * (lo + hi);
+        gr.o[1] = t.halves == 2 ? -offset * hi : 0;
+        gr.od = d * float(gr.o[0]);
+      }
+      if (span == 256) {
+        XBlock& b = xq.b[m * xq.blocks + j0 / 256];
+        b.d = d;
+        std::memcpy(b.bsum, sum16, sizeof(sum16));
+        for (int j = 0; j < 8; ++j) b.bsum32[j] = int16_t(sum16[2 * j] + sum16[2 * j + 1]);
+      }
+    }
+  }
+}
+
 #endif  // PDQ_X86
 
 // -------------------------------------------------------------------------------------- entry points
@@ -931,9 +1236,10 @@ void check_type(int type) {
 }
 
 // out[m, :n] = x[m, :k] @ w^T (+ bias) for m < M. Pointers are addresses of float32 / uint8 buffers the
-// caller checked: x [M, ldx], w [N, row_bytes], out [M, ldo], bias [N] or 0.
+// caller checked: x [M, ldx], w [N, row_bytes], out [M, ldo], bias [N] or 0. Up to row_max_m activation
+// rows (at most ROW_MAX_M) take the row kernels, more the panels.
 void matmul(int isa, int type, uintptr_t x_ptr, int64_t m, int64_t ldx, uintptr_t w_ptr, int64_t n, int64_t k,
-            uintptr_t bias_ptr, uintptr_t out_ptr, int64_t ldo, int threads) {
+            uintptr_t bias_ptr, uintptr_t out_ptr, int64_t ldo, int threads, int row_max_m) {
   check_type(type);
   if (!isa_supported(isa)) throw std::invalid_argument("this CPU cannot run quant ISA path " + std::to_string(isa));
   const TypeInfo& t = TYPES[type];
@@ -948,20 +1254,33 @@ void matmul(int isa, int type, uintptr_t x_ptr, int64_t m, int64_t ldx, uintptr_
   XQuant& xq = m * k <= KEEP_SCRATCH_BYTES ? scratch : local;
   xq.k = k;
   xq.groups = k / 32;
+  xq.blocks = k / 256;
+  // Few activation rows take the row kernels (each weight row decoded in registers, in its own order);
+  // there the K types' integer sums span whole blocks of 256 under one activation scale. Every ISA path
+  // rounds the activations the same way for the same type and M, so the paths agree.
+  const bool by_rows = m <= std::min(row_max_m, ROW_MAX_M);
+  const int span = by_rows && t.block_values == 256 ? 256 : 32;
+  // The AVX2 code (the row kernels, the AVX2 panels) takes Q8_0's signed quants as they are (no offset);
+  // the AVX-512 panels read them as q + 128.
+  const int offset = (type == Q8_0 && (isa == AVX2 || by_rows)) ? 0 : t.offset;
   if (int64_t(xq.q.size()) < m * k) xq.q.resize(m * k);
   if (int64_t(xq.g.size()) < m * xq.groups) xq.g.resize(m * xq.groups);
+  if (span == 256 && int64_t(xq.b.size()) < m * xq.blocks) xq.b.resize(m * xq.blocks);
   const float* x = reinterpret_cast<const float*>(x_ptr);
-  // The AVX2 path takes Q8_0's signed quants as they are (no offset); the others read them as q + 128.
-  const int offset = (type == Q8_0 && isa == AVX2) ? 0 : t.offset;
   const int xthreads = int(std::min<int64_t>(threads, std::max<int64_t>(1, m * k / 16384)));
 #pragma omp parallel num_threads(xthreads)
   {
     const int nt = omp_get_num_threads(), tid = omp_get_thread_num();
-    quantize_rows(x, ldx, m * tid / nt, m * (tid + 1) / nt, k, t, offset, xq);
+    const int64_t r0 = m * tid / nt, r1 = m * (tid + 1) / nt;
+#if PDQ_X86
+    if (isa != PORTABLE) quantize_rows_avx2(x, ldx, r0, r1, k, t, offset, span, xq);
+    else
+#endif
+      quantize_rows(x, ldx, r0, r1, k, t, offset, span, xq);
   }
   Problem pb{type, reinterpret_cast<const uint8_t*>(w_ptr), n, k, k / t.block_values * t.block_bytes, &xq, m,
              reinterpret_cast<float*>(out_ptr), ldo, reinterpret_cast<const float*>(bias_ptr)};
-  const int64_t lanes = isa == AVX512_VNNI ? 16 : isa == AVX2 ? 8 : 1;
+  const int64_t lanes = by_rows || isa == PORTABLE ? 1 : isa == AVX512_VNNI ? 16 : 8;
   const int64_t panels = (n + lanes - 1) / lanes;
   // A thread's share must outweigh waking it (a few microseconds, far more when the cores are shared):
   // work in (rows x groups) units, each about one row-group's decode plus its dot with every activation row.
@@ -971,12 +1290,16 @@ void matmul(int isa, int type, uintptr_t x_ptr, int64_t m, int64_t ldx, uintptr_
   {
     const int nt = omp_get_num_threads(), tid = omp_get_thread_num();
     const int64_t p0 = panels * tid / nt, p1 = panels * (tid + 1) / nt;
-    switch (isa) {
+    if (isa == PORTABLE) {
+      run_portable(pb, p0, p1);
 #if PDQ_X86
-      case AVX512_VNNI: run_avx512(pb, p0, p1); break;
-      case AVX2: run_avx2(pb, p0, p1); break;
+    } else if (by_rows) {
+      run_rows_avx2(pb, p0, p1);
+    } else if (isa == AVX512_VNNI) {
+      run_avx512(pb, p0, p1);
+    } else {
+      run_avx2(pb, p0, p1);
 #endif
-      default: run_portable(pb, p0, p1); break;
     }
   }
 }
