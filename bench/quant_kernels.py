@@ -1,7 +1,7 @@
 """Quantized matmul (kernels.quant_ops) against float32 F.linear, per GGUF type, shape and ISA path.
 
     .venv/bin/python bench/quant_kernels.py [--models smollm,1.1b,8b] [--types Q4_K,Q8_0,...] [--m 1,32,512]
-        [--threads N] [--min-time S] [--json FILE] [--smoke]
+        [--isas avx2,avx512_vnni] [--threads N] [--min-time S] [--json FILE] [--smoke]
 
 For each type and weight shape [N, K] of the models' projections (the default model's qkv, o, gate_up,
 down and LM head; TinyLlama-1.1B's and Llama-3-8B's), and each activation row count M: the time per call
@@ -9,8 +9,8 @@ of every ISA path this CPU has, of float32 F.linear on a float32 weight of the s
 not depend on the values), the speed-up over F.linear, and the effective weight-read rate (the weight's
 GGUF bytes / time) beside the memory copy rate measured in the same run (a 256 MB tensor copied into a
 preallocated one: bytes copied per second). K types skip shapes whose K is not a multiple of 256 (a GGUF
-stores those tensors in another type). Times are the best of several rounds of wall time: on a shared
-machine the other load only ever adds.
+stores those tensors in another type). Times are the best of several rounds (of this thread's CPU time
+with --threads 1, else of wall time): on a shared machine the other load only ever adds.
 
 Weights are random GGUF blocks with sane fp16 scales (the kernels' time does not depend on the values);
 `--smoke` runs one small shape in a few seconds (tests/test_kernels_quant.py runs it).
@@ -57,18 +57,21 @@ def random_weight(type_name: str, n: int, k: int, seed: int = 0) -> QuantWeight:
 
 
 def best_time(fn: Callable[[], object], min_time: float, rounds: int = 5) -> float:
-    """Seconds per call: the best round of `rounds`, each at least `min_time` / rounds long."""
+    """Seconds per call: the best round of `rounds`, each at least `min_time` / rounds long. With one
+    torch thread every kernel runs on this thread, and its CPU time is counted (what other load on the
+    machine cannot inflate); with more, wall time."""
+    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
     fn()
-    t0 = time.perf_counter()
+    t0 = clock()
     fn()
-    once = max(time.perf_counter() - t0, 1e-6)
+    once = max(clock() - t0, 1e-6)
     reps = max(1, int(min_time / rounds / once))
     best = float("inf")
     for _ in range(rounds):
-        t0 = time.perf_counter()
+        t0 = clock()
         for _ in range(reps):
             fn()
-        best = min(best, (time.perf_counter() - t0) / reps)
+        best = min(best, (clock() - t0) / reps)
     return best
 
 
@@ -80,8 +83,9 @@ def copy_rate(mbytes: int = 256) -> float:
     return src.numel() * 4 / best_time(lambda: dst.copy_(src), 0.5, rounds=3)
 
 
-def run(models: list[str], types: list[str], ms: list[int], min_time: float, smoke: bool) -> dict:
-    isas = available_isas()
+def run(models: list[str], types: list[str], ms: list[int], min_time: float, smoke: bool,
+        isas: tuple[str, ...] | None = None) -> dict:
+    isas = available_isas() if isas is None else isas
     ops = {isa: QuantOps.create(isa) for isa in isas}
     chosen = choose_isa()
     rate = copy_rate(64 if smoke else 256)
@@ -90,6 +94,7 @@ def run(models: list[str], types: list[str], ms: list[int], min_time: float, smo
     print(f"memory copy rate: {rate / 1e9:.1f} GB/s")
     shapes = [SMOKE_SHAPE] if smoke else [s for m in models for s in MODELS[m]]
     rows: list[dict] = []
+    flinear: dict[tuple[int, int, int], float] = {}  # (N, K, M) -> seconds: the same for every type
     head = f"{'type':5} {'shape':>16} {'M':>4} {'F.linear ms':>11}" + "".join(
         f" | {isa + ' ms':>15} {'xF.lin':>6} {'GB/s':>6}" for isa in isas)
     print(head)
@@ -99,13 +104,16 @@ def run(models: list[str], types: list[str], ms: list[int], min_time: float, smo
             if k % values:
                 continue
             w = random_weight(type_name, n, k)
-            wf = torch.randn(n, k)  # float32 [N, K]
+            wf = None
             for m in ms:
                 if m >= 256 and n * k > 64 << 20:  # prefill on the 8B MLP: minutes of F.linear, skipped
                     continue
                 x = torch.randn(m, k)  # [M, K] float32
                 out = torch.empty(m, n)
-                t_lin = best_time(lambda: F.linear(x, wf, out=out), min_time)  # noqa: B023
+                if (n, k, m) not in flinear:
+                    wf = torch.randn(n, k) if wf is None else wf  # float32 [N, K]
+                    flinear[(n, k, m)] = best_time(lambda: F.linear(x, wf, out=out), min_time)  # noqa: B023
+                t_lin = flinear[(n, k, m)]
                 rec = {"type": type_name, "shape": label, "n": n, "k": k, "m": m, "weight_bytes": w.nbytes,
                        "flinear_ms": t_lin * 1e3, "paths": {}}
                 line = f"{type_name:5} {f'{label} {n}x{k}':>16} {m:>4} {t_lin * 1e3:>11.3f}"
@@ -126,6 +134,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--m", default="1,32,512", help="activation row counts")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--min-time", type=float, default=0.5, help="seconds of calls per timing")
+    ap.add_argument("--isas", default="", help="comma list of ISA paths to time (default: every one this CPU has)")
     ap.add_argument("--json", type=Path, help="write the figures here")
     ap.add_argument("--smoke", action="store_true", help="one small shape, two types, in seconds")
     args = ap.parse_args(argv)
@@ -133,7 +142,8 @@ def main(argv: list[str] | None = None) -> dict:
         torch.set_num_threads(args.threads)
     types = ["Q4_K", "Q8_0"] if args.smoke else args.types.split(",")
     ms = [1, 4] if args.smoke else [int(v) for v in args.m.split(",")]
-    results = run(args.models.split(","), types, ms, 0.02 if args.smoke else args.min_time, args.smoke)
+    isas = tuple(args.isas.split(",")) if args.isas else None
+    results = run(args.models.split(","), types, ms, 0.02 if args.smoke else args.min_time, args.smoke, isas)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     return results
