@@ -1286,10 +1286,7 @@ void matmul(int isa, int type, uintptr_t x_ptr, int64_t m, int64_t ldx, uintptr_
   // work in (rows x groups) units, each about one row-group's decode plus its dot with every activation row.
   const int64_t work = n * xq.groups * (m + 4);
   const int nthreads = int(std::max<int64_t>(1, std::min<int64_t>({threads, panels, work / MIN_THREAD_WORK})));
-#pragma omp parallel num_threads(nthreads)
-  {
-    const int nt = omp_get_num_threads(), tid = omp_get_thread_num();
-    const int64_t p0 = panels * tid / nt, p1 = panels * (tid + 1) / nt;
+  auto run = [&](int64_t p0, int64_t p1) {
     if (isa == PORTABLE) {
       run_portable(pb, p0, p1);
 #if PDQ_X86
@@ -1301,7 +1298,16 @@ void matmul(int isa, int type, uintptr_t x_ptr, int64_t m, int64_t ldx, uintptr_
       run_avx2(pb, p0, p1);
 #endif
     }
+  };
+  if (nthreads == 1) {
+    run(0, panels);
+    return;
   }
+  // A few chunks per thread, taken in turn: a thread the OS wakes late (a busy core) finds its share
+  // done by the others instead of holding up the call.
+  const int64_t chunks = std::min<int64_t>(panels, int64_t(nthreads) * 4);
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
+  for (int64_t c = 0; c < chunks; ++c) run(panels * c / chunks, panels * (c + 1) / chunks);
 }
 
 // out[t, :k] = the float32 values of row ids[t] of w, exactly gguf.quants.dequantize's.
