@@ -9,7 +9,10 @@ matrices fall back to Q8_0 and only the down projections are Q4_K: the mixed cas
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -153,3 +156,15 @@ def test_malformed_quantized_files_name_the_tensor(quantized_dirs: Callable[[str
     _patch_gguf(unknown / GGUF_WEIGHTS, type_at, (250).to_bytes(4, "little"))
     with pytest.raises(ModelLoadError, match="tensor 'blk.1.ffn_up.weight' has unknown ggml tensor type 250"):
         load_model(unknown, ops=get_kernel_ops())
+
+
+def test_quant_accuracy_bench_smoke(tmp_path: Path) -> None:
+    """bench/quant_accuracy.py --smoke runs (the tiny model at Q8_0) and prints every figure it reports."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    run = subprocess.run([sys.executable, str(root / "bench" / "quant_accuracy.py"), "--smoke"], capture_output=True,
+                         text=True, timeout=300, env=env, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-2000:]
+    for line in ("ISA: ", "teacher-forced top-1 agreement: ", "reference top-1 - top-2 gap: min",
+                 "perplexity on the fixed text: quantized"):
+        assert line in run.stdout, run.stdout
