@@ -1,7 +1,7 @@
 """Quantized matmul (kernels.quant_ops) against float32 F.linear, per GGUF type, shape and ISA path.
 
     .venv/bin/python bench/quant_kernels.py [--models smollm,1.1b,8b] [--types Q4_K,Q8_0,...] [--m 1,32,512]
-        [--isas avx2,avx512_vnni] [--threads N] [--min-time S] [--json FILE] [--smoke]
+        [--isas avx2,avx512_vnni] [--activations int8|int8x2] [--threads N] [--min-time S] [--json FILE] [--smoke]
 
 For each type and weight shape [N, K] of the models' projections (the default model's qkv, o, gate_up,
 down and LM head; TinyLlama-1.1B's and Llama-3-8B's), and each activation row count M: the time per call
@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.cpu_isa import isa_summary  # noqa: E402
 from pdserve.kernels.quant_format import QUANT_TYPES, QuantWeight, block_layout  # noqa: E402
-from pdserve.kernels.quant_ops import QuantOps, available_isas, choose_isa  # noqa: E402
+from pdserve.kernels.quant_ops import QuantOps, available_isas, choose_activations, choose_isa  # noqa: E402
 
 # (label, N, K) of each model's projections (q|k|v and gate|up fused, as the engine serves them).
 MODELS: dict[str, list[tuple[str, int, int]]] = {
@@ -84,13 +84,14 @@ def copy_rate(mbytes: int = 256) -> float:
 
 
 def run(models: list[str], types: list[str], ms: list[int], min_time: float, smoke: bool,
-        isas: tuple[str, ...] | None = None) -> dict:
+        isas: tuple[str, ...] | None = None, activations: str | None = None) -> dict:
     isas = available_isas() if isas is None else isas
-    ops = {isa: QuantOps.create(isa) for isa in isas}
+    ops = {isa: QuantOps.create(isa, activations) for isa in isas}
+    rounding = choose_activations(activations)
     chosen = choose_isa()
     rate = copy_rate(64 if smoke else 256)
     print(f"CPU ISA {isa_summary()}; {torch.get_num_threads()} threads")
-    print(f"quant path: {chosen.name} ({chosen.reason})")
+    print(f"quant path: {chosen.name} ({chosen.reason}); activations {rounding}")
     print(f"memory copy rate: {rate / 1e9:.1f} GB/s")
     shapes = [SMOKE_SHAPE] if smoke else [s for m in models for s in MODELS[m]]
     rows: list[dict] = []
@@ -124,7 +125,7 @@ def run(models: list[str], types: list[str], ms: list[int], min_time: float, smo
                 print(line, flush=True)
                 rows.append(rec)
     return {"isa": isa_summary(), "threads": torch.get_num_threads(), "path": chosen.name,
-            "reason": chosen.reason, "copy_gb_s": rate / 1e9, "results": rows}
+            "reason": chosen.reason, "activations": rounding, "copy_gb_s": rate / 1e9, "results": rows}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -135,6 +136,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--min-time", type=float, default=0.5, help="seconds of calls per timing")
     ap.add_argument("--isas", default="", help="comma list of ISA paths to time (default: every one this CPU has)")
+    ap.add_argument("--activations", default=None, help="int8 or int8x2 (default: $PDSERVE_QUANT_ACTIVATIONS, "
+                    "else int8x2)")
     ap.add_argument("--json", type=Path, help="write the figures here")
     ap.add_argument("--smoke", action="store_true", help="one small shape, two types, in seconds")
     args = ap.parse_args(argv)
@@ -143,7 +146,8 @@ def main(argv: list[str] | None = None) -> dict:
     types = ["Q4_K", "Q8_0"] if args.smoke else args.types.split(",")
     ms = [1, 4] if args.smoke else [int(v) for v in args.m.split(",")]
     isas = tuple(args.isas.split(",")) if args.isas else None
-    results = run(args.models.split(","), types, ms, 0.02 if args.smoke else args.min_time, args.smoke, isas)
+    results = run(args.models.split(","), types, ms, 0.02 if args.smoke else args.min_time, args.smoke, isas,
+                  args.activations)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     return results

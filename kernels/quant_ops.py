@@ -4,7 +4,11 @@ A decode step reads every weight once, so at 1-64 activation rows its time is th
 the integer dot-product rate: `QuantOps.matmul` reads a Q4_K weight's 4.5 bits per value where float32
 F.linear reads 32. The kernels (csrc/cpu_quant.cpp) quantize the activation rows to int8 once per call
 (per 32 values; per 256 for the K types at up to ROW_MAX_M rows) and take integer multiply-adds per group
-against the weight quants, scaled into float32: at 1-2 activation rows one weight row at a time decoded in
+against the weight quants, scaled into float32. By default ("int8x2", ACTIVATIONS) each activation is two
+int8 terms, its rounding and the rounding of what that lost, taken by the same kernels as twice the rows
+and summed: about 15 bits, 254 times closer to the float product than int8 alone, at the cost of twice
+the integer work (the weight bytes are still read and decoded once per call); "int8" keeps one term
+(llama.cpp's rounding, faster at many rows). At 1-2 activation rows one weight row at a time decoded in
 registers, at more in panels of 16 (8) rows decoded into vector lanes; see the source for the method. One binary serves every x86-64 CPU (compiled for the baseline ISA, no
 -march=native); its AVX2 and AVX-512 VNNI functions carry their own target attributes, and `choose_isa`
 picks the widest path this CPU has (PDSERVE_QUANT_ISA forces one). The extension is compiled on first use
@@ -128,24 +132,41 @@ _TYPE_INDEX = {name: i for i, name in enumerate(QUANT_TYPES)}
 # own order); more take the panels (16 / 8 rows decoded into lanes, then dotted with every activation row).
 # Measured crossover on Zen 4 (AVX2 and AVX-512 paths alike); at most 4 (the extension's limit).
 ROW_MAX_M = 2
+# How the activations are rounded (the extension's numbering): "int8x2" (default) or "int8".
+ACTIVATIONS = ("int8", "int8x2")
+ACTIVATIONS_ENV = "PDSERVE_QUANT_ACTIVATIONS"
+
+
+def choose_activations(requested: str | None = None) -> str:
+    """The activation rounding: `requested`, else $PDSERVE_QUANT_ACTIVATIONS, else "int8x2". ValueError
+    for an unknown name."""
+    name = (requested if requested is not None else os.environ.get(ACTIVATIONS_ENV) or "int8x2").strip().lower()
+    if name not in ACTIVATIONS:
+        raise ValueError(f"activations={name!r} is not a quant activation rounding ({', '.join(ACTIVATIONS)}; "
+                         f"{ACTIVATIONS_ENV} sets the default)")
+    return name
 
 
 class QuantOps:
     """The quantized kernels on one ISA path. Construct through `create`."""
 
-    def __init__(self, ext: ModuleType, isa: IsaChoice) -> None:
+    def __init__(self, ext: ModuleType, isa: IsaChoice, activations: str = "int8x2") -> None:
         if not ext.isa_supported(ISAS.index(isa.name)):
             raise ValueError(f"the extension reports this CPU cannot run the {isa.name} path")
         self._ext = ext
         self.isa = isa
         self._isa_index = ISAS.index(isa.name)
+        self.activations = choose_activations(activations)
+        self._act_index = ACTIVATIONS.index(self.activations)
 
     @classmethod
-    def create(cls, isa: str | None = None) -> QuantOps:
-        """Chooses the path (choose_isa(isa)) and builds or loads the extension: ValueError for a path
-        this CPU lacks, ExtensionUnavailable when the extension can't be built."""
+    def create(cls, isa: str | None = None, activations: str | None = None) -> QuantOps:
+        """Chooses the path (choose_isa(isa)) and the activation rounding (choose_activations) and builds
+        or loads the extension: ValueError for a path this CPU lacks or an unknown rounding,
+        ExtensionUnavailable when the extension can't be built."""
         choice = choose_isa(isa)
-        return cls(load_extension(), choice)
+        rounding = choose_activations(activations)
+        return cls(load_extension(), choice, rounding)
 
     def matmul(self, x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,
                out: torch.Tensor | None = None) -> torch.Tensor:  # [M, N] float32
@@ -153,7 +174,7 @@ class QuantOps:
         stride, e.g. a column slice of a wider output) when given. The activations are rounded to int8
         per span of 32 (256 for the K types at up to ROW_MAX_M rows), so the result differs from the
         float product by at most sum over spans of d / 2 * sum |w| (d the span's scale, max |x| / 127),
-        plus float32 rounding.
+        plus float32 rounding; with "int8x2" d is the residual's scale, at most the first's / 254.
         Called for every projection of every layer at each step: the checks are few attribute reads."""
         if x.dtype is not torch.float32 or not x.is_cpu or x.dim() != 2 or x.shape[1] != w.cols:
             raise ValueError(f"x must be float32 [M, {w.cols}] on the CPU for a {w.type_name} weight "
@@ -182,7 +203,7 @@ class QuantOps:
                 bias = bias.to(torch.float32).contiguous()
             bias_ptr = bias.data_ptr()
         self._ext.matmul(self._isa_index, _TYPE_INDEX[w.type_name], x.data_ptr(), m, sx[0], w.data.data_ptr(),
-                         n, k, bias_ptr, out.data_ptr(), ldo, torch.get_num_threads(), ROW_MAX_M)
+                         n, k, bias_ptr, out.data_ptr(), ldo, torch.get_num_threads(), ROW_MAX_M, self._act_index)
         return out
 
     def embedding(self, ids: torch.Tensor, w: QuantWeight) -> torch.Tensor:  # [T, K] float32

@@ -12,6 +12,10 @@
 // Q5_K). So a group contributes
 //   a * d * sum(q * xq) + b-term,  sum(q * xq) an exact integer dot product,
 // with the offset folded into the integer sum (-offset * sum(xq)) and the min as b * d * sum(xq).
+// The int8x2 activations (the default) add a second int8 term per value: r = x - d * xq, at most d / 2,
+// rounded with its own scale (at most d / 254) as activation row M + m. The kernels take the 2M rows as
+// any others (each weight row or panel still read and decoded once per call; twice the integer work) and
+// output m is the sum of rows m and M + m: the activations' error falls 254-fold, to about 15 bits.
 //
 // Two kernel shapes. The row kernels (1-2 activation rows, quant_ops.ROW_MAX_M) read each weight row once,
 // decode its blocks in registers in their own order and dot them with every activation row there; the K
@@ -54,6 +58,9 @@ namespace {
 // The order of quant_format.QUANT_TYPES.
 enum QType : int { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, Q5_0 = 3, Q4_K = 4, Q5_K = 5, Q6_K = 6, NUM_TYPES = 7 };
 enum Isa : int { PORTABLE = 0, AVX2 = 1, AVX512_VNNI = 2 };
+// How the activations are rounded (quant_ops.ACTIVATIONS): int8 per span, or int8x2: int8 and then the
+// int8 rounding of what that lost (about 15 bits: the error shrinks 254-fold).
+enum Activations : int { INT8 = 0, INT8X2 = 1 };
 
 struct TypeInfo {
   int block_values;  // values per block
@@ -75,7 +82,7 @@ constexpr TypeInfo TYPES[NUM_TYPES] = {
 
 constexpr int KC = 32;   // groups of 32 per decoded chunk (a multiple of 8: whole K-type blocks)
 constexpr int MB = 64;   // activation rows per block: one panel decode serves this many rows
-constexpr int ROW_MAX_M = 4;  // the most activation rows the row kernels take
+constexpr int ROW_MAX_M = 4;  // the most activation rows the row kernels take (8 kernel rows with int8x2)
 constexpr int64_t KEEP_SCRATCH_BYTES = 8 << 20;  // activation scratch a thread keeps between calls
 constexpr int64_t MIN_THREAD_WORK = 1 << 16;  // row-group units below which another thread does not pay
 
@@ -220,16 +227,16 @@ struct XQuant {
   int64_t k = 0, groups = 0, blocks = 0;
 };
 
-// Rows [m0, m1) of x to int8: one scale d = max|x| / 127 per `span` values (32, or 256 for the K types'
+// Rows [m0, m1) of x to int8 (into rows m0 + into.. of xq): one scale d = max|x| / 127 per `span` values (32, or 256 for the K types'
 // row kernels, whose integer sums run over a whole block), records per group of 32 (d, d * sum, and
 // -offset * sum per group or per half) and, with span 256, per block.
 void quantize_rows(const float* x, int64_t ldx, int64_t m0, int64_t m1, int64_t k, const TypeInfo& t, int offset,
-                   int span, XQuant& xq) {
+                   int span, XQuant& xq, int64_t into) {
   const int64_t groups = k / 32;
   for (int64_t m = m0; m < m1; ++m) {
     const float* xr = x + m * ldx;
-    int8_t* q = xq.q.data() + m * k;
-    XGroup* g = xq.g.data() + m * groups;
+    int8_t* q = xq.q.data() + (m + into) * k;
+    XGroup* g = xq.g.data() + (m + into) * groups;
     for (int64_t j0 = 0; j0 < k; j0 += span) {
       const float* v = xr + j0;
       float amax = 0.f;
@@ -259,11 +266,28 @@ void quantize_rows(const float* x, int64_t ldx, int64_t m0, int64_t m1, int64_t 
         gr.od = d * float(gr.o[0]);
       }
       if (span == 256) {
-        XBlock& b = xq.b[m * xq.blocks + j0 / 256];
+        XBlock& b = xq.b[(m + into) * xq.blocks + j0 / 256];
         b.d = d;
         std::memcpy(b.bsum, sum16, sizeof(sum16));
         for (int j = 0; j < 8; ++j) b.bsum32[j] = int16_t(sum16[2 * j] + sum16[2 * j + 1]);
       }
+    }
+  }
+}
+
+// r[m - m0, :] = x[m, :] - d * xq[m, :] for rows [m0, m1): what the int8 rounding of each activation lost
+// (at most d / 2 in magnitude), rounded to int8 in turn by the int8x2 activations. One scalar loop for
+// every ISA path (no contractions: -ffp-contract=off), so the paths see the same residuals.
+void residual_rows(const float* x, int64_t ldx, int64_t m0, int64_t m1, int64_t k, const XQuant& xq, float* r) {
+  const int64_t groups = k / 32;
+  for (int64_t m = m0; m < m1; ++m) {
+    const float* xr = x + m * ldx;
+    const int8_t* q = xq.q.data() + m * k;
+    const XGroup* g = xq.g.data() + m * groups;
+    float* rr = r + (m - m0) * k;
+    for (int64_t j = 0; j < groups; ++j) {
+      const float d = g[j].d;
+      for (int i = 0; i < 32; ++i) rr[32 * j + i] = xr[32 * j + i] - d * float(q[32 * j + i]);
     }
   }
 }
@@ -1057,7 +1081,8 @@ PDQ_AVX2 void rowsk_avx2(const Problem& pb, int64_t n0, int64_t n1) {
               _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
                               _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30))};
           // Scales of this half's 8 sub-blocks of 16 (int16 lanes 0-7 of sc16's lane h) in both lanes.
-          const __m256i half = _mm256_permute2x128_si256(sc16, sc16, h == 0 ? 0x00 : 0x11);
+          const __m256i half = h == 0 ? _mm256_permute2x128_si256(sc16, sc16, 0x00)
+                                      : _mm256_permute2x128_si256(sc16, sc16, 0x11);
           for (int s4 = 0; s4 < 4; ++s4) {
             const int gi = 4 * h + s4;  // group of 32: sub-blocks 2gi (low lane), 2gi + 1 (high lane)
             const char lo = char(4 * s4), hi = char(4 * s4 + 2);
@@ -1140,7 +1165,9 @@ PDQ_AVX2 void run_rows_avx2(const Problem& pb, int64_t n0, int64_t n1) {
     case 1: rows_avx2<1>(pb, n0, n1); break;
     case 2: rows_avx2<2>(pb, n0, n1); break;
     case 3: rows_avx2<3>(pb, n0, n1); break;
-    default: rows_avx2<4>(pb, n0, n1); break;
+    case 4: rows_avx2<4>(pb, n0, n1); break;
+    case 6: rows_avx2<6>(pb, n0, n1); break;  // int8x2 at 3 and 4 activation rows
+    default: rows_avx2<8>(pb, n0, n1); break;
   }
 }
 
@@ -1148,15 +1175,15 @@ PDQ_AVX2 void run_rows_avx2(const Problem& pb, int64_t n0, int64_t n1) {
 // quantize_rows with AVX2: the same roundings in the same order, so every path sees the same int8
 // activations (the ISA paths' integer sums agree exactly).
 PDQ_AVX2 void quantize_rows_avx2(const float* x, int64_t ldx, int64_t m0, int64_t m1, int64_t k, const TypeInfo& t,
-                                 int offset, int span, XQuant& xq) {
+                                 int offset, int span, XQuant& xq, int64_t into) {
   const int64_t groups = k / 32;
   const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   const __m256 lim = _mm256_set1_ps(127.f), nlim = _mm256_set1_ps(-127.f);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   for (int64_t m = m0; m < m1; ++m) {
     const float* xr = x + m * ldx;
-    int8_t* q = xq.q.data() + m * k;
-    XGroup* g = xq.g.data() + m * groups;
+    int8_t* q = xq.q.data() + (m + into) * k;
+    XGroup* g = xq.g.data() + (m + into) * groups;
     for (int64_t j0 = 0; j0 < k; j0 += span) {
       const float* v = xr + j0;
       __m256 vmax = _mm256_setzero_ps(), vnan = _mm256_setzero_ps();
@@ -1201,7 +1228,7 @@ PDQ_AVX2 void quantize_rows_avx2(const float* x, int64_t ldx, int64_t m0, int64_
         gr.od = d * float(gr.o[0]);
       }
       if (span == 256) {
-        XBlock& b = xq.b[m * xq.blocks + j0 / 256];
+        XBlock& b = xq.b[(m + into) * xq.blocks + j0 / 256];
         b.d = d;
         std::memcpy(b.bsum, sum16, sizeof(sum16));
         for (int j = 0; j < 8; ++j) b.bsum32[j] = int16_t(sum16[2 * j] + sum16[2 * j + 1]);
@@ -1239,7 +1266,7 @@ void check_type(int type) {
 // caller checked: x [M, ldx], w [N, row_bytes], out [M, ldo], bias [N] or 0. Up to row_max_m activation
 // rows (at most ROW_MAX_M) take the row kernels, more the panels.
 void matmul(int isa, int type, uintptr_t x_ptr, int64_t m, int64_t ldx, uintptr_t w_ptr, int64_t n, int64_t k,
-            uintptr_t bias_ptr, uintptr_t out_ptr, int64_t ldo, int threads, int row_max_m) {
+            uintptr_t bias_ptr, uintptr_t out_ptr, int64_t ldo, int threads, int row_max_m, int activations) {
   check_type(type);
   if (!isa_supported(isa)) throw std::invalid_argument("this CPU cannot run quant ISA path " + std::to_string(isa));
   const TypeInfo& t = TYPES[type];
@@ -1249,9 +1276,18 @@ void matmul(int isa, int type, uintptr_t x_ptr, int64_t m, int64_t ldx, uintptr_
   // The calling thread's scratch, kept between calls (a decode step makes hundreds of small ones); a
   // long prompt's activations get their own, freed after the call. (Named through a reference: inside
   // the OpenMP regions below the thread_local's own name would be each worker's copy.)
+  // int8x2: each activation row is also rounded a second time, its residual, as activation row m + M;
+  // the kernels see 2M rows and the two outputs of each row are summed.
+  const bool split = activations == INT8X2;
+  const int64_t rows = split ? 2 * m : m;
   static thread_local XQuant scratch;
+  static thread_local std::vector<float> kept_res, kept_out;  // the residuals [M, K]; the 2M outputs [2M, N]
   XQuant local;
-  XQuant& xq = m * k <= KEEP_SCRATCH_BYTES ? scratch : local;
+  std::vector<float> local_res, local_out;
+  const bool keep = rows * k <= KEEP_SCRATCH_BYTES;
+  XQuant& xq = keep ? scratch : local;
+  std::vector<float>& res = keep ? kept_res : local_res;
+  std::vector<float>& two = keep && rows * n <= KEEP_SCRATCH_BYTES ? kept_out : local_out;
   xq.k = k;
   xq.groups = k / 32;
   xq.blocks = k / 256;
@@ -1263,23 +1299,34 @@ void matmul(int isa, int type, uintptr_t x_ptr, int64_t m, int64_t ldx, uintptr_
   // The AVX2 code (the row kernels, the AVX2 panels) takes Q8_0's signed quants as they are (no offset);
   // the AVX-512 panels read them as q + 128.
   const int offset = (type == Q8_0 && (isa == AVX2 || by_rows)) ? 0 : t.offset;
-  if (int64_t(xq.q.size()) < m * k) xq.q.resize(m * k);
-  if (int64_t(xq.g.size()) < m * xq.groups) xq.g.resize(m * xq.groups);
-  if (span == 256 && int64_t(xq.b.size()) < m * xq.blocks) xq.b.resize(m * xq.blocks);
+  if (int64_t(xq.q.size()) < rows * k) xq.q.resize(rows * k);
+  if (int64_t(xq.g.size()) < rows * xq.groups) xq.g.resize(rows * xq.groups);
+  if (span == 256 && int64_t(xq.b.size()) < rows * xq.blocks) xq.b.resize(rows * xq.blocks);
+  if (split && int64_t(res.size()) < m * k) res.resize(m * k);
+  if (split && int64_t(two.size()) < rows * n) two.resize(rows * n);
   const float* x = reinterpret_cast<const float*>(x_ptr);
-  const int xthreads = int(std::min<int64_t>(threads, std::max<int64_t>(1, m * k / 16384)));
+  const int xthreads = int(std::min<int64_t>(threads, std::max<int64_t>(1, rows * k / 16384)));
 #pragma omp parallel num_threads(xthreads)
   {
     const int nt = omp_get_num_threads(), tid = omp_get_thread_num();
     const int64_t r0 = m * tid / nt, r1 = m * (tid + 1) / nt;
+    for (int pass = 0; pass < (split ? 2 : 1); ++pass) {
+      // Pass 1 rounds the residuals of this thread's rows (res row i holds activation row i's) into
+      // activation rows M + i.
+      const float* src = pass == 0 ? x : res.data();
+      const int64_t lds = pass == 0 ? ldx : k;
+      if (pass == 1) residual_rows(x, ldx, r0, r1, k, xq, res.data() + r0 * k);
 #if PDQ_X86
-    if (isa != PORTABLE) quantize_rows_avx2(x, ldx, r0, r1, k, t, offset, span, xq);
-    else
+      if (isa != PORTABLE) quantize_rows_avx2(src, lds, r0, r1, k, t, offset, span, xq, pass * m);
+      else
 #endif
-      quantize_rows(x, ldx, r0, r1, k, t, offset, span, xq);
+        quantize_rows(src, lds, r0, r1, k, t, offset, span, xq, pass * m);
+    }
   }
-  Problem pb{type, reinterpret_cast<const uint8_t*>(w_ptr), n, k, k / t.block_values * t.block_bytes, &xq, m,
-             reinterpret_cast<float*>(out_ptr), ldo, reinterpret_cast<const float*>(bias_ptr)};
+  float* const out = reinterpret_cast<float*>(out_ptr);
+  const float* const bias = reinterpret_cast<const float*>(bias_ptr);
+  Problem pb{type, reinterpret_cast<const uint8_t*>(w_ptr), n, k, k / t.block_values * t.block_bytes, &xq, rows,
+             split ? two.data() : out, split ? n : ldo, split ? nullptr : bias};
   const int64_t lanes = by_rows || isa == PORTABLE ? 1 : isa == AVX512_VNNI ? 16 : 8;
   const int64_t panels = (n + lanes - 1) / lanes;
   // A thread's share must outweigh waking it (a few microseconds, far more when the cores are shared):
@@ -1301,13 +1348,25 @@ void matmul(int isa, int type, uintptr_t x_ptr, int64_t m, int64_t ldx, uintptr_
   };
   if (nthreads == 1) {
     run(0, panels);
-    return;
-  }
-  // A few chunks per thread, taken in turn: a thread the OS wakes late (a busy core) finds its share
-  // done by the others instead of holding up the call.
-  const int64_t chunks = std::min<int64_t>(panels, int64_t(nthreads) * 4);
+  } else {
+    // A few chunks per thread, taken in turn: a thread the OS wakes late (a busy core) finds its share
+    // done by the others instead of holding up the call.
+    const int64_t chunks = std::min<int64_t>(panels, int64_t(nthreads) * 4);
 #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
-  for (int64_t c = 0; c < chunks; ++c) run(panels * c / chunks, panels * (c + 1) / chunks);
+    for (int64_t c = 0; c < chunks; ++c) run(panels * c / chunks, panels * (c + 1) / chunks);
+  }
+  if (!split) return;
+  // out[i] = (the rounded row's output + its residual's) + bias.
+  const float* y = two.data();
+  const int cthreads = int(std::min<int64_t>(threads, std::max<int64_t>(1, m * n / 65536)));
+#pragma omp parallel for num_threads(cthreads) schedule(static)
+  for (int64_t i = 0; i < m; ++i) {
+    float* o = out + i * ldo;
+    const float* a = y + i * n;
+    const float* b = y + (m + i) * n;
+    if (bias) for (int64_t j = 0; j < n; ++j) o[j] = (a[j] + b[j]) + bias[j];
+    else for (int64_t j = 0; j < n; ++j) o[j] = a[j] + b[j];
+  }
 }
 
 // out[t, :k] = the float32 values of row ids[t] of w, exactly gguf.quants.dequantize's.
