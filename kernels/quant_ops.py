@@ -7,8 +7,10 @@ F.linear reads 32. The kernels (csrc/cpu_quant.cpp) quantize the activation rows
 against the weight quants, scaled into float32. By default ("int8x2", ACTIVATIONS) each activation is two
 int8 terms, its rounding and the rounding of what that lost, taken by the same kernels as twice the rows
 and summed: about 15 bits, 254 times closer to the float product than int8 alone, at the cost of twice
-the integer work (the weight bytes are still read and decoded once per call); "int8" keeps one term
-(llama.cpp's rounding, faster at many rows). At 1-2 activation rows one weight row at a time decoded in
+the integer work (the weight bytes are still read and decoded once per call), except that at up to
+ROW_MAX_M rows the 32-value types (Q8_0, Q4_0, Q4_1, Q5_0) take the float32 activations as they are,
+each weight block decoded to float32 in registers (exact up to summation order); "int8" keeps one int8
+term everywhere (llama.cpp's rounding, the fastest). At 1-2 activation rows one weight row at a time decoded in
 registers, at more in panels of 16 (8) rows decoded into vector lanes; see the source for the method. One binary serves every x86-64 CPU (compiled for the baseline ISA, no
 -march=native); its AVX2 and AVX-512 VNNI functions carry their own target attributes, and `choose_isa`
 picks the widest path this CPU has (PDSERVE_QUANT_ISA forces one). The extension is compiled on first use
@@ -174,7 +176,8 @@ class QuantOps:
         stride, e.g. a column slice of a wider output) when given. The activations are rounded to int8
         per span of 32 (256 for the K types at up to ROW_MAX_M rows), so the result differs from the
         float product by at most sum over spans of d / 2 * sum |w| (d the span's scale, max |x| / 127),
-        plus float32 rounding; with "int8x2" d is the residual's scale, at most the first's / 254.
+        plus float32 rounding; with "int8x2" d is the residual's scale, at most the first's / 254 (and
+        at up to ROW_MAX_M rows of a 32-value type only the float32 rounding remains).
         Called for every projection of every layer at each step: the checks are few attribute reads."""
         if x.dtype is not torch.float32 or not x.is_cpu or x.dim() != 2 or x.shape[1] != w.cols:
             raise ValueError(f"x must be float32 [M, {w.cols}] on the CPU for a {w.type_name} weight "

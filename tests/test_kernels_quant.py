@@ -2,7 +2,9 @@
 a file's bytes, the float reference, row selection and stacking, the quantizers' error and stability) and
 `kernels.quant_ops` (matmul and embedding on every ISA path this CPU has, against x @ dequantize(w).T).
 
-Tolerance of matmul. With activations="int8" the kernels round each span of activations (32 values; 256
+Tolerance of matmul. With "int8x2" at up to ROW_MAX_M rows of a 32-value type the float row kernels take
+the activations as they are: only the float32 part below remains. Otherwise, with activations="int8" the
+kernels round each span of activations (32 values; 256
 for the K types in the row kernels, at up to quant_ops.ROW_MAX_M activation rows) to int8 with scale
 d = max|x| / 127, so each activation moves by at most d / 2 and an output by at most sum over spans of
 d / 2 * sum |w| (`rounding_bound`, taken over spans of 256 for the K types, which bounds both). With
@@ -269,6 +271,19 @@ def test_row_kernels_up_to_their_limit(type_name: str, isa: str, activations: st
                      activations=activations)
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("type_name", ("Q8_0", "Q4_0", "Q4_1", "Q5_0"))
+def test_float_row_kernels_are_exact_up_to_float_sums(type_name: str, isa: str) -> None:
+    """int8x2 at up to ROW_MAX_M rows of a 32-value type: the weight decoded to float32 against the float32
+    activations, so only float32 summation order remains (no rounding_bound), also with a bias."""
+    ops = _ops(isa, "int8x2")
+    qw = random_weight(type_name, 29, _cols(type_name, 18), seed=12)
+    bias = torch.randn(29)
+    for m in (1, 2):
+        x = torch.randn(m, qw.cols) * 5
+        check_matmul(ops.matmul(x, qw, bias), x, qw.dequantize(), bias, exact_x=True)
+
+
 @pytest.mark.parametrize("activations", ACTS)
 @pytest.mark.parametrize("type_name", QUANT_TYPES)
 def test_isa_paths_agree(type_name: str, activations: str) -> None:
@@ -329,8 +344,8 @@ def test_matmul_nan_and_tiny_activations(isa: str, activations: str) -> None:
     x[2, :32] = 1e-35
     y = ops.matmul(x, qw)
     assert torch.all(torch.isnan(y[1])) and not torch.any(torch.isnan(y[[0, 2]]))
-    tail = x[2:, 32:]
-    torch.testing.assert_close(y[2:], ops.matmul(tail, quantize(qw.dequantize()[:, 32:], "Q8_0")), rtol=1e-5,
+    tail = x[2:, 32:].expand(3, 32).contiguous()  # 3 rows: the same kernels (and roundings) as y's
+    torch.testing.assert_close(y[2:], ops.matmul(tail, quantize(qw.dequantize()[:, 32:], "Q8_0"))[:1], rtol=1e-5,
                                atol=1e-5)
 
 

@@ -16,6 +16,8 @@
 // rounded with its own scale (at most d / 254) as activation row M + m. The kernels take the 2M rows as
 // any others (each weight row or panel still read and decoded once per call; twice the integer work) and
 // output m is the sum of rows m and M + m: the activations' error falls 254-fold, to about 15 bits.
+// Except at up to ROW_MAX_M rows of a 32-value type, where int8x2 takes the float row kernels: each weight
+// block decoded to float32 in registers against the float32 activations as they are (rows32f_*).
 //
 // Two kernel shapes. The row kernels (1-2 activation rows, quant_ops.ROW_MAX_M) read each weight row once,
 // decode its blocks in registers in their own order and dot them with every activation row there; the K
@@ -309,6 +311,8 @@ struct Problem {
   float* out;
   int64_t ldo;
   const float* bias;  // [N] or null
+  const float* xf;    // the float32 activations [M, ldx] (the float row kernels read them as they are)
+  int64_t ldx;
 };
 
 // --------------------------------------------------------------------------------- portable path
@@ -382,6 +386,23 @@ void decode_row_canonical(int type, const uint8_t* src, int64_t k, int16_t* q, f
         }
         break;
       }
+    }
+  }
+}
+
+// The float row kernels' portable form: each weight row dequantized (dequant_row's values, exactly the
+// reference's) and dotted in float32 with every activation row.
+void run_portable_float(const Problem& pb, int64_t n0, int64_t n1) {
+  std::vector<float> w(pb.k);
+  for (int64_t n = n0; n < n1; ++n) {
+    dequant_row(pb.type, pb.w + n * pb.row_bytes, w.data(), pb.k);
+    for (int64_t m = 0; m < pb.m; ++m) {
+      const float* x = pb.xf + m * pb.ldx;
+      float acc[8] = {0.f};
+      for (int64_t j = 0; j < pb.k; j += 8)
+        for (int l = 0; l < 8; ++l) acc[l] += w[j + l] * x[j + l];
+      pb.out[m * pb.ldo + n] = (((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]))) +
+                               (pb.bias ? pb.bias[n] : 0.f);
     }
   }
 }
@@ -1160,6 +1181,120 @@ PDQ_AVX2 void rows_avx2(const Problem& pb, int64_t n0, int64_t n1) {
   }
 }
 
+// The float row kernels (int8x2 activations at up to ROW_MAX_M rows, the 32-value types): each weight
+// block decoded to float32 in registers, exactly dequantize()'s values (integer offset removed before the
+// conversion, then d * q (+ m), no fused rounding), and multiply-added with the float32 activations as
+// they are, four independent accumulators per activation row. Exact up to float32 summation order; at
+// these row counts the weight bytes, not the multiply-adds, bound the call.
+template <int TYPE>
+PDQ_AVX2 inline void block_floats_avx2(const uint8_t* p, __m256 w[4]) {
+  const __m256i q = block_quants<TYPE>(p);
+  const __m128i h[2] = {_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)};
+  const __m256 d = _mm256_set1_ps(f16(p));
+  for (int u = 0; u < 4; ++u) {
+    const __m128i b = (u & 1) ? _mm_srli_si128(h[u / 2], 8) : h[u / 2];
+    __m256i v = TYPE == Q8_0 ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b);
+    if (TYPES[TYPE].offset && TYPE != Q8_0) v = _mm256_sub_epi32(v, _mm256_set1_epi32(TYPES[TYPE].offset));
+    w[u] = _mm256_mul_ps(_mm256_cvtepi32_ps(v), d);
+    if (TYPE == Q4_1) w[u] = _mm256_add_ps(w[u], _mm256_set1_ps(f16(p + 2)));
+  }
+}
+
+template <int MT, int TYPE>
+PDQ_AVX2 void rows32f_avx2(const Problem& pb, int64_t n0, int64_t n1) {
+  const TypeInfo& t = TYPES[TYPE];
+  const int64_t nb = pb.k / 32;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = pb.w + n * pb.row_bytes;
+    __m256 acc[MT][4];
+    for (int i = 0; i < MT; ++i)
+      for (int u = 0; u < 4; ++u) acc[i][u] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      __m256 w[4];
+      block_floats_avx2<TYPE>(row + b * t.block_bytes, w);
+      for (int i = 0; i < MT; ++i) {
+        const float* x = pb.xf + i * pb.ldx + 32 * b;
+        for (int u = 0; u < 4; ++u) acc[i][u] = _mm256_fmadd_ps(w[u], _mm256_loadu_ps(x + 8 * u), acc[i][u]);
+      }
+    }
+    const float bias = pb.bias ? pb.bias[n] : 0.f;
+    for (int i = 0; i < MT; ++i)
+      pb.out[i * pb.ldo + n] =
+          hsum8(_mm256_add_ps(_mm256_add_ps(acc[i][0], acc[i][1]), _mm256_add_ps(acc[i][2], acc[i][3]))) + bias;
+  }
+}
+
+template <int MT>
+PDQ_AVX2 void rows_float_avx2(const Problem& pb, int64_t n0, int64_t n1) {
+  switch (pb.type) {
+    case Q8_0: rows32f_avx2<MT, Q8_0>(pb, n0, n1); break;
+    case Q4_0: rows32f_avx2<MT, Q4_0>(pb, n0, n1); break;
+    case Q4_1: rows32f_avx2<MT, Q4_1>(pb, n0, n1); break;
+    case Q5_0: rows32f_avx2<MT, Q5_0>(pb, n0, n1); break;
+    default: throw std::logic_error("the float row kernels take the 32-value types");
+  }
+}
+
+PDQ_AVX2 void run_rows_float_avx2(const Problem& pb, int64_t n0, int64_t n1) {
+  switch (pb.m) {
+    case 1: rows_float_avx2<1>(pb, n0, n1); break;
+    case 2: rows_float_avx2<2>(pb, n0, n1); break;
+    case 3: rows_float_avx2<3>(pb, n0, n1); break;
+    default: rows_float_avx2<4>(pb, n0, n1); break;
+  }
+}
+
+// rows32f_avx2 in 16 lanes: a block's 32 floats in two vectors.
+template <int MT, int TYPE>
+PDQ_AVX512 void rows32f_avx512(const Problem& pb, int64_t n0, int64_t n1) {
+  const TypeInfo& t = TYPES[TYPE];
+  const int64_t nb = pb.k / 32;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = pb.w + n * pb.row_bytes;
+    __m512 acc[MT][2];
+    for (int i = 0; i < MT; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* p = row + b * t.block_bytes;
+      const __m256i q = block_quants<TYPE>(p);
+      const __m128i h[2] = {_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)};
+      const __m512 d = _mm512_set1_ps(f16(p));
+      __m512 w[2];
+      for (int u = 0; u < 2; ++u) {
+        __m512i v = TYPE == Q8_0 ? _mm512_cvtepi8_epi32(h[u]) : _mm512_cvtepu8_epi32(h[u]);
+        if (TYPES[TYPE].offset && TYPE != Q8_0) v = _mm512_sub_epi32(v, _mm512_set1_epi32(TYPES[TYPE].offset));
+        w[u] = _mm512_mul_ps(_mm512_cvtepi32_ps(v), d);
+        if (TYPE == Q4_1) w[u] = _mm512_add_ps(w[u], _mm512_set1_ps(f16(p + 2)));
+      }
+      for (int i = 0; i < MT; ++i) {
+        const float* x = pb.xf + i * pb.ldx + 32 * b;
+        for (int u = 0; u < 2; ++u) acc[i][u] = _mm512_fmadd_ps(w[u], _mm512_loadu_ps(x + 16 * u), acc[i][u]);
+      }
+    }
+    const float bias = pb.bias ? pb.bias[n] : 0.f;
+    for (int i = 0; i < MT; ++i) pb.out[i * pb.ldo + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i][0], acc[i][1])) + bias;
+  }
+}
+
+template <int MT>
+PDQ_AVX512 void rows_float_avx512(const Problem& pb, int64_t n0, int64_t n1) {
+  switch (pb.type) {
+    case Q8_0: rows32f_avx512<MT, Q8_0>(pb, n0, n1); break;
+    case Q4_0: rows32f_avx512<MT, Q4_0>(pb, n0, n1); break;
+    case Q4_1: rows32f_avx512<MT, Q4_1>(pb, n0, n1); break;
+    case Q5_0: rows32f_avx512<MT, Q5_0>(pb, n0, n1); break;
+    default: throw std::logic_error("the float row kernels take the 32-value types");
+  }
+}
+
+PDQ_AVX512 void run_rows_float_avx512(const Problem& pb, int64_t n0, int64_t n1) {
+  switch (pb.m) {
+    case 1: rows_float_avx512<1>(pb, n0, n1); break;
+    case 2: rows_float_avx512<2>(pb, n0, n1); break;
+    case 3: rows_float_avx512<3>(pb, n0, n1); break;
+    default: rows_float_avx512<4>(pb, n0, n1); break;
+  }
+}
+
 PDQ_AVX2 void run_rows_avx2(const Problem& pb, int64_t n0, int64_t n1) {
   switch (pb.m) {
     case 1: rows_avx2<1>(pb, n0, n1); break;
@@ -1278,7 +1413,10 @@ void matmul(int isa, int type, uintptr_t x_ptr, int64_t m, int64_t ldx, uintptr_
   // the OpenMP regions below the thread_local's own name would be each worker's copy.)
   // int8x2: each activation row is also rounded a second time, its residual, as activation row m + M;
   // the kernels see 2M rows and the two outputs of each row are summed.
-  const bool split = activations == INT8X2;
+  const bool by_rows = m <= std::min(row_max_m, ROW_MAX_M);
+  // int8x2 at few rows of a 32-value type: the float row kernels, on the activations as they are.
+  const bool float_rows = activations == INT8X2 && by_rows && t.block_values == 32;
+  const bool split = activations == INT8X2 && !float_rows;
   const int64_t rows = split ? 2 * m : m;
   static thread_local XQuant scratch;
   static thread_local std::vector<float> kept_res, kept_out;  // the residuals [M, K]; the 2M outputs [2M, N]
@@ -1294,17 +1432,41 @@ void matmul(int isa, int type, uintptr_t x_ptr, int64_t m, int64_t ldx, uintptr_
   // Few activation rows take the row kernels (each weight row decoded in registers, in its own order);
   // there the K types' integer sums span whole blocks of 256 under one activation scale. Every ISA path
   // rounds the activations the same way for the same type and M, so the paths agree.
-  const bool by_rows = m <= std::min(row_max_m, ROW_MAX_M);
   const int span = by_rows && t.block_values == 256 ? 256 : 32;
   // The AVX2 code (the row kernels, the AVX2 panels) takes Q8_0's signed quants as they are (no offset);
   // the AVX-512 panels read them as q + 128.
   const int offset = (type == Q8_0 && (isa == AVX2 || by_rows)) ? 0 : t.offset;
-  if (int64_t(xq.q.size()) < rows * k) xq.q.resize(rows * k);
-  if (int64_t(xq.g.size()) < rows * xq.groups) xq.g.resize(rows * xq.groups);
+  if (!float_rows && int64_t(xq.q.size()) < rows * k) xq.q.resize(rows * k);
+  if (!float_rows && int64_t(xq.g.size()) < rows * xq.groups) xq.g.resize(rows * xq.groups);
   if (span == 256 && int64_t(xq.b.size()) < rows * xq.blocks) xq.b.resize(rows * xq.blocks);
   if (split && int64_t(res.size()) < m * k) res.resize(m * k);
   if (split && int64_t(two.size()) < rows * n) two.resize(rows * n);
   const float* x = reinterpret_cast<const float*>(x_ptr);
+  float* const out = reinterpret_cast<float*>(out_ptr);
+  const float* const bias = reinterpret_cast<const float*>(bias_ptr);
+  const uint8_t* const w = reinterpret_cast<const uint8_t*>(w_ptr);
+  const int64_t row_bytes = k / t.block_values * t.block_bytes;
+  if (float_rows) {
+    Problem pb{type, w, n, k, row_bytes, nullptr, m, out, ldo, bias, x, ldx};
+    const int64_t work = n * xq.groups * (m + 4);
+    const int nthreads = int(std::max<int64_t>(1, std::min<int64_t>({threads, n, work / MIN_THREAD_WORK})));
+    auto run = [&](int64_t r0, int64_t r1) {
+#if PDQ_X86
+      if (isa == AVX512_VNNI) run_rows_float_avx512(pb, r0, r1);
+      else if (isa == AVX2) run_rows_float_avx2(pb, r0, r1);
+      else
+#endif
+        run_portable_float(pb, r0, r1);
+    };
+    if (nthreads == 1) {
+      run(0, n);
+      return;
+    }
+    const int64_t chunks = std::min<int64_t>(n, int64_t(nthreads) * 4);
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
+    for (int64_t c = 0; c < chunks; ++c) run(n * c / chunks, n * (c + 1) / chunks);
+    return;
+  }
   const int xthreads = int(std::min<int64_t>(threads, std::max<int64_t>(1, rows * k / 16384)));
 #pragma omp parallel num_threads(xthreads)
   {
@@ -1323,10 +1485,8 @@ void matmul(int isa, int type, uintptr_t x_ptr, int64_t m, int64_t ldx, uintptr_
         quantize_rows(src, lds, r0, r1, k, t, offset, span, xq, pass * m);
     }
   }
-  float* const out = reinterpret_cast<float*>(out_ptr);
-  const float* const bias = reinterpret_cast<const float*>(bias_ptr);
-  Problem pb{type, reinterpret_cast<const uint8_t*>(w_ptr), n, k, k / t.block_values * t.block_bytes, &xq, rows,
-             split ? two.data() : out, split ? n : ldo, split ? nullptr : bias};
+  Problem pb{type, w, n, k, row_bytes, &xq, rows, split ? two.data() : out, split ? n : ldo, split ? nullptr : bias,
+             x, ldx};
   const int64_t lanes = by_rows || isa == PORTABLE ? 1 : isa == AVX512_VNNI ? 16 : 8;
   const int64_t panels = (n + lanes - 1) / lanes;
   // A thread's share must outweigh waking it (a few microseconds, far more when the cores are shared):
