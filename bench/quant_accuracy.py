@@ -4,7 +4,9 @@
 
 DIR is a quantized model directory (model.gguf; default: the default model's Q4_1 GGUF, served as it is).
 The reference is the same blocks dequantized to float32 (testing.quant_accuracy.dequantized_model), so
-only the kernels' arithmetic differs: the activations rounded to 8 bits per block, integer dot products.
+only the kernels' arithmetic differs: the activations rounded per block (by default int8x2: an int8 value
+plus the int8 rounding of its residual, about 15 bits; PDSERVE_QUANT_ACTIVATIONS=int8 for llama.cpp's
+8 bits), integer dot products; float rows at decode for the 32-value types.
 - Teacher-forced top-1 agreement over 8 chat prompts: each prompt, then the reference's own `--steps`
   greedy tokens fed one decode step at a time to both models; every disagreement is listed with the
   reference's logit gap between the two picks and the two models' largest logit difference there; the
