@@ -65,27 +65,39 @@ def extension_dir() -> Path:
     return Path(os.environ.get("PDSERVE_CACHE_DIR") or Path.home() / ".cache" / "pdserve") / "torch_extensions"
 
 
-_lock = threading.Lock()
-_loaded: ModuleType | None = None
-_error: ExtensionUnavailable | None = None
+class OnceExtension:
+    """One C++ extension of this package, built (or loaded from the cache) at first use; the outcome, the
+    module or the build's complaint, is remembered for the process, so a machine without a compiler
+    pays for one failed build, not one per call."""
+
+    def __init__(self, what: str, source: Path, prefix: str, cflags: tuple[str, ...] = CFLAGS) -> None:
+        self.what, self.source, self.prefix, self.cflags = what, source, prefix, cflags
+        self._lock = threading.Lock()
+        self._loaded: ModuleType | None = None
+        self._error: ExtensionUnavailable | None = None
+
+    def load(self) -> ModuleType:
+        """The module; raises ExtensionUnavailable with the compiler's complaint when it can't be built."""
+        with self._lock:
+            if self._loaded is not None:
+                return self._loaded
+            if self._error is not None:
+                raise self._error
+            try:
+                self._loaded = build_extension(self.source.read_bytes(), self.prefix, self.cflags, self.source.name)
+            except Exception as e:  # noqa: BLE001 - any build failure means "not here"; keep the reason
+                self._error = ExtensionUnavailable(f"the {self.what} could not be built in {extension_dir()}: "
+                                                   f"{type(e).__name__}: {str(e)[-600:]}")
+                raise self._error from e
+            return self._loaded
+
+
+ATTENTION_EXTENSION = OnceExtension("CPU attention extension", SOURCE, "pdserve_cpu_attention")
 
 
 def load_extension() -> ModuleType:
-    """Builds (first use on this machine) or loads the extension; raises ExtensionUnavailable with the
-    compiler's complaint when it can't. The outcome is remembered for the process."""
-    global _loaded, _error
-    with _lock:
-        if _loaded is not None:
-            return _loaded
-        if _error is not None:
-            raise _error
-        try:
-            _loaded = build_extension(SOURCE.read_bytes(), "pdserve_cpu_attention")
-        except Exception as e:  # noqa: BLE001 - any build failure means "not here"; keep the reason
-            _error = ExtensionUnavailable(f"the CPU attention extension could not be built in {extension_dir()}: "
-                                          f"{type(e).__name__}: {str(e)[-600:]}")
-            raise _error from e
-        return _loaded
+    """Builds (first use on this machine) or loads the attention extension (see OnceExtension)."""
+    return ATTENTION_EXTENSION.load()
 
 
 def build_extension(source: bytes, prefix: str, cflags: tuple[str, ...] = CFLAGS,

@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import os
 import platform
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
-from pdserve.kernels.cpu_ops import ExtensionUnavailable, build_extension, extension_dir
+from pdserve.kernels.cpu_ops import OnceExtension
 from pdserve.kernels.quant_format import QUANT_TYPES, QuantWeight
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_quant.cpp"
@@ -106,27 +105,12 @@ def choose_isa(requested: str | None = None) -> IsaChoice:
     return IsaChoice(requested, f"{requested}: forced by {source}")
 
 
-_lock = threading.Lock()
-_loaded: ModuleType | None = None
-_error: ExtensionUnavailable | None = None
+QUANT_EXTENSION = OnceExtension("CPU quant extension", SOURCE, "pdserve_cpu_quant", CFLAGS)
 
 
 def load_extension() -> ModuleType:
-    """Builds (first use) or loads the extension; raises ExtensionUnavailable with the compiler's
-    complaint when it can't. The outcome is remembered for the process."""
-    global _loaded, _error
-    with _lock:
-        if _loaded is not None:
-            return _loaded
-        if _error is not None:
-            raise _error
-        try:
-            _loaded = build_extension(SOURCE.read_bytes(), "pdserve_cpu_quant", CFLAGS, "cpu_quant.cpp")
-        except Exception as e:  # noqa: BLE001 - any build failure means "not here"; keep the reason
-            _error = ExtensionUnavailable(f"the CPU quant extension could not be built in {extension_dir()}: "
-                                          f"{type(e).__name__}: {str(e)[-600:]}")
-            raise _error from e
-        return _loaded
+    """Builds (first use) or loads the quant extension (see kernels.cpu_ops.OnceExtension)."""
+    return QUANT_EXTENSION.load()
 
 
 _TYPE_INDEX = {name: i for i, name in enumerate(QUANT_TYPES)}
