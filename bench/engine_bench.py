@@ -13,14 +13,23 @@ once, ignore_eos on. Prints, each as a ratio against a baseline measured in this
 - where a steady decode step's time goes: attention + K/V movement, other aten ops, and time outside
   any op (Python, scheduling), from the torch profiler.
 
-    .venv/bin/python bench/engine_bench.py [--model DIR|tiny] [--dtype auto|float32|bfloat16]
-        [--requests 32] [--skip-hf-serial] [--skip-hf] [--kv-cache-dtype auto,fp8_e5m2] [--steady-only]
+    .venv/bin/python bench/engine_bench.py [--model DIR|tiny] [--weights gguf|float]
+        [--dtype auto|float32|bfloat16] [--requests 32] [--skip-hf-serial] [--skip-hf]
+        [--kv-cache-dtype auto,fp8_e5m2] [--steady-only] [--smoke]
+
+The steady decode is also set against its roofline: the larger of the time to stream the step's weight
+and K/V bytes at the copy bandwidth and the time of its arithmetic at the matrix-product rate of the
+kernels' own data type (F.linear in the model dtype for float weights; the quantized kernels at 256
+activation rows on the model's own gate/up blocks for GGUF weights), both measured in this run; the line
+says which bound applies. --smoke: the tiny model quantized to Q8_0, a few steps, seconds (the suite runs
+it so the bench cannot rot).
 
 --kv-cache-dtype takes a comma-separated list: the steady decode (and its attention share) is measured for
 each in the same run; the other measurements use the first. --steady-only skips everything else.
 
-Default model: SmolLM2-135M-Instruct (fetched and imported on first use); default dtype: what
-`pdserve up` serves (bf16 on AVX512-BF16/AMX CPUs).
+Default model: SmolLM2-135M-Instruct (fetched and imported on first use) served as `pdserve up` serves
+it: its Q4_1 GGUF blocks (`--weights float`: dequantized, in the dtype `pdserve up --weights float`
+picks). transformers always runs the float weights (float32 for a GGUF model: its dequantized copy).
 """
 
 from __future__ import annotations
@@ -28,9 +37,11 @@ from __future__ import annotations
 import argparse
 import random
 import subprocess
+import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
 
 import torch
@@ -42,6 +53,10 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.model_config import load_model_config
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kernels.cpu_ops import CpuOps
+from pdserve.kernels.quant_ops import DecodeStack
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.cpu_isa import isa_summary  # noqa: E402
 
 
 def workload(n: int, vocab: int, seed: int) -> tuple[list[list[int]], list[int]]:
@@ -68,6 +83,15 @@ def gemm_rate(dtype: torch.dtype, hidden: int, inter: int, seconds: float = 2.0)
     """Best sustained GEMM FLOP/s for `dtype` at the model's own MLP shape (M = 256): the roofline."""
     x, w = torch.randn(256, hidden, dtype=dtype), torch.randn(2 * inter, hidden, dtype=dtype)
     return _best_rate(lambda: torch.nn.functional.linear(x, w), 2 * 256 * hidden * 2 * inter, seconds)
+
+
+def quant_matmul_rate(model, seconds: float = 2.0) -> tuple[float, str]:
+    """Best sustained FLOP/s of the quantized kernels at 256 activation rows against the model's first
+    gate/up row group (the panel kernels a large decode batch takes), and what was timed."""
+    group = model.layers[0].mlp.gate_up.groups[0]
+    x = torch.randn(256, group.cols)
+    rate = _best_rate(lambda: model.qops.matmul(x, group), 2 * 256 * group.cols * group.rows, seconds)
+    return rate, f"{group.type_name} kernels ({model.qops.isa.name}, {model.qops.activations} activations)"
 
 
 def copy_bandwidth(seconds: float = 1.0) -> float:
@@ -169,6 +193,7 @@ class SteadyResult:
     outside_ops_share: float  # time in no op at all (Python, scheduling, sampling glue): median profiled step
     outside_ops_range: tuple[float, float]  # the lowest and highest of the profiled steps
     table: str
+    fused: bool = False  # the layers ran as one fused call (DecodeStack): no per-op shares to report
 
 
 def steady_decode(model_dir: str, dtype: str, n: int, ctx: int, vocab: int, steps: int = 12,
@@ -218,8 +243,9 @@ def steady_decode(model_dir: str, dtype: str, n: int, ctx: int, vocab: int, step
     profiled.sort(key=lambda p: p[0])
     share, events = profiled[len(profiled) // 2]
     table = events.table(sort_by="self_cpu_time_total", row_limit=10)
+    fused = isinstance(getattr(engine.model, "_stack", None), DecodeStack)
     return SteadyResult(n * steps / wall, wall / steps, n * (ctx + steps), attention_share, share,
-                        (profiled[0][0], profiled[-1][0]), table)
+                        (profiled[0][0], profiled[-1][0]), table, fused)
 
 
 def prefill_rate(model_dir: str, dtype: str, vocab: int, chunk: int = 512, chunks: int = 1, reps: int = 4,
@@ -283,11 +309,26 @@ def run_hf_generate_batch(model, prompts, outs) -> float | str:
     return n * len(prompts) / (time.perf_counter() - t0)
 
 
-def main() -> None:
+def smoke_model() -> str:
+    """The tiny llama quantized to Q8_0 (cached next to the tiny models)."""
+    from pdserve.engine.quantize import quantize_model
+    from pdserve.engine.tiny import default_model_dir
+
+    src = default_model_dir("llama")
+    out = src.parent / f"{src.name}-q8_0"
+    if not (out / "model.gguf").is_file():
+        quantize_model(src, out, "Q8_0", log=False)
+    return str(out)
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--model", default=None, help="model directory or tiny (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--weights", default="gguf", choices=["gguf", "float"],
+                    help="the default model's weights: its GGUF blocks as served (default) or dequantized")
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    ap.add_argument("--smoke", action="store_true", help="seconds: the tiny model at Q8_0, a few steps")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--context", type=int, default=512, help="prompt tokens per sequence in the steady decode")
     ap.add_argument("--skip-hf-serial", action="store_true", help="skip transformers one request at a time (slowest)")
@@ -298,26 +339,48 @@ def main() -> None:
     ap.add_argument("--baseline-kernel", default=None, metavar="REV",
                     help="also run each steady decode with the C++ decode kernel as of git revision REV, interleaved")
     ap.add_argument("--steady-reps", type=int, default=1, help="steady decodes per KV dtype (and kernel); best kept")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     kv_dtypes = [k.strip() for k in args.kv_cache_dtype.split(",") if k.strip()]
-    model_dir = str(resolve_model(args.model).path)
+    if args.smoke:
+        model_dir, float_dir = smoke_model(), str(resolve_model("tiny").path)
+        args.requests, args.context, args.steady_only = min(args.requests, 4), min(args.context, 24), True
+    else:
+        model_dir = str(resolve_model(args.model, weights=args.weights).path)
+        float_dir = str(resolve_model(args.model, weights="float").path)
     mc = load_model_config(model_dir)
-    choice = resolve_dtype(args.dtype, mc.dtype_name, "cpu")
+    quantized = mc.weight_format.startswith("gguf")
+    choice = resolve_dtype(args.dtype, mc.dtype_name, "cpu", quantized=quantized)
     dtype, dname = getattr(torch, choice.name), choice.name
     cost = model_cost(model_dir, dtype)
+    qmodel = None
+    if quantized:  # the bytes a step reads are the blocks'; the arithmetic rate is the kernels'
+        from pdserve.engine.loader import load_model
+
+        qmodel = load_model(model_dir).model
+        cost.weight_bytes = qmodel.weight_bytes()
+        dname = f"{mc.weight_format.removeprefix('gguf:')} GGUF, float32 activations"
+    from pdserve.kernels.quant_ops import choose_isa
+
+    print(f"CPU ISA {isa_summary()}; quant kernels {choose_isa().reason}")
     prompts, outs = workload(args.requests, mc.vocab_size, args.seed)
     print(f"model {model_dir} ({mc.arch}, {mc.num_layers} layers, hidden {mc.hidden_size}, vocab {mc.vocab_size}); "
           f"dtype {choice.reason}; {cost.flop_per_token / 1e6:.0f} MFLOP/token, {cost.weight_bytes / 1e6:.0f} MB "
           f"weights, {cost.kv_bytes_per_token / 1e3:.1f} KB K/V per context token; {len(prompts)} requests, "
           f"{sum(map(len, prompts))} prompt tokens, {sum(outs)} output tokens; torch threads {torch.get_num_threads()}")
 
-    peak = gemm_rate(dtype, mc.hidden_size, mc.intermediate_size)
-    bw = copy_bandwidth()
-    print(f"{dname} GEMM roofline ({256}x{mc.hidden_size}x{2 * mc.intermediate_size}): {peak / 1e9:.0f} GFLOP/s; "
+    seconds = 0.2 if args.smoke else 2.0
+    gemm = gemm_rate(dtype, mc.hidden_size, mc.intermediate_size, seconds)
+    if qmodel is not None:
+        peak, peak_what = quant_matmul_rate(qmodel, seconds)
+    else:
+        peak, peak_what = gemm, f"{dname} F.linear"
+    bw = copy_bandwidth(seconds / 2)
+    print(f"matrix-product rate of the step's kernels, {peak_what} at 256x{mc.hidden_size}x"
+          f"{2 * mc.intermediate_size}: {peak / 1e9:.0f} GFLOP/s ({choice.name} F.linear: {gemm / 1e9:.0f} GFLOP/s); "
           f"copy bandwidth {bw / 1e9:.1f} GB/s")
 
     if not args.steady_only:
-        throughput_and_prefill(args, model_dir, dname, dtype, cost, prompts, outs, peak, kv_dtypes[0])
+        throughput_and_prefill(args, model_dir, float_dir, dname, dtype, cost, prompts, outs, gemm, kv_dtypes[0])
     tables = []
     builds: dict[str, ModuleType | None] = {"current kernel": None}
     if args.baseline_kernel:
@@ -332,21 +395,32 @@ def main() -> None:
         best: dict[str, SteadyResult] = {}
         for _ in range(args.steady_reps):
             for label, kernel in builds.items():
-                r = steady_decode(model_dir, dname, args.requests, args.context, mc.vocab_size,
-                                  kv_cache_dtype=kv_dtype, kernel=kernel)
+                r = steady_decode(model_dir, choice.name, args.requests, args.context, mc.vocab_size,
+                                  steps=3 if args.smoke else 12, kv_cache_dtype=kv_dtype, kernel=kernel)
                 if label not in best or r.rate > best[label].rate:
                     best[label] = r
         runs += [(kv_dtype, label, r) for label, r in best.items()]
     for kv_dtype, label, st in runs:
-        peak = max(peak, gemm_rate(dtype, mc.hidden_size, mc.intermediate_size))  # conservative: best of two
+        # conservative: the best of two measurements of each rate
+        peak = max(peak, quant_matmul_rate(qmodel, seconds)[0] if qmodel is not None else
+                   gemm_rate(dtype, mc.hidden_size, mc.intermediate_size, seconds))
+        bw = max(bw, copy_bandwidth(seconds / 2))
         flops = st.rate * cost.flop_per_token
         kv_size = 1 if kv_dtype.startswith("fp8") else torch.finfo(dtype).bits // 8
         kv_per_token = cost.kv_bytes_per_token // (torch.finfo(dtype).bits // 8) * kv_size
         stream_s = (cost.weight_bytes + st.context_tokens * kv_per_token) / bw
+        math_s = args.requests * cost.flop_per_token / peak
+        roof_s, bound = max((stream_s, "memory: weight and K/V bytes at the copy bandwidth"),
+                            (math_s, "arithmetic: the step's FLOPs at the kernels' matrix-product rate"))
         print(f"steady decode, KV {kv_dtype}, {label}, {args.requests} sequences x ~{args.context} context: {st.rate:.1f} "
-              f"tok/s (target >= 600), step {1e3 * st.step_s:.1f} ms = {flops / 1e9:.1f} GFLOP/s = "
-              f"{100 * flops / peak:.1f}% of the {dname} GEMM roofline; streaming its bytes at copy bandwidth takes "
-              f"{1e3 * stream_s:.1f} ms ({100 * stream_s / st.step_s:.0f}% of the step)")
+              f"tok/s, step {1e3 * st.step_s:.1f} ms = {flops / 1e9:.1f} GFLOP/s; roofline {1e3 * roof_s:.1f} ms "
+              f"(streaming {1e3 * stream_s:.1f} ms, arithmetic {1e3 * math_s:.1f} ms; bound by {bound}): the step runs "
+              f"at {100 * roof_s / st.step_s:.0f}% of its roofline (target >= 50%)")
+        if st.fused:
+            print("  the layers ran as one fused call (quant_ops.DecodeStack): no per-op shares; the profile below "
+                  "is the LM head, sampling and the engine around it")
+            tables.append((f"{kv_dtype}, {label}", st.table))
+            continue
         print(f"  attention + K/V store: {100 * st.attention_share:.1f}% of the step "
               f"({1e3 * st.attention_share * st.step_s:.1f} ms; target <= 15%); "
               f"outside any op: {100 * st.outside_ops_share:.1f}% (target <= 10%; median of {PROFILED_STEPS} profiled "
@@ -357,16 +431,16 @@ def main() -> None:
         print(table)
 
 
-def throughput_and_prefill(args: argparse.Namespace, model_dir: str, dname: str, dtype: torch.dtype,
+def throughput_and_prefill(args: argparse.Namespace, model_dir: str, float_dir: str, dname: str, dtype: torch.dtype,
                            cost: ModelCost, prompts: list[list[int]], outs: list[int], peak: float,
                            kv_dtype: str) -> None:
     """The aggregate throughput against transformers, and the prefill rates."""
-    ours = run_engine(model_dir, dname, prompts, outs, kv_dtype)
+    ours = run_engine(model_dir, str(dtype).removeprefix("torch."), prompts, outs, kv_dtype)
     print(f"pdserve engine ({dname}, KV {kv_dtype}):{'':<10}{ours:8.1f} tok/s")
     if not args.skip_hf:
         from transformers import AutoModelForCausalLM
 
-        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+        hf = AutoModelForCausalLM.from_pretrained(float_dir, dtype=dtype).eval()
         results: dict[str, float | str] = {}
         with torch.inference_mode():
             if not args.skip_hf_serial:
@@ -385,7 +459,8 @@ def throughput_and_prefill(args: argparse.Namespace, model_dir: str, dname: str,
 
     mc = load_model_config(model_dir)
     for chunks in (1, 4):
-        pre = prefill_rate(model_dir, dname, mc.vocab_size, chunks=chunks, kv_cache_dtype=kv_dtype)
+        pre = prefill_rate(model_dir, str(dtype).removeprefix("torch."), mc.vocab_size, chunks=chunks,
+                           kv_cache_dtype=kv_dtype)
         flop = cost.flop_per_token + attention_flop_per_token(model_dir, 512 * chunks)
         print(f"prefill of {512 * chunks}-token prompts in 512-token chunks: {pre:.0f} tok/s = {pre * flop / 1e9:.0f} "
               f"GFLOP/s with attention = {100 * pre * flop / peak:.0f}% of the {dname} GEMM roofline (target >= 50%)")

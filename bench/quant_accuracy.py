@@ -6,7 +6,7 @@ DIR is a quantized model directory (model.gguf; default: the default model's Q4_
 The reference is the same blocks dequantized to float32 (testing.quant_accuracy.dequantized_model), so
 only the kernels' arithmetic differs: the activations rounded per block (by default int8x2: an int8 value
 plus the int8 rounding of its residual, about 15 bits; PDSERVE_QUANT_ACTIVATIONS=int8 for llama.cpp's
-8 bits), integer dot products; float rows at decode for the 32-value types.
+8 bits), integer dot products; at decode the 32-value types take each activation as one int16 term.
 - Teacher-forced top-1 agreement over 8 chat prompts: each prompt, then the reference's own `--steps`
   greedy tokens fed one decode step at a time to both models; every disagreement is listed with the
   reference's logit gap between the two picks and the two models' largest logit difference there; the

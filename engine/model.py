@@ -12,6 +12,7 @@ float32.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -24,7 +25,7 @@ from pdserve.engine.linear import Linear, cpu_weight_packing, empty_param
 from pdserve.engine.model_config import ModelConfig
 from pdserve.kernels import KernelOps
 from pdserve.kernels.quant_format import QuantWeight
-from pdserve.kernels.quant_ops import QuantOps
+from pdserve.kernels.quant_ops import STACK_KV_DTYPES, DecodeStack, QuantOps, StackLayer, StackProjection
 
 # Returns the named Hugging Face tensor after checking it has the given shape (the loader owns the files).
 WeightGetter = Callable[[str, tuple[int, ...]], torch.Tensor]
@@ -34,6 +35,8 @@ QuantGetter = Callable[[str, tuple[int, int]], QuantWeight | torch.Tensor]
 DEFAULT_ROPE_TABLE_LEN = 32768
 # Logits recomputed in float32 per row when the LM head runs in half precision (see compute_logits).
 REFINE_TOP = 16
+# "0" keeps quantized models' decode steps on the per-op path (the fused step is the default).
+FUSED_DECODE_ENV = "PDSERVE_FUSED_DECODE"
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:  # [D/2] float32
@@ -201,6 +204,11 @@ class CausalLM(nn.Module):
         self._inv_freq = rope_inv_freq(cfg).to(self.embed_weight.device)  # [D/2]
         self._table = rope_tables(self._inv_freq, rope_table_len or min(cfg.max_model_len, DEFAULT_ROPE_TABLE_LEN))
         self._kv_views: tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
+        # Quantized models on a CPU: decode-only steps through one fused call (DecodeStack), built at the
+        # first such step; False once found not to apply (fused_decode_reason says why).
+        self.fused_decode = os.environ.get(FUSED_DECODE_ENV, "1") != "0"
+        self._stack: DecodeStack | bool | None = None
+        self.fused_decode_reason = ""
 
     @property
     def act_dtype(self) -> torch.dtype:
@@ -231,7 +239,7 @@ class CausalLM(nn.Module):
             return self.qops.embedding(input_ids, self.embed_quant)
         return F.embedding(input_ids, self.embed_weight).float()
 
-    def _rope(self, positions: torch.Tensor) -> Rope:  # [T, 1, D] each, in the model dtype
+    def _rope_table(self, positions: torch.Tensor) -> Rope:  # [P, D] float32 each, P past every position
         # One host sync per step (positions.max) buys the window check and the lazily grown table.
         top = int(positions.max()) + 1 if positions.numel() else 0
         window = self.cfg.sliding_window
@@ -242,6 +250,10 @@ class CausalLM(nn.Module):
         table = self._table
         if top > table.cos.shape[0]:  # grow; entries already there come out identical
             table = self._table = rope_tables(self._inv_freq, max(top, 2 * table.cos.shape[0]))
+        return table
+
+    def _rope(self, positions: torch.Tensor) -> Rope:  # [T, 1, D] each, in the model dtype
+        table = self._rope_table(positions)
         dt = self.act_dtype
         return Rope(
             table.cos.index_select(0, positions).to(dt)[:, None, :],
@@ -259,7 +271,15 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:  # [T, hidden]
         """Runs the T packed tokens of one step. Changes only the kv_cache slots in meta.slot_mapping
         (and may grow the RoPE table when a position is past it). `on_layer(i)` is called after layer i's
-        ops were issued (engine.step_hook says what that means on CUDA)."""
+        ops were issued (engine.step_hook says what that means on CUDA). A quantized model's decode-only
+        steps without `on_layer` run fused (`DecodeStack`)."""
+        if on_layer is None and 0 < meta.num_decode_tokens == input_ids.shape[0]:
+            stack = self._decode_stack(kv_cache)
+            if stack is not None:
+                table = self._rope_table(positions)
+                assert meta.decode_block_tables is not None and meta.decode_context_lens is not None
+                return stack.run(self._embed(input_ids), positions, meta.slot_mapping, meta.decode_block_tables,
+                                 meta.decode_context_lens, kv_cache, table.cos, table.sin)
         cos, sin = self._rope(positions)
         h = self._embed(input_ids)  # [T, hidden] float32 residual stream (fresh)
         pending = None  # the last layer's MLP output, added by the next layer's first norm
@@ -270,6 +290,56 @@ class CausalLM(nn.Module):
         if pending is not None:
             h.add_(pending)
         return self.norm.forward_float32(h)
+
+    def _decode_stack(self, kv_cache: torch.Tensor) -> DecodeStack | None:
+        """The fused decode step for this model and KV cache, built at first use; None where it does not
+        apply (float weights, a float row group, a KV dtype it doesn't take, turned off), the reason kept
+        in fused_decode_reason. Changes only that cache."""
+        if self._stack is None:
+            self._stack = self._build_stack()
+        if not isinstance(self._stack, DecodeStack):
+            return None
+        if kv_cache.dtype not in STACK_KV_DTYPES or not kv_cache.is_cpu:
+            self.fused_decode_reason = f"the fused decode step takes float32 or bfloat16 KV, not {kv_cache.dtype}"
+            return None
+        return self._stack
+
+    def _build_stack(self) -> DecodeStack | bool:
+        cfg = self.cfg
+        if not self.fused_decode:
+            self.fused_decode_reason = f"turned off ({FUSED_DECODE_ENV}=0)"
+            return False
+        if self.qops is None:
+            self.fused_decode_reason = "float weights (the fused decode step serves GGUF blocks)"
+            return False
+
+        def proj(lin: Linear) -> StackProjection | None:
+            groups = [g for g in lin.groups or () if isinstance(g, QuantWeight)]
+            if lin.groups is None or len(groups) != len(lin.groups):
+                return None
+            return StackProjection(tuple(groups), None if lin.bias is None else lin.bias.detach().float().contiguous())
+
+        def norm(n: RMSNorm | None) -> torch.Tensor | None:
+            return None if n is None else n.weight.detach().float().contiguous()
+
+        layers: list[StackLayer] = []
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv, o, gate_up, down = (proj(lin) for lin in (attn.qkv, attn.o, mlp.gate_up, mlp.down))
+            if qkv is None or o is None or gate_up is None or down is None:
+                self.fused_decode_reason = "a projection holds float rows (the fused step takes GGUF blocks only)"
+                return False
+            layers.append(StackLayer(norm(layer.input_layernorm), norm(layer.post_attention_layernorm),
+                                     norm(attn.q_norm), norm(attn.k_norm), qkv, o, gate_up, down))
+        self.fused_decode_reason = ""
+        try:
+            return DecodeStack(self.qops, layers, self.norm.weight.detach().float().contiguous(),
+                               num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                               intermediate_size=cfg.intermediate_size, eps=cfg.rms_norm_eps,
+                               scale=self.layers[0].self_attn.scale)
+        except ValueError as e:
+            self.fused_decode_reason = str(e)
+            return False
 
     def _layer_caches(self, kv_cache: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each layer's (k_cache, v_cache) views of the KV cache [L, 2, NB, BS, Hkv, D], made once per KV cache

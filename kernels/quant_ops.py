@@ -8,8 +8,9 @@ against the weight quants, scaled into float32. By default ("int8x2", ACTIVATION
 int8 terms, its rounding and the rounding of what that lost, taken by the same kernels as twice the rows
 and summed: about 15 bits, 254 times closer to the float product than int8 alone, at the cost of twice
 the integer work (the weight bytes are still read and decoded once per call), except that at up to
-ROW_MAX_M rows the 32-value types (Q8_0, Q4_0, Q4_1, Q5_0) take the float32 activations as they are,
-each weight block decoded to float32 in registers (exact up to summation order); "int8" keeps one int8
+ROW_MAX_M rows the 32-value types (Q8_0, Q4_0, Q4_1, Q5_0) round each activation to one int16 term
+instead (max |x| / 32767 per 32: the same precision, half the vector work of the two int8 terms, and
+about twice as fast as decoding each weight to float32); "int8" keeps one int8
 term everywhere (llama.cpp's rounding, the fastest). At 1-2 activation rows one weight row at a time decoded in
 registers, at more in panels of 16 (8) rows decoded into vector lanes; see the source for the method. One binary serves every x86-64 CPU (compiled for the baseline ISA, no
 -march=native); its AVX2 and AVX-512 VNNI functions carry their own target attributes, and `choose_isa`
@@ -160,8 +161,8 @@ class QuantOps:
         stride, e.g. a column slice of a wider output) when given. The activations are rounded to int8
         per span of 32 (256 for the K types at up to ROW_MAX_M rows), so the result differs from the
         float product by at most sum over spans of d / 2 * sum |w| (d the span's scale, max |x| / 127),
-        plus float32 rounding; with "int8x2" d is the residual's scale, at most the first's / 254 (and
-        at up to ROW_MAX_M rows of a 32-value type only the float32 rounding remains).
+        plus float32 rounding; with "int8x2" d is the residual's scale, at most the first's / 254 (at up
+        to ROW_MAX_M rows of a 32-value type the int16 scale, max |x| / 32767).
         Called for every projection of every layer at each step: the checks are few attribute reads."""
         if x.dtype is not torch.float32 or not x.is_cpu or x.dim() != 2 or x.shape[1] != w.cols:
             raise ValueError(f"x must be float32 [M, {w.cols}] on the CPU for a {w.type_name} weight "
@@ -201,3 +202,113 @@ class QuantOps:
         self._ext.embedding(_TYPE_INDEX[w.type_name], flat.data_ptr(), flat.numel(), w.data.data_ptr(), w.rows,
                             w.cols, out.data_ptr(), torch.get_num_threads())
         return out.reshape(*ids.shape, w.cols)
+
+
+@dataclass(frozen=True)
+class StackProjection:
+    """One projection of a decoder layer as the fused decode step reads it: its row groups in output
+    order (each of one block type) and its float32 bias."""
+
+    groups: tuple[QuantWeight, ...]
+    bias: torch.Tensor | None  # [N] float32, contiguous
+
+
+@dataclass(frozen=True)
+class StackLayer:
+    """One decoder layer: the norms' float32 weights and the four projections."""
+
+    input_norm: torch.Tensor  # [H]
+    post_norm: torch.Tensor  # [H]
+    q_norm: torch.Tensor | None  # [D] (Qwen3's QK norms), else None
+    k_norm: torch.Tensor | None
+    qkv: StackProjection  # rows q | k | v
+    o: StackProjection
+    gate_up: StackProjection  # rows gate | up
+    down: StackProjection
+
+
+# Row groups one projection of the fused step may have (the extension's MAX_GROUPS).
+STACK_MAX_GROUPS = 8
+# KV cache dtypes the fused step reads and writes (element bytes for the extension).
+STACK_KV_DTYPES = {torch.float32: 4, torch.bfloat16: 2}
+
+
+class DecodeStack:
+    """A Llama-style decoder stack whose decode-only steps run in one call of the extension
+    (`decode_layers`): each layer's norms, projections, RoPE, K/V stores, paged attention and gated MLP
+    with no Python or op dispatch between them, on one team of threads. Built once from the weights; the
+    tensors it was built from must stay alive and unchanged (it keeps references to them). Numerics:
+    float32 throughout, the projections by the same kernels as `QuantOps.matmul`; norms, softmax and
+    SiLU in their own vector code (equal to the unfused ops up to float32 rounding order)."""
+
+    def __init__(self, qops: QuantOps, layers: list[StackLayer], final_norm: torch.Tensor, *, num_heads: int,
+                 num_kv_heads: int, head_dim: int, intermediate_size: int, eps: float, scale: float) -> None:
+        self.qops = qops
+        self.num_layers = len(layers)
+        self.hidden = final_norm.shape[0]
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.intermediate_size, self.eps, self.scale = intermediate_size, eps, scale
+        keep: list[torch.Tensor] = [final_norm]
+        words: list[int] = []
+
+        def addr(t: torch.Tensor | None) -> int:
+            if t is None:
+                return 0
+            if t.dtype is not torch.float32 or not t.is_contiguous() or not t.is_cpu:
+                raise ValueError(f"the fused decode step takes contiguous float32 CPU tensors, got {t.dtype}")
+            keep.append(t)
+            return t.data_ptr()
+
+        for layer in layers:
+            words += [addr(layer.input_norm), addr(layer.post_norm), addr(layer.q_norm), addr(layer.k_norm)]
+            for proj in (layer.qkv, layer.o, layer.gate_up, layer.down):
+                if not 1 <= len(proj.groups) <= STACK_MAX_GROUPS:
+                    raise ValueError(f"a projection has {len(proj.groups)} row groups (1 to {STACK_MAX_GROUPS})")
+                words += [len(proj.groups), addr(proj.bias)]
+                for g in proj.groups:
+                    keep.append(g.data)
+                    words += [_TYPE_INDEX[g.type_name], g.data.data_ptr(), g.rows]
+        self._final_norm = addr(final_norm)
+        self._plan = torch.tensor(words, dtype=torch.int64)
+        self._keep = keep
+
+    def run(
+        self,
+        h: torch.Tensor,  # [B, H] float32: the tokens' embeddings; becomes the residual stream
+        positions: torch.Tensor,  # [B] int64
+        slot_mapping: torch.Tensor,  # [B] int64, -1: not stored
+        block_tables: torch.Tensor,  # [B, MB] int32
+        context_lens: torch.Tensor,  # [B] int32, including the new token
+        kv_cache: torch.Tensor,  # [L, 2, NB, BS, Hkv, D] float32 or bfloat16
+        cos: torch.Tensor,  # [P, D] float32 RoPE table
+        sin: torch.Tensor,  # [P, D] float32, first half negated
+    ) -> torch.Tensor:  # [B, H] float32: the final norm of the residual stream
+        """One decode step of B sequences through every layer. Changes h, and the KV cache only at the
+        slots given; raises ValueError / IndexError for inputs out of range (checked in the extension
+        before any write)."""
+        if kv_cache.dtype not in STACK_KV_DTYPES or not kv_cache.is_contiguous():
+            raise ValueError(f"the fused decode step takes a contiguous float32 or bfloat16 KV cache, got {kv_cache.dtype}")
+        nl, two, nb, bs, hkv, d = kv_cache.shape
+        if (nl, two, hkv, d) != (self.num_layers, 2, self.num_kv_heads, self.head_dim):
+            raise ValueError(f"KV cache {tuple(kv_cache.shape)} does not fit the stack")
+        b = h.shape[0]
+        if h.dtype is not torch.float32 or h.shape != (b, self.hidden) or not h.is_contiguous():
+            raise ValueError(f"h must be contiguous float32 [B, {self.hidden}], got {h.dtype} {tuple(h.shape)}")
+        pos = positions.to(torch.int64).contiguous()
+        slots = slot_mapping.to(torch.int64).contiguous()
+        tables = block_tables.to(torch.int32).contiguous()
+        ctx = context_lens.to(torch.int32).contiguous()
+        if pos.shape != (b,) or slots.shape != (b,) or ctx.shape != (b,) or tables.dim() != 2 or tables.shape[0] != b:
+            raise ValueError("positions, slot_mapping, context_lens [B] and block_tables [B, MB] must match h")
+        cos, sin = cos.contiguous(), sin.contiguous()
+        if cos.dtype is not torch.float32 or sin.dtype is not torch.float32 or cos.shape[1] != d or sin.shape != cos.shape:
+            raise ValueError("the RoPE tables must be float32 [P, D]")
+        out = torch.empty_like(h)
+        q = self.qops
+        q._ext.decode_layers(
+            q._isa_index, q._act_index, torch.get_num_threads(), self._plan.data_ptr(), self._plan.numel(),
+            self.num_layers, self.hidden, self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate_size,
+            self.eps, self.scale, self._final_norm, h.data_ptr(), out.data_ptr(), b, pos.data_ptr(),
+            slots.data_ptr(), tables.data_ptr(), tables.shape[1], ctx.data_ptr(), kv_cache.data_ptr(),
+            STACK_KV_DTYPES[kv_cache.dtype], nb, bs, cos.data_ptr(), sin.data_ptr(), cos.shape[0], ROW_MAX_M)
+        return out

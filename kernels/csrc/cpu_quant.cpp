@@ -16,8 +16,9 @@
 // rounded with its own scale (at most d / 254) as activation row M + m. The kernels take the 2M rows as
 // any others (each weight row or panel still read and decoded once per call; twice the integer work) and
 // output m is the sum of rows m and M + m: the activations' error falls 254-fold, to about 15 bits.
-// Except at up to ROW_MAX_M rows of a 32-value type, where int8x2 takes the float row kernels: each weight
-// block decoded to float32 in registers against the float32 activations as they are (rows32f_*).
+// Except at up to ROW_MAX_M rows of a 32-value type, where int8x2 rounds each activation to int16 instead
+// (one scale per 32, max |x| / 32767: the same ~15 bits in one term) and the row kernels take the widened
+// weight quants against it with PMADDWD (rows32w_*).
 //
 // Two kernel shapes. The row kernels (1-2 activation rows, quant_ops.ROW_MAX_M) read each weight row once,
 // decode its blocks in registers in their own order and dot them with every activation row there; the K
@@ -35,10 +36,14 @@
 
 #include <omp.h>
 
+#include <sched.h>
+
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <exception>
 #include <limits>
 #include <stdexcept>
 #include <string>
@@ -224,6 +229,7 @@ struct XBlock {
 
 struct XQuant {
   std::vector<int8_t> q;     // [M, K]
+  std::vector<int16_t> q16;  // [M, K]: int16 activations (the 32-value types' row kernels under int8x2)
   std::vector<XGroup> g;     // [M, K / 32]
   std::vector<XBlock> b;     // [M, K / 256] when quantized with span 256
   int64_t k = 0, groups = 0, blocks = 0;
@@ -294,6 +300,40 @@ void residual_rows(const float* x, int64_t ldx, int64_t m0, int64_t m1, int64_t 
   }
 }
 
+// Rows [m0, m1) of x to int16 (into xq.q16): one scale d = max|x| / 32767 per group of 32, recorded with
+// d * sum(q) (the min term). About as close as int8x2's two int8 terms (an error of at most d / 2, d at
+// most 1 / 258 of int8's), in one term: the 32-value types' row kernels take it with PMADDWD.
+void quantize_rows16(const float* x, int64_t ldx, int64_t m0, int64_t m1, int64_t k, XQuant& xq) {
+  const int64_t groups = k / 32;
+  for (int64_t m = m0; m < m1; ++m) {
+    const float* xr = x + m * ldx;
+    int16_t* q = xq.q16.data() + m * k;
+    XGroup* g = xq.g.data() + m * groups;
+    for (int64_t j = 0; j < groups; ++j) {
+      const float* v = xr + 32 * j;
+      float amax = 0.f;
+      bool nan = false;
+      for (int i = 0; i < 32; ++i) {
+        amax = std::max(amax, std::fabs(v[i]));
+        nan |= v[i] != v[i];
+      }
+      float d = amax >= 1e-28f ? amax / 32767.f : 0.f;
+      const float id = d != 0.f ? 1.f / d : 0.f;
+      if (nan) d = std::numeric_limits<float>::quiet_NaN();
+      int sum = 0;
+      for (int i = 0; i < 32; ++i) {
+        const int qi = int(std::nearbyint(std::min(32767.f, std::max(-32767.f, v[i] * id))));
+        q[32 * j + i] = int16_t(qi);
+        sum += qi;
+      }
+      g[j].d = d;
+      g[j].s = d * float(sum);
+      g[j].o[0] = g[j].o[1] = 0;
+      g[j].od = 0.f;
+    }
+  }
+}
+
 // Asks for the bytes [off, off + len) of each of `rows` rows ahead of their decode: a panel reads its rows
 // as that many separate streams, more than the hardware prefetchers follow.
 inline void prefetch_rows(const uint8_t* const* rp, int rows, int64_t off, int64_t len) {
@@ -311,8 +351,6 @@ struct Problem {
   float* out;
   int64_t ldo;
   const float* bias;  // [N] or null
-  const float* xf;    // the float32 activations [M, ldx] (the float row kernels read them as they are)
-  int64_t ldx;
 };
 
 // --------------------------------------------------------------------------------- portable path
@@ -390,19 +428,25 @@ void decode_row_canonical(int type, const uint8_t* src, int64_t k, int16_t* q, f
   }
 }
 
-// The float row kernels' portable form: each weight row dequantized (dequant_row's values, exactly the
-// reference's) and dotted in float32 with every activation row.
-void run_portable_float(const Problem& pb, int64_t n0, int64_t n1) {
-  std::vector<float> w(pb.k);
+// The int16 row kernels' portable form: each weight row as canonical groups (q minus the offset, a, b),
+// dotted in integers with every activation row's int16 values, then scaled per group.
+void run_portable_wide(const Problem& pb, int64_t n0, int64_t n1) {
+  const int64_t groups = pb.k / 32;
+  std::vector<int16_t> q(pb.k);
+  std::vector<float> a(2 * groups), bb(groups);  // a per group (decode_row_canonical's layout for these types)
   for (int64_t n = n0; n < n1; ++n) {
-    dequant_row(pb.type, pb.w + n * pb.row_bytes, w.data(), pb.k);
+    decode_row_canonical(pb.type, pb.w + n * pb.row_bytes, pb.k, q.data(), a.data(), bb.data());
     for (int64_t m = 0; m < pb.m; ++m) {
-      const float* x = pb.xf + m * pb.ldx;
-      float acc[8] = {0.f};
-      for (int64_t j = 0; j < pb.k; j += 8)
-        for (int l = 0; l < 8; ++l) acc[l] += w[j + l] * x[j + l];
-      pb.out[m * pb.ldo + n] = (((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]))) +
-                               (pb.bias ? pb.bias[n] : 0.f);
+      const int16_t* xq = pb.x->q16.data() + m * pb.k;
+      const XGroup* xg = pb.x->g.data() + m * groups;
+      float acc = 0.f;
+      for (int64_t j = 0; j < groups; ++j) {
+        int32_t dot = 0;  // at most 32 * 127 * 32767 in magnitude
+        for (int i = 0; i < 32; ++i) dot += int32_t(q[32 * j + i]) * xq[32 * j + i];
+        acc += float(dot) * (a[j] * xg[j].d);
+        if (TYPES[pb.type].asym) acc += bb[j] * xg[j].s;
+      }
+      pb.out[m * pb.ldo + n] = acc + (pb.bias ? pb.bias[n] : 0.f);
     }
   }
 }
@@ -1181,117 +1225,118 @@ PDQ_AVX2 void rows_avx2(const Problem& pb, int64_t n0, int64_t n1) {
   }
 }
 
-// The float row kernels (int8x2 activations at up to ROW_MAX_M rows, the 32-value types): each weight
-// block decoded to float32 in registers, exactly dequantize()'s values (integer offset removed before the
-// conversion, then d * q (+ m), no fused rounding), and multiply-added with the float32 activations as
-// they are, four independent accumulators per activation row. Exact up to float32 summation order; at
-// these row counts the weight bytes, not the multiply-adds, bound the call.
-template <int TYPE>
-PDQ_AVX2 inline void block_floats_avx2(const uint8_t* p, __m256 w[4]) {
-  const __m256i q = block_quants<TYPE>(p);
-  const __m128i h[2] = {_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)};
-  const __m256 d = _mm256_set1_ps(f16(p));
-  for (int u = 0; u < 4; ++u) {
-    const __m128i b = (u & 1) ? _mm_srli_si128(h[u / 2], 8) : h[u / 2];
-    __m256i v = TYPE == Q8_0 ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b);
-    if (TYPES[TYPE].offset && TYPE != Q8_0) v = _mm256_sub_epi32(v, _mm256_set1_epi32(TYPES[TYPE].offset));
-    w[u] = _mm256_mul_ps(_mm256_cvtepi32_ps(v), d);
-    if (TYPE == Q4_1) w[u] = _mm256_add_ps(w[u], _mm256_set1_ps(f16(p + 2)));
-  }
-}
-
+// The int16 row kernels (int8x2 activations at up to ROW_MAX_M rows, the 32-value types): each block's 32
+// quants widened to int16 (minus the offset: signed values) and multiplied with the activations' int16
+// values by PMADDWD, two of them and one add giving 8 int32 sums, scaled once per block; the min term from
+// the activations' sums. Half the vector work of decoding each weight to float32, at the same ~15 bits.
 template <int MT, int TYPE>
-PDQ_AVX2 void rows32f_avx2(const Problem& pb, int64_t n0, int64_t n1) {
+PDQ_AVX2 void rows32w_avx2(const Problem& pb, int64_t n0, int64_t n1) {
   const TypeInfo& t = TYPES[TYPE];
   const int64_t nb = pb.k / 32;
+  const int16_t* xq[MT];
+  const XGroup* xg[MT];
+  for (int i = 0; i < MT; ++i) {
+    xq[i] = pb.x->q16.data() + i * pb.k;
+    xg[i] = pb.x->g.data() + i * pb.x->groups;
+  }
+  const __m256i off = _mm256_set1_epi8(char(TYPE == Q8_0 ? 0 : t.offset));
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = pb.w + n * pb.row_bytes;
-    __m256 acc[MT][4];
-    for (int i = 0; i < MT; ++i)
-      for (int u = 0; u < 4; ++u) acc[i][u] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; ++b) {
-      __m256 w[4];
-      block_floats_avx2<TYPE>(row + b * t.block_bytes, w);
-      for (int i = 0; i < MT; ++i) {
-        const float* x = pb.xf + i * pb.ldx + 32 * b;
-        for (int u = 0; u < 4; ++u) acc[i][u] = _mm256_fmadd_ps(w[u], _mm256_loadu_ps(x + 8 * u), acc[i][u]);
-      }
+    __m256 acc[MT];
+    float accs[MT];  // Q4_1's mins
+    for (int i = 0; i < MT; ++i) {
+      acc[i] = _mm256_setzero_ps();
+      accs[i] = 0.f;
     }
-    const float bias = pb.bias ? pb.bias[n] : 0.f;
-    for (int i = 0; i < MT; ++i)
-      pb.out[i * pb.ldo + n] =
-          hsum8(_mm256_add_ps(_mm256_add_ps(acc[i][0], acc[i][1]), _mm256_add_ps(acc[i][2], acc[i][3]))) + bias;
-  }
-}
-
-template <int MT>
-PDQ_AVX2 void rows_float_avx2(const Problem& pb, int64_t n0, int64_t n1) {
-  switch (pb.type) {
-    case Q8_0: rows32f_avx2<MT, Q8_0>(pb, n0, n1); break;
-    case Q4_0: rows32f_avx2<MT, Q4_0>(pb, n0, n1); break;
-    case Q4_1: rows32f_avx2<MT, Q4_1>(pb, n0, n1); break;
-    case Q5_0: rows32f_avx2<MT, Q5_0>(pb, n0, n1); break;
-    default: throw std::logic_error("the float row kernels take the 32-value types");
-  }
-}
-
-PDQ_AVX2 void run_rows_float_avx2(const Problem& pb, int64_t n0, int64_t n1) {
-  switch (pb.m) {
-    case 1: rows_float_avx2<1>(pb, n0, n1); break;
-    case 2: rows_float_avx2<2>(pb, n0, n1); break;
-    case 3: rows_float_avx2<3>(pb, n0, n1); break;
-    default: rows_float_avx2<4>(pb, n0, n1); break;
-  }
-}
-
-// rows32f_avx2 in 16 lanes: a block's 32 floats in two vectors.
-template <int MT, int TYPE>
-PDQ_AVX512 void rows32f_avx512(const Problem& pb, int64_t n0, int64_t n1) {
-  const TypeInfo& t = TYPES[TYPE];
-  const int64_t nb = pb.k / 32;
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* row = pb.w + n * pb.row_bytes;
-    __m512 acc[MT][2];
-    for (int i = 0; i < MT; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* p = row + b * t.block_bytes;
-      const __m256i q = block_quants<TYPE>(p);
-      const __m128i h[2] = {_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)};
-      const __m512 d = _mm512_set1_ps(f16(p));
-      __m512 w[2];
-      for (int u = 0; u < 2; ++u) {
-        __m512i v = TYPE == Q8_0 ? _mm512_cvtepi8_epi32(h[u]) : _mm512_cvtepu8_epi32(h[u]);
-        if (TYPES[TYPE].offset && TYPE != Q8_0) v = _mm512_sub_epi32(v, _mm512_set1_epi32(TYPES[TYPE].offset));
-        w[u] = _mm512_mul_ps(_mm512_cvtepi32_ps(v), d);
-        if (TYPE == Q4_1) w[u] = _mm512_add_ps(w[u], _mm512_set1_ps(f16(p + 2)));
-      }
+      __m256i w = block_quants<TYPE>(p);
+      if (TYPE == Q4_0 || TYPE == Q5_0) w = _mm256_sub_epi8(w, off);
+      const __m128i w0 = _mm256_castsi256_si128(w), w1 = _mm256_extracti128_si256(w, 1);
+      const __m256i lo = TYPE == Q4_1 ? _mm256_cvtepu8_epi16(w0) : _mm256_cvtepi8_epi16(w0);
+      const __m256i hi = TYPE == Q4_1 ? _mm256_cvtepu8_epi16(w1) : _mm256_cvtepi8_epi16(w1);
+      const float d = f16(p);
+      const float mn = TYPE == Q4_1 ? f16(p + 2) : 0.f;
       for (int i = 0; i < MT; ++i) {
-        const float* x = pb.xf + i * pb.ldx + 32 * b;
-        for (int u = 0; u < 2; ++u) acc[i][u] = _mm512_fmadd_ps(w[u], _mm512_loadu_ps(x + 16 * u), acc[i][u]);
+        const __m256i* x = reinterpret_cast<const __m256i*>(xq[i] + 32 * b);
+        const __m256i s = _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256(x)),
+                                           _mm256_madd_epi16(hi, _mm256_loadu_si256(x + 1)));
+        const XGroup& g = xg[i][b];
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(d * g.d), acc[i]);
+        if (TYPE == Q4_1) accs[i] += mn * g.s;
       }
     }
     const float bias = pb.bias ? pb.bias[n] : 0.f;
-    for (int i = 0; i < MT; ++i) pb.out[i * pb.ldo + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i][0], acc[i][1])) + bias;
+    for (int i = 0; i < MT; ++i) pb.out[i * pb.ldo + n] = hsum8(acc[i]) + accs[i] + bias;
   }
 }
 
 template <int MT>
-PDQ_AVX512 void rows_float_avx512(const Problem& pb, int64_t n0, int64_t n1) {
+PDQ_AVX2 void rows_wide_avx2(const Problem& pb, int64_t n0, int64_t n1) {
   switch (pb.type) {
-    case Q8_0: rows32f_avx512<MT, Q8_0>(pb, n0, n1); break;
-    case Q4_0: rows32f_avx512<MT, Q4_0>(pb, n0, n1); break;
-    case Q4_1: rows32f_avx512<MT, Q4_1>(pb, n0, n1); break;
-    case Q5_0: rows32f_avx512<MT, Q5_0>(pb, n0, n1); break;
-    default: throw std::logic_error("the float row kernels take the 32-value types");
+    case Q8_0: rows32w_avx2<MT, Q8_0>(pb, n0, n1); break;
+    case Q4_0: rows32w_avx2<MT, Q4_0>(pb, n0, n1); break;
+    case Q4_1: rows32w_avx2<MT, Q4_1>(pb, n0, n1); break;
+    case Q5_0: rows32w_avx2<MT, Q5_0>(pb, n0, n1); break;
+    default: throw std::logic_error("the int16 row kernels take the 32-value types");
   }
 }
 
-PDQ_AVX512 void run_rows_float_avx512(const Problem& pb, int64_t n0, int64_t n1) {
+PDQ_AVX2 void run_rows_wide_avx2(const Problem& pb, int64_t n0, int64_t n1) {
   switch (pb.m) {
-    case 1: rows_float_avx512<1>(pb, n0, n1); break;
-    case 2: rows_float_avx512<2>(pb, n0, n1); break;
-    case 3: rows_float_avx512<3>(pb, n0, n1); break;
-    default: rows_float_avx512<4>(pb, n0, n1); break;
+    case 1: rows_wide_avx2<1>(pb, n0, n1); break;
+    case 2: rows_wide_avx2<2>(pb, n0, n1); break;
+    case 3: rows_wide_avx2<3>(pb, n0, n1); break;
+    default: rows_wide_avx2<4>(pb, n0, n1); break;
+  }
+}
+
+// quantize_rows16 with AVX2: the same roundings (nearest even), so every path sees the same int16 values.
+PDQ_AVX2 void quantize_rows16_avx2(const float* x, int64_t ldx, int64_t m0, int64_t m1, int64_t k, XQuant& xq) {
+  const int64_t groups = k / 32;
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m256 lim = _mm256_set1_ps(32767.f), nlim = _mm256_set1_ps(-32767.f);
+  for (int64_t m = m0; m < m1; ++m) {
+    const float* xr = x + m * ldx;
+    int16_t* q = xq.q16.data() + m * k;
+    XGroup* g = xq.g.data() + m * groups;
+    for (int64_t j = 0; j < groups; ++j) {
+      const float* v = xr + 32 * j;
+      __m256 vmax = _mm256_setzero_ps(), vnan = _mm256_setzero_ps();
+      __m256 a[4];
+      for (int u = 0; u < 4; ++u) {
+        a[u] = _mm256_loadu_ps(v + 8 * u);
+        vmax = _mm256_max_ps(_mm256_and_ps(a[u], absmask), vmax);
+        vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(a[u], a[u], _CMP_UNORD_Q));
+      }
+      __m128 h = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+      h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+      h = _mm_max_ss(h, _mm_movehdup_ps(h));
+      const float amax = _mm_cvtss_f32(h);
+      float d = amax >= 1e-28f ? amax / 32767.f : 0.f;
+      const float id = d != 0.f ? 1.f / d : 0.f;
+      if (_mm256_movemask_ps(vnan)) d = std::numeric_limits<float>::quiet_NaN();
+      const __m256 vid = _mm256_set1_ps(id);
+      __m256i iv[4], sum = _mm256_setzero_si256();
+      for (int u = 0; u < 4; ++u) {
+        const __m256 sc = _mm256_mul_ps(a[u], vid);
+        iv[u] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_min_ps(lim, _mm256_max_ps(nlim, sc)),
+                                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        sum = _mm256_add_epi32(sum, iv[u]);
+      }
+      // packs works per 128-bit lane: [0..3 of iv0, 0..3 of iv1 | 4..7 of iv0, 4..7 of iv1] -> reorder quads
+      for (int u = 0; u < 2; ++u) {
+        const __m256i pk = _mm256_permute4x64_epi64(_mm256_packs_epi32(iv[2 * u], iv[2 * u + 1]), 0xD8);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 32 * j + 16 * u), pk);
+      }
+      __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+      s4 = _mm_add_epi32(s4, _mm_unpackhi_epi64(s4, s4));
+      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 1));
+      g[j].d = d;
+      g[j].s = d * float(_mm_cvtsi128_si32(s4));
+      g[j].o[0] = g[j].o[1] = 0;
+      g[j].od = 0.f;
+    }
   }
 }
 
@@ -1397,135 +1442,186 @@ void check_type(int type) {
   if (type < 0 || type >= NUM_TYPES) throw std::invalid_argument("unknown quant type index " + std::to_string(type));
 }
 
-// out[m, :n] = x[m, :k] @ w^T (+ bias) for m < M. Pointers are addresses of float32 / uint8 buffers the
-// caller checked: x [M, ldx], w [N, row_bytes], out [M, ldo], bias [N] or 0. Up to row_max_m activation
-// rows (at most ROW_MAX_M) take the row kernels, more the panels.
-void matmul(int isa, int type, uintptr_t x_ptr, int64_t m, int64_t ldx, uintptr_t w_ptr, int64_t n, int64_t k,
-            uintptr_t bias_ptr, uintptr_t out_ptr, int64_t ldo, int threads, int row_max_m, int activations) {
+// One matmul out[m, :n] = x[m, :k] @ w^T (+ bias), split into the phases a caller runs in order, each over
+// a share of its range on any number of threads: `quantize_part` rounds activation rows (nothing to do
+// for the float row kernels), `run_part` takes units of weight rows (panels, or rows for the row
+// kernels), `combine_part` sums the int8x2 outputs' two halves. `matmul` runs them on OpenMP's threads;
+// the fused decode step (decode_layers) inside its own parallel region.
+struct MatmulScratch {
+  XQuant xq;
+  std::vector<float> res, two;  // int8x2: the residuals [M, K]; the 2M outputs [2M, N]
+};
+
+struct MatmulJob {
+  int isa = 0;
+  const TypeInfo* t = nullptr;
+  const float* x = nullptr;
+  int64_t m = 0, ldx = 0, n = 0, k = 0;
+  float* out = nullptr;
+  int64_t ldo = 0;
+  const float* bias = nullptr;
+  bool by_rows = false, wide_rows = false, split = false;
+  int span = 32, offset = 0;
+  MatmulScratch* s = nullptr;
+  Problem pb{};
+  int64_t units = 0;  // weight panels (or rows) run_part splits
+  int64_t work = 0;   // in (rows x groups) units: how many threads it pays to wake
+};
+
+// Checks the arguments and sizes the scratch; does no arithmetic. Up to row_max_m activation rows (at most
+// ROW_MAX_M) take the row kernels, more the panels.
+MatmulJob plan_matmul(int isa, int type, const float* x, int64_t m, int64_t ldx, const uint8_t* w, int64_t n,
+                      int64_t k, const float* bias, float* out, int64_t ldo, int row_max_m, int activations,
+                      MatmulScratch& s) {
   check_type(type);
-  if (!isa_supported(isa)) throw std::invalid_argument("this CPU cannot run quant ISA path " + std::to_string(isa));
   const TypeInfo& t = TYPES[type];
   if (k % t.block_values) throw std::invalid_argument("k is not a whole number of blocks");
-  if (m <= 0 || n <= 0) return;
-  threads = std::max(1, threads);
-  // The calling thread's scratch, kept between calls (a decode step makes hundreds of small ones); a
-  // long prompt's activations get their own, freed after the call. (Named through a reference: inside
-  // the OpenMP regions below the thread_local's own name would be each worker's copy.)
+  MatmulJob j;
+  j.isa = isa, j.t = &t, j.x = x, j.m = m, j.ldx = ldx, j.n = n, j.k = k, j.out = out, j.ldo = ldo, j.bias = bias;
+  j.s = &s;
   // int8x2: each activation row is also rounded a second time, its residual, as activation row m + M;
   // the kernels see 2M rows and the two outputs of each row are summed.
-  const bool by_rows = m <= std::min(row_max_m, ROW_MAX_M);
-  // int8x2 at few rows of a 32-value type: the float row kernels, on the activations as they are.
-  const bool float_rows = activations == INT8X2 && by_rows && t.block_values == 32;
-  const bool split = activations == INT8X2 && !float_rows;
-  const int64_t rows = split ? 2 * m : m;
-  static thread_local XQuant scratch;
-  static thread_local std::vector<float> kept_res, kept_out;  // the residuals [M, K]; the 2M outputs [2M, N]
-  XQuant local;
-  std::vector<float> local_res, local_out;
-  const bool keep = rows * k <= KEEP_SCRATCH_BYTES;
-  XQuant& xq = keep ? scratch : local;
-  std::vector<float>& res = keep ? kept_res : local_res;
-  std::vector<float>& two = keep && rows * n <= KEEP_SCRATCH_BYTES ? kept_out : local_out;
+  j.by_rows = m <= std::min(row_max_m, ROW_MAX_M);
+  // int8x2 at few rows of a 32-value type: the int16 row kernels (one int16 term of the same precision).
+  j.wide_rows = activations == INT8X2 && j.by_rows && t.block_values == 32;
+  j.split = activations == INT8X2 && !j.wide_rows;
+  const int64_t rows = j.split ? 2 * m : m;
+  XQuant& xq = s.xq;
   xq.k = k;
   xq.groups = k / 32;
   xq.blocks = k / 256;
   // Few activation rows take the row kernels (each weight row decoded in registers, in its own order);
   // there the K types' integer sums span whole blocks of 256 under one activation scale. Every ISA path
   // rounds the activations the same way for the same type and M, so the paths agree.
-  const int span = by_rows && t.block_values == 256 ? 256 : 32;
+  j.span = j.by_rows && t.block_values == 256 ? 256 : 32;
   // The AVX2 code (the row kernels, the AVX2 panels) takes Q8_0's signed quants as they are (no offset);
   // the AVX-512 panels read them as q + 128.
-  const int offset = (type == Q8_0 && (isa == AVX2 || by_rows)) ? 0 : t.offset;
-  if (!float_rows && int64_t(xq.q.size()) < rows * k) xq.q.resize(rows * k);
-  if (!float_rows && int64_t(xq.g.size()) < rows * xq.groups) xq.g.resize(rows * xq.groups);
-  if (span == 256 && int64_t(xq.b.size()) < rows * xq.blocks) xq.b.resize(rows * xq.blocks);
-  if (split && int64_t(res.size()) < m * k) res.resize(m * k);
-  if (split && int64_t(two.size()) < rows * n) two.resize(rows * n);
-  const float* x = reinterpret_cast<const float*>(x_ptr);
-  float* const out = reinterpret_cast<float*>(out_ptr);
-  const float* const bias = reinterpret_cast<const float*>(bias_ptr);
-  const uint8_t* const w = reinterpret_cast<const uint8_t*>(w_ptr);
+  j.offset = (type == Q8_0 && (isa == AVX2 || j.by_rows)) ? 0 : t.offset;
+  if (!j.wide_rows && int64_t(xq.q.size()) < rows * k) xq.q.resize(rows * k);
+  if (j.wide_rows && int64_t(xq.q16.size()) < m * k) xq.q16.resize(m * k);
+  if (int64_t(xq.g.size()) < rows * xq.groups) xq.g.resize(rows * xq.groups);
+  if (j.span == 256 && int64_t(xq.b.size()) < rows * xq.blocks) xq.b.resize(rows * xq.blocks);
+  if (j.split && int64_t(s.res.size()) < m * k) s.res.resize(m * k);
+  if (j.split && int64_t(s.two.size()) < rows * n) s.two.resize(rows * n);
   const int64_t row_bytes = k / t.block_values * t.block_bytes;
-  if (float_rows) {
-    Problem pb{type, w, n, k, row_bytes, nullptr, m, out, ldo, bias, x, ldx};
-    const int64_t work = n * xq.groups * (m + 4);
-    const int nthreads = int(std::max<int64_t>(1, std::min<int64_t>({threads, n, work / MIN_THREAD_WORK})));
-    auto run = [&](int64_t r0, int64_t r1) {
+  j.pb = Problem{type, w, n, k, row_bytes, &xq, rows,
+                 j.split ? s.two.data() : out, j.split ? n : ldo, j.split ? nullptr : bias};
+  const int64_t lanes = j.by_rows || isa == PORTABLE ? 1 : isa == AVX512_VNNI ? 16 : 8;
+  j.units = (n + lanes - 1) / lanes;
+  j.work = n * xq.groups * (m + 4);
+  return j;
+}
+
+// Activation rows [r0, r1) of x rounded to int8 (both passes under int8x2).
+void quantize_part(const MatmulJob& j, int64_t r0, int64_t r1) {
+  if (r0 >= r1) return;
+  XQuant& xq = j.s->xq;
+  if (j.wide_rows) {
 #if PDQ_X86
-      if (isa == AVX512_VNNI) run_rows_float_avx512(pb, r0, r1);
-      else if (isa == AVX2) run_rows_float_avx2(pb, r0, r1);
-      else
+    if (j.isa != PORTABLE) quantize_rows16_avx2(j.x, j.ldx, r0, r1, j.k, xq);
+    else
 #endif
-        run_portable_float(pb, r0, r1);
-    };
-    if (nthreads == 1) {
-      run(0, n);
-      return;
-    }
-    const int64_t chunks = std::min<int64_t>(n, int64_t(nthreads) * 4);
-#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
-    for (int64_t c = 0; c < chunks; ++c) run(n * c / chunks, n * (c + 1) / chunks);
+      quantize_rows16(j.x, j.ldx, r0, r1, j.k, xq);
     return;
   }
-  const int xthreads = int(std::min<int64_t>(threads, std::max<int64_t>(1, rows * k / 16384)));
-#pragma omp parallel num_threads(xthreads)
-  {
-    const int nt = omp_get_num_threads(), tid = omp_get_thread_num();
-    const int64_t r0 = m * tid / nt, r1 = m * (tid + 1) / nt;
-    for (int pass = 0; pass < (split ? 2 : 1); ++pass) {
-      // Pass 1 rounds the residuals of this thread's rows (res row i holds activation row i's) into
-      // activation rows M + i.
-      const float* src = pass == 0 ? x : res.data();
-      const int64_t lds = pass == 0 ? ldx : k;
-      if (pass == 1) residual_rows(x, ldx, r0, r1, k, xq, res.data() + r0 * k);
+  for (int pass = 0; pass < (j.split ? 2 : 1); ++pass) {
+    // Pass 1 rounds the residuals of these rows (res row i holds activation row i's) into rows M + i.
+    float* res = j.s->res.data();
+    const float* src = pass == 0 ? j.x : res;
+    const int64_t lds = pass == 0 ? j.ldx : j.k;
+    if (pass == 1) residual_rows(j.x, j.ldx, r0, r1, j.k, xq, res + r0 * j.k);
 #if PDQ_X86
-      if (isa != PORTABLE) quantize_rows_avx2(src, lds, r0, r1, k, t, offset, span, xq, pass * m);
-      else
+    if (j.isa != PORTABLE) quantize_rows_avx2(src, lds, r0, r1, j.k, *j.t, j.offset, j.span, xq, pass * j.m);
+    else
 #endif
-        quantize_rows(src, lds, r0, r1, k, t, offset, span, xq, pass * m);
+      quantize_rows(src, lds, r0, r1, j.k, *j.t, j.offset, j.span, xq, pass * j.m);
+  }
+}
+
+// Output columns of units [u0, u1) (weight panels, or rows for the row kernels).
+void run_part(const MatmulJob& j, int64_t u0, int64_t u1) {
+  if (u0 >= u1) return;
+  const Problem& pb = j.pb;
+  if (j.isa == PORTABLE) {
+    if (j.wide_rows) run_portable_wide(pb, u0, u1);
+    else run_portable(pb, u0, u1);
+#if PDQ_X86
+  } else if (j.wide_rows) {
+    run_rows_wide_avx2(pb, u0, u1);
+  } else if (j.by_rows) {
+    run_rows_avx2(pb, u0, u1);
+  } else if (j.isa == AVX512_VNNI) {
+    run_avx512(pb, u0, u1);
+  } else {
+    run_avx2(pb, u0, u1);
+#endif
+  }
+}
+
+// out rows [r0, r1) = (the rounded row's output + its residual's) + bias (int8x2 outside the float rows).
+void combine_part(const MatmulJob& j, int64_t r0, int64_t r1) {
+  if (!j.split) return;
+  const float* y = j.s->two.data();
+  const int64_t n = j.n;
+  for (int64_t i = r0; i < r1; ++i) {
+    float* o = j.out + i * j.ldo;
+    const float* a = y + i * n;
+    const float* b = y + (j.m + i) * n;
+    if (j.bias) for (int64_t c = 0; c < n; ++c) o[c] = (a[c] + b[c]) + j.bias[c];
+    else for (int64_t c = 0; c < n; ++c) o[c] = a[c] + b[c];
+  }
+}
+
+// Threads it pays to wake for `work` (a thread's share must outweigh waking it: a few microseconds, far
+// more when the cores are shared), at most `threads` and `units`.
+int useful_threads(int threads, int64_t units, int64_t work) {
+  return int(std::max<int64_t>(1, std::min<int64_t>({threads, units, work / MIN_THREAD_WORK})));
+}
+
+// out[m, :n] = x[m, :k] @ w^T (+ bias) for m < M. Pointers are addresses of float32 / uint8 buffers the
+// caller checked: x [M, ldx], w [N, row_bytes], out [M, ldo], bias [N] or 0.
+void matmul(int isa, int type, uintptr_t x_ptr, int64_t m, int64_t ldx, uintptr_t w_ptr, int64_t n, int64_t k,
+            uintptr_t bias_ptr, uintptr_t out_ptr, int64_t ldo, int threads, int row_max_m, int activations) {
+  if (!isa_supported(isa)) throw std::invalid_argument("this CPU cannot run quant ISA path " + std::to_string(isa));
+  if (m <= 0 || n <= 0) {
+    check_type(type);
+    return;
+  }
+  threads = std::max(1, threads);
+  // The calling thread's scratch, kept between calls (a decode step makes hundreds of small ones); a
+  // long prompt's activations get their own, freed after the call.
+  static thread_local MatmulScratch kept;
+  MatmulScratch local;
+  const int64_t rows = 2 * m;  // at most (int8x2)
+  MatmulScratch& s = rows * k <= KEEP_SCRATCH_BYTES && rows * n <= KEEP_SCRATCH_BYTES ? kept : local;
+  const MatmulJob j = plan_matmul(isa, type, reinterpret_cast<const float*>(x_ptr), m, ldx,
+                                  reinterpret_cast<const uint8_t*>(w_ptr), n, k,
+                                  reinterpret_cast<const float*>(bias_ptr), reinterpret_cast<float*>(out_ptr), ldo,
+                                  row_max_m, activations, s);
+  {
+    const int xthreads = int(std::min<int64_t>(threads, std::max<int64_t>(1, j.pb.m * k / 16384)));
+#pragma omp parallel num_threads(xthreads)
+    {
+      const int nt = omp_get_num_threads(), tid = omp_get_thread_num();
+      quantize_part(j, m * tid / nt, m * (tid + 1) / nt);
     }
   }
-  Problem pb{type, w, n, k, row_bytes, &xq, rows, split ? two.data() : out, split ? n : ldo, split ? nullptr : bias,
-             x, ldx};
-  const int64_t lanes = by_rows || isa == PORTABLE ? 1 : isa == AVX512_VNNI ? 16 : 8;
-  const int64_t panels = (n + lanes - 1) / lanes;
-  // A thread's share must outweigh waking it (a few microseconds, far more when the cores are shared):
-  // work in (rows x groups) units, each about one row-group's decode plus its dot with every activation row.
-  const int64_t work = n * xq.groups * (m + 4);
-  const int nthreads = int(std::max<int64_t>(1, std::min<int64_t>({threads, panels, work / MIN_THREAD_WORK})));
-  auto run = [&](int64_t p0, int64_t p1) {
-    if (isa == PORTABLE) {
-      run_portable(pb, p0, p1);
-#if PDQ_X86
-    } else if (by_rows) {
-      run_rows_avx2(pb, p0, p1);
-    } else if (isa == AVX512_VNNI) {
-      run_avx512(pb, p0, p1);
-    } else {
-      run_avx2(pb, p0, p1);
-#endif
-    }
-  };
+  const int nthreads = useful_threads(threads, j.units, j.work);
   if (nthreads == 1) {
-    run(0, panels);
+    run_part(j, 0, j.units);
   } else {
     // A few chunks per thread, taken in turn: a thread the OS wakes late (a busy core) finds its share
     // done by the others instead of holding up the call.
-    const int64_t chunks = std::min<int64_t>(panels, int64_t(nthreads) * 4);
+    const int64_t chunks = std::min<int64_t>(j.units, int64_t(nthreads) * 4);
 #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
-    for (int64_t c = 0; c < chunks; ++c) run(panels * c / chunks, panels * (c + 1) / chunks);
+    for (int64_t c = 0; c < chunks; ++c) run_part(j, j.units * c / chunks, j.units * (c + 1) / chunks);
   }
-  if (!split) return;
-  // out[i] = (the rounded row's output + its residual's) + bias.
-  const float* y = two.data();
+  if (!j.split) return;
   const int cthreads = int(std::min<int64_t>(threads, std::max<int64_t>(1, m * n / 65536)));
-#pragma omp parallel for num_threads(cthreads) schedule(static)
-  for (int64_t i = 0; i < m; ++i) {
-    float* o = out + i * ldo;
-    const float* a = y + i * n;
-    const float* b = y + (m + i) * n;
-    if (bias) for (int64_t j = 0; j < n; ++j) o[j] = (a[j] + b[j]) + bias[j];
-    else for (int64_t j = 0; j < n; ++j) o[j] = a[j] + b[j];
+#pragma omp parallel num_threads(cthreads)
+  {
+    const int nt = omp_get_num_threads(), tid = omp_get_thread_num();
+    combine_part(j, m * tid / nt, m * (tid + 1) / nt);
   }
 }
 
@@ -1546,6 +1642,493 @@ void embedding(int type, uintptr_t ids_ptr, int64_t count, uintptr_t w_ptr, int6
   for (int64_t i = 0; i < count; ++i) dequant_row(type, w + ids[i] * row_bytes, out + i * k, k);
 }
 
+// ------------------------------------------------------------------------------- the fused decode step
+
+// A decode-only step of a Llama-style decoder stack (quant_ops.DecodeStack) in one call: every layer's
+// norms, projections, RoPE, K/V stores, attention over the paged cache and the gated MLP, with no Python
+// and no op dispatch between them. At one stream the per-op cost of the unfused step (about a dozen
+// dispatched ops a layer) was most of its time, not the weight bytes. The threads of one OpenMP region
+// run the whole stack: each phase is split into units taken from a shared counter and ends at a spinning
+// barrier (a phase lasts microseconds; waking a sleeping thread costs more than that).
+
+#if PDQ_X86
+inline void cpu_relax() { _mm_pause(); }
+#else
+inline void cpu_relax() {}
+#endif
+
+constexpr int SPIN_BEFORE_YIELD = 1 << 14;  // pauses (~40 ns each) before a waiter yields its core
+constexpr int MAX_GROUPS = 8;               // row groups of one projection (runs of one block type)
+constexpr int64_t MAX_GROUP_HEADS = 64;     // query heads per KV head
+constexpr int64_t MAX_HEAD_DIM = 512;
+
+class SpinBarrier {
+ public:
+  void reset(int n) { n_ = n; }
+  void wait() {
+    const int phase = phase_.load(std::memory_order_acquire);
+    if (arrived_.fetch_add(1, std::memory_order_acq_rel) == n_ - 1) {
+      arrived_.store(0, std::memory_order_relaxed);
+      phase_.fetch_add(1, std::memory_order_release);
+      return;
+    }
+    // A waiter yields after a while: on cores shared with another process it must not hold the core
+    // the last thread needs.
+    for (int i = 0; phase_.load(std::memory_order_acquire) == phase; ++i) {
+      if (i < SPIN_BEFORE_YIELD) cpu_relax();
+      else sched_yield();
+    }
+  }
+
+ private:
+  int n_ = 1;
+  std::atomic<int> arrived_{0};
+  std::atomic<int> phase_{0};
+};
+
+// Phases hand out units from a ring of three counters: phase i takes counter i % 3 and resets the one
+// phase i + 1 will take (last used by phase i - 2, two barriers ago).
+struct Team {
+  SpinBarrier bar;
+  std::atomic<int64_t> next[3];
+  int nt = 1;
+};
+
+// Runs fn(u0, u1) over `chunks` shares of [0, n) on every thread of the team, then waits for all.
+template <class F>
+void share(Team& team, int tid, int& phase, int64_t n, int64_t chunks, F&& fn) {
+  std::atomic<int64_t>& c = team.next[phase % 3];
+  if (tid == 0) team.next[(phase + 1) % 3].store(0, std::memory_order_relaxed);
+  ++phase;
+  chunks = std::max<int64_t>(1, std::min(chunks, n));
+  for (int64_t i; (i = c.fetch_add(1, std::memory_order_relaxed)) < chunks;) fn(n * i / chunks, n * (i + 1) / chunks);
+  team.bar.wait();
+}
+
+struct StackGroup {
+  int type;
+  const uint8_t* w;
+  int64_t rows;
+};
+
+struct StackLinear {
+  int ngroups = 0;
+  const float* bias = nullptr;
+  StackGroup g[MAX_GROUPS];
+  int64_t n = 0;  // output features: the groups' rows summed
+};
+
+struct StackLayer {
+  const float *norm_in, *norm_post, *q_norm, *k_norm;  // q_norm / k_norm: null without QK norms
+  StackLinear qkv, o, gate_up, down;
+};
+
+// The plan's int64 words, per layer: norm_in, norm_post, q_norm, k_norm (addresses, 0 for none), then for
+// qkv, o, gate_up, down each: ngroups, bias (0 for none), ngroups x (type, address, rows).
+std::vector<StackLayer> parse_plan(const int64_t* p, int64_t len, int64_t layers) {
+  std::vector<StackLayer> out(layers);
+  int64_t i = 0;
+  auto word = [&]() {
+    if (i >= len) throw std::invalid_argument("the decode plan ends early");
+    return p[i++];
+  };
+  auto ptr = [&]() { return reinterpret_cast<const float*>(word()); };
+  for (StackLayer& l : out) {
+    l.norm_in = ptr(), l.norm_post = ptr(), l.q_norm = ptr(), l.k_norm = ptr();
+    for (StackLinear* lin : {&l.qkv, &l.o, &l.gate_up, &l.down}) {
+      lin->ngroups = int(word());
+      if (lin->ngroups < 1 || lin->ngroups > MAX_GROUPS) throw std::invalid_argument("a projection of the decode plan has no or too many row groups");
+      lin->bias = ptr();
+      for (int g = 0; g < lin->ngroups; ++g) {
+        StackGroup& gr = lin->g[g];
+        gr.type = int(word());
+        check_type(gr.type);
+        gr.w = reinterpret_cast<const uint8_t*>(word());
+        gr.rows = word();
+        lin->n += gr.rows;
+      }
+    }
+  }
+  if (i != len) throw std::invalid_argument("the decode plan has words left over");
+  return out;
+}
+
+inline float bf16_to_float(uint16_t b) {
+  const uint32_t u = uint32_t(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// Round to nearest even, NaN kept quiet (torch's float -> bfloat16).
+inline uint16_t float_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);
+  return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+float dot_portable(const float* a, const float* b, int64_t n) {
+  float s = 0.f;
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// y += a * x
+void axpy_portable(float a, const float* x, float* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
+}
+
+void exp_portable(float* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) x[i] = std::exp(x[i]);
+}
+
+#if PDQ_X86
+PDQ_AVX2 float dot_avx2f(const float* a, const float* b, int64_t n) {
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+  }
+  for (; i + 8 <= n; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+  float s = hsum8(_mm256_add_ps(acc0, acc1));
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+PDQ_AVX2 void axpy_avx2f(float a, const float* x, float* y, int64_t n) {
+  const __m256 va = _mm256_set1_ps(a);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+  for (; i < n; ++i) y[i] += a * x[i];
+}
+
+// e^x in 8 lanes (Cephes' expf: range reduction by ln 2 in two parts, a degree-6 polynomial), within 2
+// ulp of std::exp over [-87, 88]; arguments are clamped there (softmax and silu need no more).
+PDQ_AVX2 inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+  const __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+PDQ_AVX2 void exp_avx2(float* x, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, exp8(_mm256_loadu_ps(x + i)));
+  for (; i < n; ++i) x[i] = std::exp(x[i]);
+}
+
+PDQ_AVX2 void silu_mul_avx2(const float* g, const float* u, float* out, int64_t n) {
+  const __m256 one = _mm256_set1_ps(1.f);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 a = _mm256_loadu_ps(g + i);
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), a));
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_div_ps(a, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
+  }
+  for (; i < n; ++i) out[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+}
+#endif
+
+// The vector helpers of one ISA path.
+struct VecOps {
+  float (*dot)(const float*, const float*, int64_t);
+  void (*axpy)(float, const float*, float*, int64_t);
+  void (*exp)(float*, int64_t);
+  bool avx2;
+};
+
+VecOps vec_ops(int isa) {
+#if PDQ_X86
+  if (isa != PORTABLE) return {dot_avx2f, axpy_avx2f, exp_avx2, true};
+#endif
+  return {dot_portable, axpy_portable, exp_portable, false};
+}
+
+void silu_mul_rows(const VecOps& v, const float* g, const float* u, float* out, int64_t n) {
+#if PDQ_X86
+  if (v.avx2) {
+    silu_mul_avx2(g, u, out, n);
+    return;
+  }
+#endif
+  for (int64_t i = 0; i < n; ++i) out[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+}
+
+// out = x / rms(x) * w over n values (float32 throughout, as CausalLM's norms are for float32 weights).
+void rms_norm_vec(const VecOps& v, const float* x, const float* w, float* out, int64_t n, float eps) {
+  const float ss = v.dot(x, x, n);
+  const float inv = 1.f / std::sqrt(ss / float(n) + eps);
+  for (int64_t i = 0; i < n; ++i) out[i] = (x[i] * inv) * w[i];
+}
+
+// Rotate-half RoPE of one head row in place: x * cos + cat(x2, x1) * sin (the sin row's first half
+// negated, as CausalLM's tables are).
+void rope_row(float* x, const float* cs, const float* sn, int64_t d) {
+  float tmp[MAX_HEAD_DIM];
+  const int64_t half = d / 2;
+  for (int64_t i = 0; i < d; ++i) tmp[i] = x[i] * cs[i] + x[i < half ? i + half : i - half] * sn[i];
+  std::memcpy(x, tmp, d * sizeof(float));
+}
+
+struct StackGeometry {
+  int64_t layers, hidden, hq, hkv, d, inter;
+  float eps, scale;
+};
+
+struct KvView {
+  char* base;      // kv_cache [L, 2, NB, BS, Hkv, D]
+  int es;          // element bytes: 4 float32, 2 bfloat16
+  int64_t nb, bs;  // blocks, slots per block
+  int64_t layer_elems() const { return 2 * half_elems(); }
+  int64_t half_elems() const { return nb * bs * row_elems; }
+  int64_t row_elems = 0;  // Hkv * D
+};
+
+// Attention of query heads [kvh * G, (kvh + 1) * G) of sequence b over its ctx cached tokens: scores
+// into sc [G, ctx], an exact softmax (max subtracted, sums in float32), then the V rows' weighted sum.
+void attend_unit(const VecOps& v, const StackGeometry& gm, const KvView& kv, const char* kl, const char* vl,
+                 const float* q, const int32_t* table, int64_t ctx, int64_t kvh, float* out, std::vector<float>& sc,
+                 std::vector<float>& row) {
+  const int64_t g_heads = gm.hq / gm.hkv, d = gm.d;
+  if (int64_t(sc.size()) < g_heads * ctx) sc.resize(g_heads * ctx);
+  if (int64_t(row.size()) < d) row.resize(d);
+  auto kv_row = [&](const char* base, int64_t t) -> const float* {
+    const int64_t slot = int64_t(table[t / kv.bs]) * kv.bs + t % kv.bs;
+    const char* p = base + (slot * kv.row_elems + kvh * d) * kv.es;
+    if (kv.es == 4) return reinterpret_cast<const float*>(p);
+    const uint16_t* b = reinterpret_cast<const uint16_t*>(p);
+    for (int64_t i = 0; i < d; ++i) row[i] = bf16_to_float(b[i]);
+    return row.data();
+  };
+  for (int64_t t = 0; t < ctx; ++t) {
+    const float* k = kv_row(kl, t);
+    for (int64_t g = 0; g < g_heads; ++g) sc[g * ctx + t] = v.dot(q + g * d, k, d) * gm.scale;
+  }
+  float inv[MAX_GROUP_HEADS];
+  for (int64_t g = 0; g < g_heads; ++g) {
+    float* s = sc.data() + g * ctx;
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t t = 0; t < ctx; ++t) mx = std::max(mx, s[t]);
+    for (int64_t t = 0; t < ctx; ++t) s[t] -= mx;
+    v.exp(s, ctx);
+    float sum = 0.f;
+    for (int64_t t = 0; t < ctx; ++t) sum += s[t];
+    inv[g] = 1.f / sum;
+    std::memset(out + g * d, 0, d * sizeof(float));
+  }
+  for (int64_t t = 0; t < ctx; ++t) {
+    const float* vr = kv_row(vl, t);
+    for (int64_t g = 0; g < g_heads; ++g) v.axpy(sc[g * ctx + t] * inv[g], vr, out + g * d, d);
+  }
+}
+
+// The step's buffers, kept by the calling thread between calls.
+struct StepScratch {
+  std::vector<float> x, qkv, q, att, tmp, gu, act;
+  MatmulScratch mm;
+  MatmulJob job;
+};
+
+// Runs the B decode tokens of one step through every layer. h [B, hidden] holds their embeddings and
+// becomes the residual stream; out [B, hidden] gets the final norm of it (float32). Each token's K/V are
+// stored at slots[b] before attention reads its context_lens[b] tokens through its block table row.
+// Changes h, out and those KV cache slots only.
+void decode_layers(int isa, int activations, int threads, uintptr_t plan_ptr, int64_t plan_len, int64_t layers,
+                   int64_t hidden, int64_t hq, int64_t hkv, int64_t d, int64_t inter, double eps, double scale,
+                   uintptr_t final_norm_ptr, uintptr_t h_ptr, uintptr_t out_ptr, int64_t b_count,
+                   uintptr_t positions_ptr, uintptr_t slots_ptr, uintptr_t tables_ptr, int64_t table_width,
+                   uintptr_t ctx_ptr, uintptr_t kv_ptr, int64_t kv_es, int64_t nb, int64_t bs, uintptr_t cos_ptr,
+                   uintptr_t sin_ptr, int64_t table_len, int64_t row_max_m) {
+  if (!isa_supported(isa)) throw std::invalid_argument("this CPU cannot run quant ISA path " + std::to_string(isa));
+  if (kv_es != 4 && kv_es != 2) throw std::invalid_argument("the fused decode step takes float32 or bfloat16 KV caches");
+  if (hq % hkv || hq / hkv > MAX_GROUP_HEADS || d > MAX_HEAD_DIM || d % 2) throw std::invalid_argument("unsupported attention geometry for the fused decode step");
+  const std::vector<StackLayer> plan = parse_plan(reinterpret_cast<const int64_t*>(plan_ptr), plan_len, layers);
+  const int64_t B = b_count;
+  if (B <= 0) return;
+  const StackGeometry gm{layers, hidden, hq, hkv, d, inter, float(eps), float(scale)};
+  const int64_t* pos = reinterpret_cast<const int64_t*>(positions_ptr);
+  const int64_t* slots = reinterpret_cast<const int64_t*>(slots_ptr);
+  const int32_t* tables = reinterpret_cast<const int32_t*>(tables_ptr);
+  const int32_t* ctx = reinterpret_cast<const int32_t*>(ctx_ptr);
+  for (int64_t b = 0; b < B; ++b) {
+    if (pos[b] < 0 || pos[b] >= table_len) throw std::out_of_range("a position is outside the RoPE table");
+    if (slots[b] < -1 || slots[b] >= nb * bs) throw std::out_of_range("a KV slot is outside the cache");
+    if (ctx[b] < 1 || ctx[b] > table_width * bs) throw std::out_of_range("a context length exceeds its block table");
+    for (int64_t j = 0; j < (ctx[b] + bs - 1) / bs; ++j)
+      if (tables[b * table_width + j] < 0 || tables[b * table_width + j] >= nb)
+        throw std::out_of_range("a block table entry is outside the cache");
+  }
+  const KvView kv{reinterpret_cast<char*>(kv_ptr), int(kv_es), nb, bs, hkv * d};
+  const float* cos_t = reinterpret_cast<const float*>(cos_ptr);
+  const float* sin_t = reinterpret_cast<const float*>(sin_ptr);
+  const float* final_norm = reinterpret_cast<const float*>(final_norm_ptr);
+  float* h = reinterpret_cast<float*>(h_ptr);
+  float* out = reinterpret_cast<float*>(out_ptr);
+  const VecOps v = vec_ops(isa);
+  const int64_t nqkv = plan[0].qkv.n, g_heads = hq / hkv;
+  for (const StackLayer& l : plan)
+    if (l.qkv.n != (hq + 2 * hkv) * d || l.o.n != hidden || l.gate_up.n != 2 * inter || l.down.n != hidden)
+      throw std::invalid_argument("the decode plan's projections do not match the geometry");
+
+  // The calling thread's, named through a reference: inside the parallel region the thread_local's own
+  // name would be each worker's copy.
+  static thread_local StepScratch kept;
+  StepScratch& st = kept;
+  auto fit = [](std::vector<float>& b, int64_t n) {
+    if (int64_t(b.size()) < n) b.resize(n);
+  };
+  fit(st.x, B * std::max(hidden, inter)), fit(st.qkv, B * nqkv), fit(st.q, B * hq * d), fit(st.att, B * hq * d);
+  fit(st.tmp, B * hidden), fit(st.gu, B * 2 * inter), fit(st.act, B * inter);
+  // Size the matmul scratch for the largest projection now: inside the region only thread 0 plans.
+  {
+    const int64_t kmax = std::max({hidden, inter, hq * d}), nmax = std::max({nqkv, hidden, 2 * inter});
+    XQuant& xq = st.mm.xq;
+    if (int64_t(xq.q.size()) < 2 * B * kmax) xq.q.resize(2 * B * kmax);
+    if (int64_t(xq.q16.size()) < B * kmax) xq.q16.resize(B * kmax);
+    if (int64_t(xq.g.size()) < 2 * B * kmax / 32) xq.g.resize(2 * B * kmax / 32);
+    if (int64_t(xq.b.size()) < 2 * B * kmax / 256 + 1) xq.b.resize(2 * B * kmax / 256 + 1);
+    fit(st.mm.res, B * kmax), fit(st.mm.two, 2 * B * nmax);
+  }
+  float *xs = st.x.data(), *qkv = st.qkv.data(), *qr = st.q.data(), *att = st.att.data(), *tmp = st.tmp.data();
+  float *gu = st.gu.data(), *act = st.act.data();
+  Team team;
+  for (auto& c : team.next) c.store(0);
+  threads = std::max(1, threads);
+  std::exception_ptr failure;
+  std::atomic<bool> failed{false};
+
+#pragma omp parallel num_threads(threads)
+  {
+#pragma omp single
+    team.bar.reset(omp_get_num_threads());
+    const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+    int phase = 0;
+    // This thread's share of [0, n) in a static split (B rows: usually few, so no counter).
+    auto mine = [&](int64_t n, int64_t& lo, int64_t& hi) { lo = n * tid / nt, hi = n * (tid + 1) / nt; };
+    std::vector<float> sc, row;
+    // y [B, lin.n] (ldo) = x [B, k] (ldx) @ lin^T + bias, its row groups one after another.
+    auto linear = [&](const StackLinear& lin, const float* x, int64_t ldx, int64_t k, float* y, int64_t ldo) {
+      int64_t col = 0;
+      for (int gi = 0; gi < lin.ngroups; ++gi) {
+        const StackGroup& g = lin.g[gi];
+        if (tid == 0) {
+          try {
+            st.job = plan_matmul(isa, g.type, x, B, ldx, g.w, g.rows, k, lin.bias ? lin.bias + col : nullptr, y + col,
+                                 ldo, int(row_max_m), activations, st.mm);
+            quantize_part(st.job, 0, B);
+          } catch (...) {
+            if (!failed.exchange(true)) failure = std::current_exception();
+          }
+        }
+        team.bar.wait();
+        if (failed.load()) return;
+        const MatmulJob j = st.job;  // a copy: thread 0 plans the next group while others may still read
+        // The threads are awake already: every matmul is split, however small.
+        share(team, tid, phase, j.units, int64_t(nt) * 4, [&](int64_t u0, int64_t u1) { run_part(j, u0, u1); });
+        if (j.split) {
+          int64_t lo, hi;
+          mine(B, lo, hi);
+          combine_part(j, lo, hi);
+          team.bar.wait();
+        }
+        col += g.rows;
+      }
+    };
+    for (int64_t li = 0; li < layers && !failed.load(); ++li) {
+      const StackLayer& L = plan[li];
+      const char* kl = kv.base + li * kv.layer_elems() * kv.es;
+      const char* vl = kl + kv.half_elems() * kv.es;
+      int64_t lo, hi;
+      // h += the last layer's MLP output; x = input norm of h.
+      mine(B, lo, hi);
+      for (int64_t b = lo; b < hi; ++b) {
+        float* hr = h + b * hidden;
+        if (li > 0) for (int64_t i = 0; i < hidden; ++i) hr[i] += tmp[b * hidden + i];
+        rms_norm_vec(v, hr, L.norm_in, xs + b * hidden, hidden, gm.eps);
+      }
+      team.bar.wait();
+      linear(L.qkv, xs, hidden, hidden, qkv, nqkv);
+      if (failed.load()) break;
+      // Per (token, head): QK norm, RoPE; the K and V rows into their slots.
+      share(team, tid, phase, B * (hq + hkv), B * (hq + hkv), [&](int64_t u0, int64_t u1) {
+        for (int64_t u = u0; u < u1; ++u) {
+          const int64_t b = u / (hq + hkv), hd = u % (hq + hkv);
+          const float* cs = cos_t + pos[b] * d;
+          const float* sn = sin_t + pos[b] * d;
+          const float* src = qkv + b * nqkv + hd * d;
+          float rowbuf[MAX_HEAD_DIM];
+          float* r = hd < hq ? qr + (b * hq + hd) * d : rowbuf;
+          const float* qk_w = hd < hq ? L.q_norm : L.k_norm;
+          if (qk_w) rms_norm_vec(v, src, qk_w, r, d, gm.eps);
+          else std::memcpy(r, src, d * sizeof(float));
+          rope_row(r, cs, sn, d);
+          if (hd < hq || slots[b] < 0) continue;  // slot -1: not stored (KernelOps.store_kv)
+          const int64_t kvh = hd - hq;
+          const float* vsrc = qkv + b * nqkv + (hq + hkv + kvh) * d;
+          char* kd = const_cast<char*>(kl) + (slots[b] * kv.row_elems + kvh * d) * kv.es;
+          char* vd = const_cast<char*>(vl) + (slots[b] * kv.row_elems + kvh * d) * kv.es;
+          if (kv.es == 4) {
+            std::memcpy(kd, r, d * 4);
+            std::memcpy(vd, vsrc, d * 4);
+          } else {
+            uint16_t* kb = reinterpret_cast<uint16_t*>(kd);
+            uint16_t* vb = reinterpret_cast<uint16_t*>(vd);
+            for (int64_t i = 0; i < d; ++i) kb[i] = float_to_bf16(r[i]), vb[i] = float_to_bf16(vsrc[i]);
+          }
+        }
+      });
+      share(team, tid, phase, B * hkv, B * hkv, [&](int64_t u0, int64_t u1) {
+        for (int64_t u = u0; u < u1; ++u) {
+          const int64_t b = u / hkv, kvh = u % hkv;
+          attend_unit(v, gm, kv, kl, vl, qr + (b * hq + kvh * g_heads) * d, tables + b * table_width, ctx[b], kvh,
+                      att + (b * hq + kvh * g_heads) * d, sc, row);
+        }
+      });
+      linear(L.o, att, hq * d, hq * d, tmp, hidden);
+      if (failed.load()) break;
+      mine(B, lo, hi);
+      for (int64_t b = lo; b < hi; ++b) {
+        float* hr = h + b * hidden;
+        for (int64_t i = 0; i < hidden; ++i) hr[i] += tmp[b * hidden + i];
+        rms_norm_vec(v, hr, L.norm_post, xs + b * hidden, hidden, gm.eps);
+      }
+      team.bar.wait();
+      linear(L.gate_up, xs, hidden, hidden, gu, 2 * inter);
+      if (failed.load()) break;
+      const int64_t pieces = (inter + 255) / 256;
+      share(team, tid, phase, B * pieces, B * pieces, [&](int64_t u0, int64_t u1) {
+        for (int64_t u = u0; u < u1; ++u) {
+          const int64_t b = u / pieces, c0 = (u % pieces) * 256, c1 = std::min(inter, c0 + 256);
+          silu_mul_rows(v, gu + b * 2 * inter + c0, gu + b * 2 * inter + inter + c0, act + b * inter + c0, c1 - c0);
+        }
+      });
+      linear(L.down, act, inter, inter, tmp, hidden);
+    }
+    if (!failed.load()) {
+      int64_t lo, hi;
+      mine(B, lo, hi);
+      for (int64_t b = lo; b < hi; ++b) {
+        float* hr = h + b * hidden;
+        for (int64_t i = 0; i < hidden; ++i) hr[i] += tmp[b * hidden + i];
+        rms_norm_vec(v, hr, final_norm, out + b * hidden, hidden, gm.eps);
+      }
+    }
+  }
+  if (failure) std::rethrow_exception(failure);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -1553,4 +2136,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isa_supported", &isa_supported, "whether this CPU can run ISA path i (0 portable, 1 avx2, 2 avx512_vnni)");
   m.def("matmul", &matmul, py::call_guard<py::gil_scoped_release>());
   m.def("embedding", &embedding, py::call_guard<py::gil_scoped_release>());
+  m.def("decode_layers", &decode_layers, py::call_guard<py::gil_scoped_release>(),
+        "one decode-only step of a decoder stack (quant_ops.DecodeStack)");
 }
