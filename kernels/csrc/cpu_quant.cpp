@@ -88,7 +88,12 @@ constexpr TypeInfo TYPES[NUM_TYPES] = {
 };
 
 constexpr int KC = 32;   // groups of 32 per decoded chunk (a multiple of 8: whole K-type blocks)
-constexpr int MB = 64;   // activation rows per block: one panel decode serves this many rows
+constexpr int MB = 64;   // the most activation rows per block: one panel decode serves them all
+constexpr int64_t BLOCK_ACT_BYTES = 16384;  // int8 activation bytes of a block of rows: L1-resident
+
+// Activation rows per block for rows of k int8 values: as many as keep the block's activations in L1
+// with the decoded chunk (at 64 rows of 576 they spilled to L2 and a panel took 2.3x as long).
+inline int64_t rows_per_block(int64_t k) { return std::clamp<int64_t>(BLOCK_ACT_BYTES / k, 8, MB); }
 constexpr int ROW_MAX_M = 4;  // the most activation rows the row kernels take (8 kernel rows with int8x2)
 constexpr int64_t KEEP_SCRATCH_BYTES = 8 << 20;  // activation scratch a thread keeps between calls
 constexpr int64_t MIN_THREAD_WORK = 1 << 16;  // row-group units below which another thread does not pay
@@ -729,8 +734,9 @@ PDQ_AVX512 void run_avx512(const Problem& pb, int64_t p0, int64_t p1) {
   Chunk<16>* c = &scratch.chunk;
   float* acc = scratch.acc;
   const uint8_t* rp[16];
-  for (int64_t mb = 0; mb < pb.m; mb += MB) {
-    const int64_t me = std::min(pb.m, mb + MB);
+  const int64_t rb = rows_per_block(pb.k);
+  for (int64_t mb = 0; mb < pb.m; mb += rb) {
+    const int64_t me = std::min(pb.m, mb + rb);
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t n0 = p * 16;
       for (int r = 0; r < 16; ++r) rp[r] = pb.w + std::min(n0 + r, pb.n - 1) * pb.row_bytes;
@@ -988,8 +994,9 @@ PDQ_AVX2 void run_avx2(const Problem& pb, int64_t p0, int64_t p1) {
   Chunk<8>* c = &scratch.chunk;
   float* acc = scratch.acc;
   const uint8_t* rp[8];
-  for (int64_t mb = 0; mb < pb.m; mb += MB) {
-    const int64_t me = std::min(pb.m, mb + MB);
+  const int64_t rb = rows_per_block(pb.k);
+  for (int64_t mb = 0; mb < pb.m; mb += rb) {
+    const int64_t me = std::min(pb.m, mb + rb);
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t n0 = p * 8;
       for (int r = 0; r < 8; ++r) rp[r] = pb.w + std::min(n0 + r, pb.n - 1) * pb.row_bytes;
