@@ -91,7 +91,8 @@ def _step(model: CausalLM, fused: bool, ids, positions, meta, kv) -> torch.Tenso
     return out
 
 
-def _compare(loaded: LoadedModel, lens: list[int], kv_dtype: torch.dtype = torch.float32, seed: int = 0) -> None:
+def _compare(loaded: LoadedModel, lens: list[int], kv_dtype: torch.dtype = torch.float32, seed: int = 0,
+             rel: float = 1e-3) -> None:
     model = loaded.model
     kv, tables, ids, positions = _batch(model, lens, kv_dtype, seed)
     meta = _decode_meta(tables, lens)
@@ -100,9 +101,10 @@ def _compare(loaded: LoadedModel, lens: list[int], kv_dtype: torch.dtype = torch
     got = _step(model, True, ids, positions, meta, kv_fused)
     assert got.shape == ref.shape and got.dtype == torch.float32
     scale = float(ref.abs().max())
-    # Float32 rounding order alone, amplified through the layers: about 1e-6 of the largest value where
-    # the float row kernels run, up to 2e-4 where a rounding of an activation to int8 flips with it.
-    torch.testing.assert_close(got, ref, rtol=0, atol=1e-3 * scale)
+    # Float32 rounding order alone, amplified through the layers: up to about 2e-4 of the largest value
+    # where an activation's rounding (int16, int8x2) flips with it; one int8's flip moves its value by
+    # 1/127 of its group's largest (rel 1e-2 for int8 activations).
+    torch.testing.assert_close(got, ref, rtol=0, atol=rel * scale)
     # [L, 2, NB*BS, Hkv*D]: the step's slots hold close rows, every other slot is untouched
     flat = lambda t: t.float().flatten(2, 3).flatten(3)  # noqa: E731
     written = torch.zeros(NUM_BLOCKS * BLOCK, dtype=torch.bool)
@@ -110,7 +112,7 @@ def _compare(loaded: LoadedModel, lens: list[int], kv_dtype: torch.dtype = torch
     assert torch.equal(flat(kv_fused)[:, :, ~written], flat(kv)[:, :, ~written])
     assert not torch.equal(flat(kv_fused)[:, :, written], flat(kv)[:, :, written])
     kv_scale = float(flat(kv_ref)[:, :, written].abs().max())
-    tol = 1e-3 if kv_dtype == torch.float32 else 1e-2  # bfloat16: one rounding of 8 bits may flip
+    tol = rel if kv_dtype == torch.float32 else max(rel, 1e-2)  # bfloat16: one rounding of 8 bits may flip
     torch.testing.assert_close(flat(kv_fused)[:, :, written], flat(kv_ref)[:, :, written], rtol=0, atol=tol * kv_scale)
 
 
@@ -135,7 +137,7 @@ def test_fused_step_on_every_isa_path_activation_and_batch(quantized: Callable[[
     for kind in ("Q4_K", "Q4_0"):
         loaded = load_model(quantized("llama", kind))
         assert loaded.model.qops is not None and loaded.model.qops.isa.name == isa
-        _compare(loaded, lens, seed=len(lens))
+        _compare(loaded, lens, seed=len(lens), rel=1e-2 if activations == "int8" else 1e-3)
 
 
 def test_fused_step_on_a_bfloat16_kv_cache(quantized: Callable[[str, str], Path]) -> None:

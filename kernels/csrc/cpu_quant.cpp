@@ -1903,6 +1903,29 @@ struct KvView {
   int64_t row_elems = 0;  // Hkv * D
 };
 
+#if PDQ_X86
+// out[0, width) = inv * sum over t < ctx of p[t] * V row t's columns [col, col + width) (width a multiple of
+// 8, at most 64): the accumulators stay in registers over the whole context, the block table walked a
+// block at a time.
+PDQ_AVX2 void pv_rows_avx2(const float* p, float inv, const float* v_cache, const int32_t* table, int64_t bs,
+                           int64_t row_elems, int64_t col, int64_t width, int64_t ctx, float* out) {
+  __m256 acc[8];
+  const int nv = int(width / 8);
+  for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+  for (int64_t t0 = 0; t0 < ctx; t0 += bs) {
+    const float* base = v_cache + int64_t(table[t0 / bs]) * bs * row_elems + col;
+    const int64_t n = std::min(bs, ctx - t0);
+    for (int64_t o = 0; o < n; ++o) {
+      const float* vr = base + o * row_elems;
+      const __m256 pt = _mm256_set1_ps(p[t0 + o]);
+      for (int j = 0; j < nv; ++j) acc[j] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vr + 8 * j), acc[j]);
+    }
+  }
+  const __m256 s = _mm256_set1_ps(inv);
+  for (int j = 0; j < nv; ++j) _mm256_storeu_ps(out + 8 * j, _mm256_mul_ps(acc[j], s));
+}
+#endif
+
 // Attention of query heads [kvh * G, (kvh + 1) * G) of sequence b over its ctx cached tokens: scores
 // into sc [G, ctx], an exact softmax (max subtracted, sums in float32), then the V rows' weighted sum.
 void attend_unit(const VecOps& v, const StackGeometry& gm, const KvView& kv, const char* kl, const char* vl,
@@ -1935,6 +1958,15 @@ void attend_unit(const VecOps& v, const StackGeometry& gm, const KvView& kv, con
     inv[g] = 1.f / sum;
     std::memset(out + g * d, 0, d * sizeof(float));
   }
+#if PDQ_X86
+  if (v.avx2 && kv.es == 4 && d % 8 == 0) {  // float32 rows: the weighted sum in registers
+    for (int64_t g = 0; g < g_heads; ++g)
+      for (int64_t c0 = 0; c0 < d; c0 += 64)
+        pv_rows_avx2(sc.data() + g * ctx, inv[g], reinterpret_cast<const float*>(vl), table, kv.bs, kv.row_elems,
+                     kvh * d + c0, std::min<int64_t>(64, d - c0), ctx, out + g * d + c0);
+    return;
+  }
+#endif
   for (int64_t t = 0; t < ctx; ++t) {
     const float* vr = kv_row(vl, t);
     for (int64_t g = 0; g < g_heads; ++g) v.axpy(sc[g * ctx + t] * inv[g], vr, out + g * d, d);
