@@ -38,6 +38,24 @@ def tiny_model_dir() -> Callable[..., Path]:
 
 
 @pytest.fixture(scope="session")
+def quantized_dirs(tmp_path_factory: pytest.TempPathFactory,
+                   tiny_model_dir: Callable[[str], Path]) -> Callable[[str, str], Path]:
+    """`quantized_dirs(arch, type)` -> the tiny model of `arch` quantized to GGUF `type` by `pdserve model
+    quantize`'s code, made once per session."""
+    from pdserve.engine.quantize import quantize_model
+
+    made: dict[tuple[str, str], Path] = {}
+
+    def get(arch: str, kind: str) -> Path:
+        if (arch, kind) not in made:
+            out = tmp_path_factory.mktemp(f"q-{arch}-{kind}") / "model"
+            made[(arch, kind)] = quantize_model(tiny_model_dir(arch), out, kind, log=False)
+        return made[(arch, kind)]
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def tiny_llama_dir(tiny_model_dir: Callable[[str], Path]) -> Path:
     return tiny_model_dir("llama")
 

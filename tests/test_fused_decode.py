@@ -23,25 +23,11 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.loader import LoadedModel, load_model
 from pdserve.engine.model import FUSED_DECODE_ENV, CausalLM
-from pdserve.engine.quantize import quantize_model
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kernels.quant_ops import ACTIVATIONS_ENV, ISA_ENV, DecodeStack, available_isas
 
 BLOCK = 8
 NUM_BLOCKS = 40
-
-
-@pytest.fixture(scope="module")
-def quantized(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Callable[[str], Path]) -> Callable[[str, str], Path]:
-    made: dict[tuple[str, str], Path] = {}
-
-    def get(arch: str, kind: str) -> Path:
-        if (arch, kind) not in made:
-            out = tmp_path_factory.mktemp(f"fused-{arch}-{kind}") / "model"
-            made[(arch, kind)] = quantize_model(tiny_model_dir(arch), out, kind, log=False)
-        return made[(arch, kind)]
-
-    return get
 
 
 def _prefill_meta(table: list[int], n: int) -> AttentionMetadata:
@@ -118,16 +104,16 @@ def _compare(loaded: LoadedModel, lens: list[int], kv_dtype: torch.dtype = torch
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_K", "Q4_1"])
-def test_fused_step_matches_the_per_op_step(quantized: Callable[[str, str], Path], arch: str, kind: str) -> None:
+def test_fused_step_matches_the_per_op_step(quantized_dirs: Callable[[str, str], Path], arch: str, kind: str) -> None:
     """Qwen2's q/k/v biases, Qwen3's QK norms, mixed row groups (Q4_K's 384-wide rows fall back to Q8_0);
     three sequences: the panel kernels."""
-    _compare(load_model(quantized(arch, kind)), [5, 17, 11])
+    _compare(load_model(quantized_dirs(arch, kind)), [5, 17, 11])
 
 
 @pytest.mark.parametrize("isa", available_isas())
 @pytest.mark.parametrize("activations", ["int8x2", "int8"])
 @pytest.mark.parametrize("lens", [[9], [3, 30], [7, 2, 25, 16, 1 + BLOCK]], ids=["B1", "B2", "B5"])
-def test_fused_step_on_every_isa_path_activation_and_batch(quantized: Callable[[str, str], Path],
+def test_fused_step_on_every_isa_path_activation_and_batch(quantized_dirs: Callable[[str, str], Path],
                                                            monkeypatch: pytest.MonkeyPatch, isa: str,
                                                            activations: str, lens: list[int]) -> None:
     """One and two sequences take the row kernels (float rows for the 32-value types under int8x2),
@@ -135,18 +121,18 @@ def test_fused_step_on_every_isa_path_activation_and_batch(quantized: Callable[[
     monkeypatch.setenv(ISA_ENV, isa)
     monkeypatch.setenv(ACTIVATIONS_ENV, activations)
     for kind in ("Q4_K", "Q4_0"):
-        loaded = load_model(quantized("llama", kind))
+        loaded = load_model(quantized_dirs("llama", kind))
         assert loaded.model.qops is not None and loaded.model.qops.isa.name == isa
         _compare(loaded, lens, seed=len(lens), rel=1e-2 if activations == "int8" else 1e-3)
 
 
-def test_fused_step_on_a_bfloat16_kv_cache(quantized: Callable[[str, str], Path]) -> None:
+def test_fused_step_on_a_bfloat16_kv_cache(quantized_dirs: Callable[[str, str], Path]) -> None:
     """K/V stored rounded to bfloat16 (nearest even) and read back widened."""
-    _compare(load_model(quantized("qwen3", "Q8_0")), [4, 19], kv_dtype=torch.bfloat16)
+    _compare(load_model(quantized_dirs("qwen3", "Q8_0")), [4, 19], kv_dtype=torch.bfloat16)
 
 
-def test_fused_step_refuses_out_of_range_inputs_before_writing(quantized: Callable[[str, str], Path]) -> None:
-    model = load_model(quantized("llama", "Q8_0")).model
+def test_fused_step_refuses_out_of_range_inputs_before_writing(quantized_dirs: Callable[[str, str], Path]) -> None:
+    model = load_model(quantized_dirs("llama", "Q8_0")).model
     kv, tables, ids, positions = _batch(model, [6, 10], torch.float32, seed=1)
     model.fused_decode, model._stack = True, None
     good = _decode_meta(tables, [6, 10])
@@ -162,11 +148,11 @@ def test_fused_step_refuses_out_of_range_inputs_before_writing(quantized: Callab
         assert torch.equal(kv, before)
 
 
-def test_engine_decodes_fused_and_says_why_not(quantized: Callable[[str, str], Path],
+def test_engine_decodes_fused_and_says_why_not(quantized_dirs: Callable[[str, str], Path],
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """The engine's decode steps go through the stack; the greedy tokens equal the per-op engine's, and
     with PDSERVE_FUSED_DECODE=0 the model says it was turned off."""
-    model_dir = quantized("qwen2", "Q4_K")
+    model_dir = quantized_dirs("qwen2", "Q4_K")
     outputs = {}
     for flag in ("1", "0"):
         monkeypatch.setenv(FUSED_DECODE_ENV, flag)

@@ -25,27 +25,12 @@ from pdserve.engine.gguf_scan import scan_gguf
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.loader import load_model
 from pdserve.engine.model_config import GGUF_WEIGHTS, ModelLoadError, load_model_config
-from pdserve.engine.quantize import quantize_model
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kernels import get_kernel_ops
 from pdserve.kernels.quant_format import QuantFormatError, QuantWeight
 from testing.quant_accuracy import dequantized_model, measure, teacher_forced_logits
 
 ARCHS = ("llama", "qwen2", "qwen3")
-
-
-@pytest.fixture(scope="module")
-def quantized_dirs(tmp_path_factory: pytest.TempPathFactory,
-                   tiny_model_dir: Callable[[str], Path]) -> Callable[[str, str], Path]:
-    made: dict[tuple[str, str], Path] = {}
-
-    def get(arch: str, kind: str) -> Path:
-        if (arch, kind) not in made:
-            out = tmp_path_factory.mktemp(f"q-{arch}-{kind}") / "model"
-            made[(arch, kind)] = quantize_model(tiny_model_dir(arch), out, kind, log=False)
-        return made[(arch, kind)]
-
-    return get
 
 
 def _prompts(vocab: int, n: int, length: int, seed: int) -> list[list[int]]:

@@ -1298,10 +1298,29 @@ PDQ_AVX2 void run_rows_wide_avx2(const Problem& pb, int64_t n0, int64_t n1) {
   }
 }
 
+// The scale d = max|v| / qmax of n values (a multiple of 8) and id = 1 / d, as the portable quantizers
+// take them: spans below 1e-28 (where 1 / d could overflow) count as zeros, a NaN makes d NaN.
+PDQ_AVX2 inline float span_scale_avx2(const float* v, int64_t n, float qmax, float& id) {
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 vmax = _mm256_setzero_ps(), vnan = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; i += 8) {
+    const __m256 a = _mm256_loadu_ps(v + i);
+    vmax = _mm256_max_ps(_mm256_and_ps(a, absmask), vmax);  // a NaN lane keeps vmax, as std::max does
+    vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+  }
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_movehdup_ps(h));
+  const float amax = _mm_cvtss_f32(h);
+  float d = amax >= 1e-28f ? amax / qmax : 0.f;
+  id = d != 0.f ? 1.f / d : 0.f;
+  if (_mm256_movemask_ps(vnan)) d = std::numeric_limits<float>::quiet_NaN();
+  return d;
+}
+
 // quantize_rows16 with AVX2: the same roundings (nearest even), so every path sees the same int16 values.
 PDQ_AVX2 void quantize_rows16_avx2(const float* x, int64_t ldx, int64_t m0, int64_t m1, int64_t k, XQuant& xq) {
   const int64_t groups = k / 32;
-  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   const __m256 lim = _mm256_set1_ps(32767.f), nlim = _mm256_set1_ps(-32767.f);
   for (int64_t m = m0; m < m1; ++m) {
     const float* xr = x + m * ldx;
@@ -1309,24 +1328,12 @@ PDQ_AVX2 void quantize_rows16_avx2(const float* x, int64_t ldx, int64_t m0, int6
     XGroup* g = xq.g.data() + m * groups;
     for (int64_t j = 0; j < groups; ++j) {
       const float* v = xr + 32 * j;
-      __m256 vmax = _mm256_setzero_ps(), vnan = _mm256_setzero_ps();
-      __m256 a[4];
-      for (int u = 0; u < 4; ++u) {
-        a[u] = _mm256_loadu_ps(v + 8 * u);
-        vmax = _mm256_max_ps(_mm256_and_ps(a[u], absmask), vmax);
-        vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(a[u], a[u], _CMP_UNORD_Q));
-      }
-      __m128 h = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
-      h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-      h = _mm_max_ss(h, _mm_movehdup_ps(h));
-      const float amax = _mm_cvtss_f32(h);
-      float d = amax >= 1e-28f ? amax / 32767.f : 0.f;
-      const float id = d != 0.f ? 1.f / d : 0.f;
-      if (_mm256_movemask_ps(vnan)) d = std::numeric_limits<float>::quiet_NaN();
+      float id;
+      const float d = span_scale_avx2(v, 32, 32767.f, id);
       const __m256 vid = _mm256_set1_ps(id);
       __m256i iv[4], sum = _mm256_setzero_si256();
       for (int u = 0; u < 4; ++u) {
-        const __m256 sc = _mm256_mul_ps(a[u], vid);
+        const __m256 sc = _mm256_mul_ps(_mm256_loadu_ps(v + 8 * u), vid);
         iv[u] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_min_ps(lim, _mm256_max_ps(nlim, sc)),
                                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
         sum = _mm256_add_epi32(sum, iv[u]);
@@ -1364,7 +1371,6 @@ PDQ_AVX2 void run_rows_avx2(const Problem& pb, int64_t n0, int64_t n1) {
 PDQ_AVX2 void quantize_rows_avx2(const float* x, int64_t ldx, int64_t m0, int64_t m1, int64_t k, const TypeInfo& t,
                                  int offset, int span, XQuant& xq, int64_t into) {
   const int64_t groups = k / 32;
-  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   const __m256 lim = _mm256_set1_ps(127.f), nlim = _mm256_set1_ps(-127.f);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   for (int64_t m = m0; m < m1; ++m) {
@@ -1373,19 +1379,8 @@ PDQ_AVX2 void quantize_rows_avx2(const float* x, int64_t ldx, int64_t m0, int64_
     XGroup* g = xq.g.data() + (m + into) * groups;
     for (int64_t j0 = 0; j0 < k; j0 += span) {
       const float* v = xr + j0;
-      __m256 vmax = _mm256_setzero_ps(), vnan = _mm256_setzero_ps();
-      for (int i = 0; i < span; i += 8) {
-        const __m256 a = _mm256_loadu_ps(v + i);
-        vmax = _mm256_max_ps(_mm256_and_ps(a, absmask), vmax);  // a NaN lane keeps vmax, as std::max does
-        vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
-      }
-      __m128 h = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
-      h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-      h = _mm_max_ss(h, _mm_movehdup_ps(h));
-      const float amax = _mm_cvtss_f32(h);
-      float d = amax >= 1e-28f ? amax / 127.f : 0.f;
-      const float id = d != 0.f ? 1.f / d : 0.f;
-      if (_mm256_movemask_ps(vnan)) d = std::numeric_limits<float>::quiet_NaN();
+      float id;
+      const float d = span_scale_avx2(v, span, 127.f, id);
       const __m256 vid = _mm256_set1_ps(id);
       int16_t sum16[16];
       for (int i = 0; i < span; i += 32) {
