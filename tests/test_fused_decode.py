@@ -164,6 +164,8 @@ def test_engine_decodes_fused_and_says_why_not(quantized_dirs: Callable[[str, st
             for out in engine.step():
                 tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
         outputs[flag] = tokens
+        engine.block_manager.check_integrity()
+        assert engine.block_manager.num_used_blocks == 0  # every KV block back in the pool
         model = engine.model
         if flag == "1":
             assert isinstance(model._stack, DecodeStack) and model.fused_decode_reason == ""

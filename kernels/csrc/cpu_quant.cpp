@@ -240,6 +240,20 @@ struct XQuant {
   int64_t k = 0, groups = 0, blocks = 0;
 };
 
+// The scale d = max|v| / qmax of n values and id = 1 / d (0 for d = 0). Spans below 1e-28 (where 1 / d
+// could overflow) count as zeros; a NaN makes d NaN, so it reaches the outputs as F.linear's would.
+inline float span_scale(const float* v, int64_t n, float qmax, float& id) {
+  float amax = 0.f;
+  bool nan = false;
+  for (int64_t i = 0; i < n; ++i) {
+    amax = std::max(amax, std::fabs(v[i]));
+    nan |= v[i] != v[i];
+  }
+  const float d = amax >= 1e-28f ? amax / qmax : 0.f;
+  id = d != 0.f ? 1.f / d : 0.f;
+  return nan ? std::numeric_limits<float>::quiet_NaN() : d;
+}
+
 // Rows [m0, m1) of x to int8 (into rows m0 + into.. of xq): one scale d = max|x| / 127 per `span` values (32, or 256 for the K types'
 // row kernels, whose integer sums run over a whole block), records per group of 32 (d, d * sum, and
 // -offset * sum per group or per half) and, with span 256, per block.
@@ -252,17 +266,8 @@ void quantize_rows(const float* x, int64_t ldx, int64_t m0, int64_t m1, int64_t 
     XGroup* g = xq.g.data() + (m + into) * groups;
     for (int64_t j0 = 0; j0 < k; j0 += span) {
       const float* v = xr + j0;
-      float amax = 0.f;
-      bool nan = false;
-      for (int i = 0; i < span; ++i) {
-        amax = std::max(amax, std::fabs(v[i]));
-        nan |= v[i] != v[i];
-      }
-      // Spans below 1e-28 (where 1 / d could overflow) count as zeros; a NaN makes the span's scale NaN,
-      // so it reaches the outputs as F.linear's would.
-      float d = amax >= 1e-28f ? amax / 127.f : 0.f;
-      const float id = d != 0.f ? 1.f / d : 0.f;
-      if (nan) d = std::numeric_limits<float>::quiet_NaN();
+      float id;
+      const float d = span_scale(v, span, 127.f, id);
       int16_t sum16[16] = {0};
       for (int i = 0; i < span; ++i) {
         const int qi = int(std::nearbyint(std::min(127.f, std::max(-127.f, v[i] * id))));
@@ -316,15 +321,8 @@ void quantize_rows16(const float* x, int64_t ldx, int64_t m0, int64_t m1, int64_
     XGroup* g = xq.g.data() + m * groups;
     for (int64_t j = 0; j < groups; ++j) {
       const float* v = xr + 32 * j;
-      float amax = 0.f;
-      bool nan = false;
-      for (int i = 0; i < 32; ++i) {
-        amax = std::max(amax, std::fabs(v[i]));
-        nan |= v[i] != v[i];
-      }
-      float d = amax >= 1e-28f ? amax / 32767.f : 0.f;
-      const float id = d != 0.f ? 1.f / d : 0.f;
-      if (nan) d = std::numeric_limits<float>::quiet_NaN();
+      float id;
+      const float d = span_scale(v, 32, 32767.f, id);
       int sum = 0;
       for (int i = 0; i < 32; ++i) {
         const int qi = int(std::nearbyint(std::min(32767.f, std::max(-32767.f, v[i] * id))));
