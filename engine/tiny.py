@@ -68,6 +68,103 @@ CHATML_TEMPLATE = (
     "{%- endif %}\n"
 )
 
+# Qwen3's chat template logic (tools in the system turn, <tool_call> blocks, <tool_response> turns, an
+# assistant turn's reasoning written back only after the last user query, and `enable_thinking: false`
+# closing an empty <think> block in the generation prompt), for the thinking variant of the qwen3 model.
+QWEN3_THINKING_TEMPLATE = r"""{%- if tools %}
+    {{- '<|im_start|>system\n' }}
+    {%- if messages[0].role == 'system' %}
+        {{- messages[0].content + '\n\n' }}
+    {%- endif %}
+    {{- "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}
+{%- else %}
+    {%- if messages[0].role == 'system' %}
+        {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
+    {%- endif %}
+{%- endif %}
+{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
+{%- for message in messages[::-1] %}
+    {%- set index = (messages|length - 1) - loop.index0 %}
+    {%- if ns.multi_step_tool and message.role == "user" and message.content is string and not(message.content.startswith('<tool_response>') and message.content.endswith('</tool_response>')) %}
+        {%- set ns.multi_step_tool = false %}
+        {%- set ns.last_query_index = index %}
+    {%- endif %}
+{%- endfor %}
+{%- for message in messages %}
+    {%- if message.content is string %}
+        {%- set content = message.content %}
+    {%- else %}
+        {%- set content = '' %}
+    {%- endif %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) %}
+        {{- '<|im_start|>' + message.role + '\n' + content + '<|im_end|>' + '\n' }}
+    {%- elif message.role == "assistant" %}
+        {%- set reasoning_content = '' %}
+        {%- if message.reasoning_content is string %}
+            {%- set reasoning_content = message.reasoning_content %}
+        {%- else %}
+            {%- if '</think>' in content %}
+                {%- set reasoning_content = content.split('</think>')[0].rstrip('\n').split('<think>')[-1].lstrip('\n') %}
+                {%- set content = content.split('</think>')[-1].lstrip('\n') %}
+            {%- endif %}
+        {%- endif %}
+        {%- if loop.index0 > ns.last_query_index %}
+            {%- if loop.last or (not loop.last and reasoning_content) %}
+                {{- '<|im_start|>' + message.role + '\n<think>\n' + reasoning_content.strip('\n') + '\n</think>\n\n' + content.lstrip('\n') }}
+            {%- else %}
+                {{- '<|im_start|>' + message.role + '\n' + content }}
+            {%- endif %}
+        {%- else %}
+            {{- '<|im_start|>' + message.role + '\n' + content }}
+        {%- endif %}
+        {%- if message.tool_calls %}
+            {%- for tool_call in message.tool_calls %}
+                {%- if (loop.first and content) or (not loop.first) %}
+                    {{- '\n' }}
+                {%- endif %}
+                {%- if tool_call.function %}
+                    {%- set tool_call = tool_call.function %}
+                {%- endif %}
+                {{- '<tool_call>\n{"name": "' }}
+                {{- tool_call.name }}
+                {{- '", "arguments": ' }}
+                {%- if tool_call.arguments is string %}
+                    {{- tool_call.arguments }}
+                {%- else %}
+                    {{- tool_call.arguments | tojson }}
+                {%- endif %}
+                {{- '}\n</tool_call>' }}
+            {%- endfor %}
+        {%- endif %}
+        {{- '<|im_end|>\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if loop.first or (messages[loop.index0 - 1].role != "tool") %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\n<tool_response>\n' }}
+        {{- content }}
+        {{- '\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
+            {{- '<|im_end|>\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\n\n</think>\n\n' }}
+    {%- endif %}
+{%- endif %}
+"""
+# Qwen3's added tokens around thinking and tool calls: plain (not special) tokens, so they decode into
+# the text that the frontend's reasoning and tool-call parsers read.
+THINKING_TOKENS = ("<tool_call>", "</tool_call>", "<think>", "</think>")
+
 
 @dataclass(frozen=True)
 class TinyShape:
@@ -278,15 +375,20 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def make_tiny_model(out_dir: str | Path, arch: str = "llama", seed: int = 0) -> Path:
+def make_tiny_model(out_dir: str | Path, arch: str = "llama", seed: int = 0, thinking: bool = False) -> Path:
     """Writes a deterministic tiny `arch` model into out_dir (created if needed; other files there are
-    left alone) and returns its path."""
+    left alone) and returns its path. `thinking` (qwen3 only): a reasoning model's tokenizer and template,
+    Qwen3's added tokens (THINKING_TOKENS, after the trained vocabulary) and QWEN3_THINKING_TEMPLATE."""
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
+    if thinking and arch != "qwen3":
+        raise ValueError(f"thinking is a qwen3 variant, got arch {arch!r}")
     shape = TinyShape()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok = train_tokenizer(arch, shape.vocab_size)
+    if thinking:
+        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in THINKING_TOKENS])
     vocab_size = tok.get_vocab_size(with_added_tokens=True)
     ids = _token_ids(tok, arch)
 
@@ -305,6 +407,9 @@ def make_tiny_model(out_dir: str | Path, arch: str = "llama", seed: int = 0) -> 
                                   "single_word": False, "special": True}
         for s in _special_tokens(arch)
     }
+    for t in THINKING_TOKENS if thinking else ():
+        added[str(tok.token_to_id(t))] = {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
+                                          "single_word": False, "special": False}
     tokenizer_config: dict[str, Any] = {
         "added_tokens_decoder": added,
         "backend": "tokenizers",
@@ -314,7 +419,7 @@ def make_tiny_model(out_dir: str | Path, arch: str = "llama", seed: int = 0) -> 
         "model_max_length": shape.max_position_embeddings,
         "tokenizer_class": "PreTrainedTokenizerFast",
     }
-    template = CHATML_TEMPLATE
+    template = QWEN3_THINKING_TEMPLATE if thinking else CHATML_TEMPLATE
     if arch == "llama":
         tokenizer_config["bos_token"] = "<|begin_of_text|>"
         template = "{{- bos_token }}\n" + CHATML_TEMPLATE
@@ -323,18 +428,19 @@ def make_tiny_model(out_dir: str | Path, arch: str = "llama", seed: int = 0) -> 
     return out
 
 
-def default_model_dir(arch: str = "llama", seed: int = 0, cache_dir: str | Path | None = None) -> Path:
-    """Path of the cached tiny model, creating it on first use under cache_dir, else $PDSERVE_CACHE_DIR,
-    else ~/.cache/pdserve/models. Creation writes a temp dir and renames it into place, so processes that
-    race all end up with the same complete directory."""
+def default_model_dir(arch: str = "llama", seed: int = 0, cache_dir: str | Path | None = None,
+                      thinking: bool = False) -> Path:
+    """Path of the cached tiny model (`thinking`: its reasoning variant), creating it on first use under
+    cache_dir, else $PDSERVE_CACHE_DIR, else ~/.cache/pdserve/models. Creation writes a temp dir and
+    renames it into place, so processes that race all end up with the same complete directory."""
     base = Path(cache_dir or os.environ.get("PDSERVE_CACHE_DIR") or Path.home() / ".cache" / "pdserve" / "models")
-    final = base / f"tiny-{arch}-s{seed}-v{FORMAT_VERSION}"
+    final = base / f"tiny-{arch}{'-thinking' if thinking else ''}-s{seed}-v{FORMAT_VERSION}"
     if (final / "config.json").is_file():
         return final
     base.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=base))
     try:
-        make_tiny_model(tmp, arch, seed)
+        make_tiny_model(tmp, arch, seed, thinking)
         tmp.chmod(0o755)
         try:
             os.rename(tmp, final)
@@ -353,8 +459,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out_dir")
     parser.add_argument("--arch", choices=ARCHS, default="llama")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--thinking", action="store_true", help="qwen3's reasoning variant (<think> tokens)")
     args = parser.parse_args(argv)
-    print(make_tiny_model(args.out_dir, args.arch, args.seed))
+    print(make_tiny_model(args.out_dir, args.arch, args.seed, args.thinking))
     return 0
 
 

@@ -251,6 +251,10 @@ class Tokenizer:
             )
         except jinja2.TemplateError as e:
             raise ChatTemplateError(str(e)) from e
+        except (TypeError, ValueError, AttributeError, KeyError, IndexError, ZeroDivisionError) as e:
+            # A template doing arithmetic or string work on a value it did not expect (e.g. a request's
+            # chat_template_kwargs): the messages' fault, not the server's.
+            raise ChatTemplateError(f"{type(e).__name__}: {e}") from e
 
     def encode_chat(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **template_kwargs: Any

@@ -11,7 +11,7 @@ from typing import Any
 from pdserve.engine.version import pdserve_version
 from pdserve.frontend.config import FrontendConfig
 from pdserve.frontend.errors import APIError
-from pdserve.frontend.job import CHAT, Choice, Job, first_to_token, serving_path
+from pdserve.frontend.job import ENDPOINTS, Choice, Job, first_to_token, serving_path
 from pdserve.frontend.metrics import FrontendMetrics
 from pdserve.frontend.request_log import RequestLog
 
@@ -38,7 +38,7 @@ class Accounting:
 
     def reject(self, kind: str, tenant: str | None, err: APIError, client_id: str | None) -> None:
         """Accounts a request refused before it started (metrics and a request log line)."""
-        endpoint = "chat.completions" if kind == CHAT else "completions"
+        endpoint = ENDPOINTS[kind]
         self._metrics.requests.labels("frontend", self._config.frontend_id, "", "", endpoint, str(err.status),
                                      "rejected").inc()
         self._log.write({"ts": time.time(), "request_id": None, "client_request_id": client_id,

@@ -24,11 +24,11 @@ from typing import TypeVar
 
 from pdserve.frontend.config import FrontendConfig
 from pdserve.frontend.errors import OVERLOADED, APIError
-from pdserve.frontend.job import CHAT, AdmissionStamps, Choice, Job, client_request_id
+from pdserve.frontend.job import CHAT, COMPLETION, RESPONSES, AdmissionStamps, Choice, Job, client_request_id
 from pdserve.frontend.limits import TenantLimiter
 from pdserve.frontend.metrics import FrontendMetrics
 from pdserve.frontend.models import ModelCatalog, ServedModel
-from pdserve.frontend.prepare import parse_request, tokenize
+from pdserve.frontend.prepare import Tokenized, parse_request, tokenize
 from pdserve.frontend.protocol import INT64_MAX, SEED_MIN, GenerationRequest, effective_priority
 from pdserve.frontend.routing import NoRoute, RouteDecision, Router
 from pdserve.frontend.tenants import Tenant
@@ -37,6 +37,8 @@ from pdserve.frontend.upstream import sampling_message
 from pdserve.frontend.workers import PrepareWorkers
 
 T = TypeVar("T")
+
+_ID_PREFIX = {CHAT: "chatcmpl-", COMPLETION: "cmpl-", RESPONSES: "resp_"}
 
 TTFT_BUDGET_HEADER = "x-pdserve-ttft-budget-ms"
 _MAX_TTFT_BUDGET_MS = 3_600_000.0
@@ -89,10 +91,16 @@ class Admitter:
     async def admit(self, kind: str, tenant: Tenant, body: bytes, headers: Mapping[str, str]) -> Job:
         """Validates, tokenizes, routes and admits a request. Raises APIError (4xx/503)."""
         arrived = time.monotonic()
-        budget_ms = ttft_budget_ms(tenant, headers)
         offload = len(body) > self.config.prepare_inline_bytes
         limits = self.config.request_limits
         req = await self.workers.parse(kind, body, limits) if offload else parse_request(kind, body, limits)
+        return await self.admit_request(kind, tenant, req, headers, arrived, offload)
+
+    async def admit_request(self, kind: str, tenant: Tenant, req: GenerationRequest, headers: Mapping[str, str],
+                            arrived: float, offload: bool) -> Job:
+        """Admits an already validated request (`admit` after parsing; the Responses API after it resolved
+        the conversation). `offload`: tokenize in a prepare worker. Raises APIError (4xx/503)."""
+        budget_ms = ttft_budget_ms(tenant, headers)
         parsed = time.monotonic()
         model = self.catalog.resolve(req.model)
         if not tenant.may_use(*self.catalog.names_of(model)):
@@ -110,6 +118,7 @@ class Admitter:
         picked = self._pick_model(tenant, model, session_key)
         model = picked.model
         tokenized = await self.workers.tokenize(req, model) if offload else tokenize(req, model)
+        tokenized, dropped = await self._fit(req, tenant, model, tokenized, offload)
         tokenized_at = time.monotonic()
         prompts = tokenized.prompts
         budgets = [self._max_tokens(req, tenant, model, len(p)) for p in prompts]
@@ -122,17 +131,46 @@ class Admitter:
         firm = sum(budgets[pi].reserve for pi, _ in decisions if not budgets[pi].estimated)
         estimate = sum(budgets[pi].reserve for pi, _ in decisions if budgets[pi].estimated)
         grant = self._limited(tenant, lambda: self.limiter.grant(tenant, sum(len(p) for p in prompts), firm, estimate))
-        job_id = ("chatcmpl-" if kind == CHAT else "cmpl-") + uuid.uuid4().hex
+        job_id = _ID_PREFIX[kind] + uuid.uuid4().hex
         job = Job(kind=kind, id=job_id, created=int(time.time()), arrived=arrived, req=req, tenant=tenant,
                   model=model, requested_model=req.model, prompts=prompts, echo_texts=tokenized.echo_texts,
                   choices=self._choices(job_id, req, prompts, per_prompt_max, decisions), grant=grant,
                   client_request_id=client_request_id(headers), session_key=session_key,
                   fallback_reason=picked.fallback_reason,
-                  stamps=AdmissionStamps(parsed, tokenized_at, routed_from, routed, time.monotonic()))
+                  stamps=AdmissionStamps(parsed, tokenized_at, routed_from, routed, time.monotonic()),
+                  dropped=dropped)
         if self.config.log_prompts:
-            job.prompt_log = req.messages if kind == CHAT else req.prompts
+            job.prompt_log = req.messages if req.kind == CHAT else req.prompts
         self._count_routes(job)
         return job
+
+    async def _fit(self, req: GenerationRequest, tenant: Tenant, model: ServedModel, tokenized: Tokenized,
+                   offload: bool) -> tuple[Tokenized, int]:
+        """`tokenized`, or when the prompt does not fit the context and `req.droppable` allows it, the
+        prompt without its oldest messages (after a first system message), dropped one at a time until it
+        fits; `req.messages` loses them too. Returns the prompt and how many messages were dropped."""
+        dropped = 0
+        while req.droppable > dropped and not self._fits(req, tenant, model, len(tokenized.prompts[0])):
+            assert req.messages is not None
+            head = 1 if req.messages and req.messages[0]["role"] == "system" else 0
+            if len(req.messages) - head <= 1:
+                break  # the last message stays: nothing is left to answer without it
+            del req.messages[head]
+            dropped += 1
+            while len(req.messages) - head > 1 and req.messages[head]["role"] == "tool":
+                del req.messages[head]  # a call's results go with it
+                dropped += 1
+            tokenized = await self.workers.tokenize(req, model) if offload else tokenize(req, model)
+        return tokenized, dropped
+
+    def _fits(self, req: GenerationRequest, tenant: Tenant, model: ServedModel, prompt_len: int) -> bool:
+        try:
+            self._max_tokens(req, tenant, model, prompt_len)
+        except APIError as err:
+            if err.code == "context_length_exceeded":
+                return False
+            raise
+        return True
 
     def _count_routes(self, job: Job) -> None:
         lbl = self.metrics.labels(job.model)

@@ -12,7 +12,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,8 +27,10 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pdserve.frontend.errors import NOT_FOUND, SERVER, APIError
-from pdserve.frontend.pipeline import CHAT, COMPLETION, Frontend, Job, client_request_id
+from pdserve.frontend.pipeline import CHAT, COMPLETION, RESPONSES, Frontend, Job, client_request_id
 from pdserve.frontend.render import DONE, KEEPALIVE, error_event
+from pdserve.frontend.responses_api import TERMINAL_EVENTS, ResponseJob, failure_event
+from pdserve.frontend.tenants import Tenant
 from pdserve.frontend.tracing import TRACE_ID_HEADER, start_request
 
 log = logging.getLogger(__name__)
@@ -180,7 +182,7 @@ class GenerationResponse(Response):
                     await send({"type": "http.response.start", "status": 200, "headers": self._headers(_SSE_HEADERS)})
                 if chunk is None:
                     fe.metrics.sse_keepalives.inc()
-                elif chunk.endswith(DONE):
+                elif self._last(chunk):
                     # The client has the whole response once this is sent and may hang up at once, while
                     # the stream is still being closed here: that is the normal end, not a 499.
                     state.done = True
@@ -188,9 +190,22 @@ class GenerationResponse(Response):
         state.done = True
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
-    async def _send_whole(self, send: Send, state: _ResponseState) -> None:
+    def _last(self, chunk: bytes) -> bool:
+        """Whether `chunk` ends the stream's content (what follows only closes it)."""
+        return chunk.endswith(DONE)
+
+    async def _body(self) -> bytes:
+        """The JSON body of a whole response."""
         firsts = await self.frontend.open(self.job)
-        body = await self.frontend.collect(self.job, firsts)
+        return await self.frontend.collect(self.job, firsts)
+
+    def _failure_event(self, err: APIError) -> bytes:
+        """The last event of a stream that keep-alive comments started, when the job failed before its
+        first token."""
+        return error_event(err.to_dict()) + DONE
+
+    async def _send_whole(self, send: Send, state: _ResponseState) -> None:
+        body = await self._body()
         state.done = True
         headers = self._headers([(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())])
         await send({"type": "http.response.start", "status": 200, "headers": headers})
@@ -202,9 +217,31 @@ class GenerationResponse(Response):
         self.job.error = err
         state.done = True
         if state.started:
-            await send({"type": "http.response.body", "body": error_event(err.to_dict()) + DONE, "more_body": False})
+            await send({"type": "http.response.body", "body": self._failure_event(err), "more_body": False})
         else:
             await _send_error(send, err, self._headers([]))
+
+
+class ResponsesGeneration(GenerationResponse):
+    """A /v1/responses job's response: the Response object, or its events."""
+
+    def __init__(self, frontend: Frontend, rjob: ResponseJob) -> None:
+        super().__init__(frontend, rjob.job)
+        self.rjob = rjob
+
+    async def _events(self) -> AsyncIterator[bytes]:
+        async with aclosing(self.frontend.responses.events(self.rjob)) as events:
+            async for chunk in events:
+                yield chunk
+
+    def _last(self, chunk: bytes) -> bool:
+        return any(marker in chunk for marker in TERMINAL_EVENTS)
+
+    async def _body(self) -> bytes:
+        return await self.frontend.responses.collect(self.rjob)
+
+    def _failure_event(self, err: APIError) -> bytes:
+        return failure_event(err)
 
 
 async def with_keepalive(source: AsyncIterator[bytes], interval_s: float | None) -> AsyncIterator[bytes | None]:
@@ -261,6 +298,7 @@ def create_app(frontend: Frontend) -> FastAPI:
     document = openapi_document()
     app.openapi = lambda: document  # type: ignore[method-assign]
     _add_generation_routes(app, frontend)
+    _add_responses_routes(app, frontend)
     _add_model_routes(app, frontend)
     _add_operations_routes(app, frontend)
     app.add_middleware(HeaderLimit, limit=frontend.config.max_header_bytes)
@@ -296,6 +334,65 @@ def _add_generation_routes(app: FastAPI, frontend: Frontend) -> None:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await generation(COMPLETION, request)
+
+
+def _add_responses_routes(app: FastAPI, frontend: Frontend) -> None:
+    service = frontend.responses
+
+    @app.post("/v1/responses")
+    async def create(request: Request) -> Response:
+        tenant_name = None
+        tracer = frontend.tracer
+        trace = start_request(tracer, request.url.path, request.headers, time.monotonic()) if tracer else None
+        try:
+            tenant = frontend.authenticate(request.headers.get("authorization"))
+            tenant_name = tenant.name
+            body = await read_body(request, frontend.config.max_body_bytes, frontend.config.body_timeout_s)
+            rjob = await service.admit(tenant, body, request.headers, trace)
+        except APIError as err:
+            if trace is not None:
+                trace.reject(err.status, trace.tag(err).message)
+            frontend.reject(RESPONSES, tenant_name, err, client_request_id(request.headers))
+            return error_response(err)
+        except ClientDisconnect:
+            if trace is not None:
+                trace.reject(499, "the client went away")
+            return Response(status_code=499)
+        if rjob.rreq.background:
+            try:
+                return json_response(await service.start_background(rjob))
+            except APIError as err:
+                rjob.job.error = err
+                frontend.end(rjob.job)
+                return error_response(err)
+        return ResponsesGeneration(frontend, rjob)
+
+    async def stored(request: Request, action: Callable[[Tenant], Awaitable[dict[str, Any]]]) -> Response:
+        try:
+            return json_response(await action(frontend.authenticate(request.headers.get("authorization"))))
+        except APIError as err:
+            return error_response(err)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve(response_id: str, request: Request) -> Response:
+        async def get(tenant: Tenant) -> dict[str, Any]:
+            if request.query_params.get("stream") in ("true", "1"):
+                raise APIError(400, "Streaming a stored response again is not supported by this server; retrieve "
+                               "it whole.", param="stream", code="unsupported_parameter")
+            return (await service.get(tenant, response_id)).response
+        return await stored(request, get)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete(response_id: str, request: Request) -> Response:
+        return await stored(request, lambda tenant: service.delete(tenant, response_id))
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel(response_id: str, request: Request) -> Response:
+        return await stored(request, lambda tenant: service.cancel(tenant, response_id))
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def input_items(response_id: str, request: Request) -> Response:
+        return await stored(request, lambda tenant: service.input_items(tenant, response_id, request.query_params))
 
 
 def _add_model_routes(app: FastAPI, frontend: Frontend) -> None:

@@ -14,6 +14,9 @@ Models file (YAML or TOML, chosen by the file suffix)::
         default_max_tokens: 256     # chat requests without max_tokens (default: the rest of the context)
         output_tokens_estimate: 256 # output reserved against tenant budgets when max_tokens is absent
                                     # (default: --output-estimate); reconciled with what was generated
+        reasoning_parser: auto      # thinking span split off chat answers (frontend.reasoning): qwen3,
+                                    # deepseek_r1, none, or auto (qwen3 when the chat template mentions
+                                    # <think> and the tokenizer has <think>/</think> tokens)
 
 Canary: entries that share a `name` are versions of one served model, each its own pool, with routing
 weights (requests with a session key stick to a version; the others split exactly by weight). Weights
@@ -51,6 +54,7 @@ from pdserve.frontend.config_files import (
     load_config_file,
 )
 from pdserve.frontend.protocol import RequestLimits
+from pdserve.frontend.reasoning import REASONING_SETTINGS
 from pdserve.rpc import RpcSecurity, add_rpc_args, rpc_security_from_args
 from pdserve.rpc.tracing import TracingConfig, add_tracing_args, tracing_config_from_args
 
@@ -72,8 +76,12 @@ class ModelSpec:
     output_tokens_estimate: int | None = None
     version: str = ""  # canary: which version of `name` this entry is ("" when it has one version)
     weight: float = 1.0  # canary: share of new requests among the versions of `name` (0: none)
+    reasoning_parser: str = "auto"  # frontend.reasoning.REASONING_SETTINGS
 
     def __post_init__(self) -> None:
+        if self.reasoning_parser not in REASONING_SETTINGS:
+            raise ConfigError(f"model {self.name!r}: reasoning_parser must be one of {list(REASONING_SETTINGS)}, "
+                              f"got {self.reasoning_parser!r}")
         if not self.name or "/" in self.pool:
             raise ConfigError(f"model {self.name!r}: name must be non-empty and pool must contain no '/'")
         if not (0.0 <= self.weight < float("inf")):
@@ -101,6 +109,7 @@ class ModelEntry(FileEntry):
     max_output_tokens: PositiveOrNull = None
     default_max_tokens: PositiveOrNull = None
     output_tokens_estimate: PositiveOrNull = None
+    reasoning_parser: Annotated[str, Requirement("reasoning_parser must be a string")] = "auto"
 
     def spec(self) -> ModelSpec:
         return ModelSpec(**{**dict(self), "path": os.path.expanduser(self.path), "aliases": tuple(self.aliases)})
@@ -134,6 +143,13 @@ def version_weights(specs: tuple[ModelSpec, ...] | list[ModelSpec]) -> dict[tupl
 def load_models_file(path: str | Path) -> list[ModelSpec]:
     items = entries(path, load_config_file(path), "models")
     return [ModelEntry.read(f"{path}: models[{i}]", e).spec() for i, e in enumerate(items)]
+
+
+def default_response_store() -> str:
+    """An SQLite file under the user's state directory ($XDG_STATE_HOME, else ~/.local/state); `pdserve up`
+    passes one in the cluster's run directory instead."""
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return os.path.join(base, "pdserve", "responses.db")
 
 
 def _default_frontend_id() -> str:
@@ -187,6 +203,10 @@ class FrontendConfig:
     # queue settles where admission stops, so the prediction needs room for its own error.
     ttft_headroom: Annotated[float, Interval(gt=0, le=1)] = 0.7
     request_log: str | None = "-"  # "-": stderr, a path: appended JSON lines, None: off
+    # Stored responses (/v1/responses): an SQLite path or sqlite:///path (one host), or postgresql://...
+    # (every frontend of a cluster); opened on first use. Records expire response_ttl_s after creation.
+    response_store: str = field(default_factory=lambda: default_response_store())
+    response_ttl_s: Annotated[float, Gt(0)] = 30 * 24 * 3600.0
     log_prompts: bool = False
     session_header: str = "x-session-id"  # session affinity key header ("" disables the header)
     user_affinity: bool = True  # use the request's `user` field as the session key when no header is set
@@ -270,6 +290,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_admission_flags(p)
     p.add_argument("--request-log", default="-", help="'-' for stderr, a file path, or 'off'")
     p.add_argument("--log-prompts", action="store_true", help="include prompt text in the request log")
+    p.add_argument("--response-store", default=None,
+                   help="stored responses of /v1/responses: an SQLite path, sqlite:///path, or postgresql://... "
+                        "shared by every frontend (default: ~/.local/state/pdserve/responses.db)")
+    p.add_argument("--response-ttl", type=float, default=30 * 24 * 3600.0, dest="response_ttl_s",
+                   help="seconds a stored response is kept (default 30 days)")
     p.add_argument("--session-header", default="x-session-id")
     p.add_argument("--no-user-affinity", action="store_true")
     p.add_argument("--affinity-blocks", type=int, default=1)
@@ -330,7 +355,7 @@ _SAME = ("cluster", "host", "port", "limit_share", "limit_share_index", "output_
          "max_header_bytes", "max_messages", "max_stop_strings", "max_stop_chars", "max_schema_bytes",
          "max_prompt_chars", "max_inflight", "batch_inflight_fraction", "sse_keepalive_s", "prepare_queue",
          "prepare_inline_bytes", "ttft_headroom", "log_prompts", "affinity_blocks", "load_factor", "decode_max_queue",
-         "upstream_attempts", "max_migrations", "log_level")
+         "upstream_attempts", "max_migrations", "log_level", "response_ttl_s")
 
 
 def _models_from_args(args: argparse.Namespace) -> list[ModelSpec]:
@@ -362,6 +387,8 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         extra["frontend_id"] = args.frontend_id
     if args.prepare_workers is not None:
         extra["prepare_workers"] = args.prepare_workers
+    if args.response_store:
+        extra["response_store"] = args.response_store
     return FrontendConfig(
         etcd_endpoints=tuple(e.strip() for item in args.etcd for e in item.split(",") if e.strip()),
         models=tuple(models),

@@ -24,6 +24,10 @@ if TYPE_CHECKING:
 
 CHAT = "chat"
 COMPLETION = "completion"
+RESPONSES = "responses"  # /v1/responses: a chat prompt, rendered as a Response object or its events
+
+# The endpoint label of metrics and the request log, by job kind.
+ENDPOINTS = {CHAT: "chat.completions", COMPLETION: "completions", RESPONSES: "responses"}
 
 
 class UpstreamError(Exception):
@@ -55,6 +59,9 @@ class Progress:
     timing: pb.Timing | None = None
     prefilled_by: str = ""  # the node that prefilled, as the decode node reports it (itself, when local)
     decoded_by: str = ""
+    # Of `tokens`: those inside a reasoning model's thinking span (`frontend.output.ChoiceOutput` keeps it
+    # up to date); None when the choice's output is not split.
+    reasoning_tokens: int | None = None
 
     def record(self, msg: pb.GenerateResponse, now: float, migrated: bool) -> None:
         """A message arrived at `now`: its tokens (first token, ITLs) and the timing its node reported.
@@ -153,6 +160,7 @@ class Job:
     ended: bool = False
     stamps: AdmissionStamps = field(default_factory=AdmissionStamps)
     trace: RequestTrace | None = None  # set when tracing is on
+    dropped: int = 0  # leading messages admission dropped to fit the context (`GenerationRequest.droppable`)
 
     def traced(self, err: APIError) -> APIError:
         """`err` carrying the job's trace id (in its message and an x-trace-id header), when traced."""
@@ -165,7 +173,7 @@ class Job:
 
     @property
     def endpoint(self) -> str:
-        return "chat.completions" if self.kind == CHAT else "completions"
+        return ENDPOINTS[self.kind]
 
 
 def serving_path(c: Choice) -> str:
@@ -195,9 +203,12 @@ def client_request_id(headers: Mapping[str, str]) -> str | None:
 
 
 def usage(job: Job) -> dict[str, Any]:
-    """The usage object of a job's response (cached tokens counted once per prompt)."""
+    """The usage object of a job's response (cached tokens counted once per prompt; reasoning tokens when
+    the choices' output is split into thinking and content)."""
     completion = sum(c.progress.tokens for c in job.choices)
     cached: dict[int, int] = {}
     for c in job.choices:
         cached[c.prompt_index] = max(cached.get(c.prompt_index, 0), c.progress.cached_tokens)
-    return usage_dict(sum(len(p) for p in job.prompts), completion, sum(cached.values()))
+    split = [c.progress for c in job.choices if c.progress.reasoning_tokens is not None]
+    reasoning = sum(min(p.reasoning_tokens or 0, p.tokens) for p in split) if split else None
+    return usage_dict(sum(len(p) for p in job.prompts), completion, sum(cached.values()), reasoning)

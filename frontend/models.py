@@ -22,6 +22,7 @@ from pdserve.engine.tokenizer import ChatTemplateError, Tokenizer
 from pdserve.engine.version import short_digest
 from pdserve.frontend.config import ConfigError, ModelSpec
 from pdserve.frontend.errors import APIError, bad_request
+from pdserve.frontend.reasoning import ReasoningFormat, ReasoningFormatError, reasoning_format
 from pdserve.frontend.tools import ToolSpec, template_input
 
 log = logging.getLogger(__name__)
@@ -111,6 +112,7 @@ class ServedModel:
     created: int
     tokenizer_digest: str  # `engine.version.short_digest` of the tokenizer's JSON
     chat_template_digest: str  # of the chat template ("" without one)
+    reasoning: ReasoningFormat | None = None  # how its chat answers mark their thinking span (None: not split)
 
     @property
     def name(self) -> str:
@@ -124,12 +126,15 @@ class ServedModel:
     def version(self) -> str:
         return self.spec.version
 
-    def encode_chat(self, messages: list[dict[str, Any]], tools: ToolSpec | None = None) -> list[int]:
-        """Token ids of the chat prompt (with the tools the model may call). Raises a 400 APIError when the
-        template rejects the messages."""
+    def encode_chat(self, messages: list[dict[str, Any]], tools: ToolSpec | None = None,
+                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        """Token ids of the chat prompt (with the tools the model may call; `template_kwargs`: the request's
+        extra template variables, e.g. enable_thinking, never replacing the server's own). Raises a 400
+        APIError when the template rejects the messages."""
         messages, kwargs = template_input(messages, tools, self.tokenizer.renders_tools)
         try:
-            return self.tokenizer.encode_chat(messages, add_generation_prompt=True, **kwargs)
+            return self.tokenizer.encode_chat(messages, add_generation_prompt=True,
+                                              **{**(template_kwargs or {}), **kwargs})
         except ChatTemplateError as err:
             raise bad_request(f"The chat template of model {self.name!r} rejected the messages: {err}",
                               param="messages", code="invalid_messages") from None
@@ -182,7 +187,9 @@ class ModelCatalog:
             try:
                 tokenizer = Tokenizer(path)
                 model_len = _max_model_len(path)
-            except ModelLoadError as err:
+                reasoning = reasoning_format(spec.reasoning_parser, tokenizer.chat_template, tokenizer.token_to_id,
+                                             tokenizer.all_special_ids)
+            except (ModelLoadError, ReasoningFormatError) as err:
                 raise ConfigError(f"model {spec.name!r}: {err}") from err
             limits = [x for x in (model_len, spec.max_context) if x is not None]
             if not limits:
@@ -190,14 +197,15 @@ class ModelCatalog:
             template = tokenizer.chat_template
             served = ServedModel(spec, tokenizer, TokenTexts(tokenizer), min(limits), now,
                                  short_digest(tokenizer.backend.to_str()),
-                                 short_digest(template) if template is not None else "")
+                                 short_digest(template) if template is not None else "", reasoning)
             self._versions.setdefault(spec.name, []).append(served)
             self._weights[(spec.name, spec.version)] = spec.weight
             self._credit[(spec.name, spec.version)] = 0.0
             for name in (spec.name, *spec.aliases):
                 self._names[name] = spec.name
         log.info("serving models: %s", ", ".join(
-            f"{m.name}{'@' + m.version if m.version else ''} (pool {m.pool}, context {m.max_context})"
+            f"{m.name}{'@' + m.version if m.version else ''} (pool {m.pool}, context {m.max_context}"
+            f"{', reasoning ' + m.reasoning.style if m.reasoning else ''})"
             for m in self.all_versions))
 
     def resolve(self, name: str) -> ServedModel:

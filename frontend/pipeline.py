@@ -29,13 +29,15 @@ from pdserve.frontend.config import (
 )
 from pdserve.frontend.connections import DecodeConnections
 from pdserve.frontend.errors import OVERLOADED, APIError
-from pdserve.frontend.job import CHAT, COMPLETION, Job, UpstreamError, client_request_id, usage
+from pdserve.frontend.job import CHAT, COMPLETION, RESPONSES, Job, UpstreamError, client_request_id, usage
 from pdserve.frontend.limits import TenantLimiter
 from pdserve.frontend.metrics import FrontendMetrics
 from pdserve.frontend.models import ModelCatalog
 from pdserve.frontend.output import choice_outputs
+from pdserve.frontend.protocol import GenerationRequest
 from pdserve.frontend.render import DONE, StreamEncoder, error_event, full_response
 from pdserve.frontend.request_log import RequestLog
+from pdserve.frontend.responses_api import ResponsesService
 from pdserve.frontend.routing import Router
 from pdserve.frontend.tenants import Tenant, TenantTable
 from pdserve.frontend.tracing import RequestTrace
@@ -46,7 +48,7 @@ from pdserve.registry.view import RegistryView, ViewChange
 from pdserve.rpc import pdserve_pb2 as pb
 from pdserve.rpc.tracing import start_tracing
 
-__all__ = ["CHAT", "COMPLETION", "Frontend", "Job", "client_request_id"]
+__all__ = ["CHAT", "COMPLETION", "RESPONSES", "Frontend", "Job", "client_request_id"]
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +89,7 @@ class Frontend:
         # None unless an OTLP endpoint is configured (then `frontend.tracing` traces every request).
         self.tracer = start_tracing(config.tracing, "pdserve-frontend", {"service.instance.id": config.frontend_id},
                                     time.monotonic)
+        self.responses = ResponsesService(self)
         self.inflight = 0
         self._addresses: dict[str, str] = {}
         self._background: set[asyncio.Task[object]] = set()
@@ -115,9 +118,10 @@ class Frontend:
                       ",".join(self.config.etcd_endpoints), self.config.registry_sync_timeout_s)
         await workers
         if self.config.models_file is not None:
-            self._spawn(self._watch_models_file(self.config.models_file))
+            self.spawn(self._watch_models_file(self.config.models_file))
 
-    def _spawn(self, coro: Any) -> None:
+    def spawn(self, coro: Any) -> None:
+        """Runs `coro` as a task of the frontend, cancelled when it closes."""
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
@@ -159,6 +163,7 @@ class Frontend:
     async def close(self) -> None:
         for task in list(self._background):
             task.cancel()
+        await self.responses.close()
         await self.view.close()
         await self.connections.close()
         self.workers.close()
@@ -172,7 +177,7 @@ class Frontend:
         elif change.kind == "left" and change.node_id in self._addresses:
             address = self._addresses.pop(change.node_id)
             for coro in (self._drop_later(address), self.calls.node_left(change.node_id)):
-                self._spawn(coro)
+                self.spawn(coro)
 
     async def _drop_later(self, address: str) -> None:
         # Late: requests still streaming from a node that just left may finish; and a node that comes
@@ -239,10 +244,23 @@ class Frontend:
                     trace: RequestTrace | None = None) -> Job:
         """Validates, tokenizes, routes and admits a request (`Admitter.admit`); `trace` (tracing on)
         becomes the job's. Raises APIError (4xx/503). On success the job counts as in flight until `end`."""
+        self._check_inflight()
+        return self._admitted(await self.admitter.admit(kind, tenant, body, headers), trace)
+
+    async def admit_request(self, kind: str, tenant: Tenant, req: GenerationRequest, headers: Mapping[str, str],
+                            trace: RequestTrace | None, arrived: float) -> Job:
+        """`admit` for a request already validated (the Responses API's, once its conversation is known)."""
+        self._check_inflight()
+        offload = sum(len(m.get("content") or "") for m in req.messages or ()) > self.config.prepare_inline_bytes
+        job = await self.admitter.admit_request(kind, tenant, req, headers, arrived, offload)
+        return self._admitted(job, trace)
+
+    def _check_inflight(self) -> None:
         if self.inflight + self.workers.pending >= self.config.max_inflight:
             raise APIError(503, "This frontend is at its in-flight request limit; retry shortly.",
                            type=OVERLOADED, code="overloaded", headers={"retry-after": "1"})
-        job = await self.admitter.admit(kind, tenant, body, headers)
+
+    def _admitted(self, job: Job, trace: RequestTrace | None) -> Job:
         job.trace = trace
         self.inflight += 1
         self.metrics.inflight_now.inc()

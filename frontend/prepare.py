@@ -37,7 +37,7 @@ def tokenize(req: GenerationRequest, model: ServedModel) -> Tokenized:
     check_logit_bias(req.sampling.logit_bias, model.tokenizer.vocab_size, model.name)
     if req.kind == CHAT:
         assert req.messages is not None
-        return Tokenized([model.encode_chat(req.messages, req.tools)], [""])
+        return Tokenized([model.encode_chat(req.messages, req.tools, req.template_kwargs)], [""])
     prompts: list[list[int]] = []
     echoes: list[str] = []
     assert req.prompts is not None

@@ -41,6 +41,16 @@ from pdserve.frontend.validation import (
 MAX_STOP_STRINGS = 4
 MAX_CHOICES = 128
 MAX_TOP_LOGPROBS = 20
+# chat_template_kwargs: extra chat template variables (e.g. enable_thinking), bounded like other inputs.
+MAX_TEMPLATE_KWARGS = 32
+MAX_TEMPLATE_KWARGS_BYTES = 8192
+# Template variables the server itself sets when it renders a chat (`Tokenizer.apply_chat_template`,
+# `frontend.tools.template_input`), and the globals templates call (`engine.tokenizer.chat_environment`
+# and jinja2's own): a request may not replace them.
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
+    "bos_token", "eos_token", "unk_token", "pad_token", "raise_exception", "strftime_now",
+    "range", "dict", "lipsum", "cycler", "joiner", "namespace"})
 SEED_MIN = -(1 << 63)
 
 # Named priorities (`priority` takes these or an integer; lower is served first, as in vLLM).
@@ -105,6 +115,11 @@ class GenerationRequest:
     tools: ToolSpec | None = None  # chat: tools, tool_choice, parallel_tool_calls
     suffix: str | None = None  # completions: the text after the insertion (fill-in-the-middle models)
     max_tokens_param: str = "max_tokens"  # the field max_tokens came from, for error messages
+    # chat: extra chat template variables (`chat_template_kwargs`, e.g. {"enable_thinking": False})
+    template_kwargs: dict[str, Any] | None = None
+    # Chat: how many leading messages (after a first system message) admission may drop, oldest first, to
+    # fit the context instead of refusing (the Responses API's truncation "auto"); 0: refuse.
+    droppable: int = 0
 
 
 def parse_json_body(body: bytes) -> dict[str, Any]:
@@ -220,6 +235,28 @@ class _Tail(StrictBody):
         return bool(usage)
 
 
+def parse_template_kwargs(value: Any, param: str = "chat_template_kwargs") -> dict[str, Any] | None:
+    """Extra chat template variables: an object of at most MAX_TEMPLATE_KWARGS keys and
+    MAX_TEMPLATE_KWARGS_BYTES serialized, none of them a variable the server sets itself (the render
+    would otherwise take the client's messages or tools from a kwarg). None or {} is None."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise invalid_type(param, "an object", value)
+    if len(value) > MAX_TEMPLATE_KWARGS:
+        raise invalid_value(param, f"at most {MAX_TEMPLATE_KWARGS} keys are allowed, got {len(value)}.")
+    try:
+        size = len(orjson.dumps(value))
+    except TypeError:  # orjson.JSONEncodeError: only from values JSON cannot hold (a parsed body has none)
+        raise invalid_value(param, "it must be JSON-serializable.") from None
+    if size > MAX_TEMPLATE_KWARGS_BYTES:
+        raise invalid_value(param, f"it may be at most {MAX_TEMPLATE_KWARGS_BYTES} bytes serialized, got {size}.")
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(value))
+    if reserved:
+        raise invalid_value(param, f"{reserved} are set by the server and cannot be overridden.")
+    return dict(value) or None
+
+
 def _sampling(body: ChatBody | CompletionBody, max_tokens: int | None) -> SamplingOptions:
     sampling = SamplingOptions(
         temperature=body.temperature, top_p=body.top_p, top_k=body.top_k or -1, seed=body.seed,
@@ -254,6 +291,7 @@ class ChatBody(_Tail, _MaxTokens, _MaxCompletionTokens, _Head):
     functions: Any = None
     function_call: Any = None
     response_format: Any = None  # validated: a StructuredSpec
+    chat_template_kwargs: Annotated[Any, AfterValidator(lambda v: call_parser(parse_template_kwargs, v))] = None
 
     @field_validator("messages")
     @classmethod
@@ -290,6 +328,7 @@ def parse_chat_request(obj: dict[str, Any], limits: RequestLimits = RequestLimit
     max_param = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
     req = _request("chat", body, getattr(body, max_param), max_param)
     req.messages = body.messages
+    req.template_kwargs = body.chat_template_kwargs
     req.sampling.logprobs = (body.top_logprobs or 0) if body.logprobs else None
     req.sampling.structured = body.response_format
     req.tools = parse_tools(obj, limits.max_schema_bytes)

@@ -78,13 +78,19 @@ def completion_logprobs(
                            "text_offset": offsets}, offset)
 
 
-def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
-    return {
+def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int,
+               reasoning_tokens: int | None = None) -> dict[str, Any]:
+    """The usage object; `reasoning_tokens` (of the completion tokens, those inside a reasoning model's
+    thinking span) adds `completion_tokens_details`, left out when None (a model whose output is not split)."""
+    usage: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
+    if reasoning_tokens is not None:
+        usage["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return usage
 
 
 class Delta(NamedTuple):
@@ -94,6 +100,7 @@ class Delta(NamedTuple):
     logprobs: dict[str, Any] | None  # the message's tokens' logprobs (None: not asked for, or no tokens)
     tools: list[ToolEvent] | None  # the tool-call parser's events for the text (None: no tool calls parsed)
     finish_reason: str | None  # set on the choice's last message
+    reasoning: str = ""  # a reasoning model's thinking text (`frontend.reasoning`); `text` is then the content
 
 
 class StreamEncoder:
@@ -129,6 +136,12 @@ class StreamEncoder:
         return self._event(b'{"index":%d,"text":%b,"logprobs":%b,"finish_reason":null}'
                            % (index, orjson.dumps(text), lp))
 
+    def reasoning(self, index: int, text: str, logprobs: dict[str, Any] | None = None) -> bytes:
+        """A chat chunk carrying thinking text (`delta.reasoning_content`, as vLLM and DeepSeek send it)."""
+        lp = b"null" if logprobs is None else orjson.dumps(logprobs)
+        return self._event(b'{"index":%d,"delta":{"reasoning_content":%b},"logprobs":%b,"finish_reason":null}'
+                           % (index, orjson.dumps(text), lp))
+
     def tool_event(self, index: int, event: ToolEvent) -> bytes:
         """A chat chunk of a tool call: its start (id, name, empty arguments) or a piece of its arguments."""
         if event.kind == "content":
@@ -142,15 +155,22 @@ class StreamEncoder:
                            % (index, orjson.dumps(call)))
 
     def delta(self, index: int, delta: Delta) -> list[bytes]:
-        """The chunks of one message of choice `index`: its text or tool-call events, its logprobs, and
-        the finish_reason when it is the choice's last."""
+        """The chunks of one message of choice `index`: its thinking text, its text or tool-call events,
+        its logprobs (with the thinking text when there is nothing else), and the finish_reason when it is
+        the choice's last."""
         out: list[bytes] = []
+        logprobs = delta.logprobs
+        if delta.reasoning:
+            alone = not delta.text and not delta.tools
+            out.append(self.reasoning(index, delta.reasoning, logprobs if alone else None))
+            if alone:
+                logprobs = None
         if delta.tools is not None:
             out += [self.tool_event(index, e) for e in delta.tools]
-            if delta.logprobs is not None:
-                out.append(self.text(index, "", delta.logprobs))
-        elif delta.text or delta.logprobs is not None:
-            out.append(self.text(index, delta.text, delta.logprobs))
+            if logprobs is not None:
+                out.append(self.text(index, "", logprobs))
+        elif delta.text or logprobs is not None:
+            out.append(self.text(index, delta.text, logprobs))
         if delta.finish_reason is not None:
             out.append(self.finish(index, delta.finish_reason))
         return out

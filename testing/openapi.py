@@ -20,6 +20,7 @@ import datetime
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +92,20 @@ class OpenAPISchemas:
         self._registry: Registry = Registry().with_resource(SPEC_URI, Resource(spec, specification=DRAFT202012))
         self._validators: dict[str, Draft202012Validator] = {}
         self.names = set(schemas)
+        self._spec = spec
+        self._events: dict[str, str] | None = None
+
+    def stream_event_schemas(self) -> dict[str, str]:
+        """Responses stream event type -> the schema of that event (the members of ResponseStreamEvent)."""
+        if self._events is None:
+            schemas = self._spec["components"]["schemas"]
+            self._events = {}
+            for ref in schemas["ResponseStreamEvent"]["anyOf"]:
+                name = ref["$ref"].rsplit("/", 1)[-1]
+                enum = schemas[name].get("properties", {}).get("type", {}).get("enum") or [None]
+                if enum[0] is not None:
+                    self._events[enum[0]] = name
+        return self._events
 
     def validator(self, name: str) -> Draft202012Validator:
         v = self._validators.get(name)
@@ -120,6 +135,11 @@ _OPERATIONS = (  # (path, method, operationId, request schema or None)
     ("/v1/completions", "post", "createCompletion", "CreateCompletionRequest"),
     ("/v1/models", "get", "listModels", None),
     ("/v1/models/{model}", "get", "retrieveModel", None),
+    ("/v1/responses", "post", "createResponse", "CreateResponse"),
+    ("/v1/responses/{response_id}", "get", "getResponse", None),
+    ("/v1/responses/{response_id}", "delete", "deleteResponse", None),
+    ("/v1/responses/{response_id}/cancel", "post", "cancelResponse", None),
+    ("/v1/responses/{response_id}/input_items", "get", "listInputItems", None),
 )
 
 
@@ -163,9 +183,10 @@ def frontend_document(path: Path | None = None) -> dict[str, Any]:
         if request:
             op["requestBody"] = {"required": True, "content": {"application/json": {
                 "schema": {"$ref": f"#/components/schemas/{request}"}}}}
-        if "{model}" in route:
-            op["parameters"] = [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}]
-        paths[route] = {method: op}
+        names = re.findall(r"\{(\w+)\}", route)
+        if names:
+            op["parameters"] = [{"name": n, "in": "path", "required": True, "schema": {"type": "string"}} for n in names]
+        paths.setdefault(route, {})[method] = op
     return {
         "openapi": "3.1.0",
         "info": {"title": "pdserve", "version": "1",

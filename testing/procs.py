@@ -120,6 +120,8 @@ class FrontendProc:
 def start_frontend(name: str, log_dir: Path, etcd: list[str], port: int, *args: str,
                    ready: bool = True, timeout: float = 60.0) -> FrontendProc:
     """Starts `python -m pdserve.frontend` on 127.0.0.1:`port`; waits for /health, and for /ready when `ready`."""
+    if "--response-store" not in args:  # stored responses beside the logs, never in the user's home
+        args = (*args, "--response-store", str(log_dir / f"{name}-responses.db"))
     argv = [sys.executable, "-m", "pdserve.frontend", *(f"--etcd={e}" for e in etcd), "--host", "127.0.0.1",
             "--port", str(port), *args]
     proc = spawn(name, argv, log_dir)

@@ -74,7 +74,8 @@ def command(cfg: LauncherConfig, slot: Slot, etcd_endpoints: Sequence[str], logs
         return [
             *py, "pdserve.frontend", "--etcd", etcd, "--cluster", cfg.cluster, "--host", cfg.host, "--port", str(cfg.port),
             "--model", f"{cfg.model_name}={cfg.model}", "--frontend-id", slot.name,
-            "--request-log", str(logs_dir / "requests.log"), *tracing, *cfg.frontend_args,
+            "--request-log", str(logs_dir / "requests.log"),
+            "--response-store", f"sqlite:///{(cfg.cluster_dir / 'responses.db').resolve()}", *tracing, *cfg.frontend_args,
         ]
     cpus = cfg.node_cpus().get(slot.name, ())
     pinning = ["--cpus", format_cpus(cpus)] if cpus else []
