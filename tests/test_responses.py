@@ -37,7 +37,8 @@ pytest_plugins = ["tests.gguf_fixtures"]  # smollm2_dir
 pytestmark = pytest.mark.timeout(900)
 
 NAME = "SmolLM2-135M-Instruct"
-KEYS = {"alpha": "sk-alpha-responses-0123456789", "beta": "sk-beta-responses-0123456789"}
+KEYS = {"alpha": "sk-alpha-responses-0123456789", "beta": "sk-beta-responses-0123456789",
+        "small": "sk-small-responses-0123456789"}  # small: a 160-token context
 STREAM_EVENTS = ["response.created", "response.in_progress", "response.output_item.added",
                  "response.content_part.added", "response.output_text.delta", "response.output_text.done",
                  "response.content_part.done", "response.output_item.done", "response.completed"]
@@ -78,7 +79,9 @@ def _stop(fe: FrontendProc) -> None:
 def env(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path, postgres_server: PostgresServer) -> Iterator[Env]:  # noqa: F811
     tmp = tmp_path_factory.mktemp("responses")
     tenants = tmp / "tenants.yaml"
-    tenants.write_bytes(orjson.dumps({"tenants": [{"name": n, "keys_sha256": [hash_key(k)]} for n, k in KEYS.items()]}))
+    tenants.write_bytes(orjson.dumps({"tenants": [
+        {"name": n, "keys_sha256": [hash_key(k)], **({"max_context_tokens": 160} if n == "small" else {})}
+        for n, k in KEYS.items()]}))
     node_args = ["--dtype", "float32", "--num-threads", "1", "--num-kv-blocks", "256", "--model-name", NAME]
     dsn = postgres_server.dsn(postgres_server.create_database("responses"))
     with LocalCluster(tmp / "cluster", smollm2_dir, node_args=node_args) as cluster:
@@ -203,6 +206,23 @@ def test_function_tool_round_trip(env: Env, stream: bool) -> None:
     assert answer.previous_response_id == first.id and answer.output_text.strip()
     # The continued conversation reuses the first turn's prefix: the prefill node's prefix cache.
     assert answer.usage is not None and answer.usage.input_tokens_details.cached_tokens > 0
+
+
+def test_truncation_auto_drops_the_oldest_items_to_fit(env: Env) -> None:
+    client = env.client("small")
+    turns: list[dict[str, Any]] = []
+    for i in range(8):
+        turns += [{"role": "user", "content": f"Tell me fact number {i} about the sea, in detail please."},
+                  {"role": "assistant", "content": f"Fact {i}: the sea is large, deep, salty and very old."}]
+    turns.append({"role": "user", "content": "Which fact was the last?"})
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(model=NAME, input=turns, max_output_tokens=8, temperature=0)
+    assert info.value.code == "context_length_exceeded"
+    r = client.responses.create(model=NAME, input=turns, max_output_tokens=8, temperature=0, truncation="auto")
+    dropped = r.model_extra["truncated_input_items"] if r.model_extra else 0
+    assert r.truncation == "auto" and 1 <= dropped < len(turns)
+    assert r.usage is not None and r.usage.input_tokens + 8 <= 160
+    assert r.output_text == _chat_text(env, turns[dropped:], 8)
 
 
 # --- stored responses ------------------------------------------------------------------------------
