@@ -17,9 +17,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import orjson
 
@@ -36,6 +36,8 @@ if TYPE_CHECKING:
     from pdserve.frontend.tracing import RequestTrace
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 _CANCEL_POLL_S = 0.5
 _PURGE_EVERY_S = 60.0
@@ -98,10 +100,11 @@ class ResponsesService:
                 self.fe.spawn(self._purge())
         return self._store
 
-    async def _call(self, fn: Any, *args: Any) -> Any:
+    async def _use(self, op: Callable[[ResponseStore], Awaitable[T]]) -> T:
+        """`op(store)`, a 503 APIError while the store is unavailable."""
         store = await self.store()
         try:
-            return await getattr(store, fn)(*args)
+            return await op(store)
         except StoreUnavailable as err:
             raise _unavailable(err) from None
 
@@ -137,7 +140,7 @@ class ResponsesService:
         head = 1 if rjob.rreq.instructions is not None else 0  # instructions are not carried to the next turn
         record = self._record(rjob, out.final["status"], out.final, [*gen.messages[head:], *out.context()])
         try:
-            await self._call("put", record)
+            await self._use(lambda s: s.put(record))
         except APIError as err:
             log.error("response %s was served but not stored: %s", rjob.job.id, err.message)
 
@@ -152,7 +155,7 @@ class ResponsesService:
         rreq = parse_responses_request(body, limits)
         context: list[dict[str, Any]] = []
         if rreq.previous_response_id is not None:
-            prev = await self._call("get", tenant.name, rreq.previous_response_id)
+            prev = await self._use(lambda s: s.get(tenant.name, rreq.previous_response_id))
             if prev is None:
                 raise APIError(404, f"Previous response with id '{rreq.previous_response_id}' not found.",
                                type=NOT_FOUND, param="previous_response_id", code="previous_response_not_found")
@@ -232,7 +235,7 @@ class ResponsesService:
         """Stores the response as queued and runs it in a task of this frontend; returns the queued object."""
         out = rjob.output(stream=False)
         queued = out.response("queued")
-        await self._call("put", self._record(rjob, "queued", queued, []))
+        await self._use(lambda s: s.put(self._record(rjob, "queued", queued, [])))
         task = asyncio.get_running_loop().create_task(self._run_background(rjob, out))
         self._running[rjob.job.id] = task
         task.add_done_callback(lambda _: self._running.pop(rjob.job.id, None))
@@ -265,7 +268,7 @@ class ResponsesService:
 
     async def _set(self, rjob: ResponseJob, status: str, response: dict[str, Any], expect: tuple[str, ...]) -> bool:
         try:
-            return bool(await self._call("update_status", rjob.job.tenant.name, rjob.job.id, status, response, expect))
+            return bool(await self._use(lambda s: s.update_status(rjob.job.tenant.name, rjob.job.id, status, response, expect)))
         except APIError as err:
             log.error("background response %s: status %s not stored: %s", rjob.job.id, status, err.message)
             return False
@@ -275,7 +278,7 @@ class ResponsesService:
         while task is not None:
             await asyncio.sleep(_CANCEL_POLL_S)
             try:
-                rec = await self._call("get", rjob.job.tenant.name, rjob.job.id)
+                rec = await self._use(lambda s: s.get(rjob.job.tenant.name, rjob.job.id))
             except APIError:
                 continue
             if rec is None or rec.status == "cancelled":
@@ -285,13 +288,13 @@ class ResponsesService:
     # --- stored responses ---
 
     async def get(self, tenant: Tenant, response_id: str) -> StoredResponse:
-        rec = await self._call("get", tenant.name, response_id)
+        rec = await self._use(lambda s: s.get(tenant.name, response_id))
         if rec is None:
             raise _not_found(response_id)
         return rec
 
     async def delete(self, tenant: Tenant, response_id: str) -> dict[str, Any]:
-        if not await self._call("delete", tenant.name, response_id):
+        if not await self._use(lambda s: s.delete(tenant.name, response_id)):
             raise _not_found(response_id)
         task = self._running.get(response_id)
         if task is not None:
@@ -305,7 +308,7 @@ class ResponsesService:
                            "cancelled.", param="response_id", code="invalid_value")
         if rec.status in _ACTIVE:
             cancelled = {**rec.response, "status": "cancelled"}
-            if await self._call("update_status", tenant.name, response_id, "cancelled", cancelled, _ACTIVE):
+            if await self._use(lambda s: s.update_status(tenant.name, response_id, "cancelled", cancelled, _ACTIVE)):
                 task = self._running.get(response_id)
                 if task is not None:
                     task.cancel()
