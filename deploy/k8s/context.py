@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import re
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,8 @@ CONFIG_DIR = "/etc/pdserve"  # where the frontend finds tenants.yaml and models.
 ROLES = ("prefill", "decode")
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
+# PostgreSQL role and database names that need no quoting, in SQL or in a URL.
+_PG_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
 # Pod names add up to 17 characters (ReplicaSet hash and pod suffix) to a Deployment's name, and the pod
 # name must stay a 63-character DNS label because it is the node id and appears in label values.
 _MAX_NAME = 46
@@ -367,7 +370,8 @@ def build_context(v: dict[str, Any]) -> dict[str, Any]:
     name = _check_names(v)
     etcd = _etcd(v, name)
     served = _served_models(v)
-    frontend, models_yaml, tenants_yaml = _frontend(v, name, etcd["endpoints"], served)
+    store = _response_store(v, name)
+    frontend, models_yaml, tenants_yaml = _frontend(v, name, etcd["endpoints"], served, store)
     instance = {"app.kubernetes.io/name": "pdserve", "app.kubernetes.io/instance": name}
     mon = v["monitoring"]
     rules: dict[str, Any] = {}
@@ -380,6 +384,7 @@ def build_context(v: dict[str, Any]) -> dict[str, Any]:
         "ns": v["namespace"],
         "image": f"{v['image']['repository']}:{v['image']['tag']}",
         "etcd": etcd,
+        "store": store,
         "pools": pools,
         "node_metrics_ports": [{"port": p} for p in sorted({p["cfg"]["metricsPort"] for p in pools})],
         "frontend": frontend,
@@ -466,7 +471,7 @@ def _served_models(v: dict[str, Any]) -> dict[str, str]:
     return served
 
 
-def _frontend(v: dict[str, Any], name: str, etcd_endpoints: str, served: dict[str, str]
+def _frontend(v: dict[str, Any], name: str, etcd_endpoints: str, served: dict[str, str], store: dict[str, Any]
               ) -> tuple[dict[str, Any], str, str]:
     """(the frontend's template values, models.yaml, tenants.yaml)."""
     fe = v["frontend"]
@@ -497,6 +502,11 @@ def _frontend(v: dict[str, Any], name: str, etcd_endpoints: str, served: dict[st
     ]
     if tenants_on:
         fe_pairs.append(("tenants", f"{CONFIG_DIR}/tenants.yaml"))
+    for arg in fe.get("extraArgs") or []:
+        if str(arg).split("=", 1)[0] in ("--response-store", "--response-ttl"):
+            raise ValuesError(f"frontend.extraArgs sets {arg}: use responseStore.url / responseStore.ttlSeconds, "
+                              "which every frontend replica shares")
+    fe_pairs += [("response-store", store["url"]), ("response-ttl", store["ttl"])]
     fe_pairs += [
         ("limit-share", limit_share), ("ttft-slo", fe["ttftSloSeconds"]), ("tpot-slo", fe["tpotSloSeconds"]),
         ("request-timeout", fe["requestTimeoutSeconds"]), ("log-level", fe["logLevel"]),
@@ -517,6 +527,77 @@ def _frontend(v: dict[str, Any], name: str, etcd_endpoints: str, served: dict[st
         "pdb": _check_pdb("frontend.pdb", fe["pdb"], fe_replicas),
     }
     return frontend, models_yaml, tenants_yaml
+
+
+def _response_store(v: dict[str, Any], name: str) -> dict[str, Any]:
+    """The Responses API store every frontend shares: the in-cluster PostgreSQL StatefulSet's values, or
+    an external server's URL. The frontends get the URL (`--response-store`, never with a password in it)
+    and the password as PGPASSWORD from the Secret."""
+    rs = v["responseStore"]
+    pg = rs.get("postgres") or {}
+    url = rs.get("url") or ""
+    enabled = bool(pg.get("enabled"))
+    ttl = _int("responseStore.ttlSeconds", rs["ttlSeconds"], 1)
+    secret = rs.get("passwordSecret") or {}
+    if enabled == bool(url):
+        raise ValuesError("responseStore: give exactly one of postgres.enabled: true (the in-cluster server) and url "
+                          "(an external PostgreSQL, with postgres.enabled: false); a per-pod SQLite file would hide each "
+                          "frontend's stored responses from the others and lose them on restart")
+    if secret.get("name"):
+        _dns_label("responseStore.passwordSecret.name", secret["name"], max_len=253)
+        if not secret.get("key"):
+            raise ValuesError("responseStore.passwordSecret.key: name the Secret's key that holds the password")
+    elif enabled:
+        raise ValuesError("responseStore.passwordSecret.name: the in-cluster PostgreSQL needs a password Secret")
+    password_ref = {"name": secret["name"], "key": secret["key"]} if secret.get("name") else None
+    out: dict[str, Any] = {"postgres": enabled, "ttl": ttl, "password_ref": password_ref}
+    if not enabled:
+        out["url"] = _external_store_url(url)
+        return out
+    for key in ("user", "database"):
+        if not isinstance(pg.get(key), str) or not _PG_NAME.match(pg[key]):
+            raise ValuesError(f"responseStore.postgres.{key}: {pg.get(key)!r} must be a lowercase PostgreSQL name "
+                              "([a-z_][a-z0-9_]*, at most 63 characters)")
+    port = _int("responseStore.postgres.port", pg["port"], 1)
+    image = str(pg.get("image") or "")
+    tag = image.rsplit("/", 1)[-1].partition(":")[2]
+    if "@sha256:" not in image and (not tag or tag == "latest" or not re.match(r"^\d+\.\d+", tag)):
+        # A data directory starts only under the major version that initialized it.
+        raise ValuesError(f"responseStore.postgres.image: {image!r} must pin a version (e.g. postgres:16.6) or a "
+                          "digest; a floating tag can move the server to a major version its data does not start under")
+    svc = f"{name}-postgres"
+    host = f"{svc}.{v['namespace']}.svc.{v['clusterDomain']}"
+    out.update({
+        "url": f"postgresql://{pg['user']}@{host}:{port}/{pg['database']}",
+        "svc": svc,
+        "headless_svc": f"{svc}-headless",
+        "port": port,
+        "labels": _labels(v, "response-store"),
+        "selector": _selector(v, "response-store"),
+        "pod_security": deep_merge(v.get("podSecurityContext") or {}, pg.get("podSecurityContext") or {}),
+        "security": deep_merge(v.get("containerSecurityContext") or {}, pg.get("securityContext") or {}),
+    })
+    return out
+
+
+def _external_store_url(url: Any) -> str:
+    """An external PostgreSQL URL without a password (that comes from the Secret, as PGPASSWORD)."""
+    if not isinstance(url, str) or not re.match(r"^postgres(ql)?://[^/?#]", url):
+        raise ValuesError(
+            f"responseStore.url: {url!r} must be postgresql://USER@HOST:PORT/DATABASE (every frontend replica must "
+            "reach the same store; an SQLite path is one pod's)")
+    try:
+        parts = urllib.parse.urlsplit(url)
+        parts.port  # noqa: B018 - raises on a port that is not a number
+    except ValueError as err:
+        raise ValuesError(f"responseStore.url: {url!r} does not parse: {err}") from err
+    query = urllib.parse.parse_qs(parts.query)
+    if parts.password is not None or "password" in query:
+        raise ValuesError("responseStore.url must not hold the password (the Deployment's args are readable by "
+                          "anyone who can read the Deployment): put it in responseStore.passwordSecret")
+    if not parts.hostname or not parts.path.strip("/"):
+        raise ValuesError(f"responseStore.url: {url!r} must name a host and a database")
+    return url
 
 
 def _model_storage(v: dict[str, Any]) -> dict[str, Any]:
