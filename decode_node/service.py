@@ -51,6 +51,7 @@ from pdserve.engine.sequence import Resume
 from pdserve.engine.stopping import FinishReason
 from pdserve.node_common.config import setup_logging
 from pdserve.node_common.convert import call_key, params_from_proto
+from pdserve.node_common.embed import EmbedServer
 from pdserve.node_common.faults import NodeFaults, load_faults
 from pdserve.node_common.runtime import run_node
 from pdserve.node_common.service import NodeContext, NodeService
@@ -76,6 +77,7 @@ class DecodeService(NodeService, pb_grpc.DecodeNodeServicer):
         self._vocab = ctx.engine.engine.model_config.vocab_size
         self.handover_after_s = self.config.drain_grace_s
         ctx.engine.on_blocks_freed(self.reservations.kick)
+        self.embeds = EmbedServer(self, self.metrics)  # the Embed RPC, when colocated (node_common.embed)
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
         pb_grpc.add_DecodeNodeServicer_to_server(self, server)
@@ -98,6 +100,12 @@ class DecodeService(NodeService, pb_grpc.DecodeNodeServicer):
         self._cancel(req)
         req.stream.push(abort_output(req.key))
         return pb.AbortResponse(found=True)
+
+    async def Embed(self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext) -> pb.EmbedResponse:
+        if not self.config.colocated:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "embeddings are served by the prefill pool (this decode node is not colocated)")
+        return await self.embeds.embed(request, context)
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
@@ -321,7 +329,8 @@ class DecodeService(NodeService, pb_grpc.DecodeNodeServicer):
         # that leaves the registry.
         self.accepting = False
         loop = asyncio.get_running_loop()
-        while loop.time() < deadline and any(r.stage in REMOTE_WAITS for r in self.requests.values()):
+        while loop.time() < deadline and (self.embeds.in_flight
+                                          or any(r.stage in REMOTE_WAITS for r in self.requests.values())):
             await asyncio.sleep(0.02)
 
     def hand_over(self) -> int:

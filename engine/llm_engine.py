@@ -12,6 +12,7 @@ import torch
 
 from pdserve.engine.block_manager import BlockManager, Reservation
 from pdserve.engine.config import EngineConfig, kv_cache_torch_dtype
+from pdserve.engine.embedding import check_pooling, pooled_hidden, token_batches
 from pdserve.engine.live_request import LiveRequest, RequestBuilder
 from pdserve.engine.loader import load_model
 from pdserve.engine.model_runner import ModelRunner, kv_block_bytes
@@ -350,6 +351,42 @@ class LLMEngine:
         if finished:
             self._requests.pop(seq.seq_id, None)
         return outp
+
+    # -- embeddings (prefill-only, outside the scheduler) -----------------------------------------
+
+    def check_embed_prompts(self, prompts: list[list[int]]) -> None:
+        """Raises ValueError for an empty prompt, an id outside the vocabulary or a prompt longer than
+        max_model_len."""
+        vocab = self.model_config.vocab_size
+        for i, p in enumerate(prompts):
+            if not p:
+                raise ValueError(f"input {i} is empty")
+            if len(p) > self.max_model_len:
+                raise ValueError(f"input {i} has {len(p)} tokens; the context is {self.max_model_len}")
+            if min(p) < 0 or max(p) >= vocab:
+                raise ValueError(f"input {i} has token ids outside [0, {vocab})")
+
+    def embed_tensor(self, prompts: list[list[int]], pooling: str = "last", normalize: bool = True) -> torch.Tensor:
+        """The prompts' pooled final hidden states, [N, hidden] float32 on the CPU (`engine.embedding`),
+        run in batches of at most max_num_batched_tokens tokens over a scratch KV cache: the engine's KV
+        cache, blocks and scheduler are untouched. Raises ValueError as `check_embed_prompts`, or for an
+        unknown pooling. Call between steps (on the engine thread)."""
+        check_pooling(pooling)
+        self.check_embed_prompts(prompts)
+        if not prompts:
+            return torch.empty(0, self.model_config.hidden_size, dtype=torch.float32)
+        parts = []
+        try:
+            for idx in token_batches([len(p) for p in prompts], self.cfg.max_num_batched_tokens):
+                parts.append(pooled_hidden(self.model, [prompts[i] for i in idx], self.cfg.block_size,
+                                           self.kv_dtype, self.kv_cache.device, pooling, normalize))
+        finally:
+            self.model._layer_caches(self.kv_cache)  # the model's cached views point at the KV cache again
+        return torch.cat(parts)
+
+    def embed(self, prompts: list[list[int]], pooling: str = "last", normalize: bool = True) -> list[list[float]]:
+        """`embed_tensor` as lists of floats (offline use and tests)."""
+        return self.embed_tensor(prompts, pooling, normalize).tolist()
 
     # -- offline ----------------------------------------------------------------------------------
 

@@ -26,7 +26,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from pdserve.frontend.embeddings import add_embedding_routes
 from pdserve.frontend.errors import NOT_FOUND, SERVER, APIError
+from pdserve.frontend.files import add_batch_routes
 from pdserve.frontend.pipeline import CHAT, COMPLETION, RESPONSES, Frontend, Job, client_request_id
 from pdserve.frontend.render import DONE, KEEPALIVE, error_event
 from pdserve.frontend.responses_api import TERMINAL_EVENTS, ResponseJob, failure_event
@@ -300,6 +302,8 @@ def create_app(frontend: Frontend) -> FastAPI:
     _add_generation_routes(app, frontend)
     _add_responses_routes(app, frontend)
     _add_model_routes(app, frontend)
+    add_embedding_routes(app, frontend)  # /v1/embeddings (frontend.embeddings)
+    add_batch_routes(app, frontend)  # /v1/files, /v1/batches (frontend.files, frontend.batches)
     _add_operations_routes(app, frontend)
     app.add_middleware(HeaderLimit, limit=frontend.config.max_header_bytes)
     return app

@@ -17,6 +17,7 @@ Models file (YAML or TOML, chosen by the file suffix)::
         reasoning_parser: auto      # thinking span split off chat answers (frontend.reasoning): qwen3,
                                     # deepseek_r1, none, or auto (qwen3 when the chat template mentions
                                     # <think> and the tokenizer has <think>/</think> tokens)
+        embedding: {pooling: last, normalize: true}  # /v1/embeddings (frontend.embeddings): last | mean
 
 Canary: entries that share a `name` are versions of one served model, each its own pool, with routing
 weights (requests with a session key stick to a version; the others split exactly by weight). Weights
@@ -41,6 +42,7 @@ from pathlib import Path
 from typing import Annotated, Any, ClassVar
 
 from annotated_types import Ge, Gt, Interval
+from pydantic import BeforeValidator
 
 from pdserve.frontend.config_files import (
     ConfigError,
@@ -61,6 +63,36 @@ from pdserve.rpc.tracing import TracingConfig, add_tracing_args, tracing_config_
 # --- the models file ------------------------------------------------------------------------------
 
 
+EMBEDDING_POOLINGS = ("last", "mean")  # engine.embedding.POOLINGS (the frontend imports no torch)
+
+
+@dataclass(frozen=True)
+class EmbeddingSettings:
+    """How /v1/embeddings pools a model's final hidden states: the last token's (vLLM's default for a
+    generative model served as an embedding model) or the mean over the input, L2-normalized or not."""
+
+    pooling: str = "last"
+    normalize: bool = True
+
+
+class EmbeddingEntry(FileEntry):
+    kind: ClassVar[str] = "embedding"
+    pooling: Annotated[str, Requirement("embedding.pooling must be last or mean")] = "last"
+    normalize: Annotated[bool, Requirement("embedding.normalize must be true or false")] = True
+
+    def settings(self) -> EmbeddingSettings:
+        if self.pooling not in EMBEDDING_POOLINGS:
+            raise ConfigError(f"embedding.pooling must be one of {list(EMBEDDING_POOLINGS)}, got {self.pooling!r}")
+        return EmbeddingSettings(self.pooling, self.normalize)
+
+
+def _embedding_settings(value: Any) -> EmbeddingSettings:
+    """A models-file entry's `embedding` mapping (null: the defaults). Raises ConfigError (a ValueError)."""
+    if isinstance(value, EmbeddingSettings):
+        return value
+    return EmbeddingEntry.read("embedding", value or {}).settings()
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """One served model: its names, where its tokenizer lives and which pool serves it."""
@@ -77,6 +109,7 @@ class ModelSpec:
     version: str = ""  # canary: which version of `name` this entry is ("" when it has one version)
     weight: float = 1.0  # canary: share of new requests among the versions of `name` (0: none)
     reasoning_parser: str = "auto"  # frontend.reasoning.REASONING_SETTINGS
+    embedding: EmbeddingSettings = EmbeddingSettings()  # /v1/embeddings pooling
 
     def __post_init__(self) -> None:
         if self.reasoning_parser not in REASONING_SETTINGS:
@@ -110,6 +143,7 @@ class ModelEntry(FileEntry):
     default_max_tokens: PositiveOrNull = None
     output_tokens_estimate: PositiveOrNull = None
     reasoning_parser: Annotated[str, Requirement("reasoning_parser must be a string")] = "auto"
+    embedding: Annotated[EmbeddingSettings, BeforeValidator(_embedding_settings)] = EmbeddingSettings()
 
     def spec(self) -> ModelSpec:
         return ModelSpec(**{**dict(self), "path": os.path.expanduser(self.path), "aliases": tuple(self.aliases)})
@@ -207,6 +241,12 @@ class FrontendConfig:
     # (every frontend of a cluster); opened on first use. Records expire response_ttl_s after creation.
     response_store: str = field(default_factory=lambda: default_response_store())
     response_ttl_s: Annotated[float, Gt(0)] = 30 * 24 * 3600.0
+    # /v1/files and /v1/batches (frontend.batches): an upload over max_file_bytes is a 413. Batch lines run
+    # on spare capacity: at most batch_max_inflight - (interactive requests in flight here) at a time
+    # (0: this frontend runs no batches); a frontend holds a batch for batch_lease_s, renewed while it runs.
+    max_file_bytes: Annotated[int, Ge(1)] = 200 << 20
+    batch_max_inflight: Annotated[int, Ge(0)] = 8
+    batch_lease_s: Annotated[float, Gt(0)] = 30.0
     log_prompts: bool = False
     session_header: str = "x-session-id"  # session affinity key header ("" disables the header)
     user_affinity: bool = True  # use the request's `user` field as the session key when no header is set
@@ -295,6 +335,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "shared by every frontend (default: ~/.local/state/pdserve/responses.db)")
     p.add_argument("--response-ttl", type=float, default=30 * 24 * 3600.0, dest="response_ttl_s",
                    help="seconds a stored response is kept (default 30 days)")
+    p.add_argument("--max-file-bytes", type=int, default=200 << 20, help="largest /v1/files upload (then 413)")
+    p.add_argument("--batch-max-inflight", type=int, default=8,
+                   help="batch lines in flight when no interactive request is; each interactive request in "
+                        "flight takes one away (0: run no batches here)")
+    p.add_argument("--batch-lease", type=float, default=30.0, dest="batch_lease_s",
+                   help="seconds a frontend holds a batch it runs without renewing (another resumes it after)")
     p.add_argument("--session-header", default="x-session-id")
     p.add_argument("--no-user-affinity", action="store_true")
     p.add_argument("--affinity-blocks", type=int, default=1)
@@ -355,7 +401,8 @@ _SAME = ("cluster", "host", "port", "limit_share", "limit_share_index", "output_
          "max_header_bytes", "max_messages", "max_stop_strings", "max_stop_chars", "max_schema_bytes",
          "max_prompt_chars", "max_inflight", "batch_inflight_fraction", "sse_keepalive_s", "prepare_queue",
          "prepare_inline_bytes", "ttft_headroom", "log_prompts", "affinity_blocks", "load_factor", "decode_max_queue",
-         "upstream_attempts", "max_migrations", "log_level", "response_ttl_s")
+         "upstream_attempts", "max_migrations", "log_level", "response_ttl_s", "max_file_bytes",
+         "batch_max_inflight", "batch_lease_s")
 
 
 def _models_from_args(args: argparse.Namespace) -> list[ModelSpec]:

@@ -66,6 +66,9 @@ class FrontendMetrics:
         self.goodput_tokens = Counter("pdserve_frontend_goodput_tokens_total",
                                       "Completion tokens of requests that met both the TTFT and TPOT targets",
                                       base, registry=r)
+        self.embedding_requests = Counter("pdserve_frontend_embedding_requests_total",
+                                          "/v1/embeddings requests by model pool, tenant and HTTP status",
+                                          [*base, "model_pool", "tenant", "status"], registry=r)
         self.inflight_now = self.inflight.labels(POOL, node)
         self._declare_latencies(base)
 

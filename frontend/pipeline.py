@@ -20,6 +20,7 @@ from typing import Any
 from pdserve.engine.version import pdserve_version
 from pdserve.frontend.accounting import Accounting
 from pdserve.frontend.admission import Admitter
+from pdserve.frontend.batches import BatchService
 from pdserve.frontend.config import (
     ConfigError,
     FrontendConfig,
@@ -28,6 +29,7 @@ from pdserve.frontend.config import (
     version_weights,
 )
 from pdserve.frontend.connections import DecodeConnections
+from pdserve.frontend.embeddings import EmbeddingService
 from pdserve.frontend.errors import OVERLOADED, APIError
 from pdserve.frontend.job import CHAT, COMPLETION, RESPONSES, Job, UpstreamError, client_request_id, usage
 from pdserve.frontend.limits import TenantLimiter
@@ -90,6 +92,8 @@ class Frontend:
         self.tracer = start_tracing(config.tracing, "pdserve-frontend", {"service.instance.id": config.frontend_id},
                                     time.monotonic)
         self.responses = ResponsesService(self)
+        self.embeddings = EmbeddingService(self)  # /v1/embeddings, on the prefill pool (frontend.embeddings)
+        self.batches = BatchService(self)  # /v1/files and /v1/batches, and the batch runner
         self.inflight = 0
         self._addresses: dict[str, str] = {}
         self._background: set[asyncio.Task[object]] = set()
@@ -163,7 +167,9 @@ class Frontend:
     async def close(self) -> None:
         for task in list(self._background):
             task.cancel()
+        await self.batches.close()
         await self.responses.close()
+        await self.embeddings.close()
         await self.view.close()
         await self.connections.close()
         self.workers.close()

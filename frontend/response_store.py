@@ -208,18 +208,22 @@ class SqliteResponseStore(ResponseStore):
     directory is gone, calls raise StoreUnavailable until it is back.
     """
 
+    kind = "response store"  # what `description` calls it (frontend.batch_store reuses this class's connection)
+    schema: tuple[str, ...] = _SQLITE_SCHEMA  # run on every (re)connect
+
     def __init__(self, path: str | os.PathLike[str], busy_timeout_s: float = 5.0) -> None:
         self.path = str(path)
         self.busy_timeout_s = busy_timeout_s
         self._memory = self.path == ":memory:"
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="response-store-sqlite")
+        self._executor = ThreadPoolExecutor(max_workers=1,
+                                            thread_name_prefix=self.kind.replace(" ", "-") + "-sqlite")
         self._conn: sqlite3.Connection | None = None
         self._identity: tuple[int, int] | None = None  # (st_dev, st_ino) of the file the connection has open
         self._closed = False
 
     @property
     def description(self) -> str:
-        return f"SQLite response store {self.path}"
+        return f"SQLite {self.kind} {self.path}"
 
     async def _call(self, what: str, fn: Callable[[sqlite3.Connection], T]) -> T:
         if self._closed:
@@ -259,7 +263,7 @@ class SqliteResponseStore(ResponseStore):
                 conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout_s * 1000)}")
                 conn.execute("PRAGMA journal_mode = WAL").fetchone()
                 conn.execute("PRAGMA synchronous = NORMAL")  # WAL + NORMAL: durable across a process crash
-                for statement in _SQLITE_SCHEMA:
+                for statement in self.schema:
                     conn.execute(statement)
                 if not self._memory:
                     st = os.stat(self.path)
@@ -375,13 +379,17 @@ class PostgresResponseStore(ResponseStore):
     not the ones after. A dropped table is recreated on the next call.
     """
 
+    kind = "response store"  # what `description` calls it (frontend.batch_store reuses this class's pool)
+    schema: tuple[str, ...] = _PG_SCHEMA
+    schema_lock = _PG_SCHEMA_LOCK
+
     def __init__(self, dsn: str, pool_size: int = 4, connect_timeout_s: float = 5.0,
                  timeout_s: float = 10.0) -> None:
         self._dsn = dsn
         self.pool_size = pool_size
         self.connect_timeout_s = connect_timeout_s
         self.timeout_s = timeout_s
-        self._secrets, self._description = _describe_dsn(dsn)
+        self._secrets, self._description = _describe_dsn(dsn, self.kind)
         self._idle: list[Any] = []  # psycopg.AsyncConnection, idle, most recently used last
         self._slots: asyncio.Semaphore | None = None
         self._closed = False
@@ -468,8 +476,8 @@ class PostgresResponseStore(ResponseStore):
 
     async def _create_schema(self, conn: Any) -> None:
         async with conn.transaction():
-            await conn.execute("SELECT pg_advisory_xact_lock(%s)", (_PG_SCHEMA_LOCK,))
-            for statement in _PG_SCHEMA:
+            await conn.execute("SELECT pg_advisory_xact_lock(%s)", (self.schema_lock,))
+            for statement in self.schema:
                 await conn.execute(statement)
 
     async def start(self) -> None:
@@ -545,7 +553,7 @@ class PostgresResponseStore(ResponseStore):
             return False
 
 
-def _describe_dsn(dsn: str) -> tuple[list[str], str]:
+def _describe_dsn(dsn: str, kind: str = "response store") -> tuple[list[str], str]:
     """The DSN's password (as written and URL-quoted, to scrub from messages) and a description of the
     store without it."""
     secrets: list[str] = []
@@ -566,7 +574,7 @@ def _describe_dsn(dsn: str) -> tuple[list[str], str]:
         secrets = sorted({str(password), urllib.parse.quote(str(password), safe=""),
                           urllib.parse.quote(str(password))}, key=len, reverse=True)
     if not parts:
-        return secrets, "PostgreSQL response store (unparseable DSN)"
+        return secrets, f"PostgreSQL {kind} (unparseable DSN)"
     user = f"{parts['user']}@" if parts.get("user") else ""
     where = f"{parts.get('host', 'localhost')}" + (f":{parts['port']}" if parts.get("port") else "")
-    return secrets, f"PostgreSQL response store postgresql://{user}{where}/{parts.get('dbname', '')}"
+    return secrets, f"PostgreSQL {kind} postgresql://{user}{where}/{parts.get('dbname', '')}"

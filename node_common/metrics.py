@@ -177,6 +177,9 @@ class NodeMetrics:
         self._cache = PrefixCacheStats()
         self._gauges: Callable[[], NodeLoad] | None = None
         self._preemptions = self.counter("pdserve_preemptions", "Sequences preempted for KV space")
+        self._embed_requests = self.counter("pdserve_embedding_requests", "Embed calls served")
+        self._embed_inputs = self.counter("pdserve_embedding_inputs", "Inputs embedded")
+        self._embed_tokens = self.counter("pdserve_embedding_tokens", "Input tokens embedded (never in the KV cache)")
         self.registry.register(_EngineCollector(labels, self._gauge_snapshot, self._cache_snapshot))
 
     # -- series builders: every series gets the pool/node/model labels ------------------------------
@@ -201,6 +204,12 @@ class NodeMetrics:
             self._preemptions.inc(step.stats.num_preempted)
         with self._lock:
             self._cache = step.cache
+
+    def embedded(self, inputs: int, tokens: int) -> None:
+        """One Embed call served (event loop)."""
+        self._embed_requests.inc()
+        self._embed_inputs.inc(inputs)
+        self._embed_tokens.inc(tokens)
 
     def set_info(self, fingerprint: str, dtype: str, block_size: int, weights: str = "", kernels: str = "") -> None:
         """The info series (always 1; once the engine exists): the pdserve version, and which model,

@@ -44,6 +44,7 @@ from pdserve.kv_transfer import SendHandle
 from pdserve.kv_transfer.checksum import CHECKSUM_ALGO
 from pdserve.node_common.config import setup_logging
 from pdserve.node_common.convert import call_key, logprob_to_proto, params_from_proto, transfer_start_to_proto
+from pdserve.node_common.embed import EmbedServer
 from pdserve.node_common.faults import load_faults
 from pdserve.node_common.runtime import run_node
 from pdserve.node_common.service import NodeContext, NodeService
@@ -75,6 +76,7 @@ class PrefillService(NodeService, pb_grpc.PrefillNodeServicer):
                            self.config.transfer_timeout_s)
         self._eos = engine.tokenizer.eos_token_ids
         self._kv_dtype = str(engine.kv_cache.dtype).removeprefix("torch.")
+        self.embeds = EmbedServer(self, self.metrics)  # the Embed RPC (node_common.embed)
         if self.config.layerwise_send:
             ctx.engine.post(lambda e: setattr(e, "prefill_watcher", self.sends.prefills_completing))
 
@@ -82,7 +84,8 @@ class PrefillService(NodeService, pb_grpc.PrefillNodeServicer):
         return {rid: call.stage.value for rid, call in list(self.calls.items())}
 
     def in_flight(self) -> int:
-        return sum(1 for call in list(self.calls.values()) if not call.released_under_send)
+        calls = sum(1 for call in list(self.calls.values()) if not call.released_under_send)
+        return calls + self.embeds.in_flight
 
     def check_requests(self, before: Mapping[str, str], engine: EngineRequests) -> None:
         assert not engine.reserved, f"a prefill node reserves nothing: {sorted(engine.reserved)}"
@@ -110,6 +113,9 @@ class PrefillService(NodeService, pb_grpc.PrefillNodeServicer):
             return pb.AbortResponse(found=False)
         self._abort(call, "aborted by the decode node")
         return pb.AbortResponse(found=True)
+
+    async def Embed(self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext) -> pb.EmbedResponse:
+        return await self.embeds.embed(request, context)
 
     async def Prefill(
         self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext
@@ -346,7 +352,7 @@ class PrefillService(NodeService, pb_grpc.PrefillNodeServicer):
         self.accepting = False
         had_work = bool(self.calls)
         # Every send must resolve before the lease goes: decode nodes fail a prefill whose node left.
-        while self.calls and loop.time() < deadline:
+        while (self.calls or self.embeds.in_flight) and loop.time() < deadline:
             await asyncio.sleep(0.02)
         if had_work:
             # The last TransferDone messages are on the wire; let the decode nodes read them before

@@ -274,6 +274,38 @@ class PrefillResponse(_message.Message):
     transfer_done: TransferDone
     def __init__(self, first_token: _Optional[_Union[FirstToken, _Mapping]] = ..., transfer_start: _Optional[_Union[TransferStart, _Mapping]] = ..., transfer_done: _Optional[_Union[TransferDone, _Mapping]] = ...) -> None: ...
 
+class EmbedRequest(_message.Message):
+    __slots__ = ("request_id", "inputs", "pooling", "normalize", "dimensions")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    POOLING_FIELD_NUMBER: _ClassVar[int]
+    NORMALIZE_FIELD_NUMBER: _ClassVar[int]
+    DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    inputs: _containers.RepeatedCompositeFieldContainer[TokenIds]
+    pooling: str
+    normalize: bool
+    dimensions: int
+    def __init__(self, request_id: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ..., pooling: _Optional[str] = ..., normalize: _Optional[bool] = ..., dimensions: _Optional[int] = ...) -> None: ...
+
+class TokenIds(_message.Message):
+    __slots__ = ("ids",)
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class EmbedResponse(_message.Message):
+    __slots__ = ("vectors", "dimensions", "num_tokens", "node_id")
+    VECTORS_FIELD_NUMBER: _ClassVar[int]
+    DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    vectors: bytes
+    dimensions: int
+    num_tokens: _containers.RepeatedScalarFieldContainer[int]
+    node_id: str
+    def __init__(self, vectors: _Optional[bytes] = ..., dimensions: _Optional[int] = ..., num_tokens: _Optional[_Iterable[int]] = ..., node_id: _Optional[str] = ...) -> None: ...
+
 class LoadRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -49,6 +49,11 @@ class DecodeNodeStub:
                 request_serializer=pdserve__pb2.LoadRequest.SerializeToString,
                 response_deserializer=pdserve__pb2.LoadResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/pdserve.v1.DecodeNode/Embed',
+                request_serializer=pdserve__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=pdserve__pb2.EmbedResponse.FromString,
+                _registered_method=True)
 
 
 class DecodeNodeServicer:
@@ -72,6 +77,13 @@ class DecodeNodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """colocated decode nodes only
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeNodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -89,6 +101,11 @@ def add_DecodeNodeServicer_to_server(servicer, server):
                     servicer.GetLoad,
                     request_deserializer=pdserve__pb2.LoadRequest.FromString,
                     response_serializer=pdserve__pb2.LoadResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=pdserve__pb2.EmbedRequest.FromString,
+                    response_serializer=pdserve__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -182,6 +199,33 @@ class DecodeNode:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.DecodeNode/Embed',
+            pdserve__pb2.EmbedRequest.SerializeToString,
+            pdserve__pb2.EmbedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class PrefillNodeStub:
     """Missing associated documentation comment in .proto file."""
@@ -207,6 +251,11 @@ class PrefillNodeStub:
                 request_serializer=pdserve__pb2.LoadRequest.SerializeToString,
                 response_deserializer=pdserve__pb2.LoadResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/pdserve.v1.PrefillNode/Embed',
+                request_serializer=pdserve__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=pdserve__pb2.EmbedResponse.FromString,
+                _registered_method=True)
 
 
 class PrefillNodeServicer:
@@ -230,6 +279,12 @@ class PrefillNodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillNodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -247,6 +302,11 @@ def add_PrefillNodeServicer_to_server(servicer, server):
                     servicer.GetLoad,
                     request_deserializer=pdserve__pb2.LoadRequest.FromString,
                     response_serializer=pdserve__pb2.LoadResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=pdserve__pb2.EmbedRequest.FromString,
+                    response_serializer=pdserve__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -330,6 +390,33 @@ class PrefillNode:
             '/pdserve.v1.PrefillNode/GetLoad',
             pdserve__pb2.LoadRequest.SerializeToString,
             pdserve__pb2.LoadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.PrefillNode/Embed',
+            pdserve__pb2.EmbedRequest.SerializeToString,
+            pdserve__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -133,6 +133,7 @@ class OpenAPISchemas:
 _OPERATIONS = (  # (path, method, operationId, request schema or None)
     ("/v1/chat/completions", "post", "createChatCompletion", "CreateChatCompletionRequest"),
     ("/v1/completions", "post", "createCompletion", "CreateCompletionRequest"),
+    ("/v1/embeddings", "post", "createEmbedding", "CreateEmbeddingRequest"),
     ("/v1/models", "get", "listModels", None),
     ("/v1/models/{model}", "get", "retrieveModel", None),
     ("/v1/responses", "post", "createResponse", "CreateResponse"),
@@ -140,7 +141,18 @@ _OPERATIONS = (  # (path, method, operationId, request schema or None)
     ("/v1/responses/{response_id}", "delete", "deleteResponse", None),
     ("/v1/responses/{response_id}/cancel", "post", "cancelResponse", None),
     ("/v1/responses/{response_id}/input_items", "get", "listInputItems", None),
+    ("/v1/files", "post", "createFile", "CreateFileRequest"),
+    ("/v1/files", "get", "listFiles", None),
+    ("/v1/files/{file_id}", "get", "retrieveFile", None),
+    ("/v1/files/{file_id}", "delete", "deleteFile", None),
+    ("/v1/files/{file_id}/content", "get", "downloadFile", None),
+    ("/v1/batches", "post", "createBatch", "CreateBatchRequest"),
+    ("/v1/batches", "get", "listBatches", None),
+    ("/v1/batches/{batch_id}", "get", "retrieveBatch", None),
+    ("/v1/batches/{batch_id}/cancel", "post", "cancelBatch", None),
 )
+_MULTIPART = {"CreateFileRequest"}  # request schemas sent as multipart/form-data; the others are JSON
+_STREAMED = {"CreateChatCompletionRequest", "CreateCompletionRequest", "CreateResponse"}  # may answer SSE
 
 
 def _schema_closure(schemas: dict[str, Any], roots: list[str]) -> dict[str, Any]:
@@ -178,10 +190,11 @@ def frontend_document(path: Path | None = None) -> dict[str, Any]:
     for route, method, op_id, request in _OPERATIONS:
         op: dict[str, Any] = {"operationId": op_id, "responses": {
             "200": {"description": "Success", "content": {"application/json": {}, **(
-                {"text/event-stream": {}} if request else {})}},
+                {"text/event-stream": {}} if request in _STREAMED else {})}},
             "default": error}}
         if request:
-            op["requestBody"] = {"required": True, "content": {"application/json": {
+            kind = "multipart/form-data" if request in _MULTIPART else "application/json"
+            op["requestBody"] = {"required": True, "content": {kind: {
                 "schema": {"$ref": f"#/components/schemas/{request}"}}}}
         names = re.findall(r"\{(\w+)\}", route)
         if names:

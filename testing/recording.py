@@ -127,6 +127,16 @@ def schema_for(rec: Recorded, chunk: bool) -> str | None:
         return "ErrorResponse"
     if "/responses" in rec.path:
         return _responses_schema(rec)
+    if rec.path.endswith("/embeddings"):
+        return "CreateEmbeddingResponse"
+    if "/files" in rec.path:
+        if rec.path.endswith("/content"):
+            return None  # the file's own bytes
+        if rec.method == "DELETE":
+            return "DeleteFileResponse"
+        return "ListFilesResponse" if rec.method == "GET" and rec.path.endswith("/files") else "OpenAIFile"
+    if "/batches" in rec.path:
+        return "ListBatchesResponse" if rec.method == "GET" and rec.path.endswith("/batches") else "Batch"
     if rec.path.endswith("/chat/completions"):
         return "CreateChatCompletionStreamResponse" if chunk else "CreateChatCompletionResponse"
     if rec.path.endswith("/completions"):
