@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 from fastapi import FastAPI, Request
@@ -33,9 +33,11 @@ from pdserve.frontend.pipeline import CHAT, COMPLETION, RESPONSES, Frontend, Job
 from pdserve.frontend.render import DONE, KEEPALIVE, error_event
 from pdserve.frontend.responses_api import TERMINAL_EVENTS, ResponseJob, failure_event
 from pdserve.frontend.tenants import Tenant
-from pdserve.frontend.tracing import TRACE_ID_HEADER, start_request
+from pdserve.frontend.tracing import TRACE_ID_HEADER, RequestTrace, start_request
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 _OPENAPI_PATH = Path(__file__).with_name("openapi.json")
 
@@ -309,27 +311,35 @@ def create_app(frontend: Frontend) -> FastAPI:
     return app
 
 
+async def admit_from(frontend: Frontend, kind: str, request: Request,
+                     admit: Callable[[Tenant, bytes, RequestTrace | None], Awaitable[T]]) -> T | Response:
+    """Authenticates a generation request, reads its body and admits it with `admit`; a refusal is
+    accounted (metrics, request log, trace) and returned as its error response (499: the client left)."""
+    tenant_name = None
+    # Tracing on: the request's trace starts here (a client's traceparent is its parent).
+    tracer = frontend.tracer
+    trace = start_request(tracer, request.url.path, request.headers, time.monotonic()) if tracer else None
+    try:
+        tenant = frontend.authenticate(request.headers.get("authorization"))
+        tenant_name = tenant.name
+        body = await read_body(request, frontend.config.max_body_bytes, frontend.config.body_timeout_s)
+        return await admit(tenant, body, trace)
+    except APIError as err:
+        if trace is not None:
+            trace.reject(err.status, trace.tag(err).message)
+        frontend.reject(kind, tenant_name, err, client_request_id(request.headers))
+        return error_response(err)
+    except ClientDisconnect:
+        if trace is not None:
+            trace.reject(499, "the client went away")
+        return Response(status_code=499)
+
+
 def _add_generation_routes(app: FastAPI, frontend: Frontend) -> None:
     async def generation(kind: str, request: Request) -> Response:
-        tenant_name = None
-        # Tracing on: the request's trace starts here (a client's traceparent is its parent).
-        tracer = frontend.tracer
-        trace = start_request(tracer, request.url.path, request.headers, time.monotonic()) if tracer else None
-        try:
-            tenant = frontend.authenticate(request.headers.get("authorization"))
-            tenant_name = tenant.name
-            body = await read_body(request, frontend.config.max_body_bytes, frontend.config.body_timeout_s)
-            job = await frontend.admit(kind, tenant, body, request.headers, trace)
-        except APIError as err:
-            if trace is not None:
-                trace.reject(err.status, trace.tag(err).message)
-            frontend.reject(kind, tenant_name, err, client_request_id(request.headers))
-            return error_response(err)
-        except ClientDisconnect:
-            if trace is not None:
-                trace.reject(499, "the client went away")
-            return Response(status_code=499)
-        return GenerationResponse(frontend, job)
+        job = await admit_from(frontend, kind, request,
+                               lambda tenant, body, trace: frontend.admit(kind, tenant, body, request.headers, trace))
+        return job if isinstance(job, Response) else GenerationResponse(frontend, job)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -345,23 +355,10 @@ def _add_responses_routes(app: FastAPI, frontend: Frontend) -> None:
 
     @app.post("/v1/responses")
     async def create(request: Request) -> Response:
-        tenant_name = None
-        tracer = frontend.tracer
-        trace = start_request(tracer, request.url.path, request.headers, time.monotonic()) if tracer else None
-        try:
-            tenant = frontend.authenticate(request.headers.get("authorization"))
-            tenant_name = tenant.name
-            body = await read_body(request, frontend.config.max_body_bytes, frontend.config.body_timeout_s)
-            rjob = await service.admit(tenant, body, request.headers, trace)
-        except APIError as err:
-            if trace is not None:
-                trace.reject(err.status, trace.tag(err).message)
-            frontend.reject(RESPONSES, tenant_name, err, client_request_id(request.headers))
-            return error_response(err)
-        except ClientDisconnect:
-            if trace is not None:
-                trace.reject(499, "the client went away")
-            return Response(status_code=499)
+        rjob = await admit_from(frontend, RESPONSES, request,
+                                lambda tenant, body, trace: service.admit(tenant, body, request.headers, trace))
+        if isinstance(rjob, Response):
+            return rjob
         if rjob.rreq.background:
             try:
                 return json_response(await service.start_background(rjob))
