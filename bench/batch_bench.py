@@ -5,14 +5,18 @@ One real local cluster (etcd, 1 prefill + 1 decode node, the frontend with `--ba
 run, three measurements; every ratio is against a baseline measured in the same run:
 
 1. interactive alone: a closed loop of `--clients` (default 2) streaming chat clients (temperature 0,
-   `--max-tokens` 32, ignore_eos) for `--duration` D seconds. TTFT p90 and TPOT p99 from the streamed
+   `--max-tokens` 32, ignore_eos), steady for 5 s (D/3 if less), then measured for `--duration` D seconds (the
+   requests started in the window). TTFT p90 and TPOT p99 from the streamed
    chunks' arrival times (TPOT: per request, (last chunk - first chunk) / (chunks - 1)).
-2. interactive with a batch: the same load (the same prompts in the same order) while a batch of
-   `--batch-lines` N chat requests (default 2000, max_tokens 16) runs at `batch` priority on the
-   frontend's spare capacity (B minus the interactive requests in flight); the load starts once the
-   batch is `in_progress`, and the batch is cancelled at the end of the window. The same figures and
-   their ratio to (1) (the target: within 10%, i.e. <= 1.10), and the batch lines finished in the window.
-3. batch throughput on the idle cluster: a batch of `--throughput-lines` M (default 64) lines, timed from
+2. interactive with a batch: the same load (the same prompts in the same order), steady for 5 s; then a
+   batch of `--batch-lines` N chat requests (default 2000, max_tokens 16) is created into it and runs at
+   `batch` priority on the frontend's spare capacity (frontend.spare_capacity: a cap learned from the
+   interactive requests' latencies); the window starts when the batch is `in_progress`, and the batch is
+   cancelled at its end. The same figures and
+   their ratio to (1) (the target: within 10%, i.e. <= 1.10), the batch lines finished in the window, and
+   the rule's gauges sampled every 0.25 s (mean lines in flight and slots, its last ratio).
+3. batch throughput on the idle cluster (after 2.5 s without interactive requests, the spare-capacity
+   rule's idle time): a batch of `--throughput-lines` M (default 128) lines, timed from
    `batches.create` to `completed` (validation and finalizing included), against the same M requests sent
    by a closed-loop client at concurrency B through `/v1/chat/completions` (non-streamed, as batch lines
    are): lines/s and output tokens/s (usage.completion_tokens) and their ratio.
@@ -20,7 +24,7 @@ run, three measurements; every ratio is against a baseline measured in the same 
 Prints the CPU ISA, a plain-text table and, last, one JSON line with every figure.
 
     .venv/bin/python bench/batch_bench.py [--duration 30] [--batch-lines 2000] [--throughput-lines 64]
-        [--batch-max-inflight 8] [--clients 2] [--model DIR|tiny] [--threads 1] [--smoke]
+        [--batch-max-inflight 8] [--clients 2] [--model DIR|tiny] [--threads 1] [--dtype auto] [--smoke]
 
 The default model is the one `pdserve up` serves (SmolLM2-135M-Instruct, fetched on first use); --smoke
 runs in seconds on the tiny model (D = 3 s, 40 batch lines, 16 throughput lines) and only checks that
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -38,6 +43,7 @@ import random
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +64,8 @@ from testing.http_load import CallResult, percentile, stream_chat  # noqa: E402
 from testing.procs import start_frontend  # noqa: E402
 
 NAME = "bench-model"
+SETTLE_S = 5.0  # a steady load before each interactive window
+IDLE_S = 2.5  # over frontend.spare_capacity's idle time (2 s): the idle phase starts with every slot
 CHAT = "/v1/chat/completions"
 WORDS = ("river stone lantern copper meadow quiet harbor velvet signal orchard ember falcon granite willow "
          "thunder saffron glacier compass").split()
@@ -86,6 +94,11 @@ def batch_file(n: int, max_tokens: int) -> bytes:
 # ------------------------------------------------------------------------------------------- measuring
 
 
+def settle_s(args: argparse.Namespace) -> float:
+    """Seconds of steady load before a window is measured (the spare-capacity rule's baseline forms)."""
+    return min(SETTLE_S, args.duration / 3)
+
+
 def tpot(r: CallResult) -> float | None:
     """Seconds per output chunk after the first (the mean of the inter-chunk gaps), None under 2 chunks."""
     return sum(r.itls) / len(r.itls) if r.itls else None
@@ -102,21 +115,29 @@ def load_figures(results: list[CallResult], seconds: float) -> dict[str, Any]:
             "tpot_ms_p50": 1000 * percentile(tpots, 0.5), "tpot_ms_p99": 1000 * percentile(tpots, 0.99)}
 
 
-async def interactive_load(url: str, clients: int, seconds: float, max_tokens: int) -> dict[str, Any]:
-    """`clients` closed-loop streaming chat clients for `seconds` (client i's prompts seeded by i, so every
-    phase sends the same sequence); the figures of every request sent in the window."""
-    results: list[CallResult] = []
+async def interactive_load(url: str, clients: int, seconds: float, max_tokens: int,
+                           lead_in: Awaitable[Any] | None = None) -> dict[str, Any]:
+    """`clients` closed-loop streaming chat clients (client i's prompts seeded by i, so every phase sends
+    the same sequence). With `lead_in`, the clients run unmeasured until it is done (a steady load before
+    the window); then the figures of every request started in the next `seconds`."""
+    results: list[tuple[float, CallResult]] = []
+    window = [math.inf, math.inf]  # [start, end) of the measured window
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=clients + 4)) as client:
-        stop_at = time.perf_counter() + seconds
 
         async def one(i: int) -> None:
             rng = random.Random(i)
-            while time.perf_counter() < stop_at:
-                results.append(await stream_chat(client, url, interactive_body(rng, max_tokens)))
+            while (started := time.perf_counter()) < window[1]:
+                results.append((started, await stream_chat(client, url, interactive_body(rng, max_tokens))))
 
-        start = time.perf_counter()
-        await asyncio.gather(*(one(i) for i in range(clients)))
-        return load_figures(results, time.perf_counter() - start)
+        async def measure() -> None:
+            if lead_in is not None:
+                await lead_in
+            window[0] = time.perf_counter()
+            window[1] = window[0] + seconds
+
+        await asyncio.gather(measure(), *(one(i) for i in range(clients)))
+        ended = time.perf_counter()
+    return load_figures([r for started, r in results if window[0] <= started], ended - window[0])
 
 
 async def wait_status(client: openai.AsyncOpenAI, batch_id: str, until: tuple[str, ...], timeout: float,
@@ -146,13 +167,45 @@ async def output_tokens(client: openai.AsyncOpenAI, file_id: str | None) -> tupl
     return len(lines), sum(int(ln["response"]["body"]["usage"]["completion_tokens"]) for ln in lines)
 
 
-async def with_batch(client: openai.AsyncOpenAI, url: str, args: argparse.Namespace) -> dict[str, Any]:
-    """Phase 2: the interactive load while a batch of --batch-lines runs; the batch is cancelled after."""
-    b, _ = await submit(client, args.batch_lines, args.batch_max_tokens)
-    await wait_status(client, b.id, ("in_progress", "completed"), timeout=120, poll=0.02)
-    t0 = time.perf_counter()
-    figures = await interactive_load(url, args.clients, args.duration, args.max_tokens)
-    window = time.perf_counter() - t0
+def gauge(text: str, name: str) -> float:
+    return next((float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + "{")), 0.0)
+
+
+async def watch_rule(base_url: str, stop: asyncio.Event) -> dict[str, Any]:
+    """Samples the frontend's spare-capacity gauges every 0.25 s until `stop`: the mean batch lines in
+    flight and slots, and the rule's last interference ratio."""
+    lines, slots, ratio_now = [], [], 0.0
+    async with httpx.AsyncClient(timeout=30) as http:
+        while not stop.is_set():
+            text = (await http.get(f"{base_url}/metrics")).text
+            lines.append(gauge(text, "pdserve_frontend_batch_lines_in_flight"))
+            slots.append(gauge(text, "pdserve_frontend_batch_slots"))
+            ratio_now = gauge(text, "pdserve_frontend_batch_interference_ratio")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 0.25)
+    return {"batch_lines_in_flight_mean": sum(lines) / max(1, len(lines)),
+            "batch_slots_mean": sum(slots) / max(1, len(slots)),
+            "interference_ratio_last": ratio_now}
+
+
+async def with_batch(client: openai.AsyncOpenAI, base_url: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Phase 2: the steady interactive load, a batch of --batch-lines created into it, and the window from
+    the batch's `in_progress`; the batch is cancelled after."""
+    url = f"{base_url}{CHAT}"
+    stop = asyncio.Event()
+    started: dict[str, Any] = {}
+
+    async def start_batch() -> None:
+        await asyncio.sleep(settle_s(args))
+        b, _ = await submit(client, args.batch_lines, args.batch_max_tokens)
+        await wait_status(client, b.id, ("in_progress", "completed"), timeout=120, poll=0.02)
+        started["batch"], started["watcher"] = b, asyncio.create_task(watch_rule(base_url, stop))
+
+    figures = await interactive_load(url, args.clients, args.duration, args.max_tokens, start_batch())
+    window = figures["seconds"]
+    stop.set()
+    figures.update(await started["watcher"])
+    b = started["batch"]
     cur = await client.batches.retrieve(b.id)
     still_running = cur.status == "in_progress"
     if still_running:
@@ -212,12 +265,14 @@ async def measure(base_url: str, cluster: LocalCluster, args: argparse.Namespace
         await wait_status(client, warm.id, ("completed",), timeout=300)
         cluster.wait_clean(timeout_s=60)
         print(f"[1/3] interactive alone, {args.duration:g} s", file=sys.stderr, flush=True)
-        alone = await interactive_load(url, args.clients, args.duration, args.max_tokens)
+        alone = await interactive_load(url, args.clients, args.duration, args.max_tokens,
+                                       asyncio.sleep(settle_s(args)))
         cluster.wait_clean(timeout_s=60)
         print(f"[2/3] interactive with a {args.batch_lines}-line batch, {args.duration:g} s", file=sys.stderr,
               flush=True)
-        loaded = await with_batch(client, url, args)
+        loaded = await with_batch(client, base_url, args)
         cluster.wait_clean(timeout_s=120)
+        await asyncio.sleep(IDLE_S)  # otherwise idle: no interactive request for the rule's idle time
         print(f"[3/3] a {args.throughput_lines}-line batch on the idle cluster, then the same requests at "
               f"concurrency {args.batch_max_inflight}", file=sys.stderr, flush=True)
         batch = await batch_throughput(client, args)
@@ -254,7 +309,10 @@ def report(r: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     whole = "for the whole window, then cancelled" if loaded["batch_ran_whole_window"] else \
         f"but it completed {loaded['batch_done_after_s']} s after starting, before the window ended"
     print(f"the batch ran {whole}: {loaded['batch_lines_done']} lines done, {loaded['batch_lines_per_s']:.1f} "
-          f"lines/s, {loaded['batch_tokens_per_s']:.1f} output tok/s beside the interactive load")
+          f"lines/s, {loaded['batch_tokens_per_s']:.1f} output tok/s beside the interactive load; "
+          f"{loaded['batch_lines_in_flight_mean']:.2f} lines in flight on average (slots "
+          f"{loaded['batch_slots_mean']:.2f}), the rule's last interference ratio "
+          f"{loaded['interference_ratio_last']:.3f}")
     print(f"\nidle cluster, {batch['lines']} lines x {args.batch_max_tokens} tokens")
     print(f"{'':34} {'seconds':>8} {'lines/s':>8} {'tok/s':>8}")
     for label, f in (("batch (create -> completed)", batch),
@@ -268,13 +326,14 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--duration", type=float, default=30.0, help="seconds of each interactive phase")
     p.add_argument("--batch-lines", type=int, default=2000, help="lines of the batch beside the interactive load")
-    p.add_argument("--throughput-lines", type=int, default=64, help="lines of the batch on the idle cluster")
+    p.add_argument("--throughput-lines", type=int, default=128, help="lines of the batch on the idle cluster")
     p.add_argument("--batch-max-tokens", type=int, default=16, help="max_tokens of each batch line")
     p.add_argument("--batch-max-inflight", type=int, default=8, help="the frontend's --batch-max-inflight")
     p.add_argument("--clients", type=int, default=2, help="closed-loop interactive clients")
     p.add_argument("--max-tokens", type=int, default=32, help="max_tokens of each interactive request")
     p.add_argument("--model", default=None, help="model directory or tiny (default: SmolLM2-135M-Instruct)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per node")
+    p.add_argument("--dtype", default="auto", help="the nodes' --dtype (default auto: what pdserve up serves)")
     p.add_argument("--smoke", action="store_true", help="seconds-long: tiny model, 3 s phases, 40 batch lines")
     args = p.parse_args(argv)
     if args.smoke:
@@ -285,7 +344,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"CPU ISA {isa}; {os.cpu_count()} CPUs; load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}",
           flush=True)
     resolved = resolve_model(args.model, StderrProgress())
-    node_args = ["--num-threads", str(args.threads), "--num-kv-blocks", "1024", "--model-name", NAME]
+    node_args = ["--num-threads", str(args.threads), "--num-kv-blocks", "1024", "--model-name", NAME,
+                 "--dtype", args.dtype]
     with tempfile.TemporaryDirectory(prefix="batch-bench-") as tmp, \
             LocalCluster(Path(tmp), resolved.path, node_args=node_args) as cluster:
         cluster.start(1, 1)

@@ -5,6 +5,7 @@ request log line. Requests refused before they started are accounted by `reject`
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +36,7 @@ class Accounting:
 
     def __init__(self, config: FrontendConfig, metrics: FrontendMetrics, request_log: RequestLog) -> None:
         self._config, self._metrics, self._log = config, metrics, request_log
+        self.observers: list[Callable[[Job, Latencies], None]] = []  # called with every ended job
 
     def reject(self, kind: str, tenant: str | None, err: APIError, client_id: str | None) -> None:
         """Accounts a request refused before it started (metrics and a request log line)."""
@@ -60,6 +62,8 @@ class Accounting:
         job.grant.release(completion)
         lat = _latencies(job, time.monotonic())
         self._observe(job, lat, completion)
+        for observe in self.observers:
+            observe(job, lat)
         if not job.disconnected:
             self._judge_slo(job, lat, completion)
         self._log.write(_log_record(job, lat, completion))

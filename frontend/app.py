@@ -60,7 +60,10 @@ def json_response(obj: object, status: int = 200, headers: dict[str, str] | None
 
 
 def error_response(err: APIError) -> Response:
-    return Response(err.body(), status_code=err.status, media_type="application/json", headers=err.headers)
+    headers = err.headers
+    if err.status in (408, 413):  # the body was not read to its end: close, or the server drains it all
+        headers = {**(headers or {}), "connection": "close"}
+    return Response(err.body(), status_code=err.status, media_type="application/json", headers=headers)
 
 
 async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:

@@ -43,6 +43,7 @@ import orjson
 
 from pdserve.frontend.response_store import (
     PostgresResponseStore,
+    ResponseStore,
     SqliteResponseStore,
     StoreUnavailable,
     _pg,
@@ -70,16 +71,19 @@ class FileRecord:
     filename: str      # as the client named it: a name only, never used as a path
     bytes: int
     created_at: float  # unix seconds
+    expires_at: float | None = None  # unix seconds; None: kept until deleted
 
     def object(self) -> dict[str, Any]:
         """The OpenAI File object."""
-        return {"id": self.id, "object": "file", "bytes": self.bytes, "created_at": int(self.created_at),
-                "filename": self.filename, "purpose": self.purpose, "status": "processed"}
+        obj = {"id": self.id, "object": "file", "bytes": self.bytes, "created_at": int(self.created_at),
+               "filename": self.filename, "purpose": self.purpose, "status": "processed"}
+        return obj if self.expires_at is None else {**obj, "expires_at": int(self.expires_at)}
 
 
 @dataclass(eq=False)
 class BatchRecord:
-    """A batch: its OpenAI Batch object (without request_counts, counted from its lines) and its lease."""
+    """A batch: its OpenAI Batch object (without request_counts, counted from its lines; keys starting with
+    `_` are ours, not shown) and its lease."""
 
     id: str            # "batch_<hex>"
     tenant: str
@@ -95,7 +99,7 @@ class BatchRecord:
     def object(self) -> dict[str, Any]:
         """The Batch object as the spec has it: a field not set yet is absent (not null), but metadata."""
         total = self.batch.get("request_counts", {}).get("total", 0)
-        obj = {k: v for k, v in self.batch.items() if v is not None or k == "metadata"}
+        obj = {k: v for k, v in self.batch.items() if (v is not None or k == "metadata") and not k.startswith("_")}
         if obj.get("errors"):
             obj["errors"] = {**obj["errors"], "data": [{k: v for k, v in e.items() if v is not None}
                                                        for e in obj["errors"].get("data", [])]}
@@ -127,7 +131,8 @@ class BatchStore(ABC):
         in one transaction; replaces a file with the same id."""
 
     @abstractmethod
-    async def get_file(self, tenant: str, file_id: str) -> FileRecord | None: ...
+    async def get_file(self, tenant: str, file_id: str) -> FileRecord | None:
+        """The file, None when there is none or it has expired (as for every read below)."""
 
     @abstractmethod
     async def list_files(self, tenant: str, purpose: str | None, after: str | None, limit: int,
@@ -140,6 +145,10 @@ class BatchStore(ABC):
 
     @abstractmethod
     async def delete_file(self, tenant: str, file_id: str) -> bool: ...
+
+    @abstractmethod
+    async def purge_expired_files(self, now: float | None = None) -> int:
+        """Deletes the files (and their chunks) past their `expires_at`; returns how many."""
 
     # batches
     @abstractmethod
@@ -207,22 +216,26 @@ def open_batch_store(url: str) -> BatchStore:
 
 # ---------------------------------------------------------------------------------------------- shared
 
-_FILE_COLS = "id, tenant, purpose, filename, bytes, created_at"
+_FILE_COLS = "id, tenant, purpose, filename, bytes, created_at, expires_at"
+_LIVE = "(expires_at IS NULL OR expires_at > ?)"  # a file not expired at the time bound to it
 _BATCH_COLS = "id, tenant, created_at, status, batch, owner, lease_until"
 _COUNTS = (f"(SELECT COUNT(*) FROM {LINES} l WHERE l.batch_id = b.id AND l.ok = 1), "
            f"(SELECT COUNT(*) FROM {LINES} l WHERE l.batch_id = b.id AND l.ok = 0)")
 _BATCH_SELECT = f"SELECT {', '.join('b.' + c.strip() for c in _BATCH_COLS.split(','))}, {_COUNTS} FROM {BATCHES} b"
 
 _SQL = {
-    "get_file": f"SELECT {_FILE_COLS} FROM {FILES} WHERE id = ? AND tenant = ?",
+    "get_file": f"SELECT {_FILE_COLS} FROM {FILES} WHERE id = ? AND tenant = ? AND {_LIVE}",
+    "expired_files": f"SELECT id FROM {FILES} WHERE expires_at <= ?",
+    "drop_file": f"DELETE FROM {FILES} WHERE id = ?",
     "delete_chunks": f"DELETE FROM {CHUNKS} WHERE file_id = ?",
     "delete_file": f"DELETE FROM {FILES} WHERE id = ? AND tenant = ?",
-    "upsert_file": (f"INSERT INTO {FILES} ({_FILE_COLS}) VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO UPDATE SET "
-                    "tenant = excluded.tenant, purpose = excluded.purpose, filename = excluded.filename, "
-                    "bytes = excluded.bytes, created_at = excluded.created_at"),
+    "upsert_file": (f"INSERT INTO {FILES} ({_FILE_COLS}) VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO UPDATE "
+                    "SET tenant = excluded.tenant, purpose = excluded.purpose, filename = excluded.filename, "
+                    "bytes = excluded.bytes, created_at = excluded.created_at, expires_at = excluded.expires_at"),
     "chunk": f"INSERT INTO {CHUNKS} (file_id, seq, data) VALUES (?, ?, ?)",
     "read_chunk": (f"SELECT c.data FROM {CHUNKS} c JOIN {FILES} f ON f.id = c.file_id "
-                   "WHERE c.file_id = ? AND f.tenant = ? AND c.seq = ?"),
+                   "WHERE c.file_id = ? AND f.tenant = ? AND c.seq = ? "
+                   "AND (f.expires_at IS NULL OR f.expires_at > ?)"),
     "put_batch": (f"INSERT INTO {BATCHES} ({_BATCH_COLS}) VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO UPDATE SET "
                   "status = excluded.status, batch = excluded.batch"),
     "get_batch": f"{_BATCH_SELECT} WHERE b.id = ? AND b.tenant = ?",
@@ -237,14 +250,15 @@ _SQL = {
 
 def _list_files_sql(purpose: str | None, after: bool, order: str) -> str:
     op, direction = (">", "ASC") if order == "asc" else ("<", "DESC")
-    where = "tenant = ?" + (" AND purpose = ?" if purpose is not None else "")
+    where = f"tenant = ? AND {_LIVE}" + (" AND purpose = ?" if purpose is not None else "")
     if after:
         where += (f" AND (created_at, id) {op} (SELECT created_at, id FROM {FILES} WHERE id = ? AND tenant = ?)")
     return f"SELECT {_FILE_COLS} FROM {FILES} WHERE {where} ORDER BY created_at {direction}, id {direction} LIMIT ?"
 
 
 def _list_files_params(tenant: str, purpose: str | None, after: str | None, limit: int) -> tuple[Any, ...]:
-    return (tenant, *((purpose,) if purpose is not None else ()), *((after, tenant) if after else ()), limit)
+    return (tenant, time.time(), *((purpose,) if purpose is not None else ()), *((after, tenant) if after else ()),
+            limit)
 
 
 def _list_batches_sql(after: bool) -> str:
@@ -278,8 +292,9 @@ def _check_status(status: str) -> None:
 
 
 def _file(row: tuple[Any, ...]) -> FileRecord:
-    fid, tenant, purpose, filename, size, created_at = row
-    return FileRecord(fid, tenant, purpose, filename, int(size), float(created_at))
+    fid, tenant, purpose, filename, size, created_at, expires_at = row
+    return FileRecord(fid, tenant, purpose, filename, int(size), float(created_at),
+                      None if expires_at is None else float(expires_at))
 
 
 def _batch(row: tuple[Any, ...]) -> BatchRecord:
@@ -291,7 +306,8 @@ def _batch(row: tuple[Any, ...]) -> BatchRecord:
 def _file_params(record: FileRecord) -> tuple[Any, ...]:
     if not record.id or not record.tenant:
         raise ValueError("a stored file needs an id and a tenant")
-    return (record.id, record.tenant, record.purpose, record.filename, int(record.bytes), float(record.created_at))
+    return (record.id, record.tenant, record.purpose, record.filename, int(record.bytes), float(record.created_at),
+            None if record.expires_at is None else float(record.expires_at))
 
 
 def _batch_params(record: BatchRecord) -> tuple[Any, ...]:
@@ -306,8 +322,10 @@ def _batch_params(record: BatchRecord) -> tuple[Any, ...]:
 
 _SQLITE_SCHEMA = (
     f"CREATE TABLE IF NOT EXISTS {FILES} (id TEXT PRIMARY KEY, tenant TEXT NOT NULL, purpose TEXT NOT NULL, "
-    "filename TEXT NOT NULL, bytes INTEGER NOT NULL, created_at REAL NOT NULL)",
+    "filename TEXT NOT NULL, bytes INTEGER NOT NULL, created_at REAL NOT NULL, expires_at REAL)",
+    f"ALTER TABLE {FILES} ADD COLUMN expires_at REAL",  # a store made before files expired (may exist)
     f"CREATE INDEX IF NOT EXISTS {FILES}_tenant ON {FILES} (tenant, created_at)",
+    f"CREATE INDEX IF NOT EXISTS {FILES}_expires ON {FILES} (expires_at)",
     f"CREATE TABLE IF NOT EXISTS {CHUNKS} (file_id TEXT NOT NULL, seq INTEGER NOT NULL, data BLOB NOT NULL, "
     "PRIMARY KEY (file_id, seq))",
     f"CREATE TABLE IF NOT EXISTS {BATCHES} (id TEXT PRIMARY KEY, tenant TEXT NOT NULL, created_at REAL NOT NULL, "
@@ -317,6 +335,26 @@ _SQLITE_SCHEMA = (
     f"CREATE TABLE IF NOT EXISTS {LINES} (batch_id TEXT NOT NULL, line INTEGER NOT NULL, custom_id TEXT NOT NULL, "
     "ok INTEGER NOT NULL, text TEXT NOT NULL, PRIMARY KEY (batch_id, line))",
 )
+
+
+class _OnDatabase:
+    """A batch store's life and health are its database connection's (`_db`: the response store's
+    connection handling over the batch schema)."""
+
+    _db: ResponseStore
+
+    @property
+    def description(self) -> str:
+        return self._db.description
+
+    async def start(self) -> None:
+        await self._db.start()
+
+    async def close(self) -> None:
+        await self._db.close()
+
+    async def ping(self) -> bool:
+        return await self._db.ping()
 
 
 class _SqliteDatabase(SqliteResponseStore):
@@ -335,25 +373,12 @@ def _transaction(conn: sqlite3.Connection, fn: Any) -> Any:
     return result
 
 
-class SqliteBatchStore(BatchStore):
+class SqliteBatchStore(_OnDatabase, BatchStore):
     """The embedded store: an SQLite file (the response store's connection handling, this schema)."""
 
     def __init__(self, path: str) -> None:
         self._db = _SqliteDatabase(path)
         self.path = self._db.path
-
-    @property
-    def description(self) -> str:
-        return self._db.description
-
-    async def start(self) -> None:
-        await self._db.start()
-
-    async def close(self) -> None:
-        await self._db.close()
-
-    async def ping(self) -> bool:
-        return await self._db.ping()
 
     async def _call(self, what: str, fn: Any) -> Any:
         return await self._db._call(what, fn)
@@ -374,7 +399,9 @@ class SqliteBatchStore(BatchStore):
         await self._call("store a file", write)
 
     async def get_file(self, tenant: str, file_id: str) -> FileRecord | None:
-        row = await self._call("read a file", lambda c: c.execute(_SQL["get_file"], (file_id, tenant)).fetchone())
+        now = time.time()
+        row = await self._call("read a file",
+                               lambda c: c.execute(_SQL["get_file"], (file_id, tenant, now)).fetchone())
         return None if row is None else _file(row)
 
     async def list_files(self, tenant: str, purpose: str | None, after: str | None, limit: int,
@@ -384,7 +411,9 @@ class SqliteBatchStore(BatchStore):
         return [_file(r) for r in rows]
 
     async def read_chunk(self, tenant: str, file_id: str, seq: int) -> bytes | None:
-        row = await self._call("read a file", lambda c: c.execute(_SQL["read_chunk"], (file_id, tenant, seq)).fetchone())
+        now = time.time()
+        row = await self._call("read a file",
+                               lambda c: c.execute(_SQL["read_chunk"], (file_id, tenant, seq, now)).fetchone())
         return None if row is None else bytes(row[0])
 
     async def delete_file(self, tenant: str, file_id: str) -> bool:
@@ -397,6 +426,20 @@ class SqliteBatchStore(BatchStore):
             return bool(_transaction(conn, body))
 
         return bool(await self._call("delete a file", delete))
+
+    async def purge_expired_files(self, now: float | None = None) -> int:
+        at = time.time() if now is None else now
+
+        def purge(conn: sqlite3.Connection) -> int:
+            def body() -> int:
+                ids = [r[0] for r in conn.execute(_SQL["expired_files"], (at,)).fetchall()]
+                for fid in ids:
+                    conn.execute(_SQL["delete_chunks"], (fid,))
+                    conn.execute(_SQL["drop_file"], (fid,))
+                return len(ids)
+            return int(_transaction(conn, body))
+
+        return int(await self._call("purge expired files", purge))
 
     async def put_batch(self, record: BatchRecord) -> None:
         params = _batch_params(record)
@@ -457,8 +500,11 @@ class SqliteBatchStore(BatchStore):
 
 _PG_SCHEMA = (
     f"CREATE TABLE IF NOT EXISTS {FILES} (id text PRIMARY KEY, tenant text NOT NULL, purpose text NOT NULL, "
-    "filename text NOT NULL, bytes bigint NOT NULL, created_at double precision NOT NULL)",
+    "filename text NOT NULL, bytes bigint NOT NULL, created_at double precision NOT NULL, "
+    "expires_at double precision)",
+    f"ALTER TABLE {FILES} ADD COLUMN IF NOT EXISTS expires_at double precision",
     f"CREATE INDEX IF NOT EXISTS {FILES}_tenant ON {FILES} (tenant, created_at)",
+    f"CREATE INDEX IF NOT EXISTS {FILES}_expires ON {FILES} (expires_at)",
     f"CREATE TABLE IF NOT EXISTS {CHUNKS} (file_id text NOT NULL, seq integer NOT NULL, data bytea NOT NULL, "
     "PRIMARY KEY (file_id, seq))",
     f"CREATE TABLE IF NOT EXISTS {BATCHES} (id text PRIMARY KEY, tenant text NOT NULL, "
@@ -477,24 +523,11 @@ class _PostgresDatabase(PostgresResponseStore):
     schema_lock = 0x7064_6261_7463  # "pdbatc"
 
 
-class PostgresBatchStore(BatchStore):
+class PostgresBatchStore(_OnDatabase, BatchStore):
     """The shared store: tables in the response store's PostgreSQL database (its pool, this schema)."""
 
     def __init__(self, dsn: str) -> None:
         self._db = _PostgresDatabase(dsn)
-
-    @property
-    def description(self) -> str:
-        return self._db.description
-
-    async def start(self) -> None:
-        await self._db.start()
-
-    async def close(self) -> None:
-        await self._db.close()
-
-    async def ping(self) -> bool:
-        return await self._db.ping()
 
     async def _fetch(self, what: str, sql: str, params: tuple[Any, ...], how: str = "one") -> Any:
         async def op(conn: Any) -> Any:
@@ -524,7 +557,7 @@ class PostgresBatchStore(BatchStore):
         await self._db._run("store a file", op)
 
     async def get_file(self, tenant: str, file_id: str) -> FileRecord | None:
-        row = await self._fetch("read a file", _SQL["get_file"], (file_id, tenant))
+        row = await self._fetch("read a file", _SQL["get_file"], (file_id, tenant, time.time()))
         return None if row is None else _file(row)
 
     async def list_files(self, tenant: str, purpose: str | None, after: str | None, limit: int,
@@ -534,7 +567,7 @@ class PostgresBatchStore(BatchStore):
         return [_file(r) for r in rows]
 
     async def read_chunk(self, tenant: str, file_id: str, seq: int) -> bytes | None:
-        row = await self._fetch("read a file", _SQL["read_chunk"], (file_id, tenant, seq))
+        row = await self._fetch("read a file", _SQL["read_chunk"], (file_id, tenant, seq, time.time()))
         return None if row is None else bytes(row[0])
 
     async def delete_file(self, tenant: str, file_id: str) -> bool:
@@ -546,6 +579,20 @@ class PostgresBatchStore(BatchStore):
                 return True
 
         return bool(await self._db._run("delete a file", op))
+
+    async def purge_expired_files(self, now: float | None = None) -> int:
+        at = time.time() if now is None else now
+
+        async def op(conn: Any) -> int:
+            async with conn.transaction():
+                cur = await conn.execute(_pg(_SQL["expired_files"]), (at,))
+                ids = [r[0] for r in await cur.fetchall()]
+                for fid in ids:
+                    await conn.execute(_pg(_SQL["delete_chunks"]), (fid,))
+                    await conn.execute(_pg(_SQL["drop_file"]), (fid,))
+                return len(ids)
+
+        return int(await self._db._run("purge expired files", op))
 
     async def put_batch(self, record: BatchRecord) -> None:
         await self._fetch("store a batch", _SQL["put_batch"], _batch_params(record), "count")

@@ -30,10 +30,10 @@ output and error files; past `expires_at` (24 h) it ends `expired`. Lines that n
 expired) go to the error file with code `batch_cancelled` / `batch_expired`, so every custom_id is in
 exactly one of the two files, exactly once.
 
-Spare capacity: this frontend runs at most `batch_slots()` = max(0, `--batch-max-inflight` - I) batch
-lines at once, where I is the number of interactive (non-batch) requests it has in flight now: every
-interactive request takes one batch slot away, the slots come back as they end. Lines already running
-finish; only new ones wait. Waiting lines are re-checked every `_SLOT_POLL_S`.
+Spare capacity (`frontend.spare_capacity`): with no interactive request here, `--batch-max-inflight`
+lines run at once; beside interactive traffic, a cap learned from the interactive requests' own TTFT
+and TPOT (against theirs while no batch line ran) keeps their medians within `--batch-latency-budget`.
+Lines already running finish; only new ones wait. Waiting lines are re-checked every `_SLOT_POLL_S`.
 
 A frontend killed mid-batch loses its lease after `--batch-lease` seconds; then any frontend on the same
 store (the restarted one, or another) claims the batch and runs only the lines not recorded.
@@ -73,12 +73,15 @@ from pdserve.frontend.errors import (
     invalid_value,
     missing_parameter,
 )
-from pdserve.frontend.job import CHAT, COMPLETION, RESPONSES
+from pdserve.frontend.job import CHAT, COMPLETION, RESPONSES, Job
 from pdserve.frontend.metrics import POOL
 from pdserve.frontend.protocol import PRIORITY_CLASSES
+from pdserve.frontend.response_store import LazyStore
+from pdserve.frontend.spare_capacity import SpareCapacity
 from pdserve.frontend.tenants import Tenant
 
 if TYPE_CHECKING:
+    from pdserve.frontend.accounting import Latencies
     from pdserve.frontend.pipeline import Frontend
 
 log = logging.getLogger(__name__)
@@ -90,6 +93,9 @@ ENDPOINTS = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETION, "/v1/r
 UNSUPPORTED_ENDPOINTS = ("/v1/moderations",)
 OPENAI_PURPOSES = ("assistants", "batch", "fine-tune", "vision", "user_data", "evals")
 COMPLETION_WINDOW_S = 24 * 3600.0
+BATCH_FILE_TTL_S = 30 * 24 * 3600  # OpenAI's default for files of purpose batch (others are kept)
+EXPIRES_AFTER_S = (3600, 30 * 24 * 3600)  # the seconds an expires_after policy may give
+_PURGE_EVERY_S = 60.0
 MAX_BATCH_LINES = 50_000
 MAX_REPORTED_ERRORS = 100
 MAX_FILE_LIST = 10_000
@@ -100,12 +106,6 @@ _WATCH_S = 0.5
 _SLOT_POLL_S = 0.05
 _RETRY_S = (0.25, 0.5, 1.0, 2.0, 4.0)
 BATCH_PRIORITY = PRIORITY_CLASSES["batch"]
-
-
-def batch_slots(limit: int, interactive: int) -> int:
-    """The spare-capacity rule: batch lines this frontend may have in flight with `interactive`
-    non-batch requests in flight."""
-    return max(0, limit - max(0, interactive))
 
 
 # ---------------------------------------------------------------------------------------------- errors
@@ -184,20 +184,27 @@ class BatchService:
     def __init__(self, frontend: Frontend) -> None:
         self.fe = frontend
         self._url = batch_store_url(frontend.config.response_store)
-        self._store: BatchStore | None = None
-        self._opening: asyncio.Lock | None = None
+        self._store: LazyStore[BatchStore] = LazyStore(lambda: open_batch_store(self._url),
+                                                       lambda _: self.fe.spawn(self._purge()))
         self.owner = f"{frontend.config.frontend_id}-{uuid.uuid4().hex[:8]}"
         self._runs: dict[str, asyncio.Task[None]] = {}
         self._kick: asyncio.Event | None = None
         self.lines_inflight = 0  # batch lines started here and not finished (admission included)
         self.jobs_inflight = 0   # of those, admitted jobs (they count in Frontend.inflight)
+        self._job_ids: set[str] = set()  # their ids
+        self.spare = SpareCapacity(frontend.config.batch_max_inflight, frontend.config.batch_latency_budget)
+        frontend.accounting.observers.append(self._observe)
         self._tenants = {t.name: t for t in frontend.tenants.tenants}
         m, labels = frontend.metrics, (POOL, frontend.metrics.node)
         Gauge("pdserve_frontend_batch_lines_in_flight", "Batch lines this frontend is running now", ["pool", "node"],
               registry=m.registry).labels(*labels).set_function(lambda: self.lines_inflight)
         Gauge("pdserve_frontend_batch_slots", "Batch lines this frontend may run at once now: --batch-max-inflight "
-              "minus its interactive requests in flight", ["pool", "node"],
+              "with no interactive request here, else the learned cap", ["pool", "node"],
               registry=m.registry).labels(*labels).set_function(self.batch_slots)
+        Gauge("pdserve_frontend_batch_interference_ratio", "Interactive median TTFT or TPOT (the larger) beside "
+              "batch lines against without, at the spare-capacity rule's last decision (0: none yet)",
+              ["pool", "node"], registry=m.registry).labels(*labels).set_function(
+                  lambda: self.spare.last_ratio or 0.0)
         self._lines_total = Counter("pdserve_frontend_batch_lines_total", "Batch lines run to an end, by outcome "
                                     "(ok: in the output file, failed: in the error file)", ["pool", "node", "outcome"],
                                     registry=m.registry)
@@ -206,18 +213,20 @@ class BatchService:
     # --- the store ---
 
     async def store(self) -> BatchStore:
-        if self._opening is None:
-            self._opening = asyncio.Lock()
-        async with self._opening:
-            if self._store is None:
-                store = open_batch_store(self._url)
-                try:
-                    await store.start()
-                except StoreUnavailable as err:
-                    await store.close()
-                    raise _unavailable(err) from None
-                self._store = store
-        return self._store
+        try:
+            return await self._store.get()
+        except StoreUnavailable as err:
+            raise _unavailable(err) from None
+
+    async def _purge(self) -> None:
+        """Deletes expired files every _PURGE_EVERY_S (reads already skip them)."""
+        while True:
+            await asyncio.sleep(_PURGE_EVERY_S)
+            try:
+                if n := await self._call("purge_expired_files"):
+                    log.info("batch store: %d expired files deleted", n)
+            except APIError as err:
+                log.warning("batch store: expired files not purged: %s", err.message)
 
     async def _call(self, fn: str, *args: Any) -> Any:
         store = await self.store()
@@ -239,14 +248,14 @@ class BatchService:
         for task in list(self._runs.values()):
             with contextlib.suppress(BaseException):
                 await task
-        if self._store is not None:
-            await self._store.close()
+        await self._store.close()
 
     # --- files ---
 
     async def upload(self, tenant: Tenant, purpose: object, filename: str | None, source: IO[bytes],
-                     size: int) -> dict[str, Any]:
-        """Stores an uploaded file (`source`, `size` bytes, read from its start) as a file of `tenant`."""
+                     size: int, expires_after: Any = None) -> dict[str, Any]:
+        """Stores an uploaded file (`source`, `size` bytes, read from its start) as a file of `tenant`;
+        it expires `expires_after` (OpenAI's policy) or BATCH_FILE_TTL_S after now."""
         if purpose is None:
             raise missing_parameter("purpose")
         if purpose != "batch":
@@ -256,7 +265,10 @@ class BatchService:
                                     repr(p) for p in OPENAI_PURPOSES if p != "batch") + ".")
         if size > self.fe.config.max_file_bytes:
             raise too_large(self.fe.config.max_file_bytes)
-        record = FileRecord(_new_file_id(), tenant.name, "batch", safe_filename(filename), size, time.time())
+        ttl = _expires_after(expires_after, "expires_after")
+        now = time.time()
+        record = FileRecord(_new_file_id(), tenant.name, "batch", safe_filename(filename), size, now,
+                            now + (BATCH_FILE_TTL_S if ttl is None else ttl))
         source.seek(0)
         await self._call("put_file", record, source)
         return record.object()
@@ -299,15 +311,16 @@ class BatchService:
 
         return rec, chunks()
 
-    async def _file_bytes(self, tenant: str, file_id: str) -> bytes | None:
-        rec = await self._call("get_file", tenant, file_id)
-        if rec is None:
-            return None
-        out, seq = bytearray(), 0
+    async def _read_file(self, tenant: str, file_id: str, feed: Callable[[bytes], None]) -> bool:
+        """Feeds a file's chunks in order; False when there is no such file."""
+        if await self._call("get_file", tenant, file_id) is None:
+            return False
+        seq = 0
         while (chunk := await self._call("read_chunk", tenant, file_id, seq)) is not None:
-            out += chunk
+            feed(chunk)
             seq += 1
-        return bytes(out)
+            await asyncio.sleep(0)  # a long file does not hold up the frontend's other requests
+        return True
 
     # --- batches ---
 
@@ -330,6 +343,7 @@ class BatchService:
         if obj["completion_window"] != "24h":
             raise invalid_value("completion_window", f"{obj['completion_window'][:20]!r}; only '24h' is supported.")
         metadata = _metadata(obj.get("metadata"))
+        output_ttl = _expires_after(obj.get("output_expires_after"), "output_expires_after")
         source = await self._call("get_file", tenant.name, obj["input_file_id"])
         if source is None:
             raise _file_not_found(obj["input_file_id"], "input_file_id")
@@ -343,7 +357,8 @@ class BatchService:
                  "output_file_id": None, "error_file_id": None, "created_at": int(now), "in_progress_at": None,
                  "expires_at": int(now + COMPLETION_WINDOW_S), "finalizing_at": None, "completed_at": None,
                  "failed_at": None, "expired_at": None, "cancelling_at": None, "cancelled_at": None,
-                 "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": metadata}
+                 "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": metadata,
+                 "_output_ttl_s": output_ttl}
         record = BatchRecord(bid, tenant.name, now, "validating", batch)
         await self._call("put_batch", record)
         if self._kick is not None:
@@ -384,13 +399,17 @@ class BatchService:
     # --- the runner ---
 
     def batch_slots(self) -> int:
-        interactive = self.fe.inflight - self.jobs_inflight
-        return batch_slots(self.fe.config.batch_max_inflight, interactive)
+        return self.spare.slots(self.fe.inflight - self.jobs_inflight)
+
+    def _observe(self, job: Job, lat: Latencies) -> None:
+        """`Accounting.observers`: an interactive job's latencies are the spare-capacity rule's samples."""
+        if job.id not in self._job_ids and lat.status == 200:
+            self.spare.observe(job.arrived, lat.ttft, lat.tpot)
 
     def _may_hold_batches(self) -> bool:
         """Whether the store may hold batches: a frontend that has not served the batch API does not
         create an SQLite file just by starting; PostgreSQL, or a file that exists, is polled."""
-        return self._store is not None or "://" in self._url or os.path.exists(self._url)
+        return self._store.opened is not None or "://" in self._url or os.path.exists(self._url)
 
     async def _claim_loop(self) -> None:
         assert self._kick is not None
@@ -507,17 +526,17 @@ class BatchService:
     async def _validate(self, run: _Run) -> list[Line] | None:
         """The input file's lines; fails the batch (returns None) when the file is invalid."""
         rec = run.rec
-        data = await self._file_bytes(rec.tenant, rec.batch["input_file_id"])
         errors: list[dict[str, Any]]
+        lines: list[Line] = []
         if run.tenant is None:
             errors = [_line_error("invalid_api_key", f"Tenant {rec.tenant!r} no longer exists.", None)]
-            lines: list[Line] = []
-        elif data is None:
-            errors = [_line_error("file_not_found", f"The input file {rec.batch['input_file_id']} was deleted.", None,
-                                  "input_file_id")]
-            lines = []
         else:
-            lines, errors = parse_input(data, rec.batch["endpoint"], self._check_model(run.tenant))
+            parser = InputParser(rec.batch["endpoint"], self._check_model(run.tenant), self.fe.config.max_body_bytes)
+            if await self._read_file(rec.tenant, rec.batch["input_file_id"], parser.feed):
+                lines, errors = parser.finish()
+            else:
+                errors = [_line_error("file_not_found", f"The input file {rec.batch['input_file_id']} was deleted.",
+                                      None, "input_file_id")]
         if not errors:
             return lines
         if rec.status in ("validating", "in_progress"):
@@ -558,6 +577,7 @@ class BatchService:
                 if run.stopped:
                     break
                 self.lines_inflight += 1
+                self.spare.line_started()
                 t = asyncio.get_running_loop().create_task(self._line(run, ln))
                 run.tasks.add(t)
                 t.add_done_callback(run.tasks.discard)
@@ -584,6 +604,7 @@ class BatchService:
                     await asyncio.sleep(delay)
         finally:
             self.lines_inflight -= 1
+            self.spare.line_ended()
 
     async def _execute(self, run: _Run, line: Line) -> tuple[bool, str]:
         """Runs one line; (ok, its output or error line)."""
@@ -634,6 +655,7 @@ class BatchService:
             fe.reject(kind, tenant.name, err, None)
             raise
         self.jobs_inflight += 1
+        self._job_ids.add(job.id)
         try:
             if rjob is not None:
                 return job.id, await fe.responses.collect(rjob)
@@ -653,6 +675,7 @@ class BatchService:
         finally:
             fe.end(job)
             self.jobs_inflight -= 1
+            self._job_ids.discard(job.id)
 
     async def _finish(self, run: _Run, lines: list[Line], status: str, expect: tuple[str, ...],
                       not_run_code: str | None, not_run_message: str | None, **fields: Any) -> None:
@@ -674,8 +697,9 @@ class BatchService:
             with tempfile.SpooledTemporaryFile(max_size=8 << 20) as tmp:
                 tmp.write(content)
                 tmp.seek(0)
+                ttl = rec.batch.get("_output_ttl_s")
                 await self._call("put_file", FileRecord(fid, rec.tenant, "batch_output", f"{rec.id}_{which}.jsonl",
-                                                        len(content), now), tmp)
+                                                        len(content), now, None if ttl is None else now + ttl), tmp)
             ids[f"{which}_file_id"] = fid
         if await self._set(run, status, expect, **ids, **fields):
             log.info("batch %s: %s (%d ok, %d failed)", rec.id, status, len(ok), len(failed))
@@ -687,69 +711,115 @@ class BatchService:
 # ---------------------------------------------------------------------------------------------- helpers
 
 
-def parse_input(data: bytes, endpoint: str, check_model: Callable[[str], str | None]) -> tuple[list[Line], list[dict[str, Any]]]:
-    """A batch input file's lines and its problems (OpenAI's codes; `line` 1-based)."""
-    lines: list[Line] = []
-    errors: list[dict[str, Any]] = []
-    seen: set[str] = set()
-    model: str | None = None
-    checked: dict[str, str | None] = {}
-    for no, raw in enumerate(data.split(b"\n"), 1):
-        if not raw.strip():
-            continue
+class InputParser:
+    """Checks a batch input file as it is read, chunk by chunk (OpenAI's codes; `line` 1-based). Memory
+    stays bounded by the lines kept: a line over `max_line_bytes` is skipped unparsed (a `line_too_large`
+    error), past `MAX_BATCH_LINES` requests lines are only counted, and at most `MAX_REPORTED_ERRORS`
+    problems are kept."""
+
+    def __init__(self, endpoint: str, check_model: Callable[[str], str | None], max_line_bytes: int) -> None:
+        self.endpoint, self.check_model, self.max_line_bytes = endpoint, check_model, max_line_bytes
+        self.lines: list[Line] = []
+        self.errors: list[dict[str, Any]] = []
+        self._partial = bytearray()  # the line read so far
+        self._no = 1                 # its number
+        self._skipping = False       # it is over max_line_bytes: dropped up to its newline
+        self._counted = 0            # lines past MAX_BATCH_LINES requests (counted, not parsed)
+        self._seen: set[str] = set()
+        self._model: str | None = None
+        self._checked: dict[str, str | None] = {}
+
+    def feed(self, chunk: bytes) -> None:
+        pos = 0
+        while pos < len(chunk):
+            nl = chunk.find(b"\n", pos)
+            end = len(chunk) if nl < 0 else nl
+            if self._counted:
+                self._counted += chunk.count(b"\n", pos)
+                return
+            if not self._skipping:
+                if len(self._partial) + end - pos > self.max_line_bytes:
+                    self._error("line_too_large", f"This line is over {self.max_line_bytes} bytes, the largest "
+                                "request body this server accepts.", self._no)
+                    self._partial.clear()
+                    self._skipping = True
+                else:
+                    self._partial += chunk[pos:end]
+            if nl < 0:
+                return
+            self._end_line()
+            pos = nl + 1
+
+    def finish(self) -> tuple[list[Line], list[dict[str, Any]]]:
+        if self._partial or self._skipping:
+            self._end_line()
+        if self._counted:
+            self._error("too_many_tasks", f"The input file has more than {MAX_BATCH_LINES} requests (about "
+                        f"{MAX_BATCH_LINES + self._counted} lines); a batch has at most {MAX_BATCH_LINES}.", None)
+        elif not self.lines and not self.errors:
+            self._error("empty_file", "The input file has no requests.", None)
+        return self.lines, self.errors
+
+    def _end_line(self) -> None:
+        raw, no = bytes(self._partial), self._no
+        self._partial.clear()
+        self._no += 1
+        if self._skipping:
+            self._skipping = False
+        elif raw.strip():
+            self._line(raw, no)
+            if len(self.lines) > MAX_BATCH_LINES:
+                self._counted = 1
+
+    def _error(self, code: str, message: str, line: int | None, param: str | None = None) -> None:
+        if len(self.errors) < MAX_REPORTED_ERRORS:
+            self.errors.append(_line_error(code, message, line, param))
+
+    def _line(self, raw: bytes, no: int) -> None:
         try:
             obj = orjson.loads(raw)
         except orjson.JSONDecodeError:
-            errors.append(_line_error("invalid_json_line", "This line is not parseable as valid JSON.", no))
-            continue
+            return self._error("invalid_json_line", "This line is not parseable as valid JSON.", no)
         if not isinstance(obj, dict):
-            errors.append(_line_error("invalid_json_line", "This line is not a JSON object.", no))
-            continue
+            return self._error("invalid_json_line", "This line is not a JSON object.", no)
         custom_id = obj.get("custom_id")
         if not isinstance(custom_id, str) or not custom_id:
-            errors.append(_line_error("missing_required_parameter", "The request is missing a 'custom_id' string.",
-                                      no, "custom_id"))
-            continue
-        if custom_id in seen:
-            errors.append(_line_error("duplicate_custom_id", f"The custom_id {custom_id[:64]!r} is used by another "
-                                      "request of this batch; each custom_id must be unique.", no, "custom_id"))
-            continue
-        seen.add(custom_id)
+            return self._error("missing_required_parameter", "The request is missing a 'custom_id' string.", no,
+                               "custom_id")
+        if custom_id in self._seen:
+            return self._error("duplicate_custom_id", f"The custom_id {custom_id[:64]!r} is used by another request "
+                               "of this batch; each custom_id must be unique.", no, "custom_id")
+        self._seen.add(custom_id)
         if obj.get("method") != "POST":
-            errors.append(_line_error("invalid_method", "The method of every request must be 'POST'.", no, "method"))
-            continue
-        if obj.get("url") != endpoint:
-            errors.append(_line_error("invalid_url", f"The url {str(obj.get('url'))[:80]!r} does not match the batch's "
-                                      f"endpoint {endpoint!r}.", no, "url"))
-            continue
+            return self._error("invalid_method", "The method of every request must be 'POST'.", no, "method")
+        if obj.get("url") != self.endpoint:
+            return self._error("invalid_url", f"The url {str(obj.get('url'))[:80]!r} does not match the batch's "
+                               f"endpoint {self.endpoint!r}.", no, "url")
         body = obj.get("body")
         if not isinstance(body, dict):
-            errors.append(_line_error("invalid_request", "The request's 'body' must be a JSON object.", no, "body"))
-            continue
+            return self._error("invalid_request", "The request's 'body' must be a JSON object.", no, "body")
         name = body.get("model")
         if not isinstance(name, str) or not name:
-            errors.append(_line_error("missing_required_parameter", "The request body is missing a 'model' string.",
-                                      no, "body.model"))
-            continue
-        if name not in checked:
-            checked[name] = check_model(name)
-        if checked[name] is not None:
-            errors.append(_line_error("model_not_found", str(checked[name]), no, "body.model"))
-            continue
-        if model is None:
-            model = name
-        elif name != model:
-            errors.append(_line_error("mismatched_model", f"The model {name[:80]!r} differs from the model of the "
-                                      f"batch's other requests ({model[:80]!r}); a batch uses one model.", no,
-                                      "body.model"))
-            continue
-        lines.append(Line(no, custom_id, body))
-    if not lines and not errors:
-        errors.append(_line_error("empty_file", "The input file has no requests.", None))
-    if len(lines) > MAX_BATCH_LINES:
-        errors.append(_line_error("too_many_tasks", f"The input file has {len(lines)} requests; a batch has at most "
-                                  f"{MAX_BATCH_LINES}.", None))
-    return lines, errors
+            return self._error("missing_required_parameter", "The request body is missing a 'model' string.", no,
+                               "body.model")
+        if name not in self._checked:
+            self._checked[name] = self.check_model(name)
+        if (problem := self._checked[name]) is not None:
+            return self._error("model_not_found", problem, no, "body.model")
+        if self._model is None:
+            self._model = name
+        elif name != self._model:
+            return self._error("mismatched_model", f"The model {name[:80]!r} differs from the model of the batch's "
+                               f"other requests ({self._model[:80]!r}); a batch uses one model.", no, "body.model")
+        self.lines.append(Line(no, custom_id, body))
+
+
+def parse_input(data: bytes, endpoint: str, check_model: Callable[[str], str | None],
+                max_line_bytes: int = 4 << 20) -> tuple[list[Line], list[dict[str, Any]]]:
+    """A whole batch input file's lines and its problems (`InputParser` in one go)."""
+    parser = InputParser(endpoint, check_model, max_line_bytes)
+    parser.feed(data)
+    return parser.finish()
 
 
 def _line_problem(kind: str, body: dict[str, Any]) -> APIError | None:
@@ -789,6 +859,25 @@ def _page(data: list[dict[str, Any]], limit: int) -> dict[str, Any]:
     page = data[:limit]
     return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
             "last_id": page[-1]["id"] if page else None, "has_more": len(data) > limit}
+
+
+def _expires_after(value: Any, param: str) -> int | None:
+    """OpenAI's expiration policy (`{"anchor": "created_at", "seconds": N}`, N in EXPIRES_AFTER_S; from a
+    form, both strings) as seconds after the file is made; None when not given."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise invalid_type(param, "an object with 'anchor' and 'seconds'", value)
+    if value.get("anchor") != "created_at":
+        raise invalid_value(f"{param}.anchor", f"{str(value.get('anchor'))[:40]!r}; the supported anchor is "
+                            "'created_at'.")
+    raw = value.get("seconds")
+    seconds = int(raw) if isinstance(raw, str) and raw.isdigit() else raw
+    lo, hi = EXPIRES_AFTER_S
+    if not isinstance(seconds, int) or isinstance(seconds, bool) or not lo <= seconds <= hi:
+        raise invalid_value(f"{param}.seconds", f"{str(raw)[:40]!r}; it must be an integer from {lo} (1 hour) to "
+                            f"{hi} (30 days).")
+    return seconds
 
 
 def _metadata(value: Any) -> dict[str, str] | None:

@@ -242,10 +242,13 @@ class FrontendConfig:
     response_store: str = field(default_factory=lambda: default_response_store())
     response_ttl_s: Annotated[float, Gt(0)] = 30 * 24 * 3600.0
     # /v1/files and /v1/batches (frontend.batches): an upload over max_file_bytes is a 413. Batch lines run
-    # on spare capacity: at most batch_max_inflight - (interactive requests in flight here) at a time
-    # (0: this frontend runs no batches); a frontend holds a batch for batch_lease_s, renewed while it runs.
+    # on spare capacity (frontend.spare_capacity): batch_max_inflight at a time when no interactive request
+    # is here, else a cap learned so the interactive TTFT/TPOT medians stay within batch_latency_budget of
+    # theirs without batch lines (0 lines: this frontend runs no batches); a frontend holds a batch for
+    # batch_lease_s, renewed while it runs.
     max_file_bytes: Annotated[int, Ge(1)] = 200 << 20
     batch_max_inflight: Annotated[int, Ge(0)] = 8
+    batch_latency_budget: Annotated[float, Gt(0)] = 0.05
     batch_lease_s: Annotated[float, Gt(0)] = 30.0
     log_prompts: bool = False
     session_header: str = "x-session-id"  # session affinity key header ("" disables the header)
@@ -337,8 +340,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a stored response is kept (default 30 days)")
     p.add_argument("--max-file-bytes", type=int, default=200 << 20, help="largest /v1/files upload (then 413)")
     p.add_argument("--batch-max-inflight", type=int, default=8,
-                   help="batch lines in flight when no interactive request is; each interactive request in "
-                        "flight takes one away (0: run no batches here)")
+                   help="batch lines in flight when no interactive request is (0: run no batches here)")
+    p.add_argument("--batch-latency-budget", type=float, default=0.05,
+                   help="how much slower (a fraction) batch lines may make interactive requests' median TTFT "
+                        "and TPOT; the batch cap beside interactive traffic is learned to stay within it")
     p.add_argument("--batch-lease", type=float, default=30.0, dest="batch_lease_s",
                    help="seconds a frontend holds a batch it runs without renewing (another resumes it after)")
     p.add_argument("--session-header", default="x-session-id")
@@ -402,7 +407,8 @@ _SAME = ("cluster", "host", "port", "limit_share", "limit_share_index", "output_
          "max_prompt_chars", "max_inflight", "batch_inflight_fraction", "sse_keepalive_s", "prepare_queue",
          "prepare_inline_bytes", "ttft_headroom", "log_prompts", "affinity_blocks", "load_factor", "decode_max_queue",
          "upstream_attempts", "max_migrations", "log_level", "response_ttl_s", "max_file_bytes",
-         "batch_max_inflight", "batch_lease_s")
+         "batch_max_inflight", "batch_lease_s",
+         "batch_latency_budget")
 
 
 def _models_from_args(args: argparse.Namespace) -> list[ModelSpec]:

@@ -46,7 +46,7 @@ from starlette.requests import ClientDisconnect
 from pdserve.frontend.errors import OVERLOADED, APIError, invalid_type, invalid_value, missing_parameter
 from pdserve.frontend.limits import Grant
 from pdserve.frontend.models import ServedModel
-from pdserve.frontend.prompts import _token_ids
+from pdserve.frontend.prompts import text_or_token_lists
 from pdserve.frontend.protocol import parse_json_body
 from pdserve.frontend.tenants import Tenant
 from pdserve.registry.placement import prefill_load, usable_prefill
@@ -83,7 +83,7 @@ def parse_embedding_request(obj: dict[str, Any], max_chars: int) -> EmbeddingReq
         raise invalid_type("model", "a string", model)
     if "input" not in obj or obj["input"] is None:
         raise missing_parameter("input")
-    inputs = _inputs(obj["input"])
+    inputs = text_or_token_lists(obj["input"], "input", MAX_INPUTS, _empty_input)
     size = sum(len(p) for p in inputs)
     if size > max_chars:
         raise APIError(400, f"The input is too long: {size} characters and token ids; the limit is {max_chars}.",
@@ -104,43 +104,9 @@ def parse_embedding_request(obj: dict[str, Any], max_chars: int) -> EmbeddingReq
     return EmbeddingRequest(model, inputs, fmt, dims, user)
 
 
-def _inputs(value: Any) -> list[str | list[int]]:
-    empty = "'$.input' is invalid. Please check the API reference: https://platform.openai.com/docs/api-reference."
-    if isinstance(value, str):
-        if not value:
-            raise APIError(400, empty, param="input", code="invalid_value")
-        return [value]
-    if not isinstance(value, list):
-        raise invalid_type("input", "a string, an array of strings, or an array of token ids", value)
-    if not value:
-        raise APIError(400, empty, param="input", code="invalid_value")
-    first = value[0]
-    if isinstance(first, int) and not isinstance(first, bool):
-        return [_as_ids(value)]
-    if len(value) > MAX_INPUTS:
-        raise invalid_value("input", f"at most {MAX_INPUTS} inputs per request, got {len(value)}.")
-    out: list[str | list[int]] = []
-    for i, item in enumerate(value):
-        if isinstance(item, str):
-            if not item:
-                raise APIError(400, empty, param=f"input[{i}]", code="invalid_value")
-            out.append(item)
-        elif isinstance(item, list):
-            if not item:
-                raise invalid_value(f"input[{i}]", "a token-id input must not be empty.")
-            out.append(_as_ids(item, i))
-        else:
-            raise invalid_type(f"input[{i}]", "a string or an array of token ids", item)
-    return out
-
-
-def _as_ids(value: list[Any], *at: int) -> list[int]:
-    try:
-        return _token_ids(value, *at)
-    except APIError as err:  # the completions parser names `prompt`; here it is `input`
-        err.param = (err.param or "prompt").replace("prompt", "input", 1)
-        err.message = err.message.replace("'prompt", "'input", 1)
-        raise
+def _empty_input(param: str) -> APIError:
+    return APIError(400, "'$.input' is invalid. Please check the API reference: "
+                    "https://platform.openai.com/docs/api-reference.", param=param, code="invalid_value")
 
 
 def encode_vector(raw: bytes, encoding_format: str) -> list[float] | str:

@@ -72,7 +72,9 @@ async def upload(service: BatchService, tenant: Tenant, request: Request) -> dic
         file = form.get("file")
         if file is None or isinstance(file, str):
             raise missing_parameter("file")
-        return await service.upload(tenant, form.get("purpose"), file.filename, file.file, file.size or 0)
+        expires = {k: form[f"expires_after[{k}]"] for k in ("anchor", "seconds") if f"expires_after[{k}]" in form}
+        return await service.upload(tenant, form.get("purpose"), file.filename, file.file, file.size or 0,
+                                    expires or None)
     finally:
         await form.close()
 

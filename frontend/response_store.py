@@ -35,7 +35,7 @@ from collections.abc import Awaitable, Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import orjson
 
@@ -51,6 +51,45 @@ TABLE = "pdserve_responses"
 
 class StoreUnavailable(Exception):
     """The store cannot be reached or failed; the API answers 503 for calls that need it."""
+
+
+class _Store(Protocol):
+    async def start(self) -> None: ...
+    async def close(self) -> None: ...
+
+
+S = TypeVar("S", bound=_Store)
+
+
+class LazyStore(Generic[S]):
+    """A store opened on first use, once: a frontend that never serves what it holds never connects.
+    `get` raises StoreUnavailable (and closes the half-opened store) while it cannot be reached; the next
+    call tries again. `on_open` runs once, after the first successful start."""
+
+    def __init__(self, open_store: Callable[[], S], on_open: Callable[[S], None] | None = None) -> None:
+        self._open, self._on_open = open_store, on_open
+        self.opened: S | None = None
+        self._lock: asyncio.Lock | None = None  # made in the event loop that uses it
+
+    async def get(self) -> S:
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            if self.opened is None:
+                store = self._open()
+                try:
+                    await store.start()
+                except StoreUnavailable:
+                    await store.close()
+                    raise
+                self.opened = store
+                if self._on_open is not None:
+                    self._on_open(store)
+        return self.opened
+
+    async def close(self) -> None:
+        if self.opened is not None:
+            await self.opened.close()
 
 
 @dataclass(eq=False)
@@ -264,7 +303,11 @@ class SqliteResponseStore(ResponseStore):
                 conn.execute("PRAGMA journal_mode = WAL").fetchone()
                 conn.execute("PRAGMA synchronous = NORMAL")  # WAL + NORMAL: durable across a process crash
                 for statement in self.schema:
-                    conn.execute(statement)
+                    try:
+                        conn.execute(statement)
+                    except sqlite3.OperationalError as exc:  # ADD COLUMN of a store that has it already
+                        if not (statement.startswith("ALTER TABLE") and "duplicate column" in str(exc)):
+                            raise
                 if not self._memory:
                     st = os.stat(self.path)
                     self._identity = (st.st_dev, st.st_ino)

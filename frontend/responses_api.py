@@ -26,7 +26,13 @@ import orjson
 from pdserve.frontend.errors import NOT_FOUND, SERVER, APIError, invalid_value
 from pdserve.frontend.job import RESPONSES, Job, UpstreamError, usage
 from pdserve.frontend.output import choice_outputs
-from pdserve.frontend.response_store import ResponseStore, StoredResponse, StoreUnavailable, open_store
+from pdserve.frontend.response_store import (
+    LazyStore,
+    ResponseStore,
+    StoredResponse,
+    StoreUnavailable,
+    open_store,
+)
 from pdserve.frontend.responses import REASONING_EFFORTS, ResponsesRequest, parse_responses_request
 from pdserve.frontend.responses_output import ResponseOutput, response_usage, sse
 from pdserve.frontend.tenants import Tenant
@@ -79,8 +85,8 @@ class ResponsesService:
     def __init__(self, frontend: Frontend) -> None:
         self.fe = frontend
         self._url = frontend.config.response_store
-        self._store: ResponseStore | None = None
-        self._opening = asyncio.Lock()
+        self._store: LazyStore[ResponseStore] = LazyStore(lambda: open_store(self._url),
+                                                          lambda _: self.fe.spawn(self._purge()))
         self._running: dict[str, asyncio.Task[None]] = {}  # background responses run here, by id
 
     # --- the store ---
@@ -88,17 +94,10 @@ class ResponsesService:
     async def store(self) -> ResponseStore:
         """The store, opened on first use (a frontend that serves no stored response never opens it).
         503 APIError while it cannot be reached."""
-        async with self._opening:
-            if self._store is None:
-                store = open_store(self._url)
-                try:
-                    await store.start()
-                except StoreUnavailable as err:
-                    await store.close()
-                    raise _unavailable(err) from None
-                self._store = store
-                self.fe.spawn(self._purge())
-        return self._store
+        try:
+            return await self._store.get()
+        except StoreUnavailable as err:
+            raise _unavailable(err) from None
 
     async def _use(self, op: Callable[[ResponseStore], Awaitable[T]]) -> T:
         """`op(store)`, a 503 APIError while the store is unavailable."""
@@ -112,7 +111,7 @@ class ResponsesService:
         while True:
             await asyncio.sleep(_PURGE_EVERY_S)
             try:
-                if self._store is not None and (n := await self._store.purge_expired()):
+                if self._store.opened is not None and (n := await self._store.opened.purge_expired()):
                     log.info("response store: %d expired responses deleted", n)
             except StoreUnavailable as err:
                 log.warning("response store: expired responses not purged: %s", err)
@@ -120,8 +119,7 @@ class ResponsesService:
     async def close(self) -> None:
         for task in list(self._running.values()):
             task.cancel()
-        if self._store is not None:
-            await self._store.close()
+        await self._store.close()
 
     def _record(self, rjob: ResponseJob, status: str, response: dict[str, Any],
                 context: list[dict[str, Any]]) -> StoredResponse:

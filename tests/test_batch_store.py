@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import io
 import shutil
+import sqlite3
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
@@ -91,6 +92,49 @@ async def read_all(store: BatchStore, tenant: str, file_id: str) -> bytes:
         out += chunk
         seq += 1
     return bytes(out)
+
+
+def test_expired_files_are_not_read_and_are_purged(backend: Backend) -> None:
+    async def scenario(store: BatchStore) -> None:
+        now = time.time()
+        gone, kept, forever = file_record(at=now - 20), file_record(at=now - 10), file_record(at=now - 5)
+        gone.expires_at, kept.expires_at = now - 1, now + 3600
+        for rec in (gone, kept, forever):
+            await store.put_file(rec, io.BytesIO(b"x" * 10))
+        assert await store.get_file("alpha", gone.id) is None and await store.read_chunk("alpha", gone.id, 0) is None
+        listed = [f.id for f in await store.list_files("alpha", None, None, 10, "asc")]
+        assert listed == [kept.id, forever.id]
+        got = await store.get_file("alpha", kept.id)
+        assert got is not None and got.object()["expires_at"] == int(kept.expires_at)
+        assert "expires_at" not in (await store.get_file("alpha", forever.id)).object()  # type: ignore[union-attr]
+        assert await store.purge_expired_files() == 1 and await store.purge_expired_files() == 0
+        assert not await store.delete_file("alpha", gone.id)
+        assert await store.purge_expired_files(now + 7200) == 1  # `kept` in two hours; `forever` never
+        assert [f.id for f in await store.list_files("alpha", None, None, 10, "asc")] == [forever.id]
+
+    run(backend, scenario)
+
+
+def test_a_store_made_before_files_expired_gets_the_column(tmp_path: Path) -> None:
+    """An SQLite batch store from before expiry (no expires_at column) is upgraded when opened."""
+    path = tmp_path / "old-batches.db"
+    conn = sqlite3.connect(path)
+    conn.execute("CREATE TABLE pdserve_files (id TEXT PRIMARY KEY, tenant TEXT NOT NULL, purpose TEXT NOT NULL, "
+                 "filename TEXT NOT NULL, bytes INTEGER NOT NULL, created_at REAL NOT NULL)")
+    conn.execute("INSERT INTO pdserve_files VALUES ('file-old', 'alpha', 'batch', 'a.jsonl', 0, 1.0)")
+    conn.commit()
+    conn.close()
+
+    async def main() -> None:
+        store = open_batch_store(str(path))
+        await store.start()
+        try:
+            old = await store.get_file("alpha", "file-old")
+            assert old is not None and old.expires_at is None
+        finally:
+            await store.close()
+
+    asyncio.run(main())
 
 
 def test_batch_store_url_is_beside_the_response_store(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ never a 5xx. The pure parts (input validation, the spare-capacity rule) are unit
 
 from __future__ import annotations
 
+import random
 import sqlite3
 import time
 from collections.abc import Iterator
@@ -25,7 +26,13 @@ import openai
 import orjson
 import pytest
 
-from pdserve.frontend.batches import batch_slots, parse_input, safe_filename
+from pdserve.frontend.batches import (
+    MAX_BATCH_LINES,
+    MAX_REPORTED_ERRORS,
+    InputParser,
+    parse_input,
+    safe_filename,
+)
 from pdserve.frontend.tenants import hash_key
 from pdserve.registry.etcd_server import free_port
 from testing.cluster import LocalCluster
@@ -77,9 +84,33 @@ def test_parse_input_reports_every_problem_with_its_line() -> None:
     assert parse_input(_jsonl(_req("a"), _req("b")), CHAT_URL, _known)[1] == []
 
 
-def test_spare_capacity_rule() -> None:
-    assert [batch_slots(8, i) for i in (0, 1, 5, 8, 20)] == [8, 7, 3, 0, 0]
-    assert batch_slots(0, 0) == 0 and batch_slots(4, -1) == 4
+def test_input_parser_reads_chunk_by_chunk_within_bounds() -> None:
+    """Any chunking gives what the whole file gives; an over-long line is skipped unparsed with its number;
+    past MAX_BATCH_LINES requests lines are counted, not kept; at most MAX_REPORTED_ERRORS problems kept."""
+    data = _jsonl(_req("a"), _req("long", content="z" * 5000), b"{bad", _req("b")) + orjson.dumps(_req("c"))
+    whole = parse_input(data, CHAT_URL, _known, max_line_bytes=1024)
+    assert [(e["line"], e["code"]) for e in whole[1]] == [(2, "line_too_large"), (3, "invalid_json_line")]
+    assert [ln.custom_id for ln in whole[0]] == ["a", "b", "c"]
+    rng = random.Random(7)
+    for _ in range(20):
+        parser, pos = InputParser(CHAT_URL, _known, 1024), 0
+        while pos < len(data):
+            step = rng.choice((1, 3, 50, 700, 4096))
+            parser.feed(data[pos:pos + step])
+            pos += step
+        got = parser.finish()
+        assert got[1] == whole[1] and [(ln.no, ln.custom_id, ln.body) for ln in got[0]] == \
+            [(ln.no, ln.custom_id, ln.body) for ln in whole[0]]
+    parser = InputParser(CHAT_URL, _known, 1024)
+    one = orjson.dumps(_req("x")).replace(b'"x"', b'"%d"')
+    block = b"".join(one.replace(b"%d", str(i).encode()) + b"\n" for i in range(MAX_BATCH_LINES + 10_000))
+    for i in range(0, len(block), 1 << 20):
+        parser.feed(block[i:i + (1 << 20)])
+    lines, errors = parser.finish()
+    assert len(lines) == MAX_BATCH_LINES + 1 and [e["code"] for e in errors] == ["too_many_tasks"]
+    assert str(MAX_BATCH_LINES + 10_000) in errors[0]["message"]
+    lines, errors = parse_input(b"{bad\n" * 5000, CHAT_URL, _known)
+    assert lines == [] and len(errors) == MAX_REPORTED_ERRORS and errors[-1]["line"] == MAX_REPORTED_ERRORS
 
 
 def test_file_names_are_names_only() -> None:
@@ -188,6 +219,34 @@ def test_files_create_list_retrieve_content_delete(env: Env) -> None:
     with pytest.raises(openai.NotFoundError):
         client.files.content(g.id)
     assert g.id not in [x.id for x in client.files.list(limit=100).data]
+
+
+def test_files_expire_as_openai_says(env: Env) -> None:
+    """Batch uploads expire after 30 days unless `expires_after` says otherwise (1 hour to 30 days from
+    created_at); output files only with the batch's `output_expires_after`."""
+    client = env.client()
+    f = client.files.create(file=("a.jsonl", _jsonl(_req("a"))), purpose="batch")
+    assert f.expires_at == f.created_at + 30 * 24 * 3600
+    g = client.files.create(file=("b.jsonl", _jsonl(_req("b"))), purpose="batch",
+                            expires_after={"anchor": "created_at", "seconds": 3600})
+    assert g.expires_at == g.created_at + 3600 and client.files.retrieve(g.id).expires_at == g.expires_at
+    for bad, param in (({"anchor": "last_active_at", "seconds": 3600}, "expires_after.anchor"),
+                       ({"anchor": "created_at", "seconds": 60}, "expires_after.seconds"),
+                       ({"anchor": "created_at", "seconds": 31 * 24 * 3600}, "expires_after.seconds")):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.files.create(file=("c.jsonl", b"{}"), purpose="batch", expires_after=bad)  # type: ignore[arg-type]
+        assert info.value.body["param"] == param  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.batches.create(input_file_id=g.id, endpoint=CHAT_URL, completion_window="24h",
+                              output_expires_after={"anchor": "created_at", "seconds": 5})
+    assert info.value.body["param"] == "output_expires_after.seconds"  # type: ignore[index]
+    kept = _wait(client, client.batches.create(input_file_id=f.id, endpoint=CHAT_URL, completion_window="24h").id)
+    assert client.files.retrieve(kept.output_file_id).expires_at is None  # type: ignore[arg-type]
+    b = client.batches.create(input_file_id=g.id, endpoint=CHAT_URL, completion_window="24h",
+                              output_expires_after={"anchor": "created_at", "seconds": 7200})
+    assert "output_expires_after" not in b.model_dump(exclude_none=True) and "_output_ttl_s" not in b.model_dump()
+    out = client.files.retrieve(_wait(client, b.id).output_file_id)  # type: ignore[arg-type]
+    assert out.expires_at == out.created_at + 7200
 
 
 def test_chat_batch_completes_with_the_greedy_text_of_each_request(env: Env) -> None:
@@ -406,12 +465,81 @@ def test_hostile_uploads_and_other_tenants_ids(env: Env) -> None:
     assert "Traceback" not in env.frontend.proc.log_text()
 
 
+def _multipart(parts: Iterator[bytes], counter: list[int], name: str = "in.jsonl") -> Iterator[bytes]:
+    """A chunked multipart upload of `parts` (never held whole); counts the file bytes handed to the client."""
+    yield f'--B\r\nContent-Disposition: form-data; name="file"; filename="{name}"\r\n\r\n'.encode()
+    for part in parts:
+        counter[0] += len(part)
+        yield part
+    yield b'\r\n--B\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n--B--\r\n'
+
+
+def test_hostile_sizes_at_the_default_limits(env: Env, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """At the default --max-file-bytes (200 MiB): a 2 GiB upload (declared, and chunked without a length)
+    is a 413 after at most the limit is read; a JSONL of a million lines and one with a 100 MB line upload
+    and fail validation with OpenAI-shaped errors, read in bounded memory. No 5xx, and nothing is left
+    outside the store (the frontend's temporary directory is empty after)."""
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    monkeypatch.setenv("TMPDIR", str(spool))
+    store = tmp_path / "limits.db"
+    fe = env.start_frontend("frontend-limits", f"sqlite:///{store}", "--max-file-bytes", str(200 << 20))
+    base, auth = f"{fe.base_url}/v1", {"authorization": f"Bearer {KEYS['alpha']}"}
+    mib = b"y" * (1 << 20)
+    with httpx.Client(timeout=300) as http:
+        for declared in (True, False):
+            sent = [0]
+            headers = {**auth, "content-type": "multipart/form-data; boundary=B"}
+            if declared:
+                headers["content-length"] = str(sum(len(p) for p in _multipart(iter([mib] * 2048), [0])))
+            r = http.post(f"{base}/files", headers=headers, content=_multipart(iter([mib] * 2048), sent))
+            _assert_error(r, 413)
+            assert sent[0] <= (208 << 20), sent[0]  # cut off at the limit, not read to the end
+        assert http.get(f"{base}/files", headers=auth).json()["data"] == []
+        alpha = openai.OpenAI(base_url=base, api_key=KEYS["alpha"], max_retries=0)
+
+        def upload_and_fail(parts: Iterator[bytes]) -> list[dict[str, Any]]:
+            r = http.post(f"{base}/files", headers={**auth, "content-type": "multipart/form-data; boundary=B"},
+                          content=_multipart(parts, [0]))
+            assert r.status_code == 200, r.text
+            file_id = r.json()["id"]
+            b = alpha.batches.create(input_file_id=file_id, endpoint=CHAT_URL, completion_window="24h")
+            done = _wait(alpha, b.id, timeout=180)
+            assert done.status == "failed" and done.request_counts.total == 0
+            alpha.files.delete(file_id)
+            return [e.model_dump() for e in done.errors.data]
+
+        line = orjson.dumps(_req("%d", content="", max_tokens=1))
+
+        def million() -> Iterator[bytes]:
+            for start in range(0, 1_000_000, 10_000):
+                yield b"".join(line.replace(b'"%d"', f'"{i}"'.encode()) + b"\n" for i in range(start, start + 10_000))
+        errors = upload_and_fail(million())
+        assert [e["code"] for e in errors] == ["too_many_tasks"] and "1000000" in errors[0]["message"]
+
+        def long_line() -> Iterator[bytes]:
+            head, tail = orjson.dumps(_req("big", content="#")).split(b"#")
+            yield head
+            yield from [b"z" * (1 << 20)] * 100
+            yield tail + b"\n" + orjson.dumps(_req("small")) + b"\n"
+        errors = upload_and_fail(long_line())
+        assert [(e["code"], e["line"]) for e in errors] == [("line_too_large", 1)]
+    assert alpha.files.list().data == []
+    assert fe.stop() == 0 and "Traceback" not in fe.proc.log_text(), fe.proc.tail(40)
+    assert list(spool.iterdir()) == []
+    stores = {f"limits{db}.db{end}" for db in ("", "-batches") for end in ("", "-wal", "-shm")}
+    assert {p.name for p in tmp_path.iterdir()} <= {"spool", *stores}
+
+
 def _gauge(fe: FrontendProc, name: str, has: str = "") -> float:
     text = httpx.get(f"{fe.base_url}/metrics", timeout=30).text
     return float(next(line.split()[-1] for line in text.splitlines() if line.startswith(name + "{") and has in line))
 
 
-def test_interactive_requests_take_batch_slots_away(env: Env) -> None:
+def test_interactive_requests_gate_batch_slots(env: Env) -> None:
+    """Idle: every slot. An interactive request in flight: none without a baseline of interactive
+    latencies, the first probe (1) with one (the earlier tests' requests), never more before a loaded
+    sample (frontend.spare_capacity). All come back once interactive traffic has been gone 2 s."""
     assert _gauge(env.frontend, "pdserve_frontend_batch_slots") == 8  # the default --batch-max-inflight, idle
     body = {"model": NAME, "messages": [{"role": "user", "content": "Write a long story."}], "max_tokens": 400,
             "ignore_eos": True, "stream": True}
@@ -420,9 +548,9 @@ def test_interactive_requests_take_batch_slots_away(env: Env) -> None:
             headers={"authorization": f"Bearer {KEYS['alpha']}"}) as streaming:
         chunks = streaming.iter_bytes()
         next(chunks)  # one interactive request in flight
-        assert _gauge(env.frontend, "pdserve_frontend_batch_slots") == 7
+        assert _gauge(env.frontend, "pdserve_frontend_batch_slots") in (0, 1)
     deadline = time.monotonic() + 30
-    while _gauge(env.frontend, "pdserve_frontend_batch_slots") != 8:  # the client hung up: the slot is back
+    while _gauge(env.frontend, "pdserve_frontend_batch_slots") != 8:  # the client hung up: idle again
         assert time.monotonic() < deadline
         time.sleep(0.1)
     assert _gauge(env.frontend, "pdserve_frontend_batch_lines_in_flight") == 0

@@ -157,9 +157,19 @@ def run_load(up: UpCluster, seconds: float) -> dict[str, int]:
             with lock:
                 counts[outcome] += 1
 
+    # Offline work beside it, for the batch and embedding panels: an embeddings call and a 2-line batch.
+    alpha = openai.OpenAI(base_url=f"{up.base_url}/v1", api_key=KEYS["alpha"], max_retries=0, timeout=60)
+    alpha.embeddings.create(model=MODEL, input=["the quick brown fox", "a lazy dog"])
+    lines = b"".join(json.dumps({"custom_id": f"l{i}", "method": "POST", "url": "/v1/chat/completions",
+                                 "body": {"model": MODEL, "max_tokens": 4,
+                                          "messages": [{"role": "user", "content": f"line {i}"}]}}).encode() + b"\n"
+                     for i in range(2))
+    batch = alpha.batches.create(input_file_id=alpha.files.create(file=("in.jsonl", lines), purpose="batch").id,
+                                 endpoint="/v1/chat/completions", completion_window="24h")
     with ThreadPoolExecutor(3) as pool:
         for f in [pool.submit(worker, n) for n in range(3)]:
             f.result()
+    wait_until(lambda: alpha.batches.retrieve(batch.id).status == "completed", 60, "the batch completed")
     return counts
 
 
