@@ -131,6 +131,7 @@ def _log_record(job: Job, lat: Latencies, completion: int) -> dict[str, Any]:
         "request_id": job.id,
         "client_request_id": job.client_request_id,
         "tenant": job.tenant.name,
+        "key_sha256": job.key_hash,
         "endpoint": job.endpoint,
         "model": job.model.name,
         "model_version": job.model.version or None,

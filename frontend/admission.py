@@ -24,7 +24,16 @@ from typing import TypeVar
 
 from pdserve.frontend.config import FrontendConfig
 from pdserve.frontend.errors import OVERLOADED, APIError
-from pdserve.frontend.job import CHAT, COMPLETION, RESPONSES, AdmissionStamps, Choice, Job, client_request_id
+from pdserve.frontend.job import (
+    CHAT,
+    COMPLETION,
+    RESPONSES,
+    AdmissionStamps,
+    Choice,
+    Job,
+    client_request_id,
+    key_hash,
+)
 from pdserve.frontend.limits import TenantLimiter
 from pdserve.frontend.metrics import FrontendMetrics
 from pdserve.frontend.models import ModelCatalog, ServedModel
@@ -135,7 +144,7 @@ class Admitter:
         job = Job(kind=kind, id=job_id, created=int(time.time()), arrived=arrived, req=req, tenant=tenant,
                   model=model, requested_model=req.model, prompts=prompts, echo_texts=tokenized.echo_texts,
                   choices=self._choices(job_id, req, prompts, per_prompt_max, decisions), grant=grant,
-                  client_request_id=client_request_id(headers), session_key=session_key,
+                  client_request_id=client_request_id(headers), key_hash=key_hash(headers), session_key=session_key,
                   fallback_reason=picked.fallback_reason,
                   stamps=AdmissionStamps(parsed, tokenized_at, routed_from, routed, time.monotonic()),
                   dropped=dropped)

@@ -32,7 +32,8 @@ exactly one of the two files, exactly once.
 
 Spare capacity (`frontend.spare_capacity`): with no interactive request here, `--batch-max-inflight`
 lines run at once; beside interactive traffic, a cap learned from the interactive requests' own TTFT
-and TPOT (against theirs while no batch line ran) keeps their medians within `--batch-latency-budget`.
+and token gaps (against theirs while no batch line ran) keeps their medians within
+`--batch-latency-budget`.
 Lines already running finish; only new ones wait. Waiting lines are re-checked every `_SLOT_POLL_S`.
 
 A frontend killed mid-batch loses its lease after `--batch-lease` seconds; then any frontend on the same
@@ -194,14 +195,13 @@ class BatchService:
         self._job_ids: set[str] = set()  # their ids
         self.spare = SpareCapacity(frontend.config.batch_max_inflight, frontend.config.batch_latency_budget)
         frontend.accounting.observers.append(self._observe)
-        self._tenants = {t.name: t for t in frontend.tenants.tenants}
         m, labels = frontend.metrics, (POOL, frontend.metrics.node)
         Gauge("pdserve_frontend_batch_lines_in_flight", "Batch lines this frontend is running now", ["pool", "node"],
               registry=m.registry).labels(*labels).set_function(lambda: self.lines_inflight)
         Gauge("pdserve_frontend_batch_slots", "Batch lines this frontend may run at once now: --batch-max-inflight "
               "with no interactive request here, else the learned cap", ["pool", "node"],
               registry=m.registry).labels(*labels).set_function(self.batch_slots)
-        Gauge("pdserve_frontend_batch_interference_ratio", "Interactive median TTFT or TPOT (the larger) beside "
+        Gauge("pdserve_frontend_batch_interference_ratio", "Interactive median TTFT or token gap (the larger) beside "
               "batch lines against without, at the spare-capacity rule's last decision (0: none yet)",
               ["pool", "node"], registry=m.registry).labels(*labels).set_function(
                   lambda: self.spare.last_ratio or 0.0)
@@ -401,10 +401,16 @@ class BatchService:
     def batch_slots(self) -> int:
         return self.spare.slots(self.fe.inflight - self.jobs_inflight)
 
+    def watch(self, job: Job) -> None:
+        """`Frontend.open`: an interactive job's token gaps are the spare-capacity rule's samples."""
+        if job.id not in self._job_ids:
+            for c in job.choices:
+                c.progress.on_gap = self.spare.observe_gap
+
     def _observe(self, job: Job, lat: Latencies) -> None:
-        """`Accounting.observers`: an interactive job's latencies are the spare-capacity rule's samples."""
+        """`Accounting.observers`: an interactive job's TTFT is a sample of the spare-capacity rule."""
         if job.id not in self._job_ids and lat.status == 200:
-            self.spare.observe(job.arrived, lat.ttft, lat.tpot)
+            self.spare.observe(job.arrived, lat.ttft)
 
     def _may_hold_batches(self) -> bool:
         """Whether the store may hold batches: a frontend that has not served the batch API does not
@@ -437,7 +443,7 @@ class BatchService:
                 await asyncio.wait_for(self._kick.wait(), _CLAIM_POLL_S)
 
     async def _run_batch(self, rec: BatchRecord) -> None:
-        run = _Run(rec, self._tenants.get(rec.tenant))
+        run = _Run(rec, self.fe.tenants.by_name(rec.tenant))  # the table in force (it may be reloaded)
         task = asyncio.current_task()
         watcher = asyncio.ensure_future(self._watch(run, task))
         try:
@@ -701,7 +707,7 @@ class BatchService:
                 await self._call("put_file", FileRecord(fid, rec.tenant, "batch_output", f"{rec.id}_{which}.jsonl",
                                                         len(content), now, None if ttl is None else now + ttl), tmp)
             ids[f"{which}_file_id"] = fid
-        if await self._set(run, status, expect, **ids, **fields):
+        if await self._set(run, status, expect, **ids, **fields, usage=batch_usage(ok)):
             log.info("batch %s: %s (%d ok, %d failed)", rec.id, status, len(ok), len(failed))
         elif rec.status == "cancelling" and status != "cancelled":
             await self._finish(run, lines, "cancelled", ("cancelling",), "batch_cancelled",
@@ -859,6 +865,22 @@ def _page(data: list[dict[str, Any]], limit: int) -> dict[str, Any]:
     page = data[:limit]
     return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
             "last_id": page[-1]["id"] if page else None, "has_more": len(data) > limit}
+
+
+def batch_usage(ok_lines: list[str]) -> dict[str, Any]:
+    """The Batch object's `usage`: the sum over its output lines of their bodies' usage (chat and
+    completions: prompt/completion tokens; responses: input/output tokens; embeddings: prompt tokens)."""
+    inp = out = cached = reasoning = 0
+    for text in ok_lines:
+        u = (orjson.loads(text).get("response") or {}).get("body", {}).get("usage") or {}
+        inp += int(u.get("prompt_tokens", u.get("input_tokens", 0)) or 0)
+        out += int(u.get("completion_tokens", u.get("output_tokens", 0)) or 0)
+        cached += int((u.get("prompt_tokens_details") or u.get("input_tokens_details") or {}).get("cached_tokens")
+                      or 0)
+        reasoning += int((u.get("completion_tokens_details") or u.get("output_tokens_details") or {})
+                         .get("reasoning_tokens") or 0)
+    return {"input_tokens": inp, "input_tokens_details": {"cached_tokens": cached}, "output_tokens": out,
+            "output_tokens_details": {"reasoning_tokens": reasoning}, "total_tokens": inp + out}
 
 
 def _expires_after(value: Any, param: str) -> int | None:

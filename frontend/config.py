@@ -243,7 +243,7 @@ class FrontendConfig:
     response_ttl_s: Annotated[float, Gt(0)] = 30 * 24 * 3600.0
     # /v1/files and /v1/batches (frontend.batches): an upload over max_file_bytes is a 413. Batch lines run
     # on spare capacity (frontend.spare_capacity): batch_max_inflight at a time when no interactive request
-    # is here, else a cap learned so the interactive TTFT/TPOT medians stay within batch_latency_budget of
+    # is here, else a cap learned so the interactive TTFT/token-gap medians stay within batch_latency_budget of
     # theirs without batch lines (0 lines: this frontend runs no batches); a frontend holds a batch for
     # batch_lease_s, renewed while it runs.
     max_file_bytes: Annotated[int, Ge(1)] = 200 << 20
@@ -343,7 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="batch lines in flight when no interactive request is (0: run no batches here)")
     p.add_argument("--batch-latency-budget", type=float, default=0.05,
                    help="how much slower (a fraction) batch lines may make interactive requests' median TTFT "
-                        "and TPOT; the batch cap beside interactive traffic is learned to stay within it")
+                        "and token gaps; the batch cap beside interactive traffic is learned to stay within it")
     p.add_argument("--batch-lease", type=float, default=30.0, dest="batch_lease_s",
                    help="seconds a frontend holds a batch it runs without renewing (another resumes it after)")
     p.add_argument("--session-header", default="x-session-id")

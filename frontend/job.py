@@ -5,7 +5,7 @@ frontend's request timings (and the nodes' own), so any two of them make an inte
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -15,7 +15,7 @@ from pdserve.frontend.models import ServedModel
 from pdserve.frontend.protocol import GenerationRequest
 from pdserve.frontend.render import usage_dict
 from pdserve.frontend.routing import RouteDecision, RouteLease
-from pdserve.frontend.tenants import Tenant
+from pdserve.frontend.tenants import Tenant, hash_key
 from pdserve.rpc import pdserve_pb2 as pb
 from pdserve.rpc.enums import finish_reason_name, serving_path_name
 
@@ -56,6 +56,7 @@ class Progress:
     first_at: float | None = None  # when the first token arrived
     last_at: float | None = None  # when the latest token arrived
     itls: list[float] = field(default_factory=list)
+    on_gap: Callable[[float], None] | None = None  # told each ITL as it is measured (frontend.spare_capacity)
     timing: pb.Timing | None = None
     prefilled_by: str = ""  # the node that prefilled, as the decode node reports it (itself, when local)
     decoded_by: str = ""
@@ -72,6 +73,8 @@ class Progress:
                 self.first_at = now
             elif self.last_at is not None:
                 self.itls.append(now - self.last_at)
+                if self.on_gap is not None:
+                    self.on_gap(now - self.last_at)
             self.last_at = now
             self.tokens += n
         if msg.serving_path:
@@ -151,6 +154,7 @@ class Job:
     choices: list[Choice]
     grant: Grant  # what admission took from the tenant's limits
     client_request_id: str | None = None
+    key_hash: str | None = None  # `key_hash` of its request
     session_key: str | None = None
     fallback_reason: str = ""
     prompt_log: Any = None  # what the request log shows of the prompt, when prompt logging is on
@@ -195,6 +199,14 @@ def first_to_token(job: Job) -> Progress | None:
     job's."""
     started = [c.progress for c in job.choices if c.progress.first_at is not None]
     return min(started, key=lambda p: p.first_at or 0.0) if started else None
+
+
+def key_hash(headers: Mapping[str, str]) -> str | None:
+    """The first 16 hex digits of the SHA-256 of the request's bearer key (what the request log carries to
+    tell keys apart: the tenants file holds the full digests, never the key); None without one."""
+    scheme, _, value = (headers.get("authorization") or "").partition(" ")
+    key = value.strip() if scheme.lower() == "bearer" else ""
+    return hash_key(key)[:16] if key else None
 
 
 def client_request_id(headers: Mapping[str, str]) -> str | None:

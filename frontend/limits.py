@@ -161,6 +161,21 @@ class TenantLimiter:
             self._states[tenant.name] = st
         return st
 
+    def update(self, tenants: list[Tenant]) -> None:
+        """A reloaded tenants file: tenants whose limits changed get them for their next requests (the
+        per-minute buckets anew, full; what is in flight and today's count are kept). Requests already
+        granted release into the state they were granted from."""
+        now = self._clock()
+        for t in tenants:
+            st = self._states.get(t.name)
+            if st is None or st.limits == t.limits:
+                continue
+            lim = t.limits
+            st.limits = lim
+            st.requests = self._bucket(lim.requests_per_minute, now)
+            st.input_tokens = self._bucket(lim.input_tokens_per_minute, now)
+            st.output_tokens = self._bucket(lim.output_tokens_per_minute, now)
+
     def precheck(self, tenant: Tenant) -> None:
         """Rejects early (before tokenizing) when the request or concurrency limit is already hit.
         Charges nothing."""

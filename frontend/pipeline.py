@@ -33,7 +33,7 @@ from pdserve.frontend.embeddings import EmbeddingService
 from pdserve.frontend.errors import OVERLOADED, APIError
 from pdserve.frontend.job import CHAT, COMPLETION, RESPONSES, Job, UpstreamError, client_request_id, usage
 from pdserve.frontend.limits import TenantLimiter
-from pdserve.frontend.metrics import FrontendMetrics
+from pdserve.frontend.metrics import POOL, FrontendMetrics
 from pdserve.frontend.models import ModelCatalog
 from pdserve.frontend.output import choice_outputs
 from pdserve.frontend.protocol import GenerationRequest
@@ -56,6 +56,7 @@ log = logging.getLogger(__name__)
 
 _DROP_CONNECTION_AFTER_S = 30.0
 _MODELS_POLL_S = 1.0  # how often the models file is checked for new version weights
+_TENANTS_POLL_S = 1.0  # how often the tenants file is checked: a revoked key is refused within 2 polls
 
 
 class Frontend:
@@ -123,6 +124,8 @@ class Frontend:
         await workers
         if self.config.models_file is not None:
             self.spawn(self._watch_models_file(self.config.models_file))
+        if self.config.tenants_file is not None:
+            self.spawn(self._watch_tenants_file(self.config.tenants_file))
 
     def spawn(self, coro: Any) -> None:
         """Runs `coro` as a task of the frontend, cancelled when it closes."""
@@ -130,23 +133,31 @@ class Frontend:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
+    async def _watch_tenants_file(self, path: str) -> None:
+        """Re-reads the tenants file when it changes: keys added, changed or revoked and new limits take
+        effect for the next requests, without a restart. A file that cannot be used keeps the table in
+        force (a log line and `pdserve_frontend_config_reloads_total{outcome="error"}`)."""
+        async for _ in _changes(path, _TENANTS_POLL_S):
+            try:
+                table = TenantTable.from_file(path)
+            except ConfigError as err:
+                log.error("tenants file %s changed but cannot be used; keeping the tenants in force: %s", path, err)
+                self.metrics.config_reloads.labels(POOL, self.metrics.node, "tenants", "error").inc()
+                continue
+            diff = self.tenants.changes(table)
+            self.tenants = table
+            self.limiter.update(table.tenants)
+            self.metrics.config_reloads.labels(POOL, self.metrics.node, "tenants", "ok").inc()
+            log.info("tenants file %s reloaded: %d tenants; added %s, removed %s, changed %s", path,
+                     len(table.tenants), diff["added"] or "none", diff["removed"] or "none", diff["changed"] or "none")
+            unknown = table.check_models(self.catalog.served_names)
+            if unknown:
+                log.warning("tenants file allows models that are not served: %s", unknown)
+
     async def _watch_models_file(self, path: str) -> None:
         """Re-reads the models file when it changes and applies its versions' routing weights (canary
         shifts and rollbacks without a restart). Other changes need a restart; they are logged, not applied."""
-        def stamp() -> tuple[int, int] | None:
-            try:
-                st = os.stat(path)
-            except OSError:
-                return None
-            return st.st_mtime_ns, st.st_size
-
-        seen = stamp()
-        while True:
-            await asyncio.sleep(_MODELS_POLL_S)
-            now = stamp()
-            if now is None or now == seen:
-                continue
-            seen = now
+        async for _ in _changes(path, _MODELS_POLL_S):
             try:
                 specs = load_models_file(path)
                 check_versions(specs)
@@ -276,6 +287,7 @@ class Frontend:
         """Starts every choice's Generate call and returns each one's first message; when the model's pool
         fails the job before anything was sent, the fallback model serves it (`Admitter.fall_back`).
         Raises APIError."""
+        self.batches.watch(job)
         try:
             return await self.calls.open(job)
         except PoolFailed as failed:
@@ -335,3 +347,23 @@ class Frontend:
             job.trace.end(job, time.monotonic())
         self.inflight -= 1
         self.metrics.inflight_now.dec()
+
+
+async def _changes(path: str, every_s: float) -> AsyncIterator[None]:
+    """Yields each time the file at `path` has changed (its mtime or size), checked every `every_s`; a
+    file that is missing for a while is not a change."""
+    def stamp() -> tuple[int, int] | None:
+        try:
+            st = os.stat(path)
+        except OSError:
+            return None
+        return st.st_mtime_ns, st.st_size
+
+    seen = stamp()
+    while True:
+        await asyncio.sleep(every_s)
+        now = stamp()
+        if now is None or now == seen:
+            continue
+        seen = now
+        yield None

@@ -17,6 +17,9 @@ Tenants file (YAML or TOML)::
                                           # model's, else the frontend's --output-estimate)
         ttft_budget_ms: 2000              # refuse at once (503) what cannot get a first token in time
 
+The frontend re-reads the file when it changes (`Frontend._watch_tenants_file`): a new `TenantTable`
+replaces the old one whole, or, when the file cannot be used, the old one stays.
+
 Keys are random bearer secrets, so an unsalted digest is enough: recovering a key from its digest is as
 hard as guessing the key. Lookup is by digest, so no comparison ever runs over the secret itself.
 """
@@ -137,7 +140,8 @@ TenantEntry = create_model("TenantEntry", __base__=_TenantFields,
 
 
 class TenantTable:
-    """Resolves API keys to tenants. Immutable after construction."""
+    """Resolves API keys to tenants. Immutable after construction: a changed tenants file is a new table
+    (`Frontend` swaps it in whole, so a request sees one table or the other)."""
 
     def __init__(self, tenants: list[Tenant], digests: dict[str, str], *, open_access: bool) -> None:
         self._by_name = {t.name: t for t in tenants}
@@ -160,6 +164,20 @@ class TenantTable:
     @property
     def tenants(self) -> list[Tenant]:
         return list(self._by_name.values())
+
+    def by_name(self, name: str) -> Tenant | None:
+        return self._by_name.get(name)
+
+    def changes(self, new: TenantTable) -> dict[str, list[str]]:
+        """What `new` adds, removes and changes against this table (tenant names; a tenant changed when its
+        models, limits, priority or keys differ)."""
+        def keys(table: TenantTable, name: str) -> set[str]:
+            return {d for d, t in table._by_digest.items() if t.name == name}
+        old_names, new_names = set(self._by_name), set(new._by_name)
+        changed = [n for n in sorted(old_names & new_names)
+                   if self._by_name[n] != new._by_name[n] or keys(self, n) != keys(new, n)]
+        return {"added": sorted(new_names - old_names), "removed": sorted(old_names - new_names),
+                "changed": changed}
 
     def authenticate(self, api_key: str | None) -> Tenant | None:
         """The tenant owning `api_key`, or None for a missing or unknown key (never None in local mode)."""

@@ -273,6 +273,10 @@ def test_chat_batch_completes_with_the_greedy_text_of_each_request(env: Env) -> 
         assert ln["response"]["body"]["choices"][0]["message"]["content"] == single.choices[0].message.content
     assert b.id in [x.id for x in client.batches.list(limit=100).data]
     assert _gauge(env.frontend, "pdserve_frontend_batch_lines_total", 'outcome="ok"') >= 4
+    usage = [ln["response"]["body"]["usage"] for ln in lines]
+    assert done.usage is not None and done.usage.input_tokens == sum(u["prompt_tokens"] for u in usage)
+    assert done.usage.output_tokens == sum(u["completion_tokens"] for u in usage) and done.usage.total_tokens == \
+        done.usage.input_tokens + done.usage.output_tokens
 
 
 def test_completions_and_responses_batches(env: Env) -> None:

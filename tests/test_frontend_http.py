@@ -760,6 +760,7 @@ def test_request_log_line_describes_the_request_without_its_prompt(env: Env) -> 
                                                            max_tokens=3)
     rec = env.record_for(raw.headers["x-request-id"])
     assert rec["tenant"] == "alpha" and rec["model"] == "tiny-llama" and rec["finish_reasons"] == ["length"]
+    assert rec["key_sha256"] == hash_key(KEYS["alpha"])[:16] and KEYS["alpha"] not in env.request_log.read_text()
     assert rec["completion_tokens"] == 3 and rec["ttft_ms"] > 0 and rec["e2e_ms"] >= rec["ttft_ms"]
     assert set(rec["ttft_breakdown_ms"]) >= {"frontend", "prefill_queue", "prefill", "transfer", "first_decode_step"}
     assert rec["routes"][0]["decode_node"] in ("d-0", "d-1") and rec["routes"][0]["timing_ms"]["prefill"] >= 0
@@ -767,6 +768,67 @@ def test_request_log_line_describes_the_request_without_its_prompt(env: Env) -> 
     assert rec["model_fingerprint"] == entry["model_fingerprint"] and rec["pdserve_version"] == pdserve_version()
     assert (rec["tokenizer_digest"], rec["chat_template_digest"]) == (entry["tokenizer_digest"],
                                                                         entry["chat_template_digest"])
+
+
+def _reloads(fe: FrontendProc, outcome: str) -> float:
+    text = httpx.get(f"{fe.base_url}/metrics", timeout=10).text
+    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+               if s.name == "pdserve_frontend_config_reloads_total" and s.labels.get("outcome") == outcome)
+
+
+def test_tenants_file_reloads_live(env: Env, tmp_path: Path) -> None:
+    """A key revoked in the tenants file is refused within 2 s (two 1 s polls) while the frontend keeps
+    serving the others, the revoked tenant's stream in flight included; a key added works as soon; a file
+    that cannot be read keeps the table in force, with a log line and the error counter."""
+    tenants, models = write_configs(tmp_path, env.model_dir)
+    fe = start_frontend("tenants-live", tmp_path, env.etcd.endpoints, free_port(), "--tenants", str(tenants),
+                        "--models", str(models), "--request-log", "off")
+
+    def client(key: str) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{fe.base_url}/v1", api_key=key, max_retries=0)
+
+    def reply(key: str) -> str | None:
+        return client(key).chat.completions.create(model="tiny-llama", messages=user("x"),
+                                                   max_tokens=2).choices[0].message.content
+
+    def rewrite(data: bytes) -> None:
+        (tmp_path / "next.yaml").write_bytes(data)
+        (tmp_path / "next.yaml").replace(tenants)  # atomically, as a config-map update or an editor does
+
+    try:
+        assert reply(KEYS["alpha"]) == reply(KEYS["beta"]) == env.reply_text(2)
+        stream = client(KEYS["alpha"]).chat.completions.create(model="slow-llama", messages=user("x"),
+                                                               max_tokens=20, stream=True)
+        chunks = iter(stream)
+        next(chunks)  # alpha has a request in flight when its key is revoked
+        newcomer = "sk-newcomer-" + "n" * 24
+        entries = [e for e in orjson.loads(tenants.read_bytes())["tenants"] if e["name"] != "alpha"]
+        rewrite(orjson.dumps({"tenants": [*entries, {"name": "newcomer", "keys_sha256": [hash_key(newcomer)]}]}))
+        start = time.monotonic()
+        while True:
+            try:
+                reply(KEYS["alpha"])
+            except openai.AuthenticationError as err:
+                assert err.body["code"] == "invalid_api_key"  # type: ignore[index]
+                break
+            assert time.monotonic() - start < 2.5, "the revoked key is still admitted"
+            time.sleep(0.05)
+        assert reply(KEYS["beta"]) == reply(newcomer) == env.reply_text(2)
+        finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        assert finishes == ["length"]  # the revoked tenant's stream in flight ran to its end
+        rewrite(b"tenants: [ {name: broken")  # a syntax error while live
+        deadline = time.monotonic() + 5
+        while _reloads(fe, "error") < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert reply(KEYS["beta"]) == reply(newcomer) == env.reply_text(2)
+        with pytest.raises(openai.AuthenticationError):
+            reply(KEYS["alpha"])
+        assert _reloads(fe, "ok") == 1
+        assert "cannot be used; keeping the tenants in force" in fe.proc.log_text()
+        assert "added ['newcomer'], removed ['alpha']" in fe.proc.log_text()
+    finally:
+        assert_clean_exit(fe)
 
 
 def test_local_mode_accepts_any_key_and_says_so(env: Env, tmp_path: Path) -> None:

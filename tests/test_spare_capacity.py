@@ -1,10 +1,13 @@
 """The spare-capacity rule (frontend.spare_capacity) on a fake clock: idle and busy modes, the clean
-baseline, additive increase / multiplicative decrease on the interactive medians, the back-off at cap 0,
-and samples taken while more lines ran than the cap not counted."""
+baseline, additive increase / multiplicative decrease on the interactive medians (TTFT per request, the
+gaps between token messages), the quick back-off and the probe back-off at cap 0, and samples taken while
+more lines ran than the cap not counted."""
 
 from __future__ import annotations
 
-from pdserve.frontend.spare_capacity import _BASE_MAX_AGE_S, _PROBE_S, _WINDOW, SpareCapacity
+from pdserve.frontend.spare_capacity import _BASE_MAX_AGE_S, _GAPS, _PROBE_S, _TTFT, SpareCapacity
+
+GAPS = 6  # token gaps per request below: 4 requests make a gap window (24)
 
 
 class Clock:
@@ -15,21 +18,23 @@ class Clock:
         return self.t
 
 
-def _request(sc: SpareCapacity, clock: Clock, ttft: float, tpot: float, lasts: float = 0.5) -> None:
-    """One interactive request of `lasts` seconds ending now (it was in flight the whole time)."""
+def _request(sc: SpareCapacity, clock: Clock, ttft: float, gap: float, gaps: int = GAPS) -> None:
+    """One interactive request in flight from now: its first token after `ttft`, then `gaps` token gaps."""
     arrived = clock.t
     sc.slots(1)
-    clock.t += lasts
-    sc.observe(arrived, ttft, tpot)
+    clock.t += ttft
+    for _ in range(gaps):
+        clock.t += gap
+        sc.observe_gap(gap)
+    sc.observe(arrived, ttft)
 
 
-def _fill(sc: SpareCapacity, clock: Clock, lines: int) -> None:
-    """Starts batch lines up to `lines` running."""
+def _fill(sc: SpareCapacity, lines: int) -> None:
     while sc._lines < lines:
         sc.line_started()
 
 
-def _baseline(sc: SpareCapacity, clock: Clock, n: int = 4) -> None:
+def _baseline(sc: SpareCapacity, clock: Clock, n: int = 6) -> None:
     for _ in range(n):
         _request(sc, clock, 0.300, 0.050)
 
@@ -43,12 +48,18 @@ def test_idle_gets_every_slot_busy_none_without_a_baseline() -> None:
     assert sc.slots(0) == 0  # interactive ended under idle_s ago: still busy mode
     clock.t += 2.0
     assert sc.slots(0) == 8
-    _baseline(sc, clock, 3)
-    assert sc.slots(1) == 0
-    _baseline(sc, clock, 1)
-    assert sc.slots(1) == 1  # a fresh baseline: the first probe
+    _request(sc, clock, 0.3, 0.05, gaps=_GAPS[1] - 1)
+    assert sc.slots(1) == 0  # one request: neither baseline is fresh yet
+    _request(sc, clock, 0.3, 0.05, gaps=1)
+    assert sc.slots(1) == 1  # 32 clean gaps: the first probe
     clock.t += _BASE_MAX_AGE_S + 1
     assert sc.slots(1) == 0  # the baseline went stale
+    _request(sc, clock, 0.3, 0.05, gaps=0)  # requests without gaps (one token each): their TTFTs suffice
+    _request(sc, clock, 0.3, 0.05, gaps=0)
+    _request(sc, clock, 0.3, 0.05, gaps=0)
+    assert sc.slots(1) == 0
+    _request(sc, clock, 0.3, 0.05, gaps=0)
+    assert sc.cap == 1 and sc.slots(1) == 1
 
 
 def test_additive_increase_multiplicative_decrease() -> None:
@@ -57,53 +68,59 @@ def test_additive_increase_multiplicative_decrease() -> None:
     _baseline(sc, clock)
     for cap in (1, 2, 3, 4):
         assert sc.slots(1) == cap
-        _fill(sc, clock, cap)
-        for _ in range(_WINDOW):
-            _request(sc, clock, 0.306, 0.051)  # within half the 5 % budget: one more
+        _fill(sc, cap)
+        for _ in range(4):
+            _request(sc, clock, 0.303, 0.051)  # within half the 5 % budget: one more
         assert sc.last_ratio is not None and sc.last_ratio < 1.025
-    _fill(sc, clock, 5)
-    for _ in range(_WINDOW):
-        _request(sc, clock, 0.312, 0.050)  # 4 % slower: held
+    _fill(sc, 5)
+    for _ in range(4):
+        _request(sc, clock, 0.300, 0.052)  # 4 % slower: held
     assert sc.slots(1) == 5
-    _fill(sc, clock, 5)
-    for _ in range(_WINDOW):
-        _request(sc, clock, 0.300, 0.060)  # TPOT 20 % slower
-    assert round(sc.last_ratio or 0, 2) == 1.2 and sc.slots(1) == 2
-    for _ in range(_WINDOW):  # 5 lines still running: above the cap, not a sample of cap 2
+    for _ in range(4):
+        _request(sc, clock, 0.300, 0.0535)  # 7 % slower: halved
+    assert round(sc.last_ratio or 0, 2) == 1.07 and sc.slots(1) == 2
+    for _ in range(4):  # 5 lines still running: above the cap, not a sample of cap 2
         _request(sc, clock, 0.300, 0.060)
     assert sc.slots(1) == 2
     for _ in range(3):
         sc.line_ended()
-    for _ in range(_WINDOW):
-        _request(sc, clock, 0.330, 0.050)  # TTFT 10 % slower at cap 2
+    for _ in range(_TTFT[0]):
+        _request(sc, clock, 0.321, 0.050, gaps=0)  # TTFT 7 % slower at cap 2 (no gaps)
     assert sc.slots(1) == 1
 
 
-def test_a_failed_first_line_backs_off_and_doubles() -> None:
+def test_backing_off_is_quick_and_the_probe_waits_longer_each_time() -> None:
     clock = Clock()
     sc = SpareCapacity(8, 0.05, clock=clock)
     _baseline(sc, clock)
     assert sc.slots(1) == 1
-    _fill(sc, clock, 1)
-    for _ in range(_WINDOW):
-        _request(sc, clock, 0.400, 0.050)
-    assert sc.slots(1) == 0
+    _fill(sc, 1)
+    sc.slots(1)
+    for _ in range(_GAPS[0] // 3 - 1):
+        clock.t += 0.08
+        sc.observe_gap(0.08)  # 60 % slower
+    assert sc.cap == 1
+    clock.t += 0.08
+    sc.observe_gap(0.08)
+    assert sc.cap == 0 and round(sc.last_ratio or 0, 2) == 1.6  # a third of a window, not a whole one
+    cut = clock.t
     sc.line_ended()
-    _baseline(sc, clock, 2)  # clean again; the probe waits
+    _baseline(sc, clock, 1)  # clean again; the probe waits
     assert sc.slots(1) == 0
-    clock.t += _PROBE_S
+    clock.t = cut + _PROBE_S
     assert sc.slots(1) == 1
-    _fill(sc, clock, 1)
-    start = clock.t
-    for _ in range(_WINDOW):
-        _request(sc, clock, 0.400, 0.050)
+    _fill(sc, 1)
+    for _ in range(4):
+        _request(sc, clock, 0.300, 0.0535)  # 7 %: a whole window, then halved to 0
+    assert sc.cap == 0
+    cut = clock.t
     sc.line_ended()
-    clock.t = start + _WINDOW * 0.5 + 2 * _PROBE_S - 0.1
+    clock.t = cut + 2 * _PROBE_S - 0.1
     assert sc.slots(1) == 0
     clock.t += 0.2
     assert sc.slots(1) == 1  # the back-off doubled
-    _fill(sc, clock, 1)
-    for _ in range(_WINDOW):
+    _fill(sc, 1)
+    for _ in range(4):
         _request(sc, clock, 0.300, 0.050)
     assert sc.slots(1) == 2
 
@@ -116,12 +133,12 @@ def test_samples_from_before_the_cap_do_not_count() -> None:
     _baseline(sc, clock)
     clock.t += 5.0
     assert sc.slots(0) == 8
-    _fill(sc, clock, 8)
-    for _ in range(2 * _WINDOW):
+    _fill(sc, 8)
+    for _ in range(8):
         _request(sc, clock, 0.600, 0.100)
     assert sc.last_ratio is None and sc.cap == 1
     for _ in range(7):
         sc.line_ended()  # down to the cap: samples count from here
-    for _ in range(_WINDOW):
+    for _ in range(4):
         _request(sc, clock, 0.300, 0.050)
     assert sc.last_ratio == 1.0 and sc.slots(1) == 2
