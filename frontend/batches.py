@@ -77,7 +77,7 @@ from pdserve.frontend.errors import (
 from pdserve.frontend.job import CHAT, COMPLETION, RESPONSES, Job
 from pdserve.frontend.metrics import POOL
 from pdserve.frontend.protocol import PRIORITY_CLASSES
-from pdserve.frontend.response_store import LazyStore
+from pdserve.frontend.response_store import LazyStore, purge_every
 from pdserve.frontend.spare_capacity import SpareCapacity
 from pdserve.frontend.tenants import Tenant
 
@@ -185,8 +185,9 @@ class BatchService:
     def __init__(self, frontend: Frontend) -> None:
         self.fe = frontend
         self._url = batch_store_url(frontend.config.response_store)
-        self._store: LazyStore[BatchStore] = LazyStore(lambda: open_batch_store(self._url),
-                                                       lambda _: self.fe.spawn(self._purge()))
+        self._store: LazyStore[BatchStore] = LazyStore(
+            lambda: open_batch_store(self._url),  # once open, expired files are purged in the background
+            lambda store: self.fe.spawn(purge_every(_PURGE_EVERY_S, store.purge_expired_files, "expired files")))
         self.owner = f"{frontend.config.frontend_id}-{uuid.uuid4().hex[:8]}"
         self._runs: dict[str, asyncio.Task[None]] = {}
         self._kick: asyncio.Event | None = None
@@ -217,16 +218,6 @@ class BatchService:
             return await self._store.get()
         except StoreUnavailable as err:
             raise _unavailable(err) from None
-
-    async def _purge(self) -> None:
-        """Deletes expired files every _PURGE_EVERY_S (reads already skip them)."""
-        while True:
-            await asyncio.sleep(_PURGE_EVERY_S)
-            try:
-                if n := await self._call("purge_expired_files"):
-                    log.info("batch store: %d expired files deleted", n)
-            except APIError as err:
-                log.warning("batch store: expired files not purged: %s", err.message)
 
     async def _call(self, fn: str, *args: Any) -> Any:
         store = await self.store()

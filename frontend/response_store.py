@@ -25,6 +25,7 @@ sqlite3/psycopg exception, and never shows a DSN's password.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import re
 import sqlite3
@@ -39,6 +40,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 import orjson
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 STATUSES = frozenset({"queued", "in_progress", "completed", "incomplete", "failed", "cancelled"})
@@ -90,6 +92,18 @@ class LazyStore(Generic[S]):
     async def close(self) -> None:
         if self.opened is not None:
             await self.opened.close()
+
+
+async def purge_every(every_s: float, purge: Callable[[], Awaitable[int]], what: str) -> None:
+    """Runs `purge()` every `every_s` for good (a frontend's background task), logging how many records
+    it deleted; a round the store is down for is skipped with a warning."""
+    while True:
+        await asyncio.sleep(every_s)
+        try:
+            if n := await purge():
+                log.info("%s: %d deleted", what, n)
+        except StoreUnavailable as err:
+            log.warning("%s: not purged: %s", what, err)
 
 
 @dataclass(eq=False)

@@ -32,6 +32,7 @@ from pdserve.frontend.response_store import (
     StoredResponse,
     StoreUnavailable,
     open_store,
+    purge_every,
 )
 from pdserve.frontend.responses import REASONING_EFFORTS, ResponsesRequest, parse_responses_request
 from pdserve.frontend.responses_output import ResponseOutput, response_usage, sse
@@ -85,8 +86,9 @@ class ResponsesService:
     def __init__(self, frontend: Frontend) -> None:
         self.fe = frontend
         self._url = frontend.config.response_store
-        self._store: LazyStore[ResponseStore] = LazyStore(lambda: open_store(self._url),
-                                                          lambda _: self.fe.spawn(self._purge()))
+        self._store: LazyStore[ResponseStore] = LazyStore(
+            lambda: open_store(self._url),  # once open, expired responses are purged in the background
+            lambda store: self.fe.spawn(purge_every(_PURGE_EVERY_S, store.purge_expired, "expired responses")))
         self._running: dict[str, asyncio.Task[None]] = {}  # background responses run here, by id
 
     # --- the store ---
@@ -106,15 +108,6 @@ class ResponsesService:
             return await op(store)
         except StoreUnavailable as err:
             raise _unavailable(err) from None
-
-    async def _purge(self) -> None:
-        while True:
-            await asyncio.sleep(_PURGE_EVERY_S)
-            try:
-                if self._store.opened is not None and (n := await self._store.opened.purge_expired()):
-                    log.info("response store: %d expired responses deleted", n)
-            except StoreUnavailable as err:
-                log.warning("response store: expired responses not purged: %s", err)
 
     async def close(self) -> None:
         for task in list(self._running.values()):

@@ -47,6 +47,11 @@ class _Latency:
     base_min: int   # clean samples a fresh baseline needs
     base: deque[tuple[float, float]]  # (when, seconds) of clean samples, the latest kept
     loaded: list[float] = field(default_factory=list)
+    _ref: float | None = None  # median of the baseline, None until asked for after a change
+
+    def add_clean(self, at: float, value: float) -> None:
+        self.base.append((at, value))
+        self._ref = None
 
     def fresh(self, now: float) -> bool:
         return sum(1 for at, _ in self.base if now - at <= _BASE_MAX_AGE_S) >= self.base_min
@@ -55,8 +60,9 @@ class _Latency:
         """median(loaded) / median(baseline); None under a third of a window or without a baseline."""
         if len(self.loaded) < max(1, self.window // 3) or not self.base:
             return None
-        ref = statistics.median(v for _, v in self.base)
-        return statistics.median(self.loaded) / ref if ref > 0 else None
+        if self._ref is None:
+            self._ref = statistics.median(v for _, v in self.base)
+        return statistics.median(self.loaded) / self._ref if self._ref > 0 else None
 
 
 _TTFT = (6, 4, 32)    # a request's TTFT: window, baseline minimum, baseline kept
@@ -110,7 +116,7 @@ class SpareCapacity:
 
     def _sample(self, lat: _Latency, now: float, start: float, value: float) -> None:
         if self._lines == 0 and start >= self._idle_since:
-            lat.base.append((now, value))
+            lat.add_clean(now, value)
         elif 0 < self.cap and self._lines <= self.cap and start >= self._cap_since:
             lat.loaded.append(value)
             ratio = lat.ratio()
