@@ -57,6 +57,7 @@ from pdserve.frontend.config_files import (
 )
 from pdserve.frontend.protocol import RequestLimits
 from pdserve.frontend.reasoning import REASONING_SETTINGS
+from pdserve.frontend.tls import TLSConfigError, check_pair
 from pdserve.rpc import RpcSecurity, add_rpc_args, rpc_security_from_args
 from pdserve.rpc.tracing import TracingConfig, add_tracing_args, tracing_config_from_args
 
@@ -200,6 +201,10 @@ class FrontendConfig:
     host: str = "127.0.0.1"
     port: Annotated[int, Interval(ge=0, le=65535)] = 8000
     tenants_file: str | None = None  # None: local mode, any key accepted
+    # TLS of the OpenAI API (frontend.tls): a PEM certificate chain and its key, re-read when they change;
+    # both empty: plain HTTP.
+    tls_cert: str = ""
+    tls_key: str = ""
     models_file: str | None = None  # where `models` came from; its version weights are re-read at run time
     frontend_id: str = field(default_factory=_default_frontend_id)
     # Per-tenant limits are enforced per process. With K frontends behind one balancer (limit_share=K)
@@ -329,6 +334,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", action="append", default=[], metavar="NAME=PATH",
                    help="serve model NAME with the tokenizer in PATH (repeatable)")
     p.add_argument("--tenants", metavar="FILE", help="tenants file (YAML or TOML); without it any key is accepted")
+    p.add_argument("--tls-cert", default="", metavar="PEM",
+                   help="serve the API over HTTPS with this certificate chain (with --tls-key; re-read on change)")
+    p.add_argument("--tls-key", default="", metavar="PEM", help="the private key of --tls-cert")
     p.add_argument("--frontend-id", default=None)
     _add_admission_flags(p)
     p.add_argument("--request-log", default="-", help="'-' for stderr, a file path, or 'off'")
@@ -408,7 +416,7 @@ _SAME = ("cluster", "host", "port", "limit_share", "limit_share_index", "output_
          "prepare_inline_bytes", "ttft_headroom", "log_prompts", "affinity_blocks", "load_factor", "decode_max_queue",
          "upstream_attempts", "max_migrations", "log_level", "response_ttl_s", "max_file_bytes",
          "batch_max_inflight", "batch_lease_s",
-         "batch_latency_budget")
+         "batch_latency_budget", "tls_cert", "tls_key")
 
 
 def _models_from_args(args: argparse.Namespace) -> list[ModelSpec]:
@@ -442,6 +450,11 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         extra["prepare_workers"] = args.prepare_workers
     if args.response_store:
         extra["response_store"] = args.response_store
+    if args.tls_cert or args.tls_key:
+        try:
+            check_pair(args.tls_cert, args.tls_key)
+        except TLSConfigError as err:
+            raise ConfigError(str(err)) from None
     return FrontendConfig(
         etcd_endpoints=tuple(e.strip() for item in args.etcd for e in item.split(",") if e.strip()),
         models=tuple(models),

@@ -55,9 +55,15 @@ def main(argv: list[str] | None = None) -> int:
         # h11 buffers a request head up to this size (httptools has no such bound; HeaderLimit answers 431
         # in the OpenAI shape either way).
         h11_max_incomplete_event_size=config.max_header_bytes + 8192,
+        ssl_certfile=config.tls_cert or None,
+        ssl_keyfile=config.tls_key or None,
     )
-    log.info("pdserve frontend %s on http://%s:%d (cluster %r, etcd %s)", config.frontend_id, config.host,
-             config.port, config.cluster, ",".join(config.etcd_endpoints))
+    if config.tls_cert:
+        server_config.load()  # makes the server's SSLContext, which a renewed certificate is loaded into
+        frontend.tls_context = server_config.ssl
+    log.info("pdserve frontend %s on %s://%s:%d (cluster %r, etcd %s)", config.frontend_id,
+             "https" if config.tls_cert else "http", config.host, config.port, config.cluster,
+             ",".join(config.etcd_endpoints))
     # uvicorn re-raises the stop signal once it has shut down, under the handler that was installed
     # before it: with the default one the process would die by SIGTERM after a clean drain. A no-op
     # handler lets a graceful stop exit 0.

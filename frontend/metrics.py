@@ -50,7 +50,7 @@ class FrontendMetrics:
         self.rejections = Counter("pdserve_frontend_rate_limited_total", "Requests refused by tenant limits",
                                   ["pool", "node", "tenant", "limit"], registry=r)
         self.config_reloads = Counter("pdserve_frontend_config_reloads_total", "Changed config files re-read, by file "
-                                      "(tenants) and outcome (ok: in force; error: unusable, the old one kept)",
+                                      "(tenants, tls) and outcome (ok: in force; error: unusable, the old one kept)",
                                       ["pool", "node", "file", "outcome"], registry=r)
         self.slo = Counter("pdserve_frontend_slo_requests_total", "Requests meeting (met=true) or missing an SLO",
                            [*base, "slo", "met"], registry=r)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import ssl
 import time
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
@@ -42,6 +43,7 @@ from pdserve.frontend.request_log import RequestLog
 from pdserve.frontend.responses_api import ResponsesService
 from pdserve.frontend.routing import Router
 from pdserve.frontend.tenants import Tenant, TenantTable
+from pdserve.frontend.tls import TLSConfigError, reload_pair
 from pdserve.frontend.tracing import RequestTrace
 from pdserve.frontend.ttft import TTFTEstimator
 from pdserve.frontend.upstream import PoolFailed, UpstreamCalls
@@ -56,6 +58,7 @@ log = logging.getLogger(__name__)
 
 _DROP_CONNECTION_AFTER_S = 30.0
 _MODELS_POLL_S = 1.0  # how often the models file is checked for new version weights
+_TLS_POLL_S = 1.0  # how often the certificate and key files are checked
 _TENANTS_POLL_S = 1.0  # how often the tenants file is checked: a revoked key is refused within 2 polls
 
 
@@ -96,6 +99,7 @@ class Frontend:
         self.embeddings = EmbeddingService(self)  # /v1/embeddings, on the prefill pool (frontend.embeddings)
         self.batches = BatchService(self)  # /v1/files and /v1/batches, and the batch runner
         self.inflight = 0
+        self.tls_context: ssl.SSLContext | None = None  # the server's, when it serves HTTPS (set by main)
         self._addresses: dict[str, str] = {}
         self._background: set[asyncio.Task[object]] = set()
         unknown = self.tenants.check_models(self.catalog.served_names)
@@ -126,6 +130,8 @@ class Frontend:
             self.spawn(self._watch_models_file(self.config.models_file))
         if self.config.tenants_file is not None:
             self.spawn(self._watch_tenants_file(self.config.tenants_file))
+        if self.tls_context is not None:
+            self.spawn(self._watch_tls(self.tls_context, self.config.tls_cert, self.config.tls_key))
 
     def spawn(self, coro: Any) -> None:
         """Runs `coro` as a task of the frontend, cancelled when it closes."""
@@ -133,11 +139,25 @@ class Frontend:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
+    async def _watch_tls(self, ctx: ssl.SSLContext, cert: str, key: str) -> None:
+        """Loads a changed certificate/key pair into the serving context (new connections get it); a pair
+        that fails `frontend.tls.check_pair` is not loaded (a log line and the error counter)."""
+        async for _ in _changes(_TLS_POLL_S, cert, key):
+            try:
+                info = reload_pair(ctx, cert, key)
+            except TLSConfigError as err:
+                log.error("TLS certificate changed but cannot be used; keeping the one in force: %s", err)
+                self.metrics.config_reloads.labels(POOL, self.metrics.node, "tls", "error").inc()
+                continue
+            self.metrics.config_reloads.labels(POOL, self.metrics.node, "tls", "ok").inc()
+            log.info("TLS certificate reloaded: %s, serial %x, valid until %s UTC", info.subject, info.serial,
+                     f"{info.not_after:%Y-%m-%d %H:%M:%S}")
+
     async def _watch_tenants_file(self, path: str) -> None:
         """Re-reads the tenants file when it changes: keys added, changed or revoked and new limits take
         effect for the next requests, without a restart. A file that cannot be used keeps the table in
         force (a log line and `pdserve_frontend_config_reloads_total{outcome="error"}`)."""
-        async for _ in _changes(path, _TENANTS_POLL_S):
+        async for _ in _changes(_TENANTS_POLL_S, path):
             try:
                 table = TenantTable.from_file(path)
             except ConfigError as err:
@@ -157,7 +177,7 @@ class Frontend:
     async def _watch_models_file(self, path: str) -> None:
         """Re-reads the models file when it changes and applies its versions' routing weights (canary
         shifts and rollbacks without a restart). Other changes need a restart; they are logged, not applied."""
-        async for _ in _changes(path, _MODELS_POLL_S):
+        async for _ in _changes(_MODELS_POLL_S, path):
             try:
                 specs = load_models_file(path)
                 check_versions(specs)
@@ -349,15 +369,15 @@ class Frontend:
         self.metrics.inflight_now.dec()
 
 
-async def _changes(path: str, every_s: float) -> AsyncIterator[None]:
-    """Yields each time the file at `path` has changed (its mtime or size), checked every `every_s`; a
-    file that is missing for a while is not a change."""
-    def stamp() -> tuple[int, int] | None:
+async def _changes(every_s: float, *paths: str) -> AsyncIterator[None]:
+    """Yields each time one of the files at `paths` has changed (its mtime or size; a symlink is
+    followed, as a mounted Secret or ConfigMap swaps one), checked every `every_s`; a file that is missing
+    for a while is not a change."""
+    def stamp() -> tuple[tuple[int, int], ...] | None:
         try:
-            st = os.stat(path)
+            return tuple((st.st_mtime_ns, st.st_size) for st in map(os.stat, paths))
         except OSError:
             return None
-        return st.st_mtime_ns, st.st_size
 
     seen = stamp()
     while True:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -72,11 +73,12 @@ def wait_for_line(proc: Proc, text: str, timeout: float) -> None:
         time.sleep(0.05)  # the poll interval
 
 
-def wait_for_http(proc: Proc, url: str, timeout: float, status: int = 200) -> None:
+def wait_for_http(proc: Proc, url: str, timeout: float, status: int = 200, ca: str | None = None) -> None:
     deadline = time.monotonic() + timeout
+    context = ssl.create_default_context(cafile=ca) if ca else None
     while True:
         try:
-            with urllib.request.urlopen(url, timeout=2) as resp:
+            with urllib.request.urlopen(url, timeout=2, context=context) as resp:
                 if resp.status == status:
                     return
         except urllib.error.HTTPError as err:
@@ -108,28 +110,30 @@ class FrontendProc:
     proc: Proc
     host: str
     port: int
+    ca: str | None = None  # the CA file of its certificate, when it serves HTTPS
 
     @property
     def base_url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return f"{'https' if self.ca else 'http'}://{self.host}:{self.port}"
 
     def stop(self) -> int | None:
         return self.proc.stop()
 
 
 def start_frontend(name: str, log_dir: Path, etcd: list[str], port: int, *args: str,
-                   ready: bool = True, timeout: float = 60.0) -> FrontendProc:
-    """Starts `python -m pdserve.frontend` on 127.0.0.1:`port`; waits for /health, and for /ready when `ready`."""
+                   ready: bool = True, timeout: float = 60.0, tls_ca: str | None = None) -> FrontendProc:
+    """Starts `python -m pdserve.frontend` on 127.0.0.1:`port`; waits for /health, and for /ready when `ready`
+    (over HTTPS, trusting `tls_ca`, when it is given: the frontend was given --tls-cert/--tls-key)."""
     if "--response-store" not in args:  # stored responses beside the logs, never in the user's home
         args = (*args, "--response-store", str(log_dir / f"{name}-responses.db"))
     argv = [sys.executable, "-m", "pdserve.frontend", *(f"--etcd={e}" for e in etcd), "--host", "127.0.0.1",
             "--port", str(port), *args]
     proc = spawn(name, argv, log_dir)
-    fp = FrontendProc(proc, "127.0.0.1", port)
+    fp = FrontendProc(proc, "127.0.0.1", port, tls_ca)
     try:
-        wait_for_http(proc, f"{fp.base_url}/health", timeout)
+        wait_for_http(proc, f"{fp.base_url}/health", timeout, ca=tls_ca)
         if ready:
-            wait_for_http(proc, f"{fp.base_url}/ready", timeout)
+            wait_for_http(proc, f"{fp.base_url}/ready", timeout, ca=tls_ca)
     except ProcessStartError:
         proc.stop()
         raise

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import ssl
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -31,6 +34,7 @@ from testing.bad_inputs import bad_inputs, check_bad_inputs
 from testing.openapi import OpenAPISchemas
 from testing.procs import FrontendProc, Proc, start_frontend, start_scripted_node
 from testing.recording import AsyncRecordingTransport, RecordingTransport, conformance_problems
+from testing.tls import issue, make_ca, new_key
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -771,7 +775,8 @@ def test_request_log_line_describes_the_request_without_its_prompt(env: Env) -> 
 
 
 def _reloads(fe: FrontendProc, outcome: str) -> float:
-    text = httpx.get(f"{fe.base_url}/metrics", timeout=10).text
+    verify = ssl.create_default_context(cafile=fe.ca) if fe.ca else True
+    text = httpx.get(f"{fe.base_url}/metrics", timeout=10, verify=verify).text
     return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
                if s.name == "pdserve_frontend_config_reloads_total" and s.labels.get("outcome") == outcome)
 
@@ -829,6 +834,88 @@ def test_tenants_file_reloads_live(env: Env, tmp_path: Path) -> None:
         assert "added ['newcomer'], removed ['alpha']" in fe.proc.log_text()
     finally:
         assert_clean_exit(fe)
+
+
+def _served_serial(fe: FrontendProc) -> int:
+    """The serial of the certificate a new TLS connection to the frontend gets."""
+    ctx = ssl.create_default_context(cafile=fe.ca)
+    with socket.create_connection((fe.host, fe.port), timeout=5) as raw, \
+            ctx.wrap_socket(raw, server_hostname=fe.host) as tls:
+        return int(tls.getpeercert()["serialNumber"], 16)  # type: ignore[index, arg-type]
+
+
+def test_https_with_the_clusters_ca_and_a_renewed_certificate(env: Env, tmp_path: Path) -> None:
+    """The openai SDK over HTTPS trusting the cluster's CA; plain HTTP and an untrusted client get no
+    answer; a renewed certificate is served to new connections within 2 s; a renewal that cannot be used
+    (expired, or another key's) keeps the one in force, with the error counter."""
+    tenants, models = write_configs(tmp_path, env.model_dir)
+    ca = make_ca(tmp_path)
+    key = new_key(tmp_path / "tls.key")
+    first = issue(ca, key, tmp_path / "tls.pem")
+    fe = start_frontend("tls", tmp_path, env.etcd.endpoints, free_port(), "--tenants", str(tenants), "--models",
+                        str(models), "--request-log", "off", "--tls-cert", str(tmp_path / "tls.pem"), "--tls-key",
+                        str(tmp_path / "tls.key"), tls_ca=ca.path)
+    try:
+        assert fe.base_url.startswith("https://")
+        client = openai.OpenAI(base_url=f"{fe.base_url}/v1", api_key=KEYS["alpha"], max_retries=0,
+                               http_client=httpx.Client(verify=ssl.create_default_context(cafile=ca.path)))
+        reply = client.chat.completions.create(model="tiny-llama", messages=user("x"), max_tokens=2)
+        assert reply.choices[0].message.content == env.reply_text(2)
+        with pytest.raises(httpx.TransportError):
+            httpx.get(f"http://{fe.host}:{fe.port}/health", timeout=5)
+        with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
+            httpx.get(f"{fe.base_url}/health", timeout=5)  # the system's CAs do not know the cluster's
+        assert _served_serial(fe) == first
+
+        def renew(valid_from_h: float = -1.0, with_key: Any = key) -> int:
+            serial = issue(ca, with_key, tmp_path / "next.pem", valid_from_h=valid_from_h)
+            (tmp_path / "next.pem").replace(tmp_path / "tls.pem")
+            return serial
+
+        second = renew()
+        deadline = time.monotonic() + 3
+        while _served_serial(fe) != second:
+            assert time.monotonic() < deadline, "the renewed certificate is not served"
+            time.sleep(0.1)
+        assert client.models.list().data
+        renew(valid_from_h=-48.0)  # expired (valid for 24 h from two days ago)
+        renew_other = new_key(tmp_path / "other.key")
+        deadline = time.monotonic() + 5
+        while _reloads(fe, "error") < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        renew(with_key=renew_other)  # a certificate that is not the served key's
+        deadline = time.monotonic() + 5
+        while _reloads(fe, "error") < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert _served_serial(fe) == second and client.models.list().data
+        log = fe.proc.log_text()
+        assert "expired at" in log and "does not go with certificate" in log and "TLS certificate reloaded" in log
+        client.close()  # an idle TLS connection would hold the graceful stop until its close_notify times out
+    finally:
+        assert_clean_exit(fe)
+
+
+def test_tls_start_up_errors_are_clear(tmp_path: Path) -> None:
+    ca = make_ca(tmp_path)
+    key = new_key(tmp_path / "k.pem")
+    issue(ca, key, tmp_path / "expired.pem", valid_from_h=-48.0)
+    issue(ca, key, tmp_path / "future.pem", valid_from_h=24.0)
+    issue(ca, key, tmp_path / "good.pem")
+    cases = {
+        ("expired.pem", "k.pem"): "expired at",
+        ("future.pem", "k.pem"): "is not valid before",
+        ("good.pem", "missing.pem"): "No such file",
+        ("missing.pem", "k.pem"): "No such file",
+        ("good.pem", ""): "--tls-cert and --tls-key go together",
+        ("k.pem", "k.pem"): "not a PEM certificate",
+    }
+    for (cert, key_file), message in cases.items():
+        args = ["--tls-cert", str(tmp_path / cert)] + (["--tls-key", str(tmp_path / key_file)] if key_file else [])
+        done = subprocess.run([sys.executable, "-m", "pdserve.frontend", "--etcd", "127.0.0.1:9", *args],
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2 and message in done.stderr, (cert, key_file, done.stderr[-500:])
 
 
 def test_local_mode_accepts_any_key_and_says_so(env: Env, tmp_path: Path) -> None:
