@@ -60,6 +60,9 @@ ALL_FEATURES = [
     "monitoring.prometheusRule.enabled=true",
     "networkPolicy.enabled=true",
     "frontend.hpa.enabled=true",
+    "frontend.ingress.enabled=true",
+    "frontend.ingress.host=api.example.com",
+    "frontend.ingress.certManager.issuer=letsencrypt-prod",
 ]
 
 
@@ -567,6 +570,37 @@ def test_frontend_service_selects_its_pods_and_probes_them(tenant_objs: list[dic
     assert c["lifecycle"]["preStop"]["exec"]["command"][0] == "sleep"
 
 
+def test_ingress_serves_the_api_over_https_with_a_cert_manager_secret() -> None:
+    """The Ingress routes the API host to the frontend Service's port, with TLS from the Secret that
+    cert-manager (by the issuer annotation) fills; nginx streams SSE unbuffered and accepts the largest
+    upload the frontends accept."""
+    assert not _by_kind(_render(), "Ingress")
+    objs = _render(*ALL_FEATURES, "frontend.maxFileBytes=52428800")
+    ing = _one(objs, "Ingress", "pdserve-frontend")
+    svc = _one(objs, "Service", "pdserve-frontend")
+    spec = ing["spec"]
+    assert spec["tls"] == [{"hosts": ["api.example.com"], "secretName": "pdserve-api-tls"}]
+    (rule,) = spec["rules"]
+    backend = rule["http"]["paths"][0]["backend"]["service"]
+    assert rule["host"] == "api.example.com" and backend["name"] == svc["metadata"]["name"]
+    assert backend["port"]["name"] in {p["name"] for p in svc["spec"]["ports"]}
+    notes = ing["metadata"]["annotations"]
+    assert notes["cert-manager.io/cluster-issuer"] == "letsencrypt-prod"
+    assert notes["nginx.ingress.kubernetes.io/proxy-buffering"] == "off"
+    assert notes["nginx.ingress.kubernetes.io/proxy-read-timeout"] == "600"
+    assert notes["nginx.ingress.kubernetes.io/proxy-body-size"] == "51m"
+    assert _flag(_container(_one(objs, "Deployment", "pdserve-frontend"))["args"], "max-file-bytes") == "52428800"
+    # A namespaced Issuer, a Secret made by hand, another controller with its own annotations.
+    objs = _render("frontend.ingress.enabled=true", "frontend.ingress.host=llm.internal.example",
+                   "frontend.ingress.certManager.issuer=private-ca", "frontend.ingress.certManager.kind=Issuer",
+                   "frontend.ingress.className=traefik", "frontend.ingress.tlsSecretName=llm-tls",
+                   "frontend.ingress.annotations={traefik.ingress.kubernetes.io/router.tls: 'true'}")
+    ing = _one(objs, "Ingress", "pdserve-frontend")
+    assert ing["spec"]["ingressClassName"] == "traefik" and ing["spec"]["tls"][0]["secretName"] == "llm-tls"
+    assert ing["metadata"]["annotations"] == {"cert-manager.io/issuer": "private-ca",
+                                              "traefik.ingress.kubernetes.io/router.tls": "true"}
+
+
 def test_frontend_config_flags_name_files_of_its_config_maps(tenant_objs: list[dict[str, Any]]) -> None:
     """Every ConfigMap the frontend mounts exists, and the files its flags name are in them."""
     c = _container(_one(tenant_objs, "Deployment", "pdserve-frontend"))
@@ -842,6 +876,17 @@ def _tenant(**fields: Any) -> Callable[[dict[str, Any]], None]:
     pytest.param(_set("responseStore.passwordSecret.name="), "needs a password Secret", id="store-no-secret"),
     pytest.param(_set("responseStore.ttlSeconds=0"), "ttlSeconds", id="store-ttl"),
     pytest.param(_set("frontend.extraArgs=[--response-store=/tmp/r.db]"), "responseStore.url", id="store-in-extra-args"),
+    pytest.param(_set("frontend.ingress.enabled=true"), "must be the API's DNS name", id="ingress-no-host"),
+    pytest.param(lambda v: (k8s.set_value(v, "frontend.ingress.enabled=true"),
+                            k8s.set_value(v, "frontend.ingress.host=https://api.example.com/")),
+                 "must be the API's DNS name", id="ingress-url-host"),
+    pytest.param(lambda v: (k8s.set_value(v, "frontend.ingress.enabled=true"),
+                            k8s.set_value(v, "frontend.ingress.host=api.example.com"),
+                            k8s.set_value(v, "frontend.ingress.certManager.issuer=x"),
+                            k8s.set_value(v, "frontend.ingress.certManager.kind=Cluster")),
+                 "ClusterIssuer or Issuer", id="ingress-issuer-kind"),
+    pytest.param(_set("frontend.extraArgs=[--tls-cert=/x.pem]"), "frontend.ingress", id="tls-in-extra-args"),
+    pytest.param(_set("frontend.maxFileBytes=0"), "maxFileBytes", id="max-file-bytes"),
 ])
 def test_bad_values_are_refused(edit: Callable[[dict[str, Any]], None], message: str) -> None:
     values = k8s.load_values()

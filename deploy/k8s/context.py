@@ -507,9 +507,14 @@ def _frontend(v: dict[str, Any], name: str, etcd_endpoints: str, served: dict[st
             raise ValuesError(f"frontend.extraArgs sets {arg}: use responseStore.url / responseStore.ttlSeconds, "
                               "which every frontend replica shares")
     fe_pairs += [("response-store", store["url"]), ("response-ttl", store["ttl"])]
+    for arg in fe.get("extraArgs") or []:
+        if str(arg).split("=", 1)[0] in ("--max-file-bytes", "--tls-cert", "--tls-key"):
+            raise ValuesError(f"frontend.extraArgs sets {arg}: use frontend.maxFileBytes, and frontend.ingress for "
+                              "TLS (the Ingress terminates it with a Secret cert-manager can fill)")
     fe_pairs += [
         ("limit-share", limit_share), ("ttft-slo", fe["ttftSloSeconds"]), ("tpot-slo", fe["tpotSloSeconds"]),
         ("request-timeout", fe["requestTimeoutSeconds"]), ("log-level", fe["logLevel"]),
+        ("max-file-bytes", _int("frontend.maxFileBytes", fe["maxFileBytes"], 1)),
     ]
     frontend = {
         "fullname": f"{name}-frontend",
@@ -525,8 +530,41 @@ def _frontend(v: dict[str, Any], name: str, etcd_endpoints: str, served: dict[st
             "pdserve.io/config-checksum": hashlib.sha256((models_yaml + tenants_yaml).encode()).hexdigest(),
         },
         "pdb": _check_pdb("frontend.pdb", fe["pdb"], fe_replicas),
+        "ingress": _ingress(fe, name),
     }
     return frontend, models_yaml, tenants_yaml
+
+
+def _ingress(fe: dict[str, Any], name: str) -> dict[str, Any] | None:
+    """The Ingress that serves the API over HTTPS (None when off): its host, TLS Secret and annotations."""
+    ing = fe.get("ingress") or {}
+    if not ing.get("enabled"):
+        return None
+    host = str(ing.get("host") or "")
+    if len(host) > 253 or not all(_DNS_LABEL.match(label) for label in host.split(".")):
+        raise ValuesError(f"frontend.ingress.host {host!r} must be the API's DNS name (e.g. api.example.com): "
+                          "the certificate is issued for it")
+    secret = _dns_label("frontend.ingress.tlsSecretName", str(ing.get("tlsSecretName") or f"{name}-api-tls"), 253)
+    annotations: dict[str, str] = {}
+    if ing.get("className") == "nginx":
+        timeout = str(fe["requestTimeoutSeconds"])
+        annotations = {
+            "nginx.ingress.kubernetes.io/proxy-buffering": "off",  # SSE: each event as it is written
+            "nginx.ingress.kubernetes.io/proxy-read-timeout": timeout,
+            "nginx.ingress.kubernetes.io/proxy-send-timeout": timeout,
+            # Room for the multipart framing around the largest upload; the frontend enforces the limit.
+            "nginx.ingress.kubernetes.io/proxy-body-size": f"{-(-int(fe['maxFileBytes']) // (1 << 20)) + 1}m",
+            "nginx.ingress.kubernetes.io/ssl-redirect": "true",
+        }
+    cm = ing.get("certManager") or {}
+    if cm.get("issuer"):
+        kind = cm.get("kind", "ClusterIssuer")
+        if kind not in ("ClusterIssuer", "Issuer"):
+            raise ValuesError(f"frontend.ingress.certManager.kind must be ClusterIssuer or Issuer, got {kind!r}")
+        key = "cluster-issuer" if kind == "ClusterIssuer" else "issuer"
+        annotations[f"cert-manager.io/{key}"] = str(cm["issuer"])
+    annotations.update({str(k): str(val) for k, val in (ing.get("annotations") or {}).items()})
+    return {"host": host, "secret": secret, "class_name": ing.get("className") or None, "annotations": annotations}
 
 
 def _response_store(v: dict[str, Any], name: str) -> dict[str, Any]:
