@@ -9,8 +9,9 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections import Counter
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +60,9 @@ class NodeStatus:
     kv_usage: float | None  # used / total
     draining: bool
     load_age_s: float | None  # seconds since the node last published its load
+    tokenizer_digest: str  # what the node loaded ("" from a node older than the digests)
+    chat_template_digest: str
+    digests_differ: bool = False  # not the digests most nodes of its model publish: frontends exclude it
 
 
 @dataclass(frozen=True)
@@ -81,7 +85,24 @@ def node_status(member: Member, metrics: dict[str, str], now: float) -> NodeStat
         tokens_per_s=load.tokens_per_s if load else None, kv_blocks_used=load.kv_blocks_used if load else None,
         kv_blocks_total=total, kv_usage=(load.kv_blocks_used / total if load and total else None),
         draining=bool(load and load.draining), load_age_s=(now - load.updated_at) if load else None,
+        tokenizer_digest=rec.tokenizer_digest, chat_template_digest=rec.chat_template_digest,
     )
+
+
+def mark_odd_digests(nodes: list[NodeStatus]) -> list[NodeStatus]:
+    """`nodes`, each with digests_differ set when its model's nodes mostly publish other digests. The
+    frontends compare with their own tokenizer, which `status` cannot read; this is the registry's view."""
+    pairs: dict[str, Counter[tuple[str, str]]] = {}
+    for n in nodes:
+        if n.tokenizer_digest:
+            pairs.setdefault(n.model, Counter())[(n.tokenizer_digest, n.chat_template_digest)] += 1
+    out = []
+    for n in nodes:
+        ranked = pairs.get(n.model, Counter()).most_common(2)
+        clear = len(ranked) == 2 and ranked[0][1] > ranked[1][1]
+        odd = clear and bool(n.tokenizer_digest) and (n.tokenizer_digest, n.chat_template_digest) != ranked[0][0]
+        out.append(replace(n, digests_differ=odd))
+    return out
 
 
 async def _members(endpoints: Sequence[str], cluster: str, timeout_s: float) -> dict[str, Member]:
@@ -109,7 +130,7 @@ def collect(config: StatusConfig) -> ClusterStatus:
     members = asyncio.run(_members(endpoints, config.cluster, config.timeout_s))
     metrics = {str(p["name"]): str(p["metrics"]) for p in (state.processes if state else []) if p.get("metrics")}
     now = time.time()
-    nodes = sorted((node_status(m, metrics, now) for m in members.values()),
+    nodes = sorted(mark_odd_digests([node_status(m, metrics, now) for m in members.values()]),
                    key=lambda n: (n.role != "prefill", n.node_id))
     return ClusterStatus(config.cluster, endpoints, state.url if state else None,
                          state.launcher_pid if state else None, nodes)
@@ -123,13 +144,19 @@ def _fmt(value: Any, spec: str = "") -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _digests(n: NodeStatus) -> str:
+    if not n.tokenizer_digest:
+        return "-"
+    return f"{n.tokenizer_digest[:8]}/{n.chat_template_digest[:8]}" + (" (differ)" if n.digests_differ else "")
+
+
 def render(status: ClusterStatus, console: Console) -> None:
     """Prints the cluster header and the node table."""
     where = f"frontend {status.url}, launcher pid {status.launcher_pid}, " if status.url else ""
     console.print(f"cluster [bold]{status.cluster}[/bold]: {where}etcd {','.join(status.etcd_endpoints)}")
     table = Table(box=None, pad_edge=False)
     for column in ("role", "node", "model", "grpc", "kv", "metrics", "pid", "queue", "running", "in flight",
-                   "tok/s", "KV used", "KV %", "load age"):
+                   "tok/s", "KV used", "KV %", "load age", "tokenizer/template"):
         table.add_column(column, justify="right" if column in ("pid", "queue", "running", "in flight", "tok/s",
                                                                "KV used", "KV %", "load age") else "left")
     for n in status.nodes:
@@ -138,6 +165,7 @@ def render(status: ClusterStatus, console: Console) -> None:
             n.metrics_address or "-", str(n.pid), _fmt(n.queue_len), _fmt(n.running), _fmt(n.in_flight),
             _fmt(n.tokens_per_s, ".1f"), f"{_fmt(n.kv_blocks_used)}/{n.kv_blocks_total}",
             _fmt(None if n.kv_usage is None else 100 * n.kv_usage, ".1f"), _fmt(n.load_age_s, ".1f") + "s",
+            _digests(n),
         )
     console.print(table if status.nodes else "no node is registered")
 

@@ -229,11 +229,11 @@ class EmbeddingService:
                        headers={"retry-after": "1"})
 
     def members(self, pool: str) -> list[Member]:
-        view = self.fe.view
-        prefill = usable_prefill(view.members(role="prefill", model=pool))
+        nodes = self.fe.pool_members
+        prefill = usable_prefill(nodes.members("prefill", pool))
         if prefill:
             return prefill
-        return [m for m in view.members(role="decode", model=pool) if m.record.colocated and not m.draining]
+        return [m for m in nodes.members("decode", pool) if m.record.colocated and not m.draining]
 
     async def _tokenize(self, model: ServedModel, req: EmbeddingRequest, offload: bool) -> list[list[int]]:
         def run() -> list[list[int]]:

@@ -19,7 +19,7 @@ from typing import Any
 
 from pdserve.engine.model_config import ModelLoadError, parse_model_config, read_json
 from pdserve.engine.tokenizer import ChatTemplateError, Tokenizer
-from pdserve.engine.version import short_digest
+from pdserve.engine.version import chat_template_digest, tokenizer_digest
 from pdserve.frontend.config import ConfigError, ModelSpec
 from pdserve.frontend.errors import APIError, bad_request
 from pdserve.frontend.reasoning import ReasoningFormat, ReasoningFormatError, reasoning_format
@@ -110,8 +110,8 @@ class ServedModel:
     texts: TokenTexts
     max_context: int
     created: int
-    tokenizer_digest: str  # `engine.version.short_digest` of the tokenizer's JSON
-    chat_template_digest: str  # of the chat template ("" without one)
+    tokenizer_digest: str  # `engine.version.tokenizer_digest`; a node must publish the same one to serve it
+    chat_template_digest: str  # `engine.version.chat_template_digest` ("none" without a template); likewise
     reasoning: ReasoningFormat | None = None  # how its chat answers mark their thinking span (None: not split)
 
     @property
@@ -194,10 +194,8 @@ class ModelCatalog:
             limits = [x for x in (model_len, spec.max_context) if x is not None]
             if not limits:
                 raise ConfigError(f"model {spec.name!r}: no config.json in {path}; set max_context")
-            template = tokenizer.chat_template
-            served = ServedModel(spec, tokenizer, TokenTexts(tokenizer), min(limits), now,
-                                 short_digest(tokenizer.backend.to_str()),
-                                 short_digest(template) if template is not None else "", reasoning)
+            served = ServedModel(spec, tokenizer, TokenTexts(tokenizer), min(limits), now, tokenizer_digest(tokenizer),
+                                 chat_template_digest(tokenizer.chat_template), reasoning)
             self._versions.setdefault(spec.name, []).append(served)
             self._weights[(spec.name, spec.version)] = spec.weight
             self._credit[(spec.name, spec.version)] = 0.0

@@ -37,6 +37,7 @@ from pdserve.frontend.limits import TenantLimiter
 from pdserve.frontend.metrics import POOL, FrontendMetrics
 from pdserve.frontend.models import ModelCatalog
 from pdserve.frontend.output import choice_outputs
+from pdserve.frontend.pool_members import Digests, PoolMembers
 from pdserve.frontend.protocol import GenerationRequest
 from pdserve.frontend.render import DONE, StreamEncoder, error_event, full_response
 from pdserve.frontend.request_log import RequestLog
@@ -78,8 +79,9 @@ class Frontend:
         self._publish_weights()
         self.request_log = RequestLog(config.request_log)
         self.view = RegistryView(config.etcd_endpoints, config.cluster)
+        self.pool_members = PoolMembers(self.view, _pool_digests(self.catalog), self.metrics)
         self.router = Router(
-            lambda role, pool: self.view.members(role=role, model=pool),
+            self.pool_members.members,
             load_factor=config.load_factor,
             affinity_blocks=config.affinity_blocks,
             decode_max_queue=config.decode_max_queue,
@@ -117,6 +119,7 @@ class Frontend:
         """Starts the prepare workers and the registry watch; waits up to registry_sync_timeout_s for the
         first snapshot."""
         workers = asyncio.ensure_future(self.workers.start())
+        self.view.subscribe(self.pool_members.on_change)
         self.view.subscribe(self._on_view_change)
         await self.view.start(sync_timeout_s=None)
         deadline = time.monotonic() + self.config.registry_sync_timeout_s
@@ -262,7 +265,7 @@ class Frontend:
         for m in self.catalog.models:
             names = self.catalog.names_of(m)
             if tenant.may_use(*names):
-                fingerprints = sorted({mem.record.model_fingerprint for mem in self.view.members(model=m.pool)})
+                fingerprints = sorted({mem.record.model_fingerprint for mem in self.pool_members.members(None, m.pool)})
                 extra: dict[str, Any] = {"max_model_len": m.max_context, "pool": m.pool,
                          "model_fingerprint": fingerprints[0] if len(fingerprints) == 1 else None,
                          "tokenizer_digest": m.tokenizer_digest, "chat_template_digest": m.chat_template_digest,
@@ -367,6 +370,14 @@ class Frontend:
             job.trace.end(job, time.monotonic())
         self.inflight -= 1
         self.metrics.inflight_now.dec()
+
+
+def _pool_digests(catalog: ModelCatalog) -> dict[str, Digests]:
+    """pool -> the digests its nodes must publish (the first served model of a pool names them)."""
+    out: dict[str, Digests] = {}
+    for m in catalog.all_versions:
+        out.setdefault(m.pool, Digests(m.tokenizer_digest, m.chat_template_digest))
+    return out
 
 
 async def _changes(every_s: float, *paths: str) -> AsyncIterator[None]:

@@ -26,6 +26,7 @@ from grpc_health.v1.health import aio as health_aio
 from prometheus_client import disable_created_metrics
 
 from pdserve.engine.async_engine import AsyncEngine
+from pdserve.engine.version import chat_template_digest, tokenizer_digest
 from pdserve.kv_transfer import ChannelConfig, ChannelManager
 from pdserve.node_common.config import NodeConfig
 from pdserve.node_common.drain import Drainer, NodeControlServicer
@@ -164,6 +165,8 @@ def _record(ctx: NodeContext, port: int) -> NodeRecord:
         prefix_hash_seed=config.engine.prefix_hash_seed,
         capacity=NodeCapacity(engine.num_blocks, config.engine.max_num_seqs, config.engine.max_num_batched_tokens),
         colocated=config.prefills_every_prompt,
+        tokenizer_digest=tokenizer_digest(engine.tokenizer),
+        chat_template_digest=chat_template_digest(engine.tokenizer.chat_template),
     )
 
 

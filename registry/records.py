@@ -10,7 +10,9 @@ together when the node revokes its lease (clean shutdown) or stops refreshing it
 node_id is unique across roles within a cluster.
 
 Values are JSON objects carrying `"schema": SCHEMA_VERSION`. Readers ignore fields they don't know
-(newer writers may add some) and reject a record whose schema is newer than theirs.
+(newer writers may add some) and reject a record whose schema is newer than theirs. A field added within a
+schema has a default that means "not published", so records of older writers still read (e.g. a
+NodeRecord without `tokenizer_digest`: its tokenizer is unknown).
 """
 
 from __future__ import annotations
@@ -76,6 +78,10 @@ class NodeRecord:
     started_at: float = field(default_factory=time.time)  # unix seconds
     version: str = field(default_factory=_pdserve_version)  # pdserve version of the node
     colocated: bool = False  # a decode node that prefills every prompt itself (no prefill pool needed)
+    # `engine.version.tokenizer_digest` / `chat_template_digest` of what the node loaded; "" unknown (an
+    # older node). The frontend routes only to nodes whose digests are its own.
+    tokenizer_digest: str = ""
+    chat_template_digest: str = ""
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

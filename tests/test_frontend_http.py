@@ -24,7 +24,8 @@ import pytest
 import tokenizers
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.engine.version import pdserve_version, short_digest
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.engine.version import NO_CHAT_TEMPLATE, chat_template_digest, pdserve_version, tokenizer_digest
 from pdserve.frontend.tenants import hash_key
 from pdserve.registry import EtcdServer
 from pdserve.registry.etcd_server import free_port
@@ -718,10 +719,11 @@ def test_models_lists_every_name_and_describes_what_it_serves(env: Env) -> None:
     assert {"tiny-llama", "gpt-test", "slow-llama", "lonely"} <= set(ids)
     assert client.models.retrieve("gpt-test").id == "gpt-test"
     # Versions: what each name serves, as extra fields (the spec's Model allows them).
-    tok = tokenizers.Tokenizer.from_file(str(env.model_dir / "tokenizer.json"))
+    tok = Tokenizer(env.model_dir)
     entry = model_entry(env, "tiny-llama")
     assert entry["pool"] == "tiny-llama" and entry["max_model_len"] > 0
-    assert entry["tokenizer_digest"] == short_digest(tok.to_str()) and len(entry["chat_template_digest"]) == 16
+    assert entry["tokenizer_digest"] == tokenizer_digest(tok)
+    assert entry["chat_template_digest"] == chat_template_digest(tok.chat_template) != NO_CHAT_TEMPLATE
     assert entry["pdserve_version"] == pdserve_version() and entry["model_fingerprint"]
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("nope")
