@@ -10,7 +10,10 @@ and summed: about 15 bits, 254 times closer to the float product than int8 alone
 the integer work (the weight bytes are still read and decoded once per call), except that at up to
 ROW_MAX_M rows the 32-value types (Q8_0, Q4_0, Q4_1, Q5_0) round each activation to one int16 term
 instead (max |x| / 32767 per 32: the same precision, half the vector work of the two int8 terms, and
-about twice as fast as decoding each weight to float32); "int8" keeps one int8
+about twice as fast as decoding each weight to float32), and that from 8 rows (the extension's FLOAT_MIN_M)
+the portable and AVX2 paths take the activations as float32, unrounded, against the panel's weights
+decoded to float32 (on AVX2 FMA's rate matches the two int8 terms', so exact is also 5-30% faster; the
+AVX-512 VNNI panels keep the two int8 terms); "int8" keeps one int8
 term everywhere (llama.cpp's rounding, the fastest). At 1-2 activation rows one weight row at a time decoded in
 registers, at more in panels of 16 (8) rows decoded into vector lanes; see the source for the method. One binary serves every x86-64 CPU (compiled for the baseline ISA, no
 -march=native); its AVX2 and AVX-512 VNNI functions carry their own target attributes, and `choose_isa`
@@ -162,7 +165,8 @@ class QuantOps:
         per span of 32 (256 for the K types at up to ROW_MAX_M rows), so the result differs from the
         float product by at most sum over spans of d / 2 * sum |w| (d the span's scale, max |x| / 127),
         plus float32 rounding; with "int8x2" d is the residual's scale, at most the first's / 254 (at up
-        to ROW_MAX_M rows of a 32-value type the int16 scale, max |x| / 32767).
+        to ROW_MAX_M rows of a 32-value type the int16 scale, max |x| / 32767; from FLOAT_MIN_M rows on
+        the portable and AVX2 paths no rounding at all: the float panels).
         Called for every projection of every layer at each step: the checks are few attribute reads."""
         if x.dtype is not torch.float32 or not x.is_cpu or x.dim() != 2 or x.shape[1] != w.cols:
             raise ValueError(f"x must be float32 [M, {w.cols}] on the CPU for a {w.type_name} weight "

@@ -286,20 +286,42 @@ def test_int16_row_kernels_keep_int8x2_precision(type_name: str, isa: str) -> No
             check_matmul(ops.matmul(x, qw, bias), x, qw.dequantize(), bias, activations="int8x2")
 
 
+@pytest.mark.parametrize("isa", ("portable", "avx2"))
+@pytest.mark.parametrize("type_name", QUANT_TYPES)
+def test_float_panels_round_nothing(type_name: str, isa: str) -> None:
+    """int8x2 from FLOAT_MIN_M rows on the portable and AVX2 paths: the float panels take the float32
+    activations against dequantize()'s weights, so only float32 sums remain (no rounding_bound), over
+    odd widths, several tiles of packed rows, blocks of activation rows and a partial last panel."""
+    ops = _ops(isa, "int8x2")
+    assert load_quant_extension().FLOAT_MIN_M <= 8  # every shape below takes the float panels
+    gen = torch.Generator().manual_seed(21)
+    for i, (n, blocks, m) in enumerate([(13, 3, 8), (33, 2, 9), (17, 5, 23), (9, 1, 64), (40, 2, 77), (7, 3, 130)]):
+        k = _cols(type_name, blocks if block_layout(type_name)[0] == 256 else 8 * blocks + 1)
+        qw = random_weight(type_name, n, k, seed=300 + i)
+        bias = torch.randn(n, generator=gen) if i % 2 else None
+        x = torch.randn(m, k, generator=gen) * torch.rand(m, 1, generator=gen) * 4
+        check_matmul(ops.matmul(x, qw, bias), x, qw.dequantize(), bias, exact_x=True)
+
+
 @pytest.mark.parametrize("activations", ACTS)
 @pytest.mark.parametrize("type_name", QUANT_TYPES)
 def test_isa_paths_agree(type_name: str, activations: str) -> None:
     """Every path rounds the activations (and int8x2's residuals) alike and sums the same integers; only
-    float sums may differ."""
+    float sums may differ. But for the float panels (int8x2 from FLOAT_MIN_M rows), which the AVX-512 path
+    does not take: there it keeps the two int8 terms and is held to the float reference's bound."""
     paths = available_isas()
     k = _cols(type_name, 4 if block_layout(type_name)[0] == 256 else 24)
     qw = random_weight(type_name, 45, k, seed=5)
-    w_abs = qw.dequantize().double().abs()
-    for m in (2, 21):  # the row kernels and the panels
+    w = qw.dequantize()
+    w_abs = w.double().abs()
+    for m in (2, 5, 21):  # the row kernels, the int8x2 panels, the float panels
         x = torch.randn(m, k)
         results = {isa: _ops(isa, activations).matmul(x, qw) for isa in paths}
         scale = x.double().abs() @ w_abs.T
         for isa, y in results.items():
+            if isa == "avx512_vnni" and activations == "int8x2" and m == 21:
+                check_matmul(y, x, w, activations=activations)
+                continue
             err = (y.double() - results["portable"].double()).abs()
             assert torch.all(err <= 2 * FLOAT_RTOL * scale + 1e-30), (isa, m, (err / scale).max().item())
 

@@ -30,7 +30,9 @@
 // loads of each row transposed to lanes by unpacks, nibbles and high bits split, scales widened) a chunk
 // of groups at a time into an L1 buffer, and every activation row of a block of MB is dotted against it
 // there, so each weight byte is read from memory once per call and decoded once per MB activation rows.
-// OpenMP threads split the rows (panels).
+// Under int8x2 from FLOAT_MIN_M rows the portable and AVX2 paths take float panels instead: the decoded
+// lanes become dequantize()'s float32 values and meet the float32 activations, unrounded, in FMAs (see
+// run_avx2_float). OpenMP threads split the rows (panels).
 
 #include <pybind11/pybind11.h>
 
@@ -47,6 +49,7 @@
 #include <limits>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -344,6 +347,10 @@ inline void prefetch_rows(const uint8_t* const* rp, int rows, int64_t off, int64
     for (int64_t b = 0; b < len; b += 64) __builtin_prefetch(rp[r] + off + b, 0, 3);
 }
 
+constexpr int PACK_ROWS = 8;  // activation rows per packed tile of the AVX2 float panels (8 accumulators)
+// The fewest activation rows the float panels take under int8x2 (3-7 rows: the int8x2 panels).
+constexpr int FLOAT_MIN_M = 8;
+
 // What every kernel reads: the weight, the quantized activations, the output.
 struct Problem {
   int type;
@@ -354,6 +361,9 @@ struct Problem {
   float* out;
   int64_t ldo;
   const float* bias;  // [N] or null
+  const float* xf = nullptr;  // the float32 activations [M, ldx] (the portable float panels)
+  int64_t ldx = 0;
+  const float* xp = nullptr;  // the same packed by tiles of PACK_ROWS rows, [M / PACK_ROWS][K][PACK_ROWS] (AVX2)
 };
 
 // --------------------------------------------------------------------------------- portable path
@@ -481,6 +491,28 @@ void run_portable(const Problem& pb, int64_t n0, int64_t n1) {
           if (t.asym) acc += b[g] * xg[g].s;
         }
       }
+      pb.out[m * pb.ldo + n] = acc + (pb.bias ? pb.bias[n] : 0.f);
+    }
+  }
+}
+
+// The float panels' portable form: each weight row decoded to dequantize()'s float32 values (a * q + b,
+// a per group or half), dotted with every float32 activation row.
+void run_portable_float(const Problem& pb, int64_t n0, int64_t n1) {
+  const TypeInfo& t = TYPES[pb.type];
+  const int64_t groups = pb.k / 32;
+  std::vector<int16_t> q(pb.k);
+  std::vector<float> a(groups * 2), b(groups), w(pb.k);
+  for (int64_t n = n0; n < n1; ++n) {
+    decode_row_canonical(pb.type, pb.w + n * pb.row_bytes, pb.k, q.data(), a.data(), b.data());
+    for (int64_t e = 0; e < pb.k; ++e) {
+      const float v = (t.halves == 2 ? a[e / 16] : a[e / 32]) * float(q[e]);
+      w[e] = t.asym ? v + b[e / 32] : v;
+    }
+    for (int64_t m = 0; m < pb.m; ++m) {
+      const float* x = pb.xf + m * pb.ldx;
+      float acc = 0.f;
+      for (int64_t e = 0; e < pb.k; ++e) acc += x[e] * w[e];
       pb.out[m * pb.ldo + n] = acc + (pb.bias ? pb.bias[n] : 0.f);
     }
   }
@@ -1024,6 +1056,132 @@ PDQ_AVX2 void run_avx2(const Problem& pb, int64_t p0, int64_t p1) {
 }
 
 
+// The float panels (int8x2 from FLOAT_MIN_M rows): the AVX2 panel decode, each chunk's lanes then turned
+// into dequantize()'s float32 values, k by k (a vector holds one k of the panel's 8 rows), and every
+// float32 activation row (packed by tiles of PACK_ROWS, [k][row]) broadcast against them with FMA: no
+// activation rounding and no horizontal sums. On AVX2 the two int8 terms cost two PMADDUBSW passes where
+// FMA takes the floats at about the same rate, so the float panels are exact and, measured, 5-30% faster
+// from 8 rows (bench/quant_kernels.py); the weights are still read and decoded once per block of FLOAT_MB
+// activation rows.
+constexpr int FKC = 8;        // groups per float tile: 256 values, whole K-type blocks, 8 KiB of floats
+constexpr int FLOAT_MB = 64;  // activation rows per block (their outputs stay in the accumulator buffer)
+
+struct FloatTile {
+  alignas(64) float w[FKC * 32][8];  // [k][row]
+};
+
+// The decoded lanes of groups [0, gn) of `c` as float32 weights, as gguf's dequantize computes them.
+template <int TYPE>
+PDQ_AVX2 void float_tile_avx2(const Chunk<8>& c, int gn, FloatTile& t) {
+  constexpr TypeInfo ti = TYPES[TYPE];
+  const __m256i off = _mm256_set1_epi32(TYPE == Q8_0 ? 0 : ti.offset);  // Q8_0's lanes are signed already
+  const __m256i byte = _mm256_set1_epi32(0xFF);
+  for (int g = 0; g < gn; ++g) {
+    const __m256 b = ti.asym ? _mm256_load_ps(c.b[g]) : _mm256_setzero_ps();
+    for (int j = 0; j < 8; ++j) {
+      const __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(c.q[g][j]));
+      const __m256 a = _mm256_load_ps(c.a[ti.halves == 2 ? 2 * g + j / 4 : g]);
+      __m256i q[4];
+      if (TYPE == Q8_0) {
+        q[0] = _mm256_srai_epi32(_mm256_slli_epi32(v, 24), 24);
+        q[1] = _mm256_srai_epi32(_mm256_slli_epi32(v, 16), 24);
+        q[2] = _mm256_srai_epi32(_mm256_slli_epi32(v, 8), 24);
+        q[3] = _mm256_srai_epi32(v, 24);
+      } else {
+        q[0] = _mm256_sub_epi32(_mm256_and_si256(v, byte), off);
+        q[1] = _mm256_sub_epi32(_mm256_and_si256(_mm256_srli_epi32(v, 8), byte), off);
+        q[2] = _mm256_sub_epi32(_mm256_and_si256(_mm256_srli_epi32(v, 16), byte), off);
+        q[3] = _mm256_sub_epi32(_mm256_srli_epi32(v, 24), off);
+      }
+      for (int i = 0; i < 4; ++i) {
+        const __m256 f = _mm256_mul_ps(a, _mm256_cvtepi32_ps(q[i]));
+        _mm256_store_ps(t.w[32 * g + 4 * j + i], ti.asym ? _mm256_add_ps(f, b) : f);
+      }
+    }
+  }
+}
+
+PDQ_AVX2 void float_tile_any(int type, const Chunk<8>& c, int gn, FloatTile& t) {
+  switch (type) {
+    case Q8_0: float_tile_avx2<Q8_0>(c, gn, t); break;
+    case Q4_0: float_tile_avx2<Q4_0>(c, gn, t); break;
+    case Q4_1: float_tile_avx2<Q4_1>(c, gn, t); break;
+    case Q5_0: float_tile_avx2<Q5_0>(c, gn, t); break;
+    case Q4_K: float_tile_avx2<Q4_K>(c, gn, t); break;
+    case Q5_K: float_tile_avx2<Q5_K>(c, gn, t); break;
+    case Q6_K: float_tile_avx2<Q6_K>(c, gn, t); break;
+  }
+}
+
+// A thread's float panel buffers (thread_local: OpenMP's threads live across calls).
+struct FloatScratch {
+  Chunk<8> chunk;
+  FloatTile tile;
+  alignas(64) float acc[FLOAT_MB * 8];
+};
+
+// acc[i][0:8] += sum over kk < kn of xp[kk][i] * tile[kk] for R <= PACK_ROWS activation rows, xp one
+// packed tile of activation rows ([k][PACK_ROWS]: one pointer, the rows at fixed offsets).
+// Up to 4 rows take even and odd k in two sets of sums, so that 8 multiply-adds are in flight.
+template <int R>
+PDQ_AVX2 void float_rows_avx2(const FloatTile& t, int kn, const float* xp, float* acc) {
+  constexpr int S = R <= 4 ? 2 : 1;  // kn is a multiple of 32
+  __m256 A[S][R];
+  for (int i = 0; i < R; ++i) {
+    A[0][i] = _mm256_load_ps(acc + 8 * i);
+    if (S == 2) A[S - 1][i] = _mm256_setzero_ps();
+  }
+  for (int kk = 0; kk < kn; kk += S)
+    for (int u = 0; u < S; ++u) {
+      const __m256 w = _mm256_load_ps(t.w[kk + u]);
+      const float* xr = xp + PACK_ROWS * (kk + u);
+      for (int i = 0; i < R; ++i) A[u][i] = _mm256_fmadd_ps(_mm256_broadcast_ss(xr + i), w, A[u][i]);
+    }
+  for (int i = 0; i < R; ++i) _mm256_store_ps(acc + 8 * i, S == 2 ? _mm256_add_ps(A[0][i], A[S - 1][i]) : A[0][i]);
+}
+
+template <int... R>
+PDQ_AVX2 void float_rows_any(int rows, const FloatTile& t, int kn, const float* xp, float* acc,
+                             std::integer_sequence<int, R...>) {
+  ((rows == R + 1 ? float_rows_avx2<R + 1>(t, kn, xp, acc) : void()), ...);
+}
+
+PDQ_AVX2 void run_avx2_float(const Problem& pb, int64_t p0, int64_t p1) {
+  const TypeInfo& t = TYPES[pb.type];
+  const int64_t groups = pb.k / 32;
+  static thread_local FloatScratch scratch;
+  FloatScratch* sc = &scratch;  // one TLS lookup a call
+  Chunk<8>& chunk = sc->chunk;
+  FloatTile& tile = sc->tile;
+  float* acc = sc->acc;
+  const uint8_t* rp[8];
+  const int64_t chunk_bytes = int64_t(FKC) * 32 / t.block_values * t.block_bytes;
+  for (int64_t mb = 0; mb < pb.m; mb += FLOAT_MB) {
+    const int64_t me = std::min(pb.m, mb + FLOAT_MB);
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t n0 = p * 8;
+      for (int r = 0; r < 8; ++r) rp[r] = pb.w + std::min(n0 + r, pb.n - 1) * pb.row_bytes;
+      std::memset(acc, 0, sizeof(float) * 8 * (me - mb));
+      for (int64_t g0 = 0; g0 < groups; g0 += FKC) {
+        const int gn = int(std::min<int64_t>(FKC, groups - g0));
+        if (g0 + FKC < groups) prefetch_rows(rp, 8, (g0 + FKC) * 32 / t.block_values * t.block_bytes, chunk_bytes);
+        decode_avx2(pb.type, rp, g0, gn, chunk);
+        float_tile_any(pb.type, chunk, gn, tile);
+        for (int64_t m = mb; m < me; m += PACK_ROWS) {
+          const float* xp = pb.xp + (m / PACK_ROWS) * pb.k * PACK_ROWS + g0 * 32 * PACK_ROWS;
+          float_rows_any(int(std::min<int64_t>(PACK_ROWS, me - m)), tile, 32 * gn, xp, acc + 8 * (m - mb),
+                         std::make_integer_sequence<int, PACK_ROWS>{});
+        }
+      }
+      const int64_t nv = std::min<int64_t>(8, pb.n - n0);
+      const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(int(nv)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+      const __m256 bias = pb.bias ? _mm256_maskload_ps(pb.bias + n0, mask) : _mm256_setzero_ps();
+      for (int64_t m = mb; m < me; ++m)
+        _mm256_maskstore_ps(pb.out + m * pb.ldo + n0, mask, _mm256_add_ps(_mm256_load_ps(acc + 8 * (m - mb)), bias));
+    }
+  }
+}
+
 // ------------------------------------------------------------------------ row kernels (few activations)
 
 // At 1-4 activation rows a call is one pass over the weight bytes: each row's blocks are decoded in
@@ -1450,6 +1608,7 @@ void check_type(int type) {
 struct MatmulScratch {
   XQuant xq;
   std::vector<float> res, two;  // int8x2: the residuals [M, K]; the 2M outputs [2M, N]
+  std::vector<float> packed;    // the AVX2 float panels' packed activations
 };
 
 struct MatmulJob {
@@ -1460,7 +1619,7 @@ struct MatmulJob {
   float* out = nullptr;
   int64_t ldo = 0;
   const float* bias = nullptr;
-  bool by_rows = false, wide_rows = false, split = false;
+  bool by_rows = false, wide_rows = false, float_panels = false, split = false;
   int span = 32, offset = 0;
   MatmulScratch* s = nullptr;
   Problem pb{};
@@ -1484,7 +1643,10 @@ MatmulJob plan_matmul(int isa, int type, const float* x, int64_t m, int64_t ldx,
   j.by_rows = m <= std::min(row_max_m, ROW_MAX_M);
   // int8x2 at few rows of a 32-value type: the int16 row kernels (one int16 term of the same precision).
   j.wide_rows = activations == INT8X2 && j.by_rows && t.block_values == 32;
-  j.split = activations == INT8X2 && !j.wide_rows;
+  // int8x2 at more rows, in the portable and AVX2 panels: the float panels (float32 activations against
+  // the dequantized weights); the AVX-512 panels keep the two int8 terms (VPDPBUSD takes 64 products at once).
+  j.float_panels = activations == INT8X2 && !j.by_rows && m >= FLOAT_MIN_M && isa != AVX512_VNNI;
+  j.split = activations == INT8X2 && !j.wide_rows && !j.float_panels;
   const int64_t rows = j.split ? 2 * m : m;
   XQuant& xq = s.xq;
   xq.k = k;
@@ -1497,15 +1659,17 @@ MatmulJob plan_matmul(int isa, int type, const float* x, int64_t m, int64_t ldx,
   // The AVX2 code (the row kernels, the AVX2 panels) takes Q8_0's signed quants as they are (no offset);
   // the AVX-512 panels read them as q + 128.
   j.offset = (type == Q8_0 && (isa == AVX2 || j.by_rows)) ? 0 : t.offset;
-  if (!j.wide_rows && int64_t(xq.q.size()) < rows * k) xq.q.resize(rows * k);
+  if (!j.wide_rows && !j.float_panels && int64_t(xq.q.size()) < rows * k) xq.q.resize(rows * k);
   if (j.wide_rows && int64_t(xq.q16.size()) < m * k) xq.q16.resize(m * k);
   if (int64_t(xq.g.size()) < rows * xq.groups) xq.g.resize(rows * xq.groups);
   if (j.span == 256 && int64_t(xq.b.size()) < rows * xq.blocks) xq.b.resize(rows * xq.blocks);
   if (j.split && int64_t(s.res.size()) < m * k) s.res.resize(m * k);
+  const int64_t packed = (m + PACK_ROWS - 1) / PACK_ROWS * PACK_ROWS * k;
+  if (j.float_panels && isa == AVX2 && int64_t(s.packed.size()) < packed) s.packed.resize(packed);
   if (j.split && int64_t(s.two.size()) < rows * n) s.two.resize(rows * n);
   const int64_t row_bytes = k / t.block_values * t.block_bytes;
   j.pb = Problem{type, w, n, k, row_bytes, &xq, rows,
-                 j.split ? s.two.data() : out, j.split ? n : ldo, j.split ? nullptr : bias};
+                 j.split ? s.two.data() : out, j.split ? n : ldo, j.split ? nullptr : bias, x, ldx, s.packed.data()};
   const int64_t lanes = j.by_rows || isa == PORTABLE ? 1 : isa == AVX512_VNNI ? 16 : 8;
   j.units = (n + lanes - 1) / lanes;
   j.work = n * xq.groups * (m + 4);
@@ -1515,6 +1679,17 @@ MatmulJob plan_matmul(int isa, int type, const float* x, int64_t m, int64_t ldx,
 // Activation rows [r0, r1) of x rounded to int8 (both passes under int8x2).
 void quantize_part(const MatmulJob& j, int64_t r0, int64_t r1) {
   if (r0 >= r1) return;
+  if (j.float_panels) {
+    // AVX2: rows into their packed tiles, [k][PACK_ROWS] (the portable panels read x as it is).
+    if (j.isa == PORTABLE) return;
+    float* xp = j.s->packed.data();
+    for (int64_t m = r0; m < r1; ++m) {
+      const float* xr = j.x + m * j.ldx;
+      float* dst = xp + (m / PACK_ROWS) * j.k * PACK_ROWS + m % PACK_ROWS;
+      for (int64_t e = 0; e < j.k; ++e) dst[e * PACK_ROWS] = xr[e];
+    }
+    return;
+  }
   XQuant& xq = j.s->xq;
   if (j.wide_rows) {
 #if PDQ_X86
@@ -1544,10 +1719,13 @@ void run_part(const MatmulJob& j, int64_t u0, int64_t u1) {
   const Problem& pb = j.pb;
   if (j.isa == PORTABLE) {
     if (j.wide_rows) run_portable_wide(pb, u0, u1);
+    else if (j.float_panels) run_portable_float(pb, u0, u1);
     else run_portable(pb, u0, u1);
 #if PDQ_X86
   } else if (j.wide_rows) {
     run_rows_wide_avx2(pb, u0, u1);
+  } else if (j.float_panels) {
+    run_avx2_float(pb, u0, u1);
   } else if (j.by_rows) {
     run_rows_avx2(pb, u0, u1);
   } else if (j.isa == AVX512_VNNI) {
@@ -1896,26 +2074,63 @@ struct KvView {
   int64_t row_elems = 0;  // Hkv * D
 };
 
+
 #if PDQ_X86
-// out[0, width) = inv * sum over t < ctx of p[t] * V row t's columns [col, col + width) (width a multiple of
-// 8, at most 64): the accumulators stay in registers over the whole context, the block table walked a
-// block at a time.
-PDQ_AVX2 void pv_rows_avx2(const float* p, float inv, const float* v_cache, const int32_t* table, int64_t bs,
-                           int64_t row_elems, int64_t col, int64_t width, int64_t ctx, float* out) {
-  __m256 acc[8];
-  const int nv = int(width / 8);
-  for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
-  for (int64_t t0 = 0; t0 < ctx; t0 += bs) {
-    const float* base = v_cache + int64_t(table[t0 / bs]) * bs * row_elems + col;
-    const int64_t n = std::min(bs, ctx - t0);
-    for (int64_t o = 0; o < n; ++o) {
-      const float* vr = base + o * row_elems;
-      const __m256 pt = _mm256_set1_ps(p[t0 + o]);
-      for (int j = 0; j < nv; ++j) acc[j] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vr + 8 * j), acc[j]);
+// sc[g * ld + t0 + i] = scale * q_g . K row i for i < n (n <= 8 rows `kr`, d a multiple of 8, at most 64)
+// and query heads g < G: the query's vectors stay in registers, each K row is read once per head from L1,
+// and the 8 dot products of a head leave as one vector (a tree of horizontal adds, no per-token sums).
+PDQ_AVX2 void qk8_avx2(const float* q, int64_t G, int64_t d, const float* const* kr, int n, float scale, float* sc,
+                       int64_t ld, int64_t t0) {
+  const int nv = int(d / 8);
+  const __m256 s = _mm256_set1_ps(scale);
+  for (int64_t g = 0; g < G; ++g) {
+    __m256 qv[8];
+    for (int j = 0; j < nv; ++j) qv[j] = _mm256_loadu_ps(q + g * d + 8 * j);
+    __m256 a[8];
+    for (int i = 0; i < 8; ++i) {
+      a[i] = _mm256_mul_ps(qv[0], _mm256_loadu_ps(kr[i]));
+      for (int j = 1; j < nv; ++j) a[i] = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(kr[i] + 8 * j), a[i]);
+    }
+    const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    const __m256 sum = _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20),
+                                     _mm256_permute2f128_ps(s0123, s4567, 0x31));
+    alignas(32) float out[8];
+    _mm256_store_ps(out, _mm256_mul_ps(sum, s));
+    for (int i = 0; i < n; ++i) sc[g * ld + t0 + i] = out[i];
+  }
+}
+
+// out[g, :d] = inv[g] * sum over t < ctx of p[g, t] * V row t, for query heads g < G, float32 V rows of
+// d <= MAX_HEAD_DIM values: three heads and 32 columns at a time (12 sums in registers), so each V row is
+// read from memory once for the whole group.
+PDQ_AVX2 void pv_group_avx2(const float* p, int64_t ld, const float* inv, int64_t G, const float* v_cache,
+                            const int32_t* table, int64_t bs, int64_t row_elems, int64_t col, int64_t d, int64_t ctx,
+                            float* out) {
+  for (int64_t g0 = 0; g0 < G; g0 += 3) {
+    const int gn = int(std::min<int64_t>(3, G - g0));
+    for (int64_t c0 = 0; c0 < d; c0 += 32) {
+      const int nv = int(std::min<int64_t>(32, d - c0) / 8);
+      __m256 acc[3][4];
+      for (int g = 0; g < 3; ++g)
+        for (int j = 0; j < 4; ++j) acc[g][j] = _mm256_setzero_ps();
+      for (int64_t t0 = 0; t0 < ctx; t0 += bs) {
+        const float* base = v_cache + int64_t(table[t0 / bs]) * bs * row_elems + col + c0;
+        const int64_t n = std::min(bs, ctx - t0);
+        for (int64_t o = 0; o < n; ++o) {
+          const float* vr = base + o * row_elems;
+          for (int g = 0; g < gn; ++g) {
+            const __m256 pt = _mm256_set1_ps(p[(g0 + g) * ld + t0 + o]);
+            for (int j = 0; j < nv; ++j) acc[g][j] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vr + 8 * j), acc[g][j]);
+          }
+        }
+      }
+      for (int g = 0; g < gn; ++g) {
+        const __m256 s = _mm256_set1_ps(inv[g0 + g]);
+        for (int j = 0; j < nv; ++j) _mm256_storeu_ps(out + (g0 + g) * d + c0 + 8 * j, _mm256_mul_ps(acc[g][j], s));
+      }
     }
   }
-  const __m256 s = _mm256_set1_ps(inv);
-  for (int j = 0; j < nv; ++j) _mm256_storeu_ps(out + 8 * j, _mm256_mul_ps(acc[j], s));
 }
 #endif
 
@@ -1935,10 +2150,23 @@ void attend_unit(const VecOps& v, const StackGeometry& gm, const KvView& kv, con
     for (int64_t i = 0; i < d; ++i) row[i] = bf16_to_float(b[i]);
     return row.data();
   };
-  for (int64_t t = 0; t < ctx; ++t) {
-    const float* k = kv_row(kl, t);
-    for (int64_t g = 0; g < g_heads; ++g) sc[g * ctx + t] = v.dot(q + g * d, k, d) * gm.scale;
+  // float32 rows on AVX2: one query group against 8 K rows at a time, the V rows once for the group.
+  const bool f32_avx2 = PDQ_X86 && v.avx2 && kv.es == 4 && d % 8 == 0 && d <= 64;
+#if PDQ_X86
+  if (f32_avx2) {
+    const float* kr[8];
+    for (int64_t t0 = 0; t0 < ctx; t0 += 8) {
+      const int n = int(std::min<int64_t>(8, ctx - t0));
+      for (int i = 0; i < 8; ++i) kr[i] = kv_row(kl, t0 + std::min(i, n - 1));
+      qk8_avx2(q, g_heads, d, kr, n, gm.scale, sc.data(), ctx, t0);
+    }
   }
+#endif
+  if (!f32_avx2)
+    for (int64_t t = 0; t < ctx; ++t) {
+      const float* k = kv_row(kl, t);
+      for (int64_t g = 0; g < g_heads; ++g) sc[g * ctx + t] = v.dot(q + g * d, k, d) * gm.scale;
+    }
   float inv[MAX_GROUP_HEADS];
   for (int64_t g = 0; g < g_heads; ++g) {
     float* s = sc.data() + g * ctx;
@@ -1952,11 +2180,9 @@ void attend_unit(const VecOps& v, const StackGeometry& gm, const KvView& kv, con
     std::memset(out + g * d, 0, d * sizeof(float));
   }
 #if PDQ_X86
-  if (v.avx2 && kv.es == 4 && d % 8 == 0) {  // float32 rows: the weighted sum in registers
-    for (int64_t g = 0; g < g_heads; ++g)
-      for (int64_t c0 = 0; c0 < d; c0 += 64)
-        pv_rows_avx2(sc.data() + g * ctx, inv[g], reinterpret_cast<const float*>(vl), table, kv.bs, kv.row_elems,
-                     kvh * d + c0, std::min<int64_t>(64, d - c0), ctx, out + g * d + c0);
+  if (v.avx2 && kv.es == 4 && d % 8 == 0) {  // float32 rows: the weighted sums in registers
+    pv_group_avx2(sc.data(), ctx, inv, g_heads, reinterpret_cast<const float*>(vl), table, kv.bs, kv.row_elems,
+                  kvh * d, d, ctx, out);
     return;
   }
 #endif
@@ -2165,6 +2391,7 @@ void decode_layers(int isa, int activations, int threads, uintptr_t plan_ptr, in
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "GGUF block-quantized matmul and embedding kernels (pdserve.kernels.quant_ops)";
+  m.attr("FLOAT_MIN_M") = FLOAT_MIN_M;
   m.def("isa_supported", &isa_supported, "whether this CPU can run ISA path i (0 portable, 1 avx2, 2 avx512_vnni)");
   m.def("matmul", &matmul, py::call_guard<py::gil_scoped_release>());
   m.def("embedding", &embedding, py::call_guard<py::gil_scoped_release>());
