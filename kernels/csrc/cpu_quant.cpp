@@ -347,7 +347,7 @@ inline void prefetch_rows(const uint8_t* const* rp, int rows, int64_t off, int64
     for (int64_t b = 0; b < len; b += 64) __builtin_prefetch(rp[r] + off + b, 0, 3);
 }
 
-constexpr int PACK_ROWS = 8;  // activation rows per packed tile of the AVX2 float panels (8 accumulators)
+constexpr int PACK_ROWS = 6;  // activation rows per packed tile of the AVX2 float panels (6 x 2 accumulators)
 // The fewest activation rows the float panels take under int8x2 (3-7 rows: the int8x2 panels).
 constexpr int FLOAT_MIN_M = 8;
 
@@ -1064,15 +1064,19 @@ PDQ_AVX2 void run_avx2(const Problem& pb, int64_t p0, int64_t p1) {
 // from 8 rows (bench/quant_kernels.py); the weights are still read and decoded once per block of FLOAT_MB
 // activation rows.
 constexpr int FKC = 8;        // groups per float tile: 256 values, whole K-type blocks, 8 KiB of floats
-constexpr int FLOAT_MB = 64;  // activation rows per block (their outputs stay in the accumulator buffer)
+constexpr int FLOAT_MB = 10 * PACK_ROWS;  // activation rows per block (whole packed tiles; outputs in the accumulators)
+static_assert(FLOAT_MB % PACK_ROWS == 0, "a block of activation rows is whole packed tiles");
+
+constexpr int FLOAT_ROWS = 16;  // weight rows per float panel: two vectors, two AVX2 panel decodes
 
 struct FloatTile {
-  alignas(64) float w[FKC * 32][8];  // [k][row]
+  alignas(64) float w[FKC * 32][FLOAT_ROWS];  // [k][row]
 };
 
 // The decoded lanes of groups [0, gn) of `c` as float32 weights, as gguf's dequantize computes them.
+// Into rows [half * 8, half * 8 + 8) of the tile.
 template <int TYPE>
-PDQ_AVX2 void float_tile_avx2(const Chunk<8>& c, int gn, FloatTile& t) {
+PDQ_AVX2 void float_tile_avx2(const Chunk<8>& c, int gn, FloatTile& t, int half) {
   constexpr TypeInfo ti = TYPES[TYPE];
   const __m256i off = _mm256_set1_epi32(TYPE == Q8_0 ? 0 : ti.offset);  // Q8_0's lanes are signed already
   const __m256i byte = _mm256_set1_epi32(0xFF);
@@ -1095,21 +1099,21 @@ PDQ_AVX2 void float_tile_avx2(const Chunk<8>& c, int gn, FloatTile& t) {
       }
       for (int i = 0; i < 4; ++i) {
         const __m256 f = _mm256_mul_ps(a, _mm256_cvtepi32_ps(q[i]));
-        _mm256_store_ps(t.w[32 * g + 4 * j + i], ti.asym ? _mm256_add_ps(f, b) : f);
+        _mm256_store_ps(t.w[32 * g + 4 * j + i] + 8 * half, ti.asym ? _mm256_add_ps(f, b) : f);
       }
     }
   }
 }
 
-PDQ_AVX2 void float_tile_any(int type, const Chunk<8>& c, int gn, FloatTile& t) {
+PDQ_AVX2 void float_tile_any(int type, const Chunk<8>& c, int gn, FloatTile& t, int half) {
   switch (type) {
-    case Q8_0: float_tile_avx2<Q8_0>(c, gn, t); break;
-    case Q4_0: float_tile_avx2<Q4_0>(c, gn, t); break;
-    case Q4_1: float_tile_avx2<Q4_1>(c, gn, t); break;
-    case Q5_0: float_tile_avx2<Q5_0>(c, gn, t); break;
-    case Q4_K: float_tile_avx2<Q4_K>(c, gn, t); break;
-    case Q5_K: float_tile_avx2<Q5_K>(c, gn, t); break;
-    case Q6_K: float_tile_avx2<Q6_K>(c, gn, t); break;
+    case Q8_0: float_tile_avx2<Q8_0>(c, gn, t, half); break;
+    case Q4_0: float_tile_avx2<Q4_0>(c, gn, t, half); break;
+    case Q4_1: float_tile_avx2<Q4_1>(c, gn, t, half); break;
+    case Q5_0: float_tile_avx2<Q5_0>(c, gn, t, half); break;
+    case Q4_K: float_tile_avx2<Q4_K>(c, gn, t, half); break;
+    case Q5_K: float_tile_avx2<Q5_K>(c, gn, t, half); break;
+    case Q6_K: float_tile_avx2<Q6_K>(c, gn, t, half); break;
   }
 }
 
@@ -1117,27 +1121,32 @@ PDQ_AVX2 void float_tile_any(int type, const Chunk<8>& c, int gn, FloatTile& t) 
 struct FloatScratch {
   Chunk<8> chunk;
   FloatTile tile;
-  alignas(64) float acc[FLOAT_MB * 8];
+  alignas(64) float acc[FLOAT_MB * FLOAT_ROWS];
 };
 
-// acc[i][0:8] += sum over kk < kn of xp[kk][i] * tile[kk] for R <= PACK_ROWS activation rows, xp one
-// packed tile of activation rows ([k][PACK_ROWS]: one pointer, the rows at fixed offsets).
-// Up to 4 rows take even and odd k in two sets of sums, so that 8 multiply-adds are in flight.
+// acc[i][0:16] += sum over kk < kn of xp[kk][i] * tile[kk] for R <= PACK_ROWS activation rows, xp one
+// packed tile of activation rows ([k][PACK_ROWS]: one pointer, the rows at fixed offsets): per k two
+// weight vectors and R broadcasts feed 2R multiply-adds.
 template <int R>
 PDQ_AVX2 void float_rows_avx2(const FloatTile& t, int kn, const float* xp, float* acc) {
-  constexpr int S = R <= 4 ? 2 : 1;  // kn is a multiple of 32
-  __m256 A[S][R];
+  __m256 A[R][2];
   for (int i = 0; i < R; ++i) {
-    A[0][i] = _mm256_load_ps(acc + 8 * i);
-    if (S == 2) A[S - 1][i] = _mm256_setzero_ps();
+    A[i][0] = _mm256_load_ps(acc + FLOAT_ROWS * i);
+    A[i][1] = _mm256_load_ps(acc + FLOAT_ROWS * i + 8);
   }
-  for (int kk = 0; kk < kn; kk += S)
-    for (int u = 0; u < S; ++u) {
-      const __m256 w = _mm256_load_ps(t.w[kk + u]);
-      const float* xr = xp + PACK_ROWS * (kk + u);
-      for (int i = 0; i < R; ++i) A[u][i] = _mm256_fmadd_ps(_mm256_broadcast_ss(xr + i), w, A[u][i]);
+  for (int kk = 0; kk < kn; ++kk) {
+    const __m256 w0 = _mm256_load_ps(t.w[kk]), w1 = _mm256_load_ps(t.w[kk] + 8);
+    const float* xr = xp + PACK_ROWS * kk;
+    for (int i = 0; i < R; ++i) {
+      const __m256 xv = _mm256_broadcast_ss(xr + i);
+      A[i][0] = _mm256_fmadd_ps(xv, w0, A[i][0]);
+      A[i][1] = _mm256_fmadd_ps(xv, w1, A[i][1]);
     }
-  for (int i = 0; i < R; ++i) _mm256_store_ps(acc + 8 * i, S == 2 ? _mm256_add_ps(A[0][i], A[S - 1][i]) : A[0][i]);
+  }
+  for (int i = 0; i < R; ++i) {
+    _mm256_store_ps(acc + FLOAT_ROWS * i, A[i][0]);
+    _mm256_store_ps(acc + FLOAT_ROWS * i + 8, A[i][1]);
+  }
 }
 
 template <int... R>
@@ -1154,30 +1163,42 @@ PDQ_AVX2 void run_avx2_float(const Problem& pb, int64_t p0, int64_t p1) {
   Chunk<8>& chunk = sc->chunk;
   FloatTile& tile = sc->tile;
   float* acc = sc->acc;
-  const uint8_t* rp[8];
+  const uint8_t* rp[FLOAT_ROWS];
   const int64_t chunk_bytes = int64_t(FKC) * 32 / t.block_values * t.block_bytes;
   for (int64_t mb = 0; mb < pb.m; mb += FLOAT_MB) {
     const int64_t me = std::min(pb.m, mb + FLOAT_MB);
     for (int64_t p = p0; p < p1; ++p) {
-      const int64_t n0 = p * 8;
-      for (int r = 0; r < 8; ++r) rp[r] = pb.w + std::min(n0 + r, pb.n - 1) * pb.row_bytes;
-      std::memset(acc, 0, sizeof(float) * 8 * (me - mb));
+      const int64_t n0 = p * FLOAT_ROWS;
+      for (int r = 0; r < FLOAT_ROWS; ++r) rp[r] = pb.w + std::min(n0 + r, pb.n - 1) * pb.row_bytes;
+      const int halves = pb.n - n0 > 8 ? 2 : 1;  // a last panel of at most 8 rows decodes one half
+      std::memset(acc, 0, sizeof(float) * FLOAT_ROWS * (me - mb));
       for (int64_t g0 = 0; g0 < groups; g0 += FKC) {
         const int gn = int(std::min<int64_t>(FKC, groups - g0));
-        if (g0 + FKC < groups) prefetch_rows(rp, 8, (g0 + FKC) * 32 / t.block_values * t.block_bytes, chunk_bytes);
-        decode_avx2(pb.type, rp, g0, gn, chunk);
-        float_tile_any(pb.type, chunk, gn, tile);
+        if (g0 + FKC < groups)
+          prefetch_rows(rp, 8 * halves, (g0 + FKC) * 32 / t.block_values * t.block_bytes, chunk_bytes);
+        for (int h = 0; h < 2; ++h) {
+          if (h < halves) {
+            decode_avx2(pb.type, rp + 8 * h, g0, gn, chunk);
+            float_tile_any(pb.type, chunk, gn, tile, h);
+          } else {
+            for (int kk = 0; kk < 32 * gn; ++kk) _mm256_store_ps(tile.w[kk] + 8, _mm256_setzero_ps());
+          }
+        }
         for (int64_t m = mb; m < me; m += PACK_ROWS) {
           const float* xp = pb.xp + (m / PACK_ROWS) * pb.k * PACK_ROWS + g0 * 32 * PACK_ROWS;
-          float_rows_any(int(std::min<int64_t>(PACK_ROWS, me - m)), tile, 32 * gn, xp, acc + 8 * (m - mb),
+          float_rows_any(int(std::min<int64_t>(PACK_ROWS, me - m)), tile, 32 * gn, xp, acc + FLOAT_ROWS * (m - mb),
                          std::make_integer_sequence<int, PACK_ROWS>{});
         }
       }
-      const int64_t nv = std::min<int64_t>(8, pb.n - n0);
-      const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(int(nv)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-      const __m256 bias = pb.bias ? _mm256_maskload_ps(pb.bias + n0, mask) : _mm256_setzero_ps();
-      for (int64_t m = mb; m < me; ++m)
-        _mm256_maskstore_ps(pb.out + m * pb.ldo + n0, mask, _mm256_add_ps(_mm256_load_ps(acc + 8 * (m - mb)), bias));
+      for (int h = 0; h < halves; ++h) {
+        const int64_t c0 = n0 + 8 * h;
+        const int64_t nv = std::min<int64_t>(8, pb.n - c0);
+        const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(int(nv)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        const __m256 bias = pb.bias ? _mm256_maskload_ps(pb.bias + c0, mask) : _mm256_setzero_ps();
+        for (int64_t m = mb; m < me; ++m)
+          _mm256_maskstore_ps(pb.out + m * pb.ldo + c0, mask,
+                              _mm256_add_ps(_mm256_load_ps(acc + FLOAT_ROWS * (m - mb) + 8 * h), bias));
+      }
     }
   }
 }
@@ -1670,7 +1691,7 @@ MatmulJob plan_matmul(int isa, int type, const float* x, int64_t m, int64_t ldx,
   const int64_t row_bytes = k / t.block_values * t.block_bytes;
   j.pb = Problem{type, w, n, k, row_bytes, &xq, rows,
                  j.split ? s.two.data() : out, j.split ? n : ldo, j.split ? nullptr : bias, x, ldx, s.packed.data()};
-  const int64_t lanes = j.by_rows || isa == PORTABLE ? 1 : isa == AVX512_VNNI ? 16 : 8;
+  const int64_t lanes = j.by_rows || isa == PORTABLE ? 1 : isa == AVX512_VNNI || j.float_panels ? 16 : 8;
   j.units = (n + lanes - 1) / lanes;
   j.work = n * xq.groups * (m + 4);
   return j;
