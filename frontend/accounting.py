@@ -13,7 +13,8 @@ from pdserve.engine.version import pdserve_version
 from pdserve.frontend.config import FrontendConfig
 from pdserve.frontend.errors import APIError
 from pdserve.frontend.job import ENDPOINTS, Choice, Job, first_to_token, serving_path
-from pdserve.frontend.metrics import FrontendMetrics
+from pdserve.frontend.metrics import POOL, FrontendMetrics
+from pdserve.frontend.protocol import GenerationRequest, SamplingOptions
 from pdserve.frontend.request_log import RequestLog
 
 
@@ -41,11 +42,14 @@ class Accounting:
     def reject(self, kind: str, tenant: str | None, err: APIError, client_id: str | None) -> None:
         """Accounts a request refused before it started (metrics and a request log line)."""
         endpoint = ENDPOINTS[kind]
-        self._metrics.requests.labels("frontend", self._config.frontend_id, "", "", endpoint, str(err.status),
-                                     "rejected").inc()
+        base = (POOL, self._config.frontend_id, "", "")
+        self._metrics.requests.labels(*base, endpoint, str(err.status), "rejected").inc()
+        if tenant is not None:  # None: refused before a tenant was known (authentication)
+            self._metrics.observe_tenant(base, tenant, None, err.status, err.code)
         self._log.write({"ts": time.time(), "request_id": None, "client_request_id": client_id,
                                 "tenant": tenant, "endpoint": endpoint, "status": err.status,
-                                "error": err.message, "error_code": err.code, "trace_id": err.trace_id})
+                                "error": err.message, "error_code": err.code, "error_type": err.type,
+                                "trace_id": err.trace_id})
 
     def end(self, job: Job) -> int:
         """Ends a job exactly once (later calls do nothing): cancels calls still running upstream,
@@ -78,8 +82,11 @@ class Accounting:
         for c in job.choices:
             if c.progress.first_at is not None:
                 m.choices.labels(*lbl, serving_path(c)).inc()
-        m.tokens.labels(*lbl, job.tenant.name, "prompt").inc(sum(len(p) for p in job.prompts))
+        prompt = sum(len(p) for p in job.prompts)
+        m.tokens.labels(*lbl, job.tenant.name, "prompt").inc(prompt)
         m.tokens.labels(*lbl, job.tenant.name, "completion").inc(completion)
+        m.observe_request_tokens(name, prompt, completion)
+        m.observe_tenant(lbl, job.tenant.name, lat.ttft, lat.status, None if job.error is None else job.error.code)
         m.observe_latencies(name, lat.ttft, lat.itls, lat.tpot, lat.e2e, lat.queue)
         if lat.breakdown:
             m.observe_ttft_breakdown(name, lat.breakdown)
@@ -145,8 +152,11 @@ def _log_record(job: Job, lat: Latencies, completion: int) -> dict[str, Any]:
         "status": lat.status,
         "finish_reasons": [c.progress.finish_reason for c in job.choices],
         "error": None if job.error is None else job.error.message,
+        "error_code": None if job.error is None else job.error.code,
+        "error_type": None if job.error is None else job.error.type,
         "stream": job.req.stream,
         "n": job.req.n,
+        "sampling": _sampling_record(job.req),
         "prompt_tokens": sum(len(p) for p in job.prompts),
         "completion_tokens": completion,
         "cached_tokens": [c.progress.cached_tokens for c in job.choices],
@@ -163,6 +173,28 @@ def _log_record(job: Job, lat: Latencies, completion: int) -> dict[str, Any]:
     if job.prompt_log is not None:
         record["prompt"] = job.prompt_log
     return record
+
+
+_SAMPLING_DEFAULTS = SamplingOptions()
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty",
+                    "repetition_penalty", "max_tokens")
+
+
+def _sampling_record(req: GenerationRequest) -> dict[str, Any]:
+    """The sampling parameters the request set (those differing from the defaults), never text: `stop`
+    only says whether stop sequences were given, `max_tokens` is keyed by the field it came from
+    (max_tokens, max_completion_tokens, max_output_tokens); `n` when above 1."""
+    s = req.sampling
+    out: dict[str, Any] = {}
+    for name in _SAMPLING_FIELDS:
+        value = getattr(s, name)
+        if value != getattr(_SAMPLING_DEFAULTS, name):
+            out[req.max_tokens_param if name == "max_tokens" else name] = value
+    if req.n != 1:
+        out["n"] = req.n
+    if s.stop:
+        out["stop"] = True
+    return out
 
 
 def _ttft_breakdown(job: Job) -> dict[str, float]:

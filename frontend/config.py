@@ -256,6 +256,9 @@ class FrontendConfig:
     batch_latency_budget: Annotated[float, Gt(0)] = 0.05
     batch_lease_s: Annotated[float, Gt(0)] = 30.0
     log_prompts: bool = False
+    # Per-tenant metrics (pdserve_frontend_tenant_*): this many tenants (the most requests) keep their own
+    # `tenant` label, the rest are counted under tenant="other".
+    metrics_tenant_series: Annotated[int, Ge(0)] = 20
     session_header: str = "x-session-id"  # session affinity key header ("" disables the header)
     user_affinity: bool = True  # use the request's `user` field as the session key when no header is set
     affinity_blocks: Annotated[int, Ge(1)] = 1  # leading prompt blocks hashed for prefill prefix affinity
@@ -341,6 +344,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_admission_flags(p)
     p.add_argument("--request-log", default="-", help="'-' for stderr, a file path, or 'off'")
     p.add_argument("--log-prompts", action="store_true", help="include prompt text in the request log")
+    p.add_argument("--metrics-tenant-series", type=int, default=20, metavar="N",
+                   help="per-tenant metrics: the N tenants with the most requests keep their own tenant label, "
+                        "the rest are counted under tenant=\"other\" (default 20)")
     p.add_argument("--response-store", default=None,
                    help="stored responses of /v1/responses: an SQLite path, sqlite:///path, or postgresql://... "
                         "shared by every frontend (default: ~/.local/state/pdserve/responses.db)")
@@ -413,7 +419,7 @@ _RENAMED = {"tenants": "tenants_file", "models": "models_file", "body_timeout": 
 _SAME = ("cluster", "host", "port", "limit_share", "limit_share_index", "output_estimate", "max_body_bytes",
          "max_header_bytes", "max_messages", "max_stop_strings", "max_stop_chars", "max_schema_bytes",
          "max_prompt_chars", "max_inflight", "batch_inflight_fraction", "sse_keepalive_s", "prepare_queue",
-         "prepare_inline_bytes", "ttft_headroom", "log_prompts", "affinity_blocks", "load_factor", "decode_max_queue",
+         "prepare_inline_bytes", "ttft_headroom", "log_prompts", "metrics_tenant_series", "affinity_blocks", "load_factor", "decode_max_queue",
          "upstream_attempts", "max_migrations", "log_level", "response_ttl_s", "max_file_bytes",
          "batch_max_inflight", "batch_lease_s",
          "batch_latency_budget", "tls_cert", "tls_key")

@@ -3,12 +3,17 @@
 Every series carries pool="frontend" and node=<frontend id>, so dashboards can put the frontend next to
 the prefill and decode pools. Latencies are observed once per request when it ends, which keeps the
 per-token path free of metric calls.
+
+Per-tenant series (`pdserve_frontend_tenant_*`) keep their cardinality bounded: at most `tenant_series`
+tenants (the most requests) carry their own `tenant` label, every other tenant is counted under
+tenant="other" (`TenantLabels`).
 """
 
 from __future__ import annotations
 
 import platform
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -18,13 +23,53 @@ from pdserve.frontend.models import ServedModel
 POOL = "frontend"
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 _TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
+_TOKEN_COUNT_BUCKETS = tuple(float(16 << i) for i in range(12))  # 16, 32, ..., 32768 tokens
+OTHER_TENANT = "other"
+DEFAULT_TENANT_SERIES = 20
+
+
+class TenantLabels:
+    """The `tenant` label value of the per-tenant series: a tenant's own name while it is among the
+    `limit` tenants with the most requests (counted over the process's life), else "other".
+
+    Seats fill first come, first served; once all are taken, a tenant outside takes the seat of the seated
+    tenant with the fewest requests when it has more than twice as many (the margin keeps two tenants of
+    similar traffic from trading the seat back and forth). The displaced tenant's series are removed
+    (`on_evict`) and it is counted under "other" from then on, so at most limit + 1 values ever exist."""
+
+    def __init__(self, limit: int, on_evict: Callable[[str], None] | None = None) -> None:
+        self.limit = max(0, limit)
+        self.counts: dict[str, int] = {}
+        self.seated: set[str] = set()
+        self._on_evict = on_evict
+
+    def count(self, tenant: str) -> str:
+        """Counts one request of `tenant` and returns the label value it is recorded under."""
+        n = self.counts[tenant] = self.counts.get(tenant, 0) + 1
+        if tenant in self.seated:
+            return tenant
+        if len(self.seated) < self.limit:
+            self.seated.add(tenant)
+            return tenant
+        if not self.seated:
+            return OTHER_TENANT
+        lowest = min(self.seated, key=lambda t: (self.counts[t], t))
+        if n > 2 * self.counts[lowest]:
+            self.seated.discard(lowest)
+            self.seated.add(tenant)
+            if self._on_evict is not None:
+                self._on_evict(lowest)
+            return tenant
+        return OTHER_TENANT
 
 
 class FrontendMetrics:
     """The frontend's counters and histograms (changed by `observe_*` and the counters' own methods)."""
 
-    def __init__(self, node: str) -> None:
+    def __init__(self, node: str, tenant_series: int = DEFAULT_TENANT_SERIES) -> None:
         self.node = node
+        self.tenant_labels = TenantLabels(tenant_series, on_evict=self._drop_tenant)
+        self._tenant_children: dict[str, set[tuple[Any, tuple[str, ...]]]] = {}  # tenant -> (metric, labels)
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         base = ["pool", "node", "model", "version"]  # version: the canary version ("" with one version)
@@ -77,6 +122,7 @@ class FrontendMetrics:
                                     ["pool", "node", "model_pool", "reason"], registry=r)
         self.inflight_now = self.inflight.labels(POOL, node)
         self._declare_latencies(base)
+        self._declare_request_shapes(base)
 
     def _declare_latencies(self, base: list[str]) -> None:
         """The latency histograms: TTFT (and its breakdown by stage), ITL, TPOT, end to end, node queues."""
@@ -97,6 +143,51 @@ class FrontendMetrics:
                                         "TTFT by stage: frontend, prefill_queue, prefill, transfer, "
                                         "reservation_wait, first_decode_step", [*base, "stage"],
                                         buckets=_LATENCY_BUCKETS, registry=r)
+
+    def _declare_request_shapes(self, base: list[str]) -> None:
+        """Token-length histograms per model pool and the per-tenant series (tenant label bounded)."""
+        r = self.registry
+        self.input_tokens = Histogram("pdserve_frontend_request_input_tokens",
+                                      "Prompt tokens of each finished request (all its prompts), per model pool",
+                                      [*base, "model_pool"], buckets=_TOKEN_COUNT_BUCKETS, registry=r)
+        self.output_tokens = Histogram("pdserve_frontend_request_output_tokens",
+                                       "Completion tokens of each finished request (all its choices), per model pool",
+                                       [*base, "model_pool"], buckets=_TOKEN_COUNT_BUCKETS, registry=r)
+        self.tenant_requests = Counter("pdserve_frontend_tenant_requests_total",
+                                       "Requests per tenant (the top tenants by requests; the rest: tenant=\"other\")",
+                                       [*base, "tenant"], registry=r)
+        self.tenant_errors = Counter("pdserve_frontend_tenant_errors_total",
+                                     "Failed requests (HTTP status >= 400, client disconnects aside) per tenant, by "
+                                     "HTTP status and OpenAI error code (the rest of the tenants: tenant=\"other\")",
+                                     [*base, "tenant", "status", "code"], registry=r)
+        self.tenant_ttft = Histogram("pdserve_frontend_tenant_ttft_seconds",
+                                     "Time from request arrival to first token per tenant (the rest: tenant=\"other\")",
+                                     [*base, "tenant"], buckets=_LATENCY_BUCKETS, registry=r)
+
+    def _tenant_child(self, metric: Any, tenant: str, *values: str) -> Any:
+        if tenant != OTHER_TENANT:
+            self._tenant_children.setdefault(tenant, set()).add((metric, values))
+        return metric.labels(*values)
+
+    def _drop_tenant(self, tenant: str) -> None:
+        """Removes the series of a tenant that lost its own label (it is "other" from now on)."""
+        for metric, values in self._tenant_children.pop(tenant, ()):
+            metric.remove(*values)
+
+    def observe_tenant(self, base: Sequence[str], tenant: str, ttft: float | None, status: int,
+                       code: str | None) -> None:
+        """One request of `tenant` ended (or was refused): its request count, TTFT and error, if any."""
+        label = self.tenant_labels.count(tenant)
+        self._tenant_child(self.tenant_requests, label, *base, label).inc()
+        if ttft is not None:
+            self._tenant_child(self.tenant_ttft, label, *base, label).observe(ttft)
+        if status >= 400 and status != 499:
+            self._tenant_child(self.tenant_errors, label, *base, label, str(status), code or "").inc()
+
+    def observe_request_tokens(self, model: ServedModel, prompt: int, completion: int) -> None:
+        lbl = (*self.labels(model), model.pool)
+        self.input_tokens.labels(*lbl).observe(prompt)
+        self.output_tokens.labels(*lbl).observe(completion)
 
     def labels(self, model: ServedModel) -> tuple[str, str, str, str]:
         return POOL, self.node, model.name, model.version

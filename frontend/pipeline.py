@@ -72,7 +72,7 @@ class Frontend:
         self.version = pdserve_version()
         self.tenants = TenantTable.from_file(config.tenants_file) if config.tenants_file else TenantTable.local()
         self.limiter = TenantLimiter(share=config.limit_share, index=config.limit_share_index)
-        self.metrics = FrontendMetrics(config.frontend_id)
+        self.metrics = FrontendMetrics(config.frontend_id, tenant_series=config.metrics_tenant_series)
         for m in self.catalog.all_versions:
             self.metrics.model_info.labels(*self.metrics.labels(m), m.pool, m.tokenizer_digest,
                                            m.chat_template_digest, str(m.max_context)).set(1)

@@ -333,7 +333,18 @@ def test_sdk_raises_the_right_exception_classes(env: Env) -> None:
     # Each failure moved the choice to the pool's other node, which failed it too, until the bound
     # (--max-migrations, default 2) was spent.
     assert "could not be moved to another decode node (2 migration(s) already)" in failed.value.message
-    route = env.record_for(failed.value.response.headers["x-request-id"])["routes"][0]
+    failed_rec = env.record_for(failed.value.response.headers["x-request-id"])
+    # The request log names the OpenAI error (code, type, HTTP status) and the sampling the request set.
+    assert (failed_rec["status"], failed_rec["error_code"], failed_rec["error_type"]) == (
+        502, "upstream_error", failed.value.type)
+    assert failed_rec["sampling"] == {"max_tokens": 10, "seed": FAIL_SEED, "temperature": 0.5}
+    # ... and so do the tenant's error series (alpha is among the 20 tenants that keep their own label).
+    metrics = httpx.get(f"{env.frontend.base_url}/metrics").text
+    errors = {(s.labels["tenant"], s.labels["status"], s.labels["code"]): s.value
+              for fam in text_string_to_metric_families(metrics) for s in fam.samples
+              if s.name == "pdserve_frontend_tenant_errors_total" and s.labels["model"] == "tiny-llama"}
+    assert errors[("alpha", "502", "upstream_error")] >= 1
+    route = failed_rec["routes"][0]
     assert route["migrations"] == 2 and len(route["tried"]) == 3 and set(route["tried"]) == {"d-0", "d-1"}
     assert route["tried"][0] != route["tried"][1] != route["tried"][2]
     assert_conformant(env, transport, gamma_transport, eps_transport)
@@ -749,14 +760,28 @@ def test_metrics_name_the_series_of_a_served_request(env: Env) -> None:
     for needle in ['pdserve_frontend_tokens_total{kind="prompt",model="tiny-llama",node=',
                    'pdserve_frontend_ttft_seconds_bucket{le="0.005",model="tiny-llama"',
                    'pdserve_frontend_requests_total{endpoint="chat.completions",finish_reason="length",model="tiny-llama"',
-                   "pdserve_frontend_rate_limited_total{", 'pdserve_frontend_slo_requests_total{met="true",model="tiny-llama"',
+                   "# TYPE pdserve_frontend_rate_limited_total counter", 'pdserve_frontend_slo_requests_total{met="true",model="tiny-llama"',
                    'slo="both"', "pdserve_frontend_goodput_tokens_total{", 'pdserve_ttft_breakdown_seconds_count{',
                    'stage="prefill"', 'stage="frontend"', 'pool="frontend"',
                    "pdserve_frontend_itl_seconds_count", "pdserve_frontend_route_decisions_total{",
                    'pdserve_build_info{node="', f'version="{pdserve_version()}"',
                    f'pdserve_model_info{{chat_template="{entry["chat_template_digest"]}"',
-                   f'tokenizer="{entry["tokenizer_digest"]}"']:
+                   f'tokenizer="{entry["tokenizer_digest"]}"',
+                   'pdserve_frontend_request_input_tokens_bucket{le="16.0",model="tiny-llama",model_pool="tiny-llama"',
+                   'pdserve_frontend_request_output_tokens_bucket{le="32768.0",model="tiny-llama",model_pool="tiny-llama"',
+                   'pdserve_frontend_tenant_requests_total{model="tiny-llama",node=',
+                   'pdserve_frontend_tenant_ttft_seconds_bucket{le="0.005",model="tiny-llama",node=']:
         assert needle in metrics, needle
+    # The token-length histograms: one observation per finished request, 3 completion tokens here.
+    samples = {(s.name, s.labels.get("le", "")): s.value for fam in text_string_to_metric_families(metrics)
+               for s in fam.samples if s.labels.get("model") == "tiny-llama"
+               and s.name.startswith(("pdserve_frontend_request_output_tokens", "pdserve_frontend_request_input_tokens"))}
+    for kind in ("input", "output"):
+        count = samples[(f"pdserve_frontend_request_{kind}_tokens_count", "")]
+        assert count >= 1 and samples[(f"pdserve_frontend_request_{kind}_tokens_bucket", "+Inf")] == count
+    assert samples[("pdserve_frontend_request_output_tokens_bucket", "16.0")] >= 1  # short replies
+    assert 'tenant="alpha"' in "".join(line for line in metrics.splitlines()
+                                        if line.startswith("pdserve_frontend_tenant_requests_total{"))
 
 
 def test_request_log_line_describes_the_request_without_its_prompt(env: Env) -> None:
@@ -774,6 +799,48 @@ def test_request_log_line_describes_the_request_without_its_prompt(env: Env) -> 
     assert rec["model_fingerprint"] == entry["model_fingerprint"] and rec["pdserve_version"] == pdserve_version()
     assert (rec["tokenizer_digest"], rec["chat_template_digest"]) == (entry["tokenizer_digest"],
                                                                         entry["chat_template_digest"])
+    assert rec["sampling"] == {"max_tokens": 3} and rec["error_code"] is None and rec["error_type"] is None
+    # Every sampling parameter the request set, under the field's own name; stop sequences only as "given".
+    raw = client.chat.completions.with_raw_response.create(
+        model="tiny-llama", messages=user("sampled"), max_completion_tokens=4, temperature=0.3, top_p=0.9, n=2,
+        seed=11, presence_penalty=0.5, frequency_penalty=0.25, stop=["zqzqzq"])
+    rec = env.record_for(raw.headers["x-request-id"])
+    assert rec["sampling"] == {"max_completion_tokens": 4, "temperature": 0.3, "top_p": 0.9, "n": 2, "seed": 11,
+                               "presence_penalty": 0.5, "frequency_penalty": 0.25, "stop": True}
+    assert "zqzqzq" not in env.request_log.read_text() and "sampled" not in env.request_log.read_text()
+
+
+def _tenant_series(fe: FrontendProc) -> dict[tuple[str, str], float]:
+    """(metric sample name, tenant) -> value of the per-tenant request counter and TTFT histogram count."""
+    text = httpx.get(f"{fe.base_url}/metrics", timeout=10).text
+    return {(s.name, s.labels["tenant"]): s.value for fam in text_string_to_metric_families(text)
+            for s in fam.samples if s.name in ("pdserve_frontend_tenant_requests_total",
+                                               "pdserve_frontend_tenant_ttft_seconds_count")}
+
+
+def test_per_tenant_series_keep_only_the_top_tenants_the_rest_are_other(env: Env, tmp_path: Path) -> None:
+    """With --metrics-tenant-series 1 one tenant holds its own label: the first comes, others count as
+    "other" until one has more than twice its requests, which takes the label (the old one's series go)."""
+    tenants, models = write_configs(tmp_path, env.model_dir)
+    fe = start_frontend("tenant-series", tmp_path, env.etcd.endpoints, free_port(), "--tenants", str(tenants),
+                        "--models", str(models), "--request-log", "off", "--metrics-tenant-series", "1")
+
+    def ask(tenant: str) -> None:
+        client = openai.OpenAI(base_url=f"{fe.base_url}/v1", api_key=KEYS[tenant], max_retries=0)
+        client.chat.completions.create(model="tiny-llama", messages=user("x"), max_tokens=2)
+
+    req, ttft = "pdserve_frontend_tenant_requests_total", "pdserve_frontend_tenant_ttft_seconds_count"
+    try:
+        for tenant in ("alpha", "alpha", "theta"):
+            ask(tenant)
+        assert _tenant_series(fe) == {(req, "alpha"): 2, (req, "other"): 1, (ttft, "alpha"): 2, (ttft, "other"): 1}
+        for _ in range(4):  # theta: 5 requests > 2 x alpha's 2, its fifth takes the label
+            ask("theta")
+        assert _tenant_series(fe) == {(req, "theta"): 1, (req, "other"): 4, (ttft, "theta"): 1, (ttft, "other"): 4}
+        ask("alpha")  # 3 requests, not more than twice theta's 5: "other"
+        assert _tenant_series(fe) == {(req, "theta"): 1, (req, "other"): 5, (ttft, "theta"): 1, (ttft, "other"): 5}
+    finally:
+        assert_clean_exit(fe)
 
 
 def _reloads(fe: FrontendProc, outcome: str) -> float:
