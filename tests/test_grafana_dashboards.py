@@ -86,6 +86,8 @@ def test_isl_osl_panel_reads_the_length_rules() -> None:
     assert {e.split("{")[0] for e in exprs} == {
         "pool_model:pdserve_frontend_prompt_tokens_per_request:ratio_rate5m",
         "pool_model:pdserve_frontend_completion_tokens_per_request:ratio_rate5m",
+        "pool_model:pdserve_frontend_request_input_tokens:histogram_quantile_5m",
+        "pool_model:pdserve_frontend_request_output_tokens:histogram_quantile_5m",
     } and {e.split("{")[0] for e in exprs} <= RULES
 
 
