@@ -496,19 +496,12 @@ void run_portable(const Problem& pb, int64_t n0, int64_t n1) {
   }
 }
 
-// The float panels' portable form: each weight row decoded to dequantize()'s float32 values (a * q + b,
-// a per group or half), dotted with every float32 activation row.
+// The float panels' portable form: each weight row as dequantize()'s float32 values (dequant_row), dotted
+// with every float32 activation row.
 void run_portable_float(const Problem& pb, int64_t n0, int64_t n1) {
-  const TypeInfo& t = TYPES[pb.type];
-  const int64_t groups = pb.k / 32;
-  std::vector<int16_t> q(pb.k);
-  std::vector<float> a(groups * 2), b(groups), w(pb.k);
+  std::vector<float> w(pb.k);
   for (int64_t n = n0; n < n1; ++n) {
-    decode_row_canonical(pb.type, pb.w + n * pb.row_bytes, pb.k, q.data(), a.data(), b.data());
-    for (int64_t e = 0; e < pb.k; ++e) {
-      const float v = (t.halves == 2 ? a[e / 16] : a[e / 32]) * float(q[e]);
-      w[e] = t.asym ? v + b[e / 32] : v;
-    }
+    dequant_row(pb.type, pb.w + n * pb.row_bytes, w.data(), pb.k);
     for (int64_t m = 0; m < pb.m; ++m) {
       const float* x = pb.xf + m * pb.ldx;
       float acc = 0.f;
@@ -1057,7 +1050,7 @@ PDQ_AVX2 void run_avx2(const Problem& pb, int64_t p0, int64_t p1) {
 
 
 // The float panels (int8x2 from FLOAT_MIN_M rows): the AVX2 panel decode, each chunk's lanes then turned
-// into dequantize()'s float32 values, k by k (a vector holds one k of the panel's 8 rows), and every
+// into dequantize()'s float32 values, k by k (two vectors hold one k of the panel's 16 rows), and every
 // float32 activation row (packed by tiles of PACK_ROWS, [k][row]) broadcast against them with FMA: no
 // activation rounding and no horizontal sums. On AVX2 the two int8 terms cost two PMADDUBSW passes where
 // FMA takes the floats at about the same rate, so the float panels are exact and, measured, 5-30% faster
