@@ -33,7 +33,8 @@ class SchedulerConfig:
 @dataclass
 class SchedulerOutput:
     # Sequences computing one token each this step: token_ids[-1] at position num_tokens - 1
-    # (num_computed_tokens == num_tokens - 1). The runner samples a token for every one of them.
+    # (num_computed_tokens == num_tokens - 1), plus their draft tokens. The runner samples a token for
+    # every one of them (and verifies the drafts: `engine.speculative`).
     decode_seqs: list[Sequence]
     # Sequences computing a chunk of their prompt (or, after preemption, prompt + generated tokens).
     prefill_seqs: list[Sequence]
@@ -44,8 +45,19 @@ class SchedulerOutput:
     preempted: list[Sequence]
     # Sequences finished this step because they can never fit the KV cache (see the module docstring).
     rejected: list[Sequence]
-    # len(decode_seqs) + sum(prefill_chunk_lens); never above max_num_batched_tokens.
+    # len(decode_seqs) + draft tokens + sum(prefill_chunk_lens); never above max_num_batched_tokens.
     num_batched_tokens: int
+    # Draft tokens of decode_seqs[i] (empty: none), at positions num_tokens .. num_tokens + len - 1.
+    decode_drafts: list[list[int]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.decode_drafts:
+            self.decode_drafts = [[] for _ in self.decode_seqs]
+        assert len(self.decode_drafts) == len(self.decode_seqs)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return sum(len(d) for d in self.decode_drafts)
 
     @property
     def is_empty(self) -> bool:
@@ -68,6 +80,7 @@ class StepPlan:
     budget: int  # tokens still available this step
     tokens: dict[Sequence, int] = field(default_factory=dict)  # scheduled sequence -> tokens this step
     decoding: set[Sequence] = field(default_factory=set)  # the scheduled sequences that decode
+    drafts: dict[Sequence, list[int]] = field(default_factory=dict)  # decoding sequence -> its draft tokens
     preempted: list[Sequence] = field(default_factory=list)
     rejected: list[Sequence] = field(default_factory=list)
 
@@ -78,7 +91,14 @@ class StepPlan:
             self.decoding.add(seq)
         self.budget -= num_tokens
 
+    def add_draft(self, seq: Sequence, draft: list[int]) -> None:
+        assert seq in self.decoding and seq not in self.drafts and 0 < len(draft) <= self.budget
+        self.drafts[seq] = draft
+        self.tokens[seq] += len(draft)
+        self.budget -= len(draft)
+
     def drop(self, seq: Sequence) -> None:
         """Unschedules ``seq`` (it is being preempted) and gives its tokens back to the budget."""
         self.budget += self.tokens.pop(seq, 0)
         self.decoding.discard(seq)
+        self.drafts.pop(seq, None)

@@ -241,6 +241,24 @@ class BlockManager:
             registered += 1
         return registered
 
+    def trim(self, seq: Sequence) -> int:
+        """Frees the blocks of ``seq`` past those its tokens need (left empty by rejected draft tokens;
+        never committed). They go to the front of the free queue: they hold nothing worth keeping, so
+        they are handed out before any cached block is evicted. Returns how many were freed."""
+        holder = self._holders.get(seq.seq_id)
+        if holder is None or holder.seq is not seq:
+            raise ValueError(f"sequence {seq.seq_id} holds no blocks")
+        keep = max(self.blocks_needed(seq.num_tokens), self.blocks_needed(seq.num_computed_tokens))
+        extra = seq.block_table[keep:]
+        for block_id in extra:
+            block = self._blocks[block_id]
+            assert block.ref_count == 1 and block.block_hash is None, f"block {block_id} is shared or cached"
+            block.ref_count = 0
+            self._free[block_id] = None
+            self._free.move_to_end(block_id, last=False)
+        del seq.block_table[keep:]
+        return len(extra)
+
     def free(self, seq: Sequence) -> None:
         """Releases every block of ``seq`` and empties its ``block_table`` (other fields are left to the
         caller). Committed blocks stay cached until evicted. Safe to call on a sequence holding none."""

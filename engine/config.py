@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.engine.speculative import SPECULATIVE_METHODS
 from pdserve.kernels import BACKENDS
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -35,6 +36,8 @@ class EngineConfig:
     seed: int = 0  # seeds the generator used by sampled requests without their own seed
     num_threads: int | None = None  # torch intra-op threads; None = leave torch's default
     kv_cache_dtype: str = "auto"  # KV cache element type (KV_CACHE_DTYPES); must match across a cluster
+    speculative: str = "off"  # draft proposer of speculative decoding: "off", "ngram" or "suffix"
+    num_speculative_tokens: int = 4  # draft tokens a step at most
 
     def __post_init__(self) -> None:
         checks = [
@@ -55,6 +58,9 @@ class EngineConfig:
              f"kv_cache_dtype {self.kv_cache_dtype!r} is implemented for CPU KV caches and the cpu/torch kernels only "
              f"(the Triton kernels read 16/32-bit pools); use kv_cache_dtype auto with device {self.device!r} and "
              f"kernel_backend {self.kernel_backend!r}"),
+            (self.speculative in SPECULATIVE_METHODS,
+             f"speculative must be one of {SPECULATIVE_METHODS}, got {self.speculative!r}"),
+            (1 <= self.num_speculative_tokens <= 16, "num_speculative_tokens must be in [1, 16]"),
         ]
         for ok, msg in checks:
             if not ok:

@@ -20,6 +20,7 @@ from pdserve.engine.sampler import Sampler
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import Resume, Sequence, SequenceStatus, TokenLogprob
+from pdserve.engine.speculative import SpeculativeConfig, SpeculativeStats
 from pdserve.engine.step_hook import PrefillWatcher
 from pdserve.engine.stopping import FinishReason
 from pdserve.engine.structured import GrammarCompiler
@@ -122,7 +123,8 @@ class LLMEngine:
         )  # [L, 2, NB, BS, Hkv, D]
         self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.prefix_hash_seed, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(
-            self.block_manager, max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens
+            self.block_manager, max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+            speculative=SpeculativeConfig(cfg.speculative, cfg.num_speculative_tokens),
         )
         self.sampler = Sampler(seed=cfg.seed, device=cfg.device, ops=self.ops)
         self.runner = ModelRunner(self.model, self.kv_cache, cfg.block_size, self.sampler, capture_logits)
@@ -131,8 +133,9 @@ class LLMEngine:
         self.num_blocks = num_blocks
         self.last_step = StepStats()
         self.prefill_watcher: PrefillWatcher | None = None  # see engine.step_hook; set before requests arrive
-        log.info("engine ready: %s, weights %s, %d KV blocks of %d tokens (%.1f MiB)", mc.arch,
-                 self.weights.describe(), num_blocks, cfg.block_size, num_blocks * block_bytes / 2**20)
+        log.info("engine ready: %s, weights %s, %d KV blocks of %d tokens (%.1f MiB), speculative %s", mc.arch,
+                 self.weights.describe(), num_blocks, cfg.block_size, num_blocks * block_bytes / 2**20,
+                 cfg.speculative if cfg.speculative == "off" else f"{cfg.speculative} (k={cfg.num_speculative_tokens})")
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -262,6 +265,11 @@ class LLMEngine:
             reserved_blocks=sum(len(s.block_table) for s in reserved),
         )
 
+    @property
+    def spec_stats(self) -> SpeculativeStats:
+        """Speculative decoding's counters since the engine started (all zero when it is off)."""
+        return self.scheduler.spec_stats
+
     def has_unfinished(self) -> bool:
         """Whether a step has anything to schedule (reserved requests wait for their transfer)."""
         return self.scheduler.has_unfinished()
@@ -300,8 +308,11 @@ class LLMEngine:
             completing = [s for s, n in zip(out.prefill_seqs, out.prefill_chunk_lens, strict=True)
                           if s.num_computed_tokens + n == s.num_tokens]
             hook = watcher(completing) if completing else None
+        started = time.perf_counter()
         if hook is None:
             res = self.runner.run(out)
+            if not out.prefill_seqs:  # what a decode step of this many rows costs (speculation's cost model)
+                self.scheduler.step_costs.record(len(out.decode_seqs) + out.num_draft_tokens, time.perf_counter() - started)
         else:
             try:
                 res = self.runner.run(out, hook.layer_done)
@@ -309,16 +320,17 @@ class LLMEngine:
                 hook.step_done(False)
                 raise
             hook.step_done(True)
-        for seq_id, lp in res.logprobs.items():
-            self._requests[seq_id].seq.logprobs.append(lp)
-        if res.logits is not None:
-            for seq_id, lg in res.logits.items():
-                self._requests[seq_id].logits.append(lg)
-        finished = {s.seq_id for s in self.scheduler.update(out, res.sampled)}
+        before = {sid: self._requests[sid].seq.num_tokens for sid in res.sampled}
+        finished = {s.seq_id for s in self.scheduler.update(out, res.sampled, res.accepted)}
         outputs = [self._emit(seq, [], True) for seq in out.rejected]
-        for seq_id, token in res.sampled.items():
-            seq = self._requests[seq_id].seq
-            outputs.append(self._emit(seq, [token], seq_id in finished))
+        for seq_id, num_before in before.items():
+            request = self._requests[seq_id]
+            seq = request.seq
+            new = seq.token_ids[num_before:]  # accepted drafts, then the sampled token (cut at a stop)
+            seq.logprobs.extend(res.logprobs.get(seq_id, [])[: len(new)])
+            if res.logits is not None:
+                request.logits.extend(res.logits[seq_id][: len(new)])
+            outputs.append(self._emit(seq, new, seq_id in finished))
         return outputs
 
     def _emit(self, seq: Sequence, new_tokens: list[int], finished: bool) -> RequestOutput:
@@ -326,12 +338,21 @@ class LLMEngine:
         detok = request.detok
         text_tokens = new_tokens
         if finished and seq.finish_reason == FinishReason.STOP and isinstance(seq.stop_reason, int):
-            text_tokens = []  # a stop token id ends the request without its text
+            text_tokens = text_tokens[:-1]  # a stop token id ends the request without its text
+        fed = detok.num_tokens
         delta = detok.add(text_tokens) if text_tokens else None
         text = request.pending_text + (delta.text if delta is not None else "")
         request.pending_text = ""
-        if delta is not None and delta.stopped and not seq.is_finished:
-            self.scheduler.finish(seq, FinishReason.STOP, stop_reason=delta.stop_string)
+        if delta is not None and delta.stopped and delta.stop_token_index is not None:
+            # tokens after the one completing the stop string (accepted drafts of the same step) are dropped
+            drop = len(new_tokens) - (delta.stop_token_index - fed + 1)
+            if drop > 0 or not seq.is_finished:
+                self.scheduler.finish(seq, FinishReason.STOP, stop_reason=delta.stop_string, num_dropped_tokens=drop)
+                if drop > 0:
+                    new_tokens = new_tokens[:-drop]
+                    del request.logits[-drop:]
+                    if seq.params.logprobs is not None:
+                        del seq.logprobs[len(seq.logprobs) - drop :]
             finished = True
         if finished and not (delta is not None and delta.stopped):
             text += detok.flush()

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -16,9 +17,11 @@ from pdserve.engine.sequence import Sequence, TokenLogprob
 @dataclass
 class StepResult:
     sampled: dict[str, int]  # seq_id -> new token, for sequences whose step ended at their last token
-    logprobs: dict[str, TokenLogprob]  # seq_id -> logprob record, only where the request asked for it
+    logprobs: dict[str, list[TokenLogprob]]  # seq_id -> one record per new token, where the request asked
     num_tokens: int  # tokens run through the model this step
-    logits: dict[str, torch.Tensor] | None = None  # seq_id -> [V] float32, only when capture_logits is on
+    logits: dict[str, list[torch.Tensor]] | None = None  # seq_id -> [V] float32 per new token (capture_logits)
+    # seq_id -> the draft tokens verification accepted (they come before ``sampled``); drafting sequences only
+    accepted: dict[str, list[int]] = field(default_factory=dict)
 
 
 def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -47,23 +50,31 @@ class ModelRunner:
     def _tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype, device=self.device)
 
-    def _block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
-        width = max(len(s.block_table) for s in seqs)
-        return self._tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs], torch.int32)
+    def _block_tables(self, tables: list[list[int]]) -> torch.Tensor:
+        width = max(len(t) for t in tables)
+        return self._tensor([t + [0] * (width - len(t)) for t in tables], torch.int32)
 
     def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[Sequence]]:
-        """Builds (input_ids [T], positions [T], metadata, rows to sample, their sequences)."""
+        """Builds (input_ids [T], positions [T], metadata, rows to sample, their sequences). A decoding
+        sequence with d draft tokens takes d + 1 decode rows (its last token, then the drafts), row j
+        attending over its first num_tokens + j tokens; every row of it is sampled."""
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
         sample_rows: list[int] = []
         sample_seqs: list[Sequence] = []
-        for seq in out.decode_seqs:
-            p = seq.num_tokens - 1
-            ids.append(seq.token_ids[p])
-            pos.append(p)
-            slots.append(seq.block_table[p // self.block_size] * self.block_size + p % self.block_size)
-            sample_rows.append(len(ids) - 1)
+        decode_tables: list[list[int]] = []
+        decode_ctx: list[int] = []
+        for seq, draft in zip(out.decode_seqs, out.decode_drafts, strict=True):
+            last = seq.num_tokens - 1
+            for j, token in enumerate([seq.token_ids[last], *draft]):
+                p = last + j
+                ids.append(token)
+                pos.append(p)
+                slots.append(seq.block_table[p // self.block_size] * self.block_size + p % self.block_size)
+                decode_tables.append(seq.block_table)
+                decode_ctx.append(p + 1)
+                sample_rows.append(len(ids) - 1)
             sample_seqs.append(seq)
         cu = [0]
         ctx: list[int] = []
@@ -77,13 +88,13 @@ class ModelRunner:
             if end == seq.num_tokens:  # the chunk completes the sequence: its last row yields a token
                 sample_rows.append(len(ids) - 1)
                 sample_seqs.append(seq)
-        nd = len(out.decode_seqs)
+        nd = len(decode_ctx)
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slots, torch.int64),
             num_decode_tokens=nd,
-            decode_block_tables=self._block_tables(out.decode_seqs) if nd else None,
-            decode_context_lens=self._tensor([s.num_tokens for s in out.decode_seqs], torch.int32) if nd else None,
-            prefill_block_tables=self._block_tables(out.prefill_seqs) if out.prefill_seqs else None,
+            decode_block_tables=self._block_tables(decode_tables) if nd else None,
+            decode_context_lens=self._tensor(decode_ctx, torch.int32) if nd else None,
+            prefill_block_tables=self._block_tables([s.block_table for s in out.prefill_seqs]) if out.prefill_seqs else None,
             prefill_cu_seqlens_q=self._tensor(cu, torch.int32) if out.prefill_seqs else None,
             prefill_context_lens=self._tensor(ctx, torch.int32) if out.prefill_seqs else None,
         )
@@ -99,8 +110,14 @@ class ModelRunner:
         if len(rows) < hidden.shape[0]:  # rows ascend, so all of them means every row in order
             hidden = hidden.index_select(0, torch.tensor(rows, device=hidden.device))  # [N, hidden]
         logits = self.model.compute_logits(hidden)  # [N, V] float32
-        res = self.sampler(logits, seqs)
-        sampled = {s.seq_id: t for s, t in zip(seqs, res.token_ids, strict=True)}
-        lps = {s.seq_id: lp for s, lp in zip(seqs, res.logprobs, strict=True) if lp is not None}
-        captured = {s.seq_id: logits[i].clone() for i, s in enumerate(seqs)} if self.capture_logits else None
-        return StepResult(sampled, lps, int(input_ids.shape[0]), captured)
+        drafts = out.decode_drafts + [[] for _ in range(len(seqs) - len(out.decode_seqs))]
+        res = self.sampler.verify(logits, seqs, drafts)
+        sampled = {s.seq_id: t[-1] for s, t in zip(seqs, res.token_ids, strict=True)}
+        accepted = {s.seq_id: t[:-1] for s, t, d in zip(seqs, res.token_ids, drafts, strict=True) if d}
+        lps = {s.seq_id: lp for s, lp in zip(seqs, res.logprobs, strict=True) if lp}
+        captured = None
+        if self.capture_logits:
+            starts = list(itertools.accumulate((1 + len(d) for d in drafts), initial=0))[:-1]  # each seq's first row
+            captured = {s.seq_id: [logits[r + j].clone() for j in range(len(t))]
+                        for s, t, r in zip(seqs, res.token_ids, starts, strict=True)}
+        return StepResult(sampled, lps, int(input_ids.shape[0]), captured, accepted)

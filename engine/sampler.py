@@ -14,7 +14,7 @@ import torch
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import Sequence, TokenLogprob
-from pdserve.engine.structured import apply_grammar_masks, apply_logit_bias
+from pdserve.engine.structured import GrammarState, apply_grammar_masks, apply_logit_bias
 from pdserve.kernels import KernelOps
 
 
@@ -22,6 +22,36 @@ from pdserve.kernels import KernelOps
 class SamplerOutput:
     token_ids: list[int]  # one per logits row, in row order
     logprobs: list[TokenLogprob | None]  # None for rows whose request did not ask for logprobs
+
+
+@dataclass
+class VerifyOutput:
+    token_ids: list[list[int]]  # per sequence: its accepted draft tokens, then one sampled token
+    logprobs: list[list[TokenLogprob]]  # per sequence, one per token (empty if it did not ask)
+    num_accepted: list[int]  # per sequence: how many of token_ids are accepted drafts
+
+
+class _DraftedView:
+    """A sequence as the sampler reads it with draft tokens taken as given (penalties count them; the
+    generator is the sequence's own)."""
+
+    def __init__(self, seq: Sequence, extra: list[int]) -> None:
+        self._seq = seq
+        self.seq_id, self.params, self.eos_token_ids, self.grammar = seq.seq_id, seq.params, seq.eos_token_ids, seq.grammar
+        self.token_ids = seq.token_ids + extra
+        self.num_completion_tokens = seq.num_completion_tokens + len(extra)
+
+    @property
+    def completion_token_ids(self) -> list[int]:
+        return self.token_ids[self._seq.num_prompt_tokens :]
+
+    @property
+    def generator(self):  # noqa: ANN201 - torch.Generator | None, the sequence's
+        return self._seq.generator
+
+    @generator.setter
+    def generator(self, gen) -> None:  # noqa: ANN001
+        self._seq.generator = gen
 
 
 def _has_penalty(params: SamplingParams) -> bool:
@@ -211,6 +241,61 @@ class Sampler:
                     0, idx, self._sample(scores.index_select(0, idx), [seqs[i] for i in sampled])
                 )
         return SamplerOutput(token_ids=tokens.tolist(), logprobs=compute_logprobs(logits, tokens, ks))
+
+    def verify(self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]]) -> VerifyOutput:
+        """Samples the tokens of sequences that may carry draft tokens (`engine.speculative`). ``logits``
+        [sum(1 + len(d)), V]: the rows of seqs[i] are consecutive, its last token's first, then one per
+        draft token. Position j of a sequence is sampled as an ordinary step would sample it with drafts
+        [0, j) appended; draft j is accepted while the sampled token equals it (``accepts``), and the first
+        token that is not an accepted draft ends the sequence's tokens. Advances generators like ``__call__``
+        (once per emitted token); grammar states come back as they were."""
+        offsets = list(itertools.accumulate((1 + len(d) for d in drafts), initial=0))
+        if logits.dim() != 2 or logits.shape[0] != offsets[-1] or len(seqs) != len(drafts):
+            raise ValueError(f"expected logits [{offsets[-1]}, V] for {len(seqs)} sequences, got {tuple(logits.shape)}")
+        tokens: list[list[int]] = [[] for _ in seqs]
+        lps: list[list[TokenLogprob]] = [[] for _ in seqs]
+        accepted = [0] * len(seqs)
+        active = list(range(len(seqs)))
+        advanced: list[GrammarState] = []  # grammars fed draft tokens, rolled back by one each at the end
+        try:
+            for j in range(1 + max((len(d) for d in drafts), default=0)):
+                if j:
+                    for i in active:
+                        if seqs[i].grammar is not None:
+                            seqs[i].grammar.advance(drafts[i][j - 1])
+                            advanced.append(seqs[i].grammar)
+                rows = torch.tensor([offsets[i] + j for i in active], dtype=torch.long, device=logits.device)
+                views = [seqs[i] if j == 0 else _DraftedView(seqs[i], drafts[i][:j]) for i in active]
+                out = self(logits if j == 0 and len(active) == logits.shape[0] else logits.index_select(0, rows), views)
+                still = []
+                for i, token, lp in zip(active, out.token_ids, out.logprobs, strict=True):
+                    draft = drafts[i]
+                    if j < len(draft) and self.accepts(token, draft[j]):
+                        token = draft[j]
+                        accepted[i] += 1
+                        still.append(i)
+                    tokens[i].append(token)
+                    if lp is not None:
+                        lps[i].append(lp if lp.token_id == token else self._logprob_of(logits[offsets[i] + j], token, lp))
+                active = still
+                if not active:
+                    break
+        finally:
+            for state in advanced:
+                state.rollback(1)
+        return VerifyOutput(tokens, lps, accepted)
+
+    @staticmethod
+    def accepts(sampled: int, draft: int) -> bool:
+        """Whether the draft token stands, given the token sampled at its position (see `engine.speculative`
+        for why equality keeps the target distribution)."""
+        return sampled == draft
+
+    @staticmethod
+    def _logprob_of(row: torch.Tensor, token: int, like: TokenLogprob) -> TokenLogprob:
+        """The record of ``token`` in raw logits ``row`` [V] (only when ``accepts`` overrides the sample)."""
+        logprob = float(torch.log_softmax(row.float(), dim=-1)[token])
+        return TokenLogprob(token_id=token, logprob=logprob, top=like.top)
 
     def _argmax(self, x: torch.Tensor) -> torch.Tensor:  # [N, V] -> [N] int64
         return self.ops.argmax(x) if self.ops is not None else x.argmax(dim=-1)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pdserve.engine.speculative import SPECULATIVE_METHODS
 from pdserve.engine.structured_spec import StructuredSpec
 
 MAX_LOGIT_BIAS = 100.0  # OpenAI's bound: -100 bans a token, +100 all but forces it
@@ -30,6 +31,9 @@ class SamplingParams:
     # request meets (prefill and decode node) needs it. Lower runs first (vLLM's convention): waiting
     # queues are ordered by it, and the least urgent running sequence is preempted first.
     priority: int = 0
+    # Likewise not sampling: the draft proposer of speculative decoding for this request ("off", "ngram",
+    # "suffix"; "": the node's `--speculative`). The frontend sets it from the models file.
+    speculative: str = ""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -49,6 +53,8 @@ class SamplingParams:
             (self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
             (-PRIORITY_BOUND <= self.priority <= PRIORITY_BOUND,
              f"priority must be in [-{PRIORITY_BOUND}, {PRIORITY_BOUND}], got {self.priority}"),
+            (self.speculative in ("", *SPECULATIVE_METHODS),
+             f"speculative must be one of {SPECULATIVE_METHODS} or empty, got {self.speculative!r}"),
             (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs must be in [0, 20], got {self.logprobs}"),
             (all(t >= 0 for t in self.logit_bias), "logit_bias token ids must be >= 0"),

@@ -1,7 +1,9 @@
 """Continuous-batching scheduler: picks each step's decodes and prefill chunks under a token budget.
 
 Per step, in this order: running decodes (one token each, oldest first), landed sequences (whose prompt
-K/V arrived by transfer: straight to decoding), running partial prefills (chunked), then waiting requests
+K/V arrived by transfer: straight to decoding), draft tokens for the decoding sequences whose proposer
+has some (speculative decoding, `engine.speculative`: from what budget and free blocks are left, never
+preempting for them), running partial prefills (chunked), then waiting requests
 in priority order, first-come-first-served within a priority (prefix-cache hits applied, chunked to what
 is left of the budget). `SamplingParams.priority`: lower is more urgent; with one priority everywhere the
 order is plain FCFS.
@@ -35,10 +37,21 @@ class's, `engine.seq_queues.SequenceQueues`; every decision and every state chan
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import replace
+
 from pdserve.engine.batch import SchedulerConfig, SchedulerOutput, StepPlan
 from pdserve.engine.block_manager import BlockManager, Reservation
 from pdserve.engine.seq_queues import SequenceQueues
 from pdserve.engine.sequence import Sequence, SequenceStatus
+from pdserve.engine.speculative import (
+    DraftState,
+    Proposer,
+    SpeculativeConfig,
+    SpeculativeStats,
+    StepCosts,
+    draft_length,
+)
 from pdserve.engine.stopping import FINISH_REASONS, FinishReason, StopDecision, stop_decision
 
 
@@ -52,10 +65,16 @@ class Scheduler(SequenceQueues):
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
         max_prefill_chunk: int = 0,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         super().__init__()
         self.config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_prefill_chunk)
         self.block_manager = block_manager
+        self.speculative = speculative or SpeculativeConfig()
+        self.spec_stats = SpeculativeStats()
+        self.step_costs = StepCosts(max_rows=max_num_batched_tokens)  # the engine records decode-only steps
+        # Builds a drafting sequence's proposer (None: the configured method's); tests plant their own.
+        self.proposer_factory: Callable[[Sequence], Proposer] | None = None
         self._num_preemptions = 0
 
     @property
@@ -134,13 +153,19 @@ class Scheduler(SequenceQueues):
             self.finish(seq, FinishReason.ABORT)
         return seq
 
-    def finish(self, seq: Sequence, finish_reason: FinishReason, stop_reason: str | int | None = None) -> None:
+    def finish(
+        self, seq: Sequence, finish_reason: FinishReason, stop_reason: str | int | None = None,
+        num_dropped_tokens: int = 0,
+    ) -> None:
         """Marks ``seq`` finished with ``finish_reason`` and ``stop_reason``, dropping it from the queues and
         freeing its blocks. On an already finished sequence only the two reason fields change (e.g. a
         stop string matched by the last token of a sequence that also hit max_tokens). Finished other than
-        by abort, a ``hold_blocks`` or RESERVED sequence keeps its blocks until ``release``."""
+        by abort, a ``hold_blocks`` or RESERVED sequence keeps its blocks until ``release``. The last
+        ``num_dropped_tokens`` generated tokens are removed (drafts accepted past a stop string)."""
         if finish_reason not in FINISH_REASONS:
             raise ValueError(f"finish reason must be one of {sorted(FINISH_REASONS)}, got {finish_reason!r}")
+        if not 0 <= num_dropped_tokens <= seq.num_new_tokens:
+            raise ValueError(f"cannot drop {num_dropped_tokens} of {seq.num_new_tokens} generated tokens")
         if not seq.is_finished:
             if self.get(seq.seq_id) is not seq:
                 raise ValueError(f"sequence {seq.seq_id} is not scheduled here")
@@ -149,6 +174,9 @@ class Scheduler(SequenceQueues):
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = finish_reason
         seq.stop_reason = stop_reason
+        if num_dropped_tokens:
+            del seq.token_ids[-num_dropped_tokens:]
+            seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens)
 
     # ----------------------------------------------------------------------------------- one step
 
@@ -158,6 +186,7 @@ class Scheduler(SequenceQueues):
         self._schedule_running(step, decoding=True)
         # Landed sequences only decode, so they join the decodes ahead of any prefill work.
         self._start_landed(step)
+        self._add_drafts(step)
         self._schedule_running(step, decoding=False)
         # Blocks just ran short: starting more work now would only be preempted again.
         if not step.preempted:
@@ -171,17 +200,25 @@ class Scheduler(SequenceQueues):
             preempted=step.preempted,
             rejected=step.rejected,
             num_batched_tokens=self.config.max_num_batched_tokens - step.budget,
+            decode_drafts=[step.drafts.get(s, []) for s in decode_seqs],
         )
-        assert out.num_batched_tokens == len(decode_seqs) + sum(out.prefill_chunk_lens)
+        assert out.num_batched_tokens == len(decode_seqs) + out.num_draft_tokens + sum(out.prefill_chunk_lens)
         assert len(decode_seqs) + len(prefill_seqs) <= self.config.max_running
         return out
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Sequence]:
+    def update(
+        self, out: SchedulerOutput, sampled: dict[str, int], accepted: dict[str, list[int]] | None = None
+    ) -> list[Sequence]:
         """Applies a computed step: advances ``num_computed_tokens`` by what was computed, commits newly
-        full blocks to the prefix cache, appends the sampled tokens, finishes sequences on EOS (unless
-        ``ignore_eos``), a stop token id or ``max_tokens``, and frees their blocks. Sequences finished
-        or aborted since ``schedule`` are skipped. Returns the sequences that finished this step,
-        ``out.rejected`` included."""
+        full blocks to the prefix cache, appends each sequence's accepted draft tokens (``accepted``,
+        a prefix of its draft) and then its sampled token, finishing it at the first of them that is EOS
+        (unless ``ignore_eos``), a stop token id, a complete grammar or ``max_tokens`` (the rest are
+        dropped), and frees its blocks; a drafting sequence that goes on gives back the blocks its
+        rejected drafts left empty. Sequences finished or aborted since ``schedule`` are skipped.
+        Returns the sequences that finished this step, ``out.rejected`` included."""
+        accepted = accepted or {}
+        drafts = {s: d for s, d in zip(out.decode_seqs, out.decode_drafts, strict=True) if d}
+        decoding = set(out.decode_seqs)
         work = [(s, 1) for s in out.decode_seqs]
         work += zip(out.prefill_seqs, out.prefill_chunk_lens, strict=True)
         live = [(s, n) for s, n in work if s.status == SequenceStatus.RUNNING]
@@ -191,17 +228,40 @@ class Scheduler(SequenceQueues):
         if missing:
             raise ValueError(f"no sampled token for {missing}")
         finished = list(out.rejected)
+        stats = self.spec_stats
         for seq, num_tokens in live:
             seq.num_computed_tokens += num_tokens
             assert seq.num_computed_tokens <= seq.num_tokens, f"{seq.seq_id} computed past its tokens"
-            self.block_manager.commit(seq)
             if seq.num_computed_tokens < seq.num_tokens:
+                self.block_manager.commit(seq)
                 continue
-            seq.append_token(sampled[seq.seq_id])
-            decision = self._stop_decision(seq)
+            draft = drafts.get(seq, [])
+            kept = accepted.get(seq.seq_id, [])
+            assert kept == draft[: len(kept)], f"{seq.seq_id}: accepted tokens are not a prefix of its draft"
+            decision = None
+            for i, token in enumerate([*kept, sampled[seq.seq_id]]):
+                seq.append_token(token)
+                if i < len(kept):  # an accepted draft: its K/V were computed this step
+                    seq.num_computed_tokens += 1
+                decision = self._stop_decision(seq)
+                if decision is not None:
+                    break
+            self.block_manager.commit(seq)
+            if seq in decoding:
+                stats.decode_steps += 1
+                stats.decode_tokens += len(kept) + 1
+            if draft:
+                stats.drafted_tokens += len(draft)
+                stats.accepted_tokens += len(kept)
+                stats.emitted_tokens += len(kept) + 1
+                stats.draft_steps += 1
+                assert seq.draft is not None
+                seq.draft.record(len(draft), len(kept), seq.num_tokens)
             if decision is not None:
                 self.finish(seq, decision.finish_reason, decision.stop_reason)
                 finished.append(seq)
+            elif draft:
+                self.block_manager.trim(seq)
         return finished
 
     def check_integrity(self) -> None:
@@ -221,6 +281,8 @@ class Scheduler(SequenceQueues):
         for seq in self._running:
             assert seq.status == SequenceStatus.RUNNING and bm.holds(seq)
             assert seq.num_computed_tokens < seq.num_tokens
+            # no block beyond the sequence's tokens (rejected drafts gave theirs back)
+            assert len(seq.block_table) <= bm.blocks_needed(seq.num_tokens), f"{seq.seq_id} holds empty blocks"
         for seq_id, seq in self._held.items():
             assert seq.seq_id == seq_id and seq.is_finished and bm.holds(seq)
         assert bm.num_holders == sum(1 for s in holders if bm.holds(s)), "a block holder is unknown here"
@@ -305,6 +367,34 @@ class Scheduler(SequenceQueues):
             seq.status = SequenceStatus.RUNNING
             self._running.append(seq)
             step.add(seq, 1, decode=True)
+
+    def _add_drafts(self, step: StepPlan) -> None:
+        """Gives decoding sequences the draft tokens their proposers find, as far as the budget and free
+        blocks allow (drafts never preempt anything), each cut to the length that pays for its rows
+        (``draft_length``). A request's own method (``SamplingParams.speculative``) overrides the engine's."""
+        rows = len(step.decoding)
+        tokens = float(rows)  # tokens the step's decode rows are expected to yield
+        for seq in [s for s in self._running if s in step.decoding]:
+            if step.budget <= 0:
+                break
+            if seq.draft is None:
+                method = seq.params.speculative or self.speculative.method
+                if method == "off":
+                    continue
+                cfg = self.speculative if method == self.speculative.method else replace(self.speculative, method=method)
+                factory = self.proposer_factory
+                seq.draft = DraftState(cfg, factory(seq) if factory is not None else None)
+            # the sampled token after the drafts must still fit max_tokens
+            limit = min(step.budget, seq.params.max_tokens - seq.num_completion_tokens - 1)
+            draft = seq.draft.draft(seq.token_ids, limit)
+            if draft and self.speculative.cost_aware:
+                draft = draft[: draft_length(self.step_costs, rows, tokens, len(draft), seq.draft.rate)]
+                if not draft:
+                    seq.draft.skipped()
+            if draft and self.block_manager.allocate(seq, 1 + len(draft)):
+                step.add_draft(seq, draft)
+                rows += len(draft)
+                tokens += sum(seq.draft.rate ** (i + 1) for i in range(len(draft)))
 
     def _start_waiting(self, step: StepPlan) -> None:
         bm = self.block_manager

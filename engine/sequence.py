@@ -11,6 +11,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.stopping import FinishReason
 
 if TYPE_CHECKING:
+    from pdserve.engine.speculative import DraftState
     from pdserve.engine.structured import GrammarState
 
 
@@ -72,6 +73,9 @@ class Sequence:
     # The request's structured-output matcher (params.structured set), advanced by `append_token` with
     # every token after the prompt; a resumed sequence's is built having replayed the resumed tokens.
     grammar: GrammarState | None = None
+    # Speculative decoding: the request's proposer and draft length (engine.speculative), made by the
+    # scheduler at the first step it may draft.
+    draft: DraftState | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -49,6 +49,13 @@ class GrammarState:
         self.num_tokens += 1
         return bool(self.matcher.consume_token(token_id)) and not self.matcher.is_error()
 
+    def rollback(self, num_tokens: int) -> None:
+        """Takes back the last ``num_tokens`` tokens fed by ``advance`` (draft tokens a verification fed)."""
+        assert 0 <= num_tokens <= self.num_tokens
+        if num_tokens:
+            self.matcher.rollback(num_tokens)
+            self.num_tokens -= num_tokens
+
     @property
     def finish(self) -> str | None:
         """How the grammar ends the request now: "stop" once it is complete and nothing but EOS could
