@@ -14,6 +14,8 @@ MODEL_HELP = (
 )
 # The block types `pdserve model quantize` writes (engine.quantize.TYPES; listed here so the parser needs no torch).
 QUANT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q5_K", "Q6_K")
+# engine.speculative.SPECULATIVE_METHODS, likewise.
+SPECULATIVE_CHOICES = ("off", "ngram", "suffix")
 WEIGHTS_HELP = (
     "the default model's weights: gguf serves its Q4_1 GGUF blocks as they are (default), float the same "
     "weights dequantized to float32 (the reference transformers loads); a model directory says itself"
@@ -256,6 +258,10 @@ def _add_up_parser(sub: argparse._SubParsersAction) -> None:
     u.add_argument("--kv-memory", type=int, default=512, metavar="MIB", help="KV cache budget per node (MiB)")
     u.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e5m2", "fp8_e4m3"],
                    help="KV cache element type of every node (default auto: the model dtype; fp8_e5m2 halves bf16's bytes)")
+    u.add_argument("--speculative", default="off", choices=SPECULATIVE_CHOICES,
+                   help="speculative decoding on every node: ngram (prompt lookup) or suffix drafts, verified in "
+                        "the batched decode step; greedy and seeded output unchanged (default off)")
+    u.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K", help="draft tokens a step at most")
     u.add_argument("--num-threads", type=int, default=None,
                    help="torch threads per node (default: with --pin the node's CPU count, else the usable CPUs "
                         "divided among the nodes of its pool)")

@@ -143,7 +143,7 @@ class Admitter:
         job_id = _ID_PREFIX[kind] + uuid.uuid4().hex
         job = Job(kind=kind, id=job_id, created=int(time.time()), arrived=arrived, req=req, tenant=tenant,
                   model=model, requested_model=req.model, prompts=prompts, echo_texts=tokenized.echo_texts,
-                  choices=self._choices(job_id, req, prompts, per_prompt_max, decisions), grant=grant,
+                  choices=self._choices(job_id, req, model, prompts, per_prompt_max, decisions), grant=grant,
                   client_request_id=client_request_id(headers), key_hash=key_hash(headers), session_key=session_key,
                   fallback_reason=picked.fallback_reason,
                   stamps=AdmissionStamps(parsed, tokenized_at, routed_from, routed, time.monotonic()),
@@ -234,8 +234,8 @@ class Admitter:
                            headers={"retry-after": "1"}) from None
         return decisions
 
-    def _choices(self, job_id: str, req: GenerationRequest, prompts: list[list[int]], per_prompt_max: list[int],
-                 decisions: list[tuple[int, RouteDecision]]) -> list[Choice]:
+    def _choices(self, job_id: str, req: GenerationRequest, model: ServedModel, prompts: list[list[int]],
+                 per_prompt_max: list[int], decisions: list[tuple[int, RouteDecision]]) -> list[Choice]:
         """One choice per route, each with its own sampling seed and a route lease."""
         choices = []
         for i, (pi, decision) in enumerate(decisions):
@@ -245,7 +245,8 @@ class Admitter:
                 seed = (seed + k - SEED_MIN) % (INT64_MAX - SEED_MIN + 1) + SEED_MIN  # distinct, wrapped
             choices.append(Choice(
                 index=i, prompt_index=pi, request_id=f"{job_id}-{i}", prompt_ids=prompts[pi],
-                max_tokens=per_prompt_max[pi], params=sampling_message(req.sampling, per_prompt_max[pi], seed),
+                max_tokens=per_prompt_max[pi],
+                params=sampling_message(req.sampling, per_prompt_max[pi], seed, model.spec.speculative),
                 decision=decision, lease=self.router.lease(decision),
             ))
         return choices
@@ -308,7 +309,7 @@ class Admitter:
         for c in job.choices:
             c.lease.release()
         job.model, job.prompts, job.echo_texts = model, tokenized.prompts, tokenized.echo_texts
-        job.choices = self._choices(job.id, req, tokenized.prompts, per_prompt_max, decisions)
+        job.choices = self._choices(job.id, req, model, tokenized.prompts, per_prompt_max, decisions)
         job.fallback_reason = picked.fallback_reason
         self._count_routes(job)
         return True

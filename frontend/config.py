@@ -18,6 +18,8 @@ Models file (YAML or TOML, chosen by the file suffix)::
                                     # deepseek_r1, none, or auto (qwen3 when the chat template mentions
                                     # <think> and the tokenizer has <think>/</think> tokens)
         embedding: {pooling: last, normalize: true}  # /v1/embeddings (frontend.embeddings): last | mean
+        speculative: ngram          # speculative decoding's drafts for this model's requests: ngram, suffix
+                                    # or off (default: each decode node's --speculative)
 
 Canary: entries that share a `name` are versions of one served model, each its own pool, with routing
 weights (requests with a session key stick to a version; the others split exactly by weight). Weights
@@ -62,6 +64,10 @@ from pdserve.rpc import RpcSecurity, add_rpc_args, rpc_security_from_args
 from pdserve.rpc.tracing import TracingConfig, add_tracing_args, tracing_config_from_args
 
 # --- the models file ------------------------------------------------------------------------------
+
+# A model's `speculative`: "" leaves each decode node's --speculative in force (engine.speculative's
+# methods, spelled out: the frontend needs no torch).
+SPECULATIVE_SETTINGS = ("", "off", "ngram", "suffix")
 
 
 EMBEDDING_POOLINGS = ("last", "mean")  # engine.embedding.POOLINGS (the frontend imports no torch)
@@ -111,8 +117,12 @@ class ModelSpec:
     weight: float = 1.0  # canary: share of new requests among the versions of `name` (0: none)
     reasoning_parser: str = "auto"  # frontend.reasoning.REASONING_SETTINGS
     embedding: EmbeddingSettings = EmbeddingSettings()  # /v1/embeddings pooling
+    speculative: str = ""  # SPECULATIVE_SETTINGS; "": the decode nodes' --speculative
 
     def __post_init__(self) -> None:
+        if self.speculative not in SPECULATIVE_SETTINGS:
+            raise ConfigError(f"model {self.name!r}: speculative must be one of {list(SPECULATIVE_SETTINGS[1:])}, "
+                              f"got {self.speculative!r}")
         if self.reasoning_parser not in REASONING_SETTINGS:
             raise ConfigError(f"model {self.name!r}: reasoning_parser must be one of {list(REASONING_SETTINGS)}, "
                               f"got {self.reasoning_parser!r}")
@@ -145,6 +155,7 @@ class ModelEntry(FileEntry):
     output_tokens_estimate: PositiveOrNull = None
     reasoning_parser: Annotated[str, Requirement("reasoning_parser must be a string")] = "auto"
     embedding: Annotated[EmbeddingSettings, BeforeValidator(_embedding_settings)] = EmbeddingSettings()
+    speculative: Annotated[str, empty_as(""), Requirement("speculative must be a string")] = ""
 
     def spec(self) -> ModelSpec:
         return ModelSpec(**{**dict(self), "path": os.path.expanduser(self.path), "aliases": tuple(self.aliases)})

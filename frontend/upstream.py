@@ -74,8 +74,9 @@ def _ending(msg: pb.GenerateResponse) -> Ending:
     return "broken" if msg.finish_reason in _BROKEN_FINISH else "failed"
 
 
-def sampling_message(opts: SamplingOptions, max_tokens: int, seed: int | None) -> pb.SamplingParams:
-    """The proto SamplingParams for one choice (its own max_tokens and seed)."""
+def sampling_message(opts: SamplingOptions, max_tokens: int, seed: int | None, speculative: str = "") -> pb.SamplingParams:
+    """The proto SamplingParams for one choice (its own max_tokens and seed; ``speculative``: its model's
+    setting from the models file)."""
     params = pb.SamplingParams(
         temperature=opts.temperature,
         top_p=opts.top_p,
@@ -87,6 +88,7 @@ def sampling_message(opts: SamplingOptions, max_tokens: int, seed: int | None) -
         stop=list(opts.stop),
         ignore_eos=opts.ignore_eos,
         priority=opts.priority or 0,
+        speculative=speculative,
     )
     if seed is not None:
         params.seed = seed

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdserve.engine.config import KV_CACHE_DTYPES, EngineConfig
+from pdserve.engine.speculative import SPECULATIVE_METHODS
 from pdserve.node_common.pinning import parse_cpus
 from pdserve.rpc import RpcSecurity, add_rpc_args, rpc_security_from_args
 from pdserve.rpc.tracing import TracingConfig, add_tracing_args, tracing_config_from_args
@@ -108,6 +109,12 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                         help="KV cache element type: auto (the model dtype) or fp8_e5m2 (half the bytes of bf16); "
                              "prefill and decode nodes of a cluster must agree")
+    parser.add_argument("--speculative", default="off", choices=SPECULATIVE_METHODS,
+                        help="speculative decoding without a draft model: ngram (prompt lookup) or suffix (a suffix "
+                             "automaton over the request's tokens) drafts, verified in the batched decode step; "
+                             "greedy and seeded output unchanged (default off; a models-file entry may override)")
+    parser.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K",
+                        help="draft tokens a step at most (1-16; adapted per request below it)")
     parser.add_argument("--grpc-host", default="127.0.0.1")
     parser.add_argument("--grpc-port", type=int, default=0)
     parser.add_argument("--advertise-host", default="")
@@ -142,6 +149,7 @@ def node_kwargs(args: argparse.Namespace) -> dict[str, object]:
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching, prefix_hash_seed=args.prefix_hash_seed,
         seed=args.seed, num_threads=num_threads, kv_cache_dtype=args.kv_cache_dtype,
+        speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
     )
     return dict(
         node_id=args.node_id, cluster=args.cluster,

@@ -31,6 +31,7 @@ def params_from_proto(p: pb.SamplingParams) -> SamplingParams:
         logprobs=p.logprobs if p.HasField("logprobs") else None,
         logit_bias=dict(p.logit_bias),
         priority=p.priority,
+        speculative=p.speculative,
         structured=StructuredSpec(p.structured.kind, p.structured.schema_json)  # type: ignore[arg-type]
         if p.HasField("structured") else None,
     )
@@ -42,6 +43,7 @@ def params_to_proto(sp: SamplingParams) -> pb.SamplingParams:
         presence_penalty=sp.presence_penalty, frequency_penalty=sp.frequency_penalty,
         repetition_penalty=sp.repetition_penalty, max_tokens=sp.max_tokens, stop=sp.stop,
         stop_token_ids=sp.stop_token_ids, ignore_eos=sp.ignore_eos, priority=sp.priority,
+        speculative=sp.speculative,
     )
     if sp.seed is not None:
         msg.seed = sp.seed

@@ -21,7 +21,7 @@ import platform
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Protocol
 from wsgiref.simple_server import WSGIServer
 
@@ -33,6 +33,7 @@ from pdserve.engine.block_manager import PrefixCacheStats
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine, RequestOutput, StepStats
 from pdserve.engine.sequence import Sequence as EngineSequence
+from pdserve.engine.speculative import SpeculativeStats
 from pdserve.engine.version import pdserve_version
 from pdserve.node_common.faults import NodeFaults
 from pdserve.registry import NodeLoad
@@ -70,6 +71,7 @@ class StepRecord:
     # transferred sequence, their first decode) ran in it.
     started_seqs: list[EngineSequence]
     cache: PrefixCacheStats  # cumulative prefix-cache counters after the step
+    spec: SpeculativeStats  # cumulative speculative-decoding counters after the step (a copy)
 
 
 class StepObserver(Protocol):
@@ -96,7 +98,7 @@ class ObservedEngine(LLMEngine):
         self._observer.on_step(StepRecord(
             started=started, ended=time.monotonic(), stats=self.last_step, outputs=outputs,
             started_seqs=[s for s in waiting if id(s) not in still_waiting],
-            cache=self.block_manager.stats(),
+            cache=self.block_manager.stats(), spec=replace(self.spec_stats),
         ))
         return outputs
 
@@ -105,10 +107,11 @@ class _EngineCollector(Collector):
     """Yields the gauges and prefix-cache counters from the latest snapshots at each scrape."""
 
     def __init__(self, labels: MetricLabels, snapshot: Callable[[], NodeLoad | None],
-                 cache: Callable[[], PrefixCacheStats]) -> None:
+                 cache: Callable[[], PrefixCacheStats], spec: Callable[[], SpeculativeStats]) -> None:
         self._labels = labels
         self._snapshot = snapshot
         self._cache = cache
+        self._spec = spec
 
     def collect(self) -> Iterator[Metric]:
         names, values = list(LABEL_NAMES), list(self._labels.values().values())
@@ -121,6 +124,7 @@ class _EngineCollector(Collector):
         hits.add_metric(values, cache.hit_tokens)
         yield queries
         yield hits
+        yield from self._speculative(names, values)
         load = self._snapshot()
         if load is None:
             return  # still loading: no engine yet
@@ -144,6 +148,23 @@ class _EngineCollector(Collector):
                                     "Sequences queued (decode: including those waiting for admission)", labels=names)
         waiting.add_metric(values, load.queue_len)
         yield waiting
+
+    def _speculative(self, names: list[str], values: list[str]) -> Iterator[Metric]:
+        """Speculative decoding's counters (`engine.speculative.SpeculativeStats`); the acceptance rate is
+        rate(accepted) / rate(drafted), tokens per step rate(decode_tokens) / rate(decode_steps)."""
+        spec = self._spec()
+        for name, doc, value in (
+            ("pdserve_spec_draft_tokens", "Draft tokens verified (speculative decoding)", spec.drafted_tokens),
+            ("pdserve_spec_accepted_tokens", "Draft tokens accepted by verification", spec.accepted_tokens),
+            ("pdserve_spec_emitted_tokens", "Tokens produced by decode steps that carried a draft (accepted + 1 each)",
+             spec.emitted_tokens),
+            ("pdserve_spec_draft_steps", "Sequence decode steps that carried a draft", spec.draft_steps),
+            ("pdserve_decode_seq_steps", "Sequence decode steps, with or without a draft", spec.decode_steps),
+            ("pdserve_decode_seq_tokens", "Tokens those sequence decode steps produced", spec.decode_tokens),
+        ):
+            family = CounterMetricFamily(name, doc, labels=names)
+            family.add_metric(values, value)
+            yield family
 
 
 class MetricsServer:
@@ -175,12 +196,13 @@ class NodeMetrics:
         self.registry = CollectorRegistry()
         self._lock = threading.Lock()  # guards what the engine thread and the event loop both touch
         self._cache = PrefixCacheStats()
+        self._spec = SpeculativeStats()
         self._gauges: Callable[[], NodeLoad] | None = None
         self._preemptions = self.counter("pdserve_preemptions", "Sequences preempted for KV space")
         self._embed_requests = self.counter("pdserve_embedding_requests", "Embed calls served")
         self._embed_inputs = self.counter("pdserve_embedding_inputs", "Inputs embedded")
         self._embed_tokens = self.counter("pdserve_embedding_tokens", "Input tokens embedded (never in the KV cache)")
-        self.registry.register(_EngineCollector(labels, self._gauge_snapshot, self._cache_snapshot))
+        self.registry.register(_EngineCollector(labels, self._gauge_snapshot, self._cache_snapshot, self._spec_snapshot))
 
     # -- series builders: every series gets the pool/node/model labels ------------------------------
 
@@ -204,6 +226,7 @@ class NodeMetrics:
             self._preemptions.inc(step.stats.num_preempted)
         with self._lock:
             self._cache = step.cache
+            self._spec = step.spec
 
     def embedded(self, inputs: int, tokens: int) -> None:
         """One Embed call served (event loop)."""
@@ -230,6 +253,10 @@ class NodeMetrics:
     def _cache_snapshot(self) -> PrefixCacheStats:
         with self._lock:
             return self._cache
+
+    def _spec_snapshot(self) -> SpeculativeStats:
+        with self._lock:
+            return self._spec
 
     def serve(self, host: str, port: int) -> MetricsServer:
         """Starts the /metrics endpoint on host:port (0: a free port)."""

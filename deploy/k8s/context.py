@@ -140,7 +140,8 @@ def _models_file(v: dict[str, Any]) -> str:
         if m.get("aliases"):
             entry["aliases"] = list(m["aliases"])
         for key, out_key in (("fallback", "fallback"), ("maxContext", "max_context"),
-                             ("maxOutputTokens", "max_output_tokens"), ("defaultMaxTokens", "default_max_tokens")):
+                             ("maxOutputTokens", "max_output_tokens"), ("defaultMaxTokens", "default_max_tokens"),
+                             ("speculative", "speculative")):
             if m.get(key) is not None:
                 entry[out_key] = m[key]
         entries.append(entry)
@@ -189,6 +190,8 @@ def _node_args(v: dict[str, Any], m: dict[str, Any], cfg: dict[str, Any], etcd: 
     ]
     if m.get("maxContext"):
         pairs.append(("max-model-len", m["maxContext"]))
+    if cfg.get("speculative"):
+        pairs += [("speculative", cfg["speculative"]), ("num-speculative-tokens", cfg.get("numSpeculativeTokens", 4))]
     if cfg.get("kvInterface"):
         pairs.append(("kv-interface", cfg["kvInterface"]))  # gloo's NIC (NCCL takes NCCL_SOCKET_IFNAME)
     # The node's own drain bound is the preStop hook's (one value, `drainTimeoutSeconds`): a node that

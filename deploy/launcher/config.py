@@ -50,6 +50,8 @@ class LauncherConfig:
     dtype: str = "auto"
     kv_memory_mib: int = 512  # KV cache budget of each node
     kv_cache_dtype: str = "auto"  # KV cache element type of every node (they must agree)
+    speculative: str = "off"  # every node's --speculative (engine.speculative.SPECULATIVE_METHODS)
+    num_speculative_tokens: int = 4
     # torch threads per node; None = `node_threads`' rule: with `pin` the size of the node's CPU set,
     # unpinned the usable CPUs divided among the nodes of the node's pool.
     num_threads: int | None = None
@@ -83,6 +85,8 @@ class LauncherConfig:
             (self.dtype in ("auto", "float32", "bfloat16", "float16"), f"bad --dtype {self.dtype!r}"),
             (self.kv_memory_mib >= 1, "--kv-memory must be >= 1 MiB"),
             (self.kv_cache_dtype in ("auto", "fp8_e5m2", "fp8_e4m3"), f"bad --kv-cache-dtype {self.kv_cache_dtype!r}"),
+            (self.speculative in ("off", "ngram", "suffix"), f"bad --speculative {self.speculative!r}"),
+            (1 <= self.num_speculative_tokens <= 16, "--num-speculative-tokens must be in [1, 16]"),
             (self.num_threads is None or self.num_threads >= 1, "--num-threads must be >= 1"),
             (set(self.cpus) <= os.sched_getaffinity(0), f"--cpus {self.cpus} are not all usable here"),
             (not self.cpus or self.pin, "--cpus needs --pin"),
@@ -188,6 +192,7 @@ def build_config(args: Any, resolve_model: Callable[[str | None], ResolvedModel]
         model=str(model.path), model_name=args.model_name or model.name, num_prefill=args.prefill,
         num_decode=args.decode, host=args.host, port=args.port, dtype=args.dtype, kv_memory_mib=args.kv_memory,
         kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
+        speculative=getattr(args, "speculative", "off"), num_speculative_tokens=getattr(args, "num_speculative_tokens", 4),
         num_threads=args.num_threads, pin=bool(getattr(args, "pin", False)),
         max_prefill_queue_tokens=getattr(args, "max_prefill_queue_tokens", None),
         cpus=parse_cpus(args.cpus) if getattr(args, "cpus", None) else (), cluster=args.cluster,
