@@ -32,7 +32,7 @@ class _Timing:
 
 class DecodeMetrics(NodeMetrics):
     def __init__(self, labels: MetricLabels) -> None:
-        super().__init__(labels)
+        super().__init__(labels, speculative=True)
         self.first_step = self.histogram("pdserve_decode_first_step_seconds",
                                          "Admission (KV in place) to the end of the request's first decode step",
                                          LATENCY_BUCKETS)

@@ -38,6 +38,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # KV cache element type (KV_CACHE_DTYPES); must match across a cluster
     speculative: str = "off"  # draft proposer of speculative decoding: "off", "ngram" or "suffix"
     num_speculative_tokens: int = 4  # draft tokens a step at most
+    speculative_min_match: int = 2  # shortest repeat (tokens) a draft is taken from: ngram's min n, suffix's min_match
 
     def __post_init__(self) -> None:
         checks = [
@@ -61,6 +62,7 @@ class EngineConfig:
             (self.speculative in SPECULATIVE_METHODS,
              f"speculative must be one of {SPECULATIVE_METHODS}, got {self.speculative!r}"),
             (1 <= self.num_speculative_tokens <= 16, "num_speculative_tokens must be in [1, 16]"),
+            (1 <= self.speculative_min_match <= 16, "speculative_min_match must be in [1, 16]"),
         ]
         for ok, msg in checks:
             if not ok:

@@ -124,7 +124,10 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.prefix_hash_seed, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.block_manager, max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
-            speculative=SpeculativeConfig(cfg.speculative, cfg.num_speculative_tokens),
+            speculative=SpeculativeConfig(
+                cfg.speculative, cfg.num_speculative_tokens, min_ngram=cfg.speculative_min_match,
+                max_ngram=max(4, cfg.speculative_min_match), min_match=cfg.speculative_min_match,
+            ),
         )
         self.sampler = Sampler(seed=cfg.seed, device=cfg.device, ops=self.ops)
         self.runner = ModelRunner(self.model, self.kv_cache, cfg.block_size, self.sampler, capture_logits)

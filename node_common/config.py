@@ -115,6 +115,8 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
                              "greedy and seeded output unchanged (default off; a models-file entry may override)")
     parser.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K",
                         help="draft tokens a step at most (1-16; adapted per request below it)")
+    parser.add_argument("--speculative-min-match", type=int, default=2, metavar="N",
+                        help="shortest repeat, in tokens, a draft is taken from (ngram and suffix; default 2)")
     parser.add_argument("--grpc-host", default="127.0.0.1")
     parser.add_argument("--grpc-port", type=int, default=0)
     parser.add_argument("--advertise-host", default="")
@@ -150,6 +152,7 @@ def node_kwargs(args: argparse.Namespace) -> dict[str, object]:
         enable_prefix_caching=not args.no_prefix_caching, prefix_hash_seed=args.prefix_hash_seed,
         seed=args.seed, num_threads=num_threads, kv_cache_dtype=args.kv_cache_dtype,
         speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
+        speculative_min_match=args.speculative_min_match,
     )
     return dict(
         node_id=args.node_id, cluster=args.cluster,

@@ -107,7 +107,7 @@ class _EngineCollector(Collector):
     """Yields the gauges and prefix-cache counters from the latest snapshots at each scrape."""
 
     def __init__(self, labels: MetricLabels, snapshot: Callable[[], NodeLoad | None],
-                 cache: Callable[[], PrefixCacheStats], spec: Callable[[], SpeculativeStats]) -> None:
+                 cache: Callable[[], PrefixCacheStats], spec: Callable[[], SpeculativeStats] | None) -> None:
         self._labels = labels
         self._snapshot = snapshot
         self._cache = cache
@@ -124,7 +124,8 @@ class _EngineCollector(Collector):
         hits.add_metric(values, cache.hit_tokens)
         yield queries
         yield hits
-        yield from self._speculative(names, values)
+        if self._spec is not None:
+            yield from self._speculative(names, values)
         load = self._snapshot()
         if load is None:
             return  # still loading: no engine yet
@@ -152,6 +153,7 @@ class _EngineCollector(Collector):
     def _speculative(self, names: list[str], values: list[str]) -> Iterator[Metric]:
         """Speculative decoding's counters (`engine.speculative.SpeculativeStats`); the acceptance rate is
         rate(accepted) / rate(drafted), tokens per step rate(decode_tokens) / rate(decode_steps)."""
+        assert self._spec is not None
         spec = self._spec()
         for name, doc, value in (
             ("pdserve_spec_draft_tokens", "Draft tokens verified (speculative decoding)", spec.drafted_tokens),
@@ -191,7 +193,8 @@ class MetricsServer:
 class NodeMetrics:
     """The series both node pools export. Subclasses add their pool's metrics and extend `on_step`."""
 
-    def __init__(self, labels: MetricLabels) -> None:
+    def __init__(self, labels: MetricLabels, speculative: bool = False) -> None:
+        """``speculative``: export speculative decoding's counters (the decode pool, which drafts)."""
         self.labels = labels
         self.registry = CollectorRegistry()
         self._lock = threading.Lock()  # guards what the engine thread and the event loop both touch
@@ -202,7 +205,8 @@ class NodeMetrics:
         self._embed_requests = self.counter("pdserve_embedding_requests", "Embed calls served")
         self._embed_inputs = self.counter("pdserve_embedding_inputs", "Inputs embedded")
         self._embed_tokens = self.counter("pdserve_embedding_tokens", "Input tokens embedded (never in the KV cache)")
-        self.registry.register(_EngineCollector(labels, self._gauge_snapshot, self._cache_snapshot, self._spec_snapshot))
+        self.registry.register(_EngineCollector(labels, self._gauge_snapshot, self._cache_snapshot,
+                                                self._spec_snapshot if speculative else None))
 
     # -- series builders: every series gets the pool/node/model labels ------------------------------
 

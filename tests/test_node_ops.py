@@ -47,7 +47,9 @@ EXPECTED = {
                          "pdserve_kv_transfer_failures", "pdserve_prefill_layerwise_sends", "pdserve_prefill_layerwise_steps"},
     "decode": COMMON | {"pdserve_decode_first_step_seconds", "pdserve_decode_itl_seconds", "pdserve_decode_batch_size",
                         "pdserve_decode_tokens", "pdserve_decode_local_prefill_fallbacks", "pdserve_decode_reprefills",
-                        "pdserve_decode_kv_checksum_failures", "pdserve_decode_queue_local_prefills"},
+                        "pdserve_decode_kv_checksum_failures", "pdserve_decode_queue_local_prefills",
+                        "pdserve_spec_draft_tokens", "pdserve_spec_accepted_tokens", "pdserve_spec_emitted_tokens",
+                        "pdserve_spec_draft_steps", "pdserve_decode_seq_steps", "pdserve_decode_seq_tokens"},
 }
 
 

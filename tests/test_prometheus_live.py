@@ -202,6 +202,9 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveEnv]:
     workdir = tmp_path_factory.mktemp("live")
     up = UpCluster.start(workdir, [
         "--model", "tiny", "--model-name", MODEL, "--kv-memory", "64", "--lease-ttl", "2",
+        # The tiny model's random weights rarely repeat a bigram: drafts from single-token repeats, so that
+        # the speculative decoding panels have data.
+        "--speculative", "ngram", "--node-arg=--speculative-min-match=1",
         f"--frontend-arg=--tenants={tenants_file(workdir / 'tenants.yaml')}",
     ])
     prometheus: PrometheusServer | None = None

@@ -493,11 +493,12 @@ def tiny_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SpecClust
 
 @pytest.fixture(scope="module")
 def smollm2_cluster(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Iterator[SpecCluster]:
-    yield from _spec_cluster(tmp_path_factory.mktemp("spec-smollm2"), smollm2_dir, 48, repeats=True)
+    yield from _spec_cluster(tmp_path_factory.mktemp("spec-smollm2"), smollm2_dir, 40, repeats=True)
 
 
 def _all_paths(env: SpecCluster) -> None:
-    """Each prompt four ways: off/on, prefilled on p0 (KV shipped) or on the decode node itself."""
+    """Each prompt three ways: off prefilled on p0 (the reference), on prefilled on p0 (KV shipped) and on
+    prefilled on the decode node itself (the colocated path)."""
     cluster = env.cluster
 
     def one(job: tuple[int, str, bool]) -> list[int]:
@@ -512,13 +513,12 @@ def _all_paths(env: SpecCluster) -> None:
             assert res.prefill_node_id == "p0"
         return res.token_ids
 
-    jobs = [(i, node, local) for i in range(len(env.prompts)) for node in ("d0", "d1") for local in (False, True)]
+    jobs = [(i, node, local) for i in range(len(env.prompts)) for node, local in (("d0", False), ("d1", False), ("d1", True))]
     accepted = cluster.metric("d1", "pdserve_spec_accepted_tokens_total")
     with ThreadPoolExecutor(8) as pool:
         outs = dict(zip(jobs, pool.map(one, jobs), strict=True))
     for i in range(len(env.prompts)):
         want = outs[(i, "d0", False)]
-        assert outs[(i, "d0", True)] == want, i
         assert outs[(i, "d1", False)] == want, (i, PROMPTS_32[i][:40])
         assert outs[(i, "d1", True)] == want, (i, PROMPTS_32[i][:40])
     cluster.wait_clean()
