@@ -615,3 +615,56 @@ def test_draft_length_keeps_what_pays_for_its_rows() -> None:
     for rows, ms in ((1, 10.0), (2, 14.0), (5, 30.0)):
         expensive.record(rows, ms / 1e3)
     assert draft_length(expensive, 1, 1.0, 4, 0.6) == 1  # only the first draft token earns its row
+
+
+QUANT_SCRIPT = r'''
+import sys
+from dataclasses import replace
+sys.path.insert(0, ".")
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.sampling_params import SamplingParams
+from tests.test_speculative import Oracle, TINY_PROMPTS
+model = sys.argv[1]
+off = LLMEngine(EngineConfig(model=model, num_kv_blocks=256, block_size=8))
+on = LLMEngine(EngineConfig(model=model, num_kv_blocks=256, block_size=8, speculative="ngram", num_speculative_tokens=5))
+on.scheduler.speculative = replace(on.scheduler.speculative, cost_aware=False)
+params = SamplingParams(max_tokens=32, ignore_eos=True)
+want = off.generate(TINY_PROMPTS, params)
+plans = {tuple(r.prompt_token_ids): r.token_ids for r in want}
+on.scheduler.proposer_factory = lambda seq: Oracle(seq, plans, seed=len(seq.token_ids))
+got = on.generate(TINY_PROMPTS, params)
+for engine in (off, on):
+    engine.block_manager.check_integrity()
+    engine.scheduler.check_integrity()
+    assert engine.block_manager.num_used_blocks == 0
+print("kernels", on.weights.describe())
+print("accepted", on.spec_stats.accepted_tokens)
+print("identical", sum(g.token_ids == w.token_ids for g, w in zip(got, want)), len(want))
+'''
+
+
+@pytest.mark.parametrize("isa", ["portable", "native"])
+def test_drafts_through_the_quantized_fused_step_on_each_kernel_path(quantized_dirs, isa: str) -> None:
+    """Q8_0 weights, the quantized kernels forced to the portable path or left to this CPU's widest: drafts
+    are verified through the fused decode step and every block comes back. Token identity is not asserted
+    here: the quantized matmuls round activations by row count (int16 row kernels at 1-2 rows, panels
+    above), so a draft's extra rows can flip a near-tie of the random tiny model; float weights are exact."""
+    import os
+    import subprocess
+    import sys
+
+    from testing.procs import REPO_ROOT
+
+    env = dict(os.environ)
+    env.pop("PDSERVE_QUANT_ISA", None)
+    if isa == "portable":
+        env["PDSERVE_QUANT_ISA"] = "portable"
+    run = subprocess.run([sys.executable, "-c", QUANT_SCRIPT, str(quantized_dirs("llama", "Q8_0"))], cwd=REPO_ROOT,
+                         env=env, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    lines = dict(ln.split(" ", 1) for ln in run.stdout.splitlines() if " " in ln)
+    assert ("kernels portable" in lines["kernels"]) == (isa == "portable"), lines["kernels"]
+    assert int(lines["accepted"]) > 0
+    same, total = map(int, lines["identical"].split())
+    assert total == len(TINY_PROMPTS) and same >= 1
