@@ -11,6 +11,11 @@ Measured, in one run, per proxy process (one frontend process; litellm with one 
   * requests/s for short non-streamed calls at concurrency 16.
 Targets for the frontend: <= 2 ms added p50, >= 20,000 chunks/s, >= 300 requests/s.
 
+The web console's cost when nobody has it open: a second frontend with `--no-console` in front of the same
+upstream, the two measured in turns (on, off, on, off, ...: `--console-reps` each); each figure's median
+with the console on over the median with it off, next to the noise (the spread between the repetitions
+of one configuration).
+
 The load generator is a minimal keep-alive HTTP/1.1 client on asyncio (uvloop when installed), so that
 the client costs little next to what it measures. litellm is looked up as `litellm` on PATH or given
 with --litellm; it is not a project dependency (`pip install 'litellm[proxy]'` in a separate venv).
@@ -28,6 +33,7 @@ import asyncio
 import json
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -64,6 +70,7 @@ class BenchConfig:
     short_tokens: int
     litellm: str | None
     json_out: str | None
+    console_reps: int = 2
 
 
 # --- a minimal HTTP/1.1 client ----------------------------------------------------------------------
@@ -269,6 +276,65 @@ async def measure(target: HttpTarget, cfg: BenchConfig, direct_ttft: Callable[[]
     return res, base
 
 
+_FIGURES = ("ttft_ms_p50", "chunks_per_s", "requests_per_s")
+
+
+async def console_overhead(cfg: BenchConfig, on: HttpTarget, off: HttpTarget, first_on: tuple[Result, Result],
+                           direct_ttft: Callable[[], Awaitable[list[float]]]) -> dict[str, Any]:
+    """The frontend with its console (nobody watching) against one without, measured in turns; `first_on` is
+    the console-on measurement already taken. Prints and returns each figure's ratio and the noise."""
+    runs: dict[str, list[Result]] = {"on": [first_on[0]], "off": []}
+    for i in range(cfg.console_reps):
+        runs["off"].append((await measure(off, cfg, direct_ttft))[0])
+        if i + 1 < cfg.console_reps:
+            runs["on"].append((await measure(on, cfg, direct_ttft))[0])
+    out: dict[str, Any] = {"reps": cfg.console_reps, "sample_ms": history_sample_ms()}
+    print(f"\nconsole on (nobody watching) against --no-console, {cfg.console_reps} runs each, medians:")
+    for name in _FIGURES:
+        vals = {k: sorted(getattr(r, name) for r in v) for k, v in runs.items()}
+        med = {k: statistics.median(v) for k, v in vals.items()}
+        noise = max((max(v) - min(v)) / max(min(v), 1e-9) for v in vals.values())
+        ratio = med["on"] / max(med["off"], 1e-9)
+        out[name] = {"on": med["on"], "off": med["off"], "ratio": ratio, "noise": noise,
+                     "runs_on": [getattr(r, name) for r in runs["on"]], "runs_off": [getattr(r, name) for r in runs["off"]]}
+        print(f"  {name:16} on {med['on']:10.2f}  off {med['off']:10.2f}  on/off {ratio:5.3f}  "
+              f"(spread between runs of one configuration: {noise * 100:.1f}%; runs in order: on "
+              f"{' '.join(f'{v:.4g}' for v in out[name]['runs_on'])}, off "
+              f"{' '.join(f'{v:.4g}' for v in out[name]['runs_off'])})")
+    interval = 2.0
+    print(f"  the history's sampler alone: {out['sample_ms']:.3f} ms per sample, one every {interval:g} s "
+          f"({out['sample_ms'] / (interval * 1e3) * 100:.3f}% of one core)")
+    return out
+
+
+def history_sample_ms(samples: int = 200) -> float:
+    """Milliseconds one `ConsoleHistory.sample` takes in a frontend whose metrics hold a busy process's
+    series (every endpoint, status and finish label; 20 tenants), measured in this process."""
+    from pdserve.frontend.config import FrontendConfig, ModelSpec
+    from pdserve.frontend.console import ConsoleHistory
+    from pdserve.frontend.pipeline import Frontend
+
+    fe = Frontend(FrontendConfig(etcd_endpoints=("127.0.0.1:1",), models=(ModelSpec(MODEL, str(default_model_dir("llama"))),),
+                                 request_log=None, prepare_workers=1))
+    try:
+        m = fe.metrics
+        lbl = m.labels(fe.catalog.all_versions[0])
+        for i in range(2000):
+            m.ttft.labels(*lbl).observe(0.001 * (i % 300))
+            m.tpot.labels(*lbl).observe(0.0005 * (i % 100))
+            m.tokens.labels(*lbl, f"tenant-{i % 20}", "completion").inc(10)
+            m.requests.labels(*lbl, ("chat.completions", "completions")[i % 2], ("200", "429", "503")[i % 3],
+                              ("stop", "length")[i % 2]).inc()
+            m.observe_slo(fe.catalog.all_versions[0], "both", i % 4 != 0)
+        history = ConsoleHistory(fe)
+        t0 = time.perf_counter()
+        for i in range(samples):
+            history.sample(now=1000.0 + 2 * i)
+        return (time.perf_counter() - t0) / samples * 1e3
+    finally:
+        fe.workers.close()
+
+
 # --- processes -----------------------------------------------------------------------------------
 
 
@@ -344,6 +410,13 @@ async def run_all(cfg: BenchConfig, workdir: Path) -> dict[str, Any]:
                 lite_cfg = BenchConfig(**{**asdict(cfg), "stream_tokens": min(cfg.stream_tokens, 200)})
                 rows.append(await measure(litellm_target, lite_cfg, direct_http_ttft))
             results = report(rows)
+            fe_off = start_frontend("frontend-no-console", workdir, etcd.endpoints, free_port(), "--model",
+                                    f"{MODEL}={model_dir}", "--tenants", str(tenants), "--request-log",
+                                    str(workdir / "requests-off.jsonl"), "--log-level", "warning", "--no-console")
+            procs.append(fe_off.proc)
+            off = HttpTarget("pdserve frontend --no-console", fe_off.host, fe_off.port, auth, fe_off.proc.popen.pid)
+            results["console"] = await console_overhead(cfg, frontend, off, rows[0],
+                                                        lambda: grpc_ttft(grpc_address, cfg.ttfb_samples))
             fe_res = rows[0][0]
             targets = {
                 "added_ttft_ms_p50 <= 2": fe_res.ttft_ms_p50 - rows[0][1].ttft_ms_p50 <= 2.0,
@@ -374,16 +447,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--litellm", default=shutil.which("litellm"), help="litellm executable")
     p.add_argument("--no-litellm", action="store_true")
     p.add_argument("--json", default=None, help="also write the figures to this file")
+    p.add_argument("--console-reps", type=int, default=2,
+                   help="runs each of the frontend with and without its console, in turns")
     p.add_argument("--quick", action="store_true",
                    help="smoke run of a few seconds (short phases, few samples, no litellm): checks that it runs")
     args = p.parse_args(argv)
     if args.quick:
         args.duration, args.ttfb_samples, args.stream_tokens, args.no_litellm = 0.5, 20, 100, True
+        args.console_reps = 1
     litellm = None if args.no_litellm else args.litellm
     if litellm is None and not args.no_litellm:
         print("litellm not found (give --litellm PATH or --no-litellm); measuring the frontend alone", file=sys.stderr)
     cfg = BenchConfig(args.duration, args.ttfb_samples, args.concurrency, args.stream_tokens, args.short_tokens,
-                      litellm, args.json)
+                      litellm, args.json, max(1, args.console_reps))
     with tempfile.TemporaryDirectory(prefix="frontend-bench-") as tmp:
         runner: Any
         try:

@@ -38,6 +38,8 @@ class Accounting:
     def __init__(self, config: FrontendConfig, metrics: FrontendMetrics, request_log: RequestLog) -> None:
         self._config, self._metrics, self._log = config, metrics, request_log
         self.observers: list[Callable[[Job, Latencies], None]] = []  # called with every ended job
+        # Called with every request log record (ended jobs and refusals), whether or not a log is written.
+        self.record_sinks: list[Callable[[dict[str, Any]], None]] = []
 
     def reject(self, kind: str, tenant: str | None, err: APIError, client_id: str | None) -> None:
         """Accounts a request refused before it started (metrics and a request log line)."""
@@ -46,10 +48,15 @@ class Accounting:
         self._metrics.requests.labels(*base, endpoint, str(err.status), "rejected").inc()
         if tenant is not None:  # None: refused before a tenant was known (authentication)
             self._metrics.observe_tenant(base, tenant, None, err.status, err.code)
-        self._log.write({"ts": time.time(), "request_id": None, "client_request_id": client_id,
-                                "tenant": tenant, "endpoint": endpoint, "status": err.status,
-                                "error": err.message, "error_code": err.code, "error_type": err.type,
-                                "trace_id": err.trace_id})
+        self._write({"ts": time.time(), "request_id": None, "client_request_id": client_id,
+                     "tenant": tenant, "endpoint": endpoint, "status": err.status,
+                     "error": err.message, "error_code": err.code, "error_type": err.type,
+                     "trace_id": err.trace_id})
+
+    def _write(self, record: dict[str, Any]) -> None:
+        self._log.write(record)
+        for sink in self.record_sinks:
+            sink(record)
 
     def end(self, job: Job) -> int:
         """Ends a job exactly once (later calls do nothing): cancels calls still running upstream,
@@ -70,7 +77,7 @@ class Accounting:
             observe(job, lat)
         if not job.disconnected:
             self._judge_slo(job, lat, completion)
-        self._log.write(_log_record(job, lat, completion))
+        self._write(_log_record(job, lat, completion))
         return completion
 
     def _observe(self, job: Job, lat: Latencies, completion: int) -> None:
@@ -162,6 +169,7 @@ def _log_record(job: Job, lat: Latencies, completion: int) -> dict[str, Any]:
         "cached_tokens": [c.progress.cached_tokens for c in job.choices],
         "ttft_ms": _ms(lat.ttft),
         "ttft_breakdown_ms": {k: round(v * 1e3, 3) for k, v in lat.breakdown.items()} or None,
+        "waterfall_ms": waterfall(job),
         "e2e_ms": _ms(lat.e2e),
         "tpot_ms": _ms(lat.tpot),
         "itl_p50_ms": _ms(itls[len(itls) // 2]) if itls else None,
@@ -208,6 +216,52 @@ def _ttft_breakdown(job: Job) -> dict[str, float]:
         t = p.timing
         out |= {"prefill_queue": t.prefill_queue_s, "prefill": t.prefill_s, "transfer": t.transfer_s,
                 "reservation_wait": t.reservation_wait_s, "first_decode_step": t.first_decode_step_s}
+    return out
+
+
+def waterfall(job: Job) -> list[dict[str, Any]] | None:
+    """The request's stages on one time line, in ms from its arrival: [{stage, start, ms, ttft}], `ttft`
+    true for the stages before the first token, which tile [0, TTFT] exactly. Frontend stages come from
+    the job's admission stamps (the trace's admission spans); node stages from the first choice's
+    reported timing, laid end to end from its dispatch; `network` is what is left of TTFT (gRPC hops, the
+    first token's way back). The KV transfer runs beside the prefill (layer by layer) from its start, the
+    first decode step follows it, and decode runs from the first token to the last. None before any
+    token."""
+    p = first_to_token(job)
+    if p is None or p.first_at is None:
+        return None
+    s, t0 = job.stamps, job.arrived
+    ttft = p.first_at - t0
+    out: list[dict[str, Any]] = []
+
+    def add(stage: str, start: float, seconds: float, in_ttft: bool) -> None:
+        out.append({"stage": stage, "start": round(start * 1e3, 3), "ms": round(max(0.0, seconds) * 1e3, 3),
+                    "ttft": in_ttft})
+
+    dispatched = p.dispatched_at if p.dispatched_at is not None else s.admitted
+    edges = [("admission", t0, s.routed_from), ("routing", s.routed_from, s.routed), ("limits", s.routed, s.admitted),
+             ("dispatch", s.admitted, dispatched)]
+    for stage, a, b in edges:
+        add(stage, a - t0, min(b, p.first_at) - a, True)
+    at = dispatched - t0
+    prefill_start = at
+    if p.timing is not None:
+        tm = p.timing
+        for stage, seconds in (("reservation_wait", tm.reservation_wait_s), ("prefill_queue", tm.prefill_queue_s),
+                               ("prefill", tm.prefill_s)):
+            seconds = min(seconds, max(0.0, ttft - at))
+            if stage == "prefill":
+                prefill_start = at
+            add(stage, at, seconds, True)
+            at += seconds
+    add("network", at, ttft - at, True)
+    if p.timing is not None and p.timing.transfer_s:
+        add("transfer", prefill_start, p.timing.transfer_s, False)
+        landed = prefill_start + p.timing.transfer_s
+        if p.timing.first_decode_step_s:
+            add("first_decode_step", max(landed, ttft), p.timing.first_decode_step_s, False)
+    if p.last_at is not None and p.last_at > p.first_at:
+        add("decode", ttft, p.last_at - p.first_at, False)
     return out
 
 

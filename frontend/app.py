@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from pdserve.frontend.console_routes import add_console_routes
 from pdserve.frontend.embeddings import add_embedding_routes
 from pdserve.frontend.errors import NOT_FOUND, SERVER, APIError
 from pdserve.frontend.files import add_batch_routes
@@ -309,6 +310,7 @@ def create_app(frontend: Frontend) -> FastAPI:
     _add_model_routes(app, frontend)
     add_embedding_routes(app, frontend)  # /v1/embeddings (frontend.embeddings)
     add_batch_routes(app, frontend)  # /v1/files, /v1/batches (frontend.files, frontend.batches)
+    add_console_routes(app, frontend)  # /, /console and /console/api/* (frontend.console_routes)
     _add_operations_routes(app, frontend)
     app.add_middleware(HeaderLimit, limit=frontend.config.max_header_bytes)
     return app

@@ -267,6 +267,7 @@ class FrontendConfig:
     batch_latency_budget: Annotated[float, Gt(0)] = 0.05
     batch_lease_s: Annotated[float, Gt(0)] = 30.0
     log_prompts: bool = False
+    console: bool = True  # the web console at / and /console (frontend.console_routes)
     # Per-tenant metrics (pdserve_frontend_tenant_*): this many tenants (the most requests) keep their own
     # `tenant` label, the rest are counted under tenant="other".
     metrics_tenant_series: Annotated[int, Ge(0)] = 20
@@ -355,6 +356,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_admission_flags(p)
     p.add_argument("--request-log", default="-", help="'-' for stderr, a file path, or 'off'")
     p.add_argument("--log-prompts", action="store_true", help="include prompt text in the request log")
+    p.add_argument("--no-console", dest="console", action="store_false",
+                   help="do not serve the web console at / and /console")
     p.add_argument("--metrics-tenant-series", type=int, default=20, metavar="N",
                    help="per-tenant metrics: the N tenants with the most requests keep their own tenant label, "
                         "the rest are counted under tenant=\"other\" (default 20)")
@@ -431,7 +434,7 @@ _SAME = ("cluster", "host", "port", "limit_share", "limit_share_index", "output_
          "max_header_bytes", "max_messages", "max_stop_strings", "max_stop_chars", "max_schema_bytes",
          "max_prompt_chars", "max_inflight", "batch_inflight_fraction", "sse_keepalive_s", "prepare_queue",
          "prepare_inline_bytes", "ttft_headroom", "log_prompts", "metrics_tenant_series", "affinity_blocks", "load_factor", "decode_max_queue",
-         "upstream_attempts", "max_migrations", "log_level", "response_ttl_s", "max_file_bytes",
+         "upstream_attempts", "max_migrations", "log_level", "console", "response_ttl_s", "max_file_bytes",
          "batch_max_inflight", "batch_lease_s",
          "batch_latency_budget", "tls_cert", "tls_key")
 

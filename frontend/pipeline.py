@@ -30,6 +30,7 @@ from pdserve.frontend.config import (
     version_weights,
 )
 from pdserve.frontend.connections import DecodeConnections
+from pdserve.frontend.console import Console
 from pdserve.frontend.embeddings import EmbeddingService
 from pdserve.frontend.errors import OVERLOADED, APIError
 from pdserve.frontend.job import CHAT, COMPLETION, RESPONSES, Job, UpstreamError, client_request_id, usage
@@ -100,6 +101,7 @@ class Frontend:
         self.responses = ResponsesService(self)
         self.embeddings = EmbeddingService(self)  # /v1/embeddings, on the prefill pool (frontend.embeddings)
         self.batches = BatchService(self)  # /v1/files and /v1/batches, and the batch runner
+        self.console = Console(self) if config.console else None  # the web console's history and requests
         self.inflight = 0
         self.tls_context: ssl.SSLContext | None = None  # the server's, when it serves HTTPS (set by main)
         self._addresses: dict[str, str] = {}
@@ -129,6 +131,8 @@ class Frontend:
             log.error("no registry snapshot from etcd %s within %.0fs; serving 503 until it arrives",
                       ",".join(self.config.etcd_endpoints), self.config.registry_sync_timeout_s)
         await workers
+        if self.console is not None:
+            self.spawn(self.console.history.run())
         if self.config.models_file is not None:
             self.spawn(self._watch_models_file(self.config.models_file))
         if self.config.tenants_file is not None:

@@ -2,7 +2,8 @@
 
 Fields: ts, request_id (the response id), client_request_id, tenant, endpoint, model (served),
 requested_model, status, finish_reasons, prompt_tokens, completion_tokens, cached_tokens, ttft_ms,
-e2e_ms, tpot_ms, itl_p50_ms, itl_max_ms, stream, n, sampling (the sampling parameters the request set,
+e2e_ms, tpot_ms, itl_p50_ms, itl_max_ms, waterfall_ms (the stages on one time line:
+`frontend.accounting.waterfall`), stream, n, sampling (the sampling parameters the request set,
 no text: `stop` is only true/absent), routes (per choice: decode/prefill node, reason, upstream timing
 breakdown), error, error_code and error_type (the OpenAI error's code and type; status is its HTTP status), trace_id (the request's trace when tracing is on, else null); and
 `prompt` only when prompt logging is on.

@@ -16,6 +16,7 @@ Tenants file (YAML or TOML)::
         output_tokens_estimate: 256       # output reserved for a request without max_tokens (default: the
                                           # model's, else the frontend's --output-estimate)
         ttft_budget_ms: 2000              # refuse at once (503) what cannot get a first token in time
+        operator: false                   # true: the key also sees the whole cluster in the web console
 
 The frontend re-reads the file when it changes (`Frontend._watch_tenants_file`): a new `TenantTable`
 replaces the old one whole, or, when the file cannot be used, the old one stays.
@@ -83,6 +84,8 @@ class Tenant:
     # Scheduling priority of the tenant's requests (lower first); a request may ask for a less urgent
     # one, never a more urgent one. "interactive" is 0, "batch" 10.
     priority: int = 0
+    # The web console shows this tenant's keys the whole cluster and every request (else its own only).
+    operator: bool = False
 
     def may_use(self, *names: str) -> bool:
         """True when any of `names` (a model's served name and its aliases) is allowed."""
@@ -99,6 +102,7 @@ class _TenantFields(FileEntry):
     keys_sha256: Annotated[list[Any], Field(min_length=1),
                            Requirement("keys_sha256 must be a non-empty list of SHA-256 hex digests")]
     models: Annotated[list[Name], Requirement("models must be a list of model names")] = ["*"]
+    operator: Annotated[bool, Requirement("operator must be true or false")] = False
 
     @field_validator("name")
     @classmethod
@@ -132,7 +136,7 @@ class _TenantFields(FileEntry):
 
     def tenant(self) -> Tenant:
         limits = TenantLimits(**{f.name: getattr(self, f.name) for f in fields(TenantLimits)})
-        return Tenant(self.name, frozenset(self.models), limits, self.priority)
+        return Tenant(self.name, frozenset(self.models), limits, self.priority, self.operator)
 
 
 TenantEntry = create_model("TenantEntry", __base__=_TenantFields,
@@ -150,8 +154,8 @@ class TenantTable:
 
     @classmethod
     def local(cls) -> TenantTable:
-        """The development table: one unlimited tenant that accepts any key."""
-        return cls([Tenant(LOCAL_TENANT, frozenset({"*"}), TenantLimits())], {}, open_access=True)
+        """The development table: one unlimited tenant that accepts any key (and operates the console)."""
+        return cls([Tenant(LOCAL_TENANT, frozenset({"*"}), TenantLimits(), operator=True)], {}, open_access=True)
 
     @classmethod
     def from_file(cls, path: str | Path) -> TenantTable:

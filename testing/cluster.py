@@ -23,6 +23,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -328,8 +329,14 @@ class LocalCluster:
         assert not problems, f"node integrity: {problems}"
 
     def registry_members(self, timeout_s: float = 10.0) -> dict[str, Member]:
-        """The cluster's registry membership as a fresh view sees it."""
-        return asyncio.run(self._members(timeout_s))
+        """The cluster's registry membership as a fresh view sees it (its event loop in a thread of its own
+        when this thread already runs one, as under Playwright's sync API)."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return asyncio.run(self._members(timeout_s))
+        with ThreadPoolExecutor(1) as pool:
+            return pool.submit(lambda: asyncio.run(self._members(timeout_s))).result()
 
     async def _members(self, timeout_s: float) -> dict[str, Member]:
         view = RegistryView(self.etcd_endpoints, self.cluster)

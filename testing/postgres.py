@@ -29,6 +29,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.registry.etcd_server import free_port
+from testing.debian import require_package
 
 USER = "pdserve"  # the database superuser initdb creates (trust authentication: no password)
 
@@ -48,23 +49,12 @@ def _find_bin_dir() -> Path | None:
 def postgres_bin_dir() -> Path:
     """The directory of initdb/pg_ctl/postgres; installs Debian's package when missing and root (like
     tests/test_prometheus_live.py does for prometheus), else skips the calling test."""
-    found = _find_bin_dir()
-    if found is not None:
-        return found
-    if os.geteuid() != 0 or shutil.which("apt-get") is None:
-        pytest.skip("needs the PostgreSQL server binaries (initdb, pg_ctl; Debian: apt-get install postgresql), "
-                    "and is not root with apt-get to install them")
-    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    install = ["apt-get", "install", "-y", "--no-install-recommends", "postgresql"]
-    if subprocess.run(install, env=env, capture_output=True, timeout=900).returncode != 0:
-        subprocess.run(["apt-get", "update"], env=env, capture_output=True, timeout=900)
-        result = subprocess.run(install, env=env, capture_output=True, text=True, timeout=900)
-        if result.returncode != 0:
-            pytest.skip(f"apt-get install postgresql failed: {result.stderr[-500:]}")
-    found = _find_bin_dir()
-    if found is None:
-        pytest.skip("the postgresql package installed no initdb (looked on PATH and in /usr/lib/postgresql/*/bin)")
-    return found
+    def find() -> str | None:
+        found = _find_bin_dir()
+        return None if found is None else str(found)
+
+    return Path(require_package("postgresql", find, "the PostgreSQL server binaries (initdb, pg_ctl on PATH or in "
+                                                    "/usr/lib/postgresql/*/bin)"))
 
 
 def _unprivileged_user() -> pwd.struct_passwd | None:

@@ -36,6 +36,7 @@ import pytest
 import yaml
 
 from pdserve.deploy.k8s import render as k8s
+from testing.debian import require_package
 
 ROOT = Path(__file__).resolve().parents[1]
 PROM_DIR = ROOT / "deploy" / "prometheus"
@@ -1136,31 +1137,10 @@ def test_rendered_probes_hook_and_frontend_url_work_against_a_real_postgres(monk
 # ---------------------------------------------------------------------------------------- prometheus
 
 
-def _install_promtool() -> str | None:
-    """promtool from PATH, else from Debian's `prometheus` package when running as root (quietly, once)."""
-    found = shutil.which("promtool")
-    if found or os.environ.get("PDSERVE_NO_APT") or not hasattr(os, "geteuid") or os.geteuid() != 0:
-        return found
-    if not shutil.which("apt-get"):
-        return None
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    install = ["apt-get", "install", "-y", "-qq", "--no-install-recommends", "-o", "DPkg::Lock::Timeout=300", "prometheus"]
-    for cmd in (install, ["apt-get", "update", "-qq"], install):
-        try:
-            done = subprocess.run(cmd, env=env, capture_output=True, timeout=900, check=False)
-        except subprocess.TimeoutExpired:
-            return None
-        if cmd is install and done.returncode == 0:
-            break
-    return shutil.which("promtool")
-
-
 @pytest.fixture(scope="module")
 def promtool() -> Iterator[str]:
-    path = _install_promtool()
-    if path is None:
-        pytest.skip("promtool unavailable: install Debian's `prometheus` package (needs root and apt-get)")
-    yield path
+    """promtool from PATH, else from Debian's `prometheus` package (root only)."""
+    yield require_package("prometheus", lambda: shutil.which("promtool"), "promtool")
 
 
 def _promtool(promtool: str, *args: str, cwd: Path = PROM_DIR) -> str:

@@ -26,6 +26,10 @@ def test_quick_run_reports_every_figure_and_the_isa(tmp_path: Path, tiny_llama_d
     for key in ("ttft_ms_p50", "ttft_ms_p99", "upstream_ttft_ms_p50", "chunks_per_s", "requests_per_s"):
         assert fe[key] > 0, (key, fe)
     assert fe["ttft_ms_p99"] >= fe["ttft_ms_p50"], fe
+    for key in ("ttft_ms_p50", "chunks_per_s", "requests_per_s"):  # the console on against --no-console
+        figure = results["console"][key]
+        assert figure["on"] > 0 and figure["off"] > 0 and figure["ratio"] > 0, (key, figure)
+    assert "console on (nobody watching) against --no-console" in run.stdout, run.stdout
     assert results["isa"].split(":")[0], results
     assert f"CPU ISA {results['isa']}" in run.stdout, run.stdout
 

@@ -35,6 +35,7 @@ import yaml
 from pdserve.deploy.metrics_render import RenderConfig, expand, load_panels, query, render
 from pdserve.frontend.tenants import hash_key
 from pdserve.registry.etcd_server import free_port
+from testing.debian import require_package
 from testing.up_cluster import REPO_ROOT, UpCluster
 from testing.waits import wait_until
 
@@ -49,9 +50,7 @@ VARIABLES = {"cluster": ".*", "model": ".*", "node": ".*"}
 
 def prometheus_binary() -> str:
     """The prometheus binary; installs Debian's package when missing and root (idempotent), else skips."""
-    found = shutil.which("prometheus")
-    if found:
-        return found
+    return require_package("prometheus", lambda: shutil.which("prometheus"), "the `prometheus` binary")
     if os.geteuid() != 0 or shutil.which("apt-get") is None:
         pytest.skip("needs Debian's `prometheus` package (apt-get install prometheus), and is not root to install it")
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
