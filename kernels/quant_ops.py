@@ -8,14 +8,14 @@ against the weight quants, scaled into float32. By default ("int8x2", ACTIVATION
 int8 terms, its rounding and the rounding of what that lost, taken by the same kernels as twice the rows
 and summed: about 15 bits, 254 times closer to the float product than int8 alone, at the cost of twice
 the integer work (the weight bytes are still read and decoded once per call), except that at up to
-ROW_MAX_M rows the 32-value types (Q8_0, Q4_0, Q4_1, Q5_0) round each activation to one int16 term
+WIDE_ROW_MAX_M (8) rows the 32-value types (Q8_0, Q4_0, Q4_1, Q5_0) round each activation to one int16 term
 instead (max |x| / 32767 per 32: the same precision, half the vector work of the two int8 terms, and
-about twice as fast as decoding each weight to float32), and that from 8 rows (the extension's FLOAT_MIN_M)
-the portable and AVX2 paths take the activations as float32, unrounded, against the panel's weights
+about twice as fast as decoding each weight to float32; each row's sums are those it gets alone), and that
+from 8 rows (the extension's FLOAT_MIN_M; 9 for the 32-value types) the portable and AVX2 paths take the activations as float32, unrounded, against the panel's weights
 decoded to float32 (on AVX2 FMA's rate matches the two int8 terms', so exact is also 5-30% faster; the
 AVX-512 VNNI panels keep the two int8 terms); "int8" keeps one int8
-term everywhere (llama.cpp's rounding, the fastest). At 1-2 activation rows one weight row at a time decoded in
-registers, at more in panels of 16 (8) rows decoded into vector lanes; see the source for the method. One binary serves every x86-64 CPU (compiled for the baseline ISA, no
+term everywhere (llama.cpp's rounding, the fastest). At 1-2 activation rows (1-8 for the int16 rows) one
+weight row at a time decoded in registers, at more in panels of 16 (8) rows decoded into vector lanes; see the source for the method. One binary serves every x86-64 CPU (compiled for the baseline ISA, no
 -march=native); its AVX2 and AVX-512 VNNI functions carry their own target attributes, and `choose_isa`
 picks the widest path this CPU has (PDSERVE_QUANT_ISA forces one). The extension is compiled on first use
 (cached in cpu_ops.extension_dir(), keyed by source and flags) and loads in well under a second after.
@@ -122,6 +122,10 @@ _TYPE_INDEX = {name: i for i, name in enumerate(QUANT_TYPES)}
 # own order); more take the panels (16 / 8 rows decoded into lanes, then dotted with every activation row).
 # Measured crossover on Zen 4 (AVX2 and AVX-512 paths alike); at most 4 (the extension's limit).
 ROW_MAX_M = 2
+# The same for the int16 row kernels (int8x2 activations, the 32-value types): up to 8 (the extension's
+# limit). Each row's sums there are those it gets alone, so a speculative step's 1 + d rows cost little
+# more than one row's weight pass and verify with one row's arithmetic.
+WIDE_ROW_MAX_M = 8
 # How the activations are rounded (the extension's numbering): "int8x2" (default) or "int8".
 ACTIVATIONS = ("int8", "int8x2")
 ACTIVATIONS_ENV = "PDSERVE_QUANT_ACTIVATIONS"
@@ -195,7 +199,7 @@ class QuantOps:
                 bias = bias.to(torch.float32).contiguous()
             bias_ptr = bias.data_ptr()
         self._ext.matmul(self._isa_index, _TYPE_INDEX[w.type_name], x.data_ptr(), m, sx[0], w.data.data_ptr(),
-                         n, k, bias_ptr, out.data_ptr(), ldo, torch.get_num_threads(), ROW_MAX_M, self._act_index)
+                         n, k, bias_ptr, out.data_ptr(), ldo, torch.get_num_threads(), ROW_MAX_M, self._act_index, WIDE_ROW_MAX_M)
         return out
 
     def embedding(self, ids: torch.Tensor, w: QuantWeight) -> torch.Tensor:  # [T, K] float32
@@ -314,5 +318,6 @@ class DecodeStack:
             self.num_layers, self.hidden, self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate_size,
             self.eps, self.scale, self._final_norm, h.data_ptr(), out.data_ptr(), b, pos.data_ptr(),
             slots.data_ptr(), tables.data_ptr(), tables.shape[1], ctx.data_ptr(), kv_cache.data_ptr(),
-            STACK_KV_DTYPES[kv_cache.dtype], nb, bs, cos.data_ptr(), sin.data_ptr(), cos.shape[0], ROW_MAX_M)
+            STACK_KV_DTYPES[kv_cache.dtype], nb, bs, cos.data_ptr(), sin.data_ptr(), cos.shape[0], ROW_MAX_M,
+            WIDE_ROW_MAX_M)
         return out

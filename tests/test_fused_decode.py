@@ -131,6 +131,52 @@ def test_fused_step_on_a_bfloat16_kv_cache(quantized_dirs: Callable[[str, str], 
     _compare(load_model(quantized_dirs("qwen3", "Q8_0")), [4, 19], kv_dtype=torch.bfloat16)
 
 
+def _drafting_batch(model: CausalLM, kv_dtype: torch.dtype, seed: int):
+    """A drafting sequence's 1 + 3 decode rows (one block table, contexts n .. n + 3, K/V slots at positions
+    n - 1 .. n + 2) between two ordinary sequences: the step a speculative verification runs."""
+    n = 13
+    kv, tables, last, _ = _batch(model, [6, n + 3, 11], kv_dtype, seed)  # room for the drafts' K/V
+    rng = random.Random(seed)
+    drafts = [rng.randrange(3, model.cfg.vocab_size - 3) for _ in range(3)]
+    rows = [(tables[0], 6), *((tables[1], n + i) for i in range(4)), (tables[2], 11)]
+    ids = torch.tensor([int(last[0]), rng.randrange(3, model.cfg.vocab_size - 3), *drafts, int(last[2])])
+    # The middle sequence was prefilled with n + 2 tokens by _batch; its rows re-store positions n - 1.. n + 2.
+    meta = _decode_meta([t for t, _ in rows], [length for _, length in rows])
+    positions = torch.tensor([length - 1 for _, length in rows])
+    return kv, ids, positions, meta
+
+
+@pytest.mark.parametrize("isa", available_isas())
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_a_drafting_sequences_rows_attend_together_as_each_would_alone(
+        quantized_dirs: Callable[[str, str], Path], monkeypatch: pytest.MonkeyPatch, isa: str,
+        kv_dtype: torch.dtype) -> None:
+    """Rows sharing a block table are attended as one group (each K/V row read once): the result is the
+    per-op step's, and bit for bit the one the same rows give with the group split (each row on a block
+    table of its own holding the same K/V)."""
+    monkeypatch.setenv(ISA_ENV, isa)
+    model = load_model(quantized_dirs("llama", "Q8_0")).model
+    kv, ids, positions, meta = _drafting_batch(model, kv_dtype, seed=3)
+    ref = _step(model, False, ids, positions, meta, kv.clone())
+    got = _step(model, True, ids, positions, meta, kv.clone())
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-3 * float(ref.abs().max()))
+    # The same rows with the group split: one row (the last draft) on a copy of the table's blocks.
+    tables = meta.decode_block_tables.clone()
+    used = set(tables.flatten().tolist())
+    spare = [b for b in range(1, NUM_BLOCKS) if b not in used]
+    row = 4
+    # The copy holds the K/V the grouped step leaves (the drafts' rows included); the split step stores the
+    # same rows at the original slots again.
+    kv_grouped, kv_split = kv.clone(), kv.clone()
+    grouped = _step(model, True, ids, positions, meta, kv_grouped)
+    for j in range(-(-int(meta.decode_context_lens[row]) // BLOCK)):
+        kv_split[:, :, spare[j]] = kv_grouped[:, :, int(tables[row, j])]
+        tables[row, j] = spare[j]
+    split = AttentionMetadata(**{**meta.__dict__, "decode_block_tables": tables})
+    alone = _step(model, True, ids, positions, split, kv_split)
+    assert torch.equal(alone, grouped), "grouping the rows changed a value"
+
+
 def test_fused_step_refuses_out_of_range_inputs_before_writing(quantized_dirs: Callable[[str, str], Path]) -> None:
     model = load_model(quantized_dirs("llama", "Q8_0")).model
     kv, tables, ids, positions = _batch(model, [6, 10], torch.float32, seed=1)

@@ -280,10 +280,26 @@ def test_int16_row_kernels_keep_int8x2_precision(type_name: str, isa: str) -> No
     ops = _ops(isa, "int8x2")
     qw = random_weight(type_name, 29, _cols(type_name, 18), seed=12)
     bias = torch.randn(29)
-    for m in (1, 2):
+    for m in (1, 2, 5, 8):
         for gain in (5.0, 3e4):
             x = torch.randn(m, qw.cols) * gain
             check_matmul(ops.matmul(x, qw, bias), x, qw.dequantize(), bias, activations="int8x2")
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("type_name", ("Q8_0", "Q4_0", "Q4_1", "Q5_0"))
+def test_int16_row_kernels_give_each_row_what_it_gets_alone(type_name: str, isa: str) -> None:
+    """Up to WIDE_ROW_MAX_M rows the int16 row kernels compute each activation row exactly as they would
+    for that row alone (bit for bit): a speculative step's 1 + d rows verify with one row's arithmetic."""
+    from pdserve.kernels.quant_ops import WIDE_ROW_MAX_M
+
+    ops = _ops(isa, "int8x2")
+    qw = random_weight(type_name, 37, _cols(type_name, 14), seed=13)
+    bias = torch.randn(37)
+    x = torch.randn(WIDE_ROW_MAX_M, qw.cols) * 4
+    alone = torch.cat([ops.matmul(x[i:i + 1], qw, bias) for i in range(WIDE_ROW_MAX_M)])
+    for m in range(2, WIDE_ROW_MAX_M + 1):
+        assert torch.equal(ops.matmul(x[:m], qw, bias), alone[:m]), m
 
 
 @pytest.mark.parametrize("isa", ("portable", "avx2"))
@@ -295,7 +311,8 @@ def test_float_panels_round_nothing(type_name: str, isa: str) -> None:
     ops = _ops(isa, "int8x2")
     assert load_quant_extension().FLOAT_MIN_M <= 8  # every shape below takes the float panels
     gen = torch.Generator().manual_seed(21)
-    for i, (n, blocks, m) in enumerate([(13, 3, 8), (33, 2, 9), (17, 5, 23), (9, 1, 64), (40, 2, 77), (7, 3, 130)]):
+    # From 9 rows: the 32-value types take the int16 row kernels up to WIDE_ROW_MAX_M (8) rows.
+    for i, (n, blocks, m) in enumerate([(13, 3, 9), (33, 2, 10), (17, 5, 23), (9, 1, 64), (40, 2, 77), (7, 3, 130)]):
         k = _cols(type_name, blocks if block_layout(type_name)[0] == 256 else 8 * blocks + 1)
         qw = random_weight(type_name, n, k, seed=300 + i)
         bias = torch.randn(n, generator=gen) if i % 2 else None

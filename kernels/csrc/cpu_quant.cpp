@@ -16,7 +16,7 @@
 // rounded with its own scale (at most d / 254) as activation row M + m. The kernels take the 2M rows as
 // any others (each weight row or panel still read and decoded once per call; twice the integer work) and
 // output m is the sum of rows m and M + m: the activations' error falls 254-fold, to about 15 bits.
-// Except at up to ROW_MAX_M rows of a 32-value type, where int8x2 rounds each activation to int16 instead
+// Except at up to WIDE_ROW_MAX_M rows of a 32-value type, where int8x2 rounds each activation to int16 instead
 // (one scale per 32, max |x| / 32767: the same ~15 bits in one term) and the row kernels take the widened
 // weight quants against it with PMADDWD (rows32w_*).
 //
@@ -98,6 +98,9 @@ constexpr int64_t BLOCK_ACT_BYTES = 16384;  // int8 activation bytes of a block 
 // with the decoded chunk (at 64 rows of 576 they spilled to L2 and a panel took 2.3x as long).
 inline int64_t rows_per_block(int64_t k) { return std::clamp<int64_t>(BLOCK_ACT_BYTES / k, 8, MB); }
 constexpr int ROW_MAX_M = 4;  // the most activation rows the row kernels take (8 kernel rows with int8x2)
+// The most activation rows the int16 row kernels take (int8x2, the 32-value types): each row's sums are
+// the ones it gets alone, so a speculative step's 1 + d rows verify with a single row's arithmetic.
+constexpr int WIDE_ROW_MAX_M = 8;
 constexpr int64_t KEEP_SCRATCH_BYTES = 8 << 20;  // activation scratch a thread keeps between calls
 constexpr int64_t MIN_THREAD_WORK = 1 << 16;  // row-group units below which another thread does not pay
 
@@ -1464,7 +1467,11 @@ PDQ_AVX2 void run_rows_wide_avx2(const Problem& pb, int64_t n0, int64_t n1) {
     case 1: rows_wide_avx2<1>(pb, n0, n1); break;
     case 2: rows_wide_avx2<2>(pb, n0, n1); break;
     case 3: rows_wide_avx2<3>(pb, n0, n1); break;
-    default: rows_wide_avx2<4>(pb, n0, n1); break;
+    case 4: rows_wide_avx2<4>(pb, n0, n1); break;
+    case 5: rows_wide_avx2<5>(pb, n0, n1); break;
+    case 6: rows_wide_avx2<6>(pb, n0, n1); break;
+    case 7: rows_wide_avx2<7>(pb, n0, n1); break;
+    default: rows_wide_avx2<8>(pb, n0, n1); break;
   }
 }
 
@@ -1645,7 +1652,7 @@ struct MatmulJob {
 // ROW_MAX_M) take the row kernels, more the panels.
 MatmulJob plan_matmul(int isa, int type, const float* x, int64_t m, int64_t ldx, const uint8_t* w, int64_t n,
                       int64_t k, const float* bias, float* out, int64_t ldo, int row_max_m, int activations,
-                      MatmulScratch& s) {
+                      MatmulScratch& s, int wide_row_max_m) {
   check_type(type);
   const TypeInfo& t = TYPES[type];
   if (k % t.block_values) throw std::invalid_argument("k is not a whole number of blocks");
@@ -1654,9 +1661,11 @@ MatmulJob plan_matmul(int isa, int type, const float* x, int64_t m, int64_t ldx,
   j.s = &s;
   // int8x2: each activation row is also rounded a second time, its residual, as activation row m + M;
   // the kernels see 2M rows and the two outputs of each row are summed.
-  j.by_rows = m <= std::min(row_max_m, ROW_MAX_M);
-  // int8x2 at few rows of a 32-value type: the int16 row kernels (one int16 term of the same precision).
-  j.wide_rows = activations == INT8X2 && j.by_rows && t.block_values == 32;
+  // int8x2 at few rows of a 32-value type: the int16 row kernels (one int16 term of the same precision),
+  // up to wide_row_max_m rows; the other row kernels up to row_max_m.
+  const bool wide_type = activations == INT8X2 && t.block_values == 32;
+  j.by_rows = wide_type ? m <= std::min(wide_row_max_m, WIDE_ROW_MAX_M) : m <= std::min(row_max_m, ROW_MAX_M);
+  j.wide_rows = wide_type && j.by_rows;
   // int8x2 at more rows, in the portable and AVX2 panels: the float panels (float32 activations against
   // the dequantized weights); the AVX-512 panels keep the two int8 terms (VPDPBUSD takes 64 products at once).
   j.float_panels = activations == INT8X2 && !j.by_rows && m >= FLOAT_MIN_M && isa != AVX512_VNNI;
@@ -1773,7 +1782,8 @@ int useful_threads(int threads, int64_t units, int64_t work) {
 // out[m, :n] = x[m, :k] @ w^T (+ bias) for m < M. Pointers are addresses of float32 / uint8 buffers the
 // caller checked: x [M, ldx], w [N, row_bytes], out [M, ldo], bias [N] or 0.
 void matmul(int isa, int type, uintptr_t x_ptr, int64_t m, int64_t ldx, uintptr_t w_ptr, int64_t n, int64_t k,
-            uintptr_t bias_ptr, uintptr_t out_ptr, int64_t ldo, int threads, int row_max_m, int activations) {
+            uintptr_t bias_ptr, uintptr_t out_ptr, int64_t ldo, int threads, int row_max_m, int activations,
+            int wide_row_max_m) {
   if (!isa_supported(isa)) throw std::invalid_argument("this CPU cannot run quant ISA path " + std::to_string(isa));
   if (m <= 0 || n <= 0) {
     check_type(type);
@@ -1789,7 +1799,7 @@ void matmul(int isa, int type, uintptr_t x_ptr, int64_t m, int64_t ldx, uintptr_
   const MatmulJob j = plan_matmul(isa, type, reinterpret_cast<const float*>(x_ptr), m, ldx,
                                   reinterpret_cast<const uint8_t*>(w_ptr), n, k,
                                   reinterpret_cast<const float*>(bias_ptr), reinterpret_cast<float*>(out_ptr), ldo,
-                                  row_max_m, activations, s);
+                                  row_max_m, activations, s, wide_row_max_m);
   {
     const int xthreads = int(std::min<int64_t>(threads, std::max<int64_t>(1, j.pb.m * k / 16384)));
 #pragma omp parallel num_threads(xthreads)
@@ -1852,6 +1862,7 @@ inline void cpu_relax() {}
 constexpr int SPIN_BEFORE_YIELD = 1 << 14;  // pauses (~40 ns each) before a waiter yields its core
 constexpr int MAX_GROUPS = 8;               // row groups of one projection (runs of one block type)
 constexpr int64_t MAX_GROUP_HEADS = 64;     // query heads per KV head
+constexpr int MAX_GROUP_ROWS = 16;          // decode rows of one block table attended together
 constexpr int64_t MAX_HEAD_DIM = 512;
 
 class SpinBarrier {
@@ -2148,15 +2159,48 @@ PDQ_AVX2 void pv_group_avx2(const float* p, int64_t ld, const float* inv, int64_
 }
 #endif
 
-// Attention of query heads [kvh * G, (kvh + 1) * G) of sequence b over its ctx cached tokens: scores
-// into sc [G, ctx], an exact softmax (max subtracted, sums in float32), then the V rows' weighted sum.
-void attend_unit(const VecOps& v, const StackGeometry& gm, const KvView& kv, const char* kl, const char* vl,
-                 const float* q, const int32_t* table, int64_t ctx, int64_t kvh, float* out, std::vector<float>& sc,
-                 std::vector<float>& row) {
+#if PDQ_X86
+// dst[0:n] = the bfloat16 values src[0:n] as float32 (exact: the bits shifted up), 8 at a time (n % 8 == 0).
+PDQ_AVX2 void widen_bf16_avx2(const uint16_t* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; i += 8) {
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
+    _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
+  }
+}
+#endif
+
+// Attention of query heads [kvh * G, (kvh + 1) * G) of R rows sharing one block table (a drafting
+// sequence's 1 + d rows; most often R = 1): row r reads its first ctx[r] cached tokens, its queries at
+// q + r * q_ld and its output at out + r * out_ld. Scores into sc [R, G, S] (S the longest context), an
+// exact softmax (max subtracted, sums in float32), then the V rows' weighted sum. Each K and V row is read
+// (and widened from bfloat16) once for all R rows, and every row's values are computed by the operations,
+// in the order, it would take alone: grouping rows never changes a result.
+void attend_rows(const VecOps& v, const StackGeometry& gm, const KvView& kv, const char* kl, const char* vl,
+                 const float* q, int64_t q_ld, const int32_t* table, const int32_t* ctx, int R, int64_t kvh,
+                 float* out, int64_t out_ld, std::vector<float>& sc, std::vector<float>& row) {
   const int64_t g_heads = gm.hq / gm.hkv, d = gm.d;
-  if (int64_t(sc.size()) < g_heads * ctx) sc.resize(g_heads * ctx);
+  int64_t S = 0;
+  for (int r = 0; r < R; ++r) S = std::max<int64_t>(S, ctx[r]);
+  if (int64_t(sc.size()) < R * g_heads * S) sc.resize(R * g_heads * S);
   if (int64_t(row.size()) < d) row.resize(d);
+  // bfloat16 rows on AVX2: the group's K and V rows widened once into float32 rows (exact), then the
+  // float32 kernels below, as on a float32 cache holding the same values.
+  static thread_local std::vector<float> wide;
+  const bool widen = PDQ_X86 && v.avx2 && kv.es == 2 && d % 8 == 0 && d <= 64;
+  const int32_t flat_table[1] = {0};  // the widened rows as one block of S rows
+  if (widen) {
+    if (int64_t(wide.size()) < 2 * S * d) wide.resize(2 * S * d);
+#if PDQ_X86
+    for (int64_t t = 0; t < S; ++t) {
+      const int64_t off = (int64_t(table[t / kv.bs]) * kv.bs + t % kv.bs) * kv.row_elems + kvh * d;
+      widen_bf16_avx2(reinterpret_cast<const uint16_t*>(kl) + off, wide.data() + t * d, d);
+      widen_bf16_avx2(reinterpret_cast<const uint16_t*>(vl) + off, wide.data() + (S + t) * d, d);
+    }
+#endif
+  }
+  const int es = widen ? 4 : kv.es;
   auto kv_row = [&](const char* base, int64_t t) -> const float* {
+    if (widen) return wide.data() + ((base == vl ? S : 0) + t) * d;
     const int64_t slot = int64_t(table[t / kv.bs]) * kv.bs + t % kv.bs;
     const char* p = base + (slot * kv.row_elems + kvh * d) * kv.es;
     if (kv.es == 4) return reinterpret_cast<const float*>(p);
@@ -2164,46 +2208,85 @@ void attend_unit(const VecOps& v, const StackGeometry& gm, const KvView& kv, con
     for (int64_t i = 0; i < d; ++i) row[i] = bf16_to_float(b[i]);
     return row.data();
   };
+  auto scores = [&](int r) { return sc.data() + r * g_heads * S; };
   // float32 rows on AVX2: one query group against 8 K rows at a time, the V rows once for the group.
-  const bool f32_avx2 = PDQ_X86 && v.avx2 && kv.es == 4 && d % 8 == 0 && d <= 64;
+  const bool f32_avx2 = PDQ_X86 && v.avx2 && es == 4 && d % 8 == 0 && d <= 64;
 #if PDQ_X86
   if (f32_avx2) {
     const float* kr[8];
-    for (int64_t t0 = 0; t0 < ctx; t0 += 8) {
-      const int n = int(std::min<int64_t>(8, ctx - t0));
+    const float* krr[8];
+    for (int64_t t0 = 0; t0 < S; t0 += 8) {
+      const int n = int(std::min<int64_t>(8, S - t0));
       for (int i = 0; i < 8; ++i) kr[i] = kv_row(kl, t0 + std::min(i, n - 1));
-      qk8_avx2(q, g_heads, d, kr, n, gm.scale, sc.data(), ctx, t0);
+      for (int r = 0; r < R; ++r) {
+        const int nr = int(std::min<int64_t>(8, ctx[r] - t0));
+        if (nr <= 0) continue;
+        for (int i = 0; i < 8; ++i) krr[i] = kr[std::min(i, nr - 1)];
+        qk8_avx2(q + r * q_ld, g_heads, d, krr, nr, gm.scale, scores(r), S, t0);
+      }
     }
   }
 #endif
   if (!f32_avx2)
-    for (int64_t t = 0; t < ctx; ++t) {
+    for (int64_t t = 0; t < S; ++t) {
       const float* k = kv_row(kl, t);
-      for (int64_t g = 0; g < g_heads; ++g) sc[g * ctx + t] = v.dot(q + g * d, k, d) * gm.scale;
+      for (int r = 0; r < R; ++r)
+        if (t < ctx[r])
+          for (int64_t g = 0; g < g_heads; ++g) scores(r)[g * S + t] = v.dot(q + r * q_ld + g * d, k, d) * gm.scale;
     }
-  float inv[MAX_GROUP_HEADS];
-  for (int64_t g = 0; g < g_heads; ++g) {
-    float* s = sc.data() + g * ctx;
-    float mx = -std::numeric_limits<float>::infinity();
-    for (int64_t t = 0; t < ctx; ++t) mx = std::max(mx, s[t]);
-    for (int64_t t = 0; t < ctx; ++t) s[t] -= mx;
-    v.exp(s, ctx);
-    float sum = 0.f;
-    for (int64_t t = 0; t < ctx; ++t) sum += s[t];
-    inv[g] = 1.f / sum;
-    std::memset(out + g * d, 0, d * sizeof(float));
-  }
+  float inv[MAX_GROUP_ROWS][MAX_GROUP_HEADS];
+  for (int r = 0; r < R; ++r)
+    for (int64_t g = 0; g < g_heads; ++g) {
+      float* s = scores(r) + g * S;
+      const int64_t n = ctx[r];
+      float mx = -std::numeric_limits<float>::infinity();
+      for (int64_t t = 0; t < n; ++t) mx = std::max(mx, s[t]);
+      for (int64_t t = 0; t < n; ++t) s[t] -= mx;
+      v.exp(s, n);
+      float sum = 0.f;
+      for (int64_t t = 0; t < n; ++t) sum += s[t];
+      inv[r][g] = 1.f / sum;
+      std::memset(out + r * out_ld + g * d, 0, d * sizeof(float));
+    }
 #if PDQ_X86
+  if (widen) {  // the widened V rows: one block of S rows, d values each
+    for (int r = 0; r < R; ++r)
+      pv_group_avx2(scores(r), S, inv[r], g_heads, wide.data() + S * d, flat_table, S, d, 0, d, ctx[r],
+                    out + r * out_ld);
+    return;
+  }
   if (v.avx2 && kv.es == 4 && d % 8 == 0) {  // float32 rows: the weighted sums in registers
-    pv_group_avx2(sc.data(), ctx, inv, g_heads, reinterpret_cast<const float*>(vl), table, kv.bs, kv.row_elems,
-                  kvh * d, d, ctx, out);
+    for (int r = 0; r < R; ++r)
+      pv_group_avx2(scores(r), S, inv[r], g_heads, reinterpret_cast<const float*>(vl), table, kv.bs, kv.row_elems,
+                    kvh * d, d, ctx[r], out + r * out_ld);
     return;
   }
 #endif
-  for (int64_t t = 0; t < ctx; ++t) {
+  for (int64_t t = 0; t < S; ++t) {
     const float* vr = kv_row(vl, t);
-    for (int64_t g = 0; g < g_heads; ++g) v.axpy(sc[g * ctx + t] * inv[g], vr, out + g * d, d);
+    for (int r = 0; r < R; ++r)
+      if (t < ctx[r])
+        for (int64_t g = 0; g < g_heads; ++g)
+          v.axpy(scores(r)[g * S + t] * inv[r][g], vr, out + r * out_ld + g * d, d);
   }
+}
+
+// Consecutive decode rows [start, start + rows) of a step that share one block table (a drafting
+// sequence's rows, which the scheduler places together): attention reads their K/V once (attend_rows).
+std::vector<std::pair<int64_t, int>> table_groups(const int32_t* tables, int64_t table_width, int64_t B) {
+  std::vector<std::pair<int64_t, int>> groups;
+  for (int64_t b = 0; b < B; ++b) {
+    if (!groups.empty()) {
+      auto& [start, rows] = groups.back();
+      if (rows < MAX_GROUP_ROWS &&
+          std::memcmp(tables + start * table_width, tables + b * table_width, table_width * sizeof(int32_t)) == 0) {
+        ++rows;
+        continue;
+      }
+    }
+    groups.emplace_back(b, 1);
+  }
+  return groups;
 }
 
 // The step's buffers, kept by the calling thread between calls.
@@ -2222,7 +2305,7 @@ void decode_layers(int isa, int activations, int threads, uintptr_t plan_ptr, in
                    uintptr_t final_norm_ptr, uintptr_t h_ptr, uintptr_t out_ptr, int64_t b_count,
                    uintptr_t positions_ptr, uintptr_t slots_ptr, uintptr_t tables_ptr, int64_t table_width,
                    uintptr_t ctx_ptr, uintptr_t kv_ptr, int64_t kv_es, int64_t nb, int64_t bs, uintptr_t cos_ptr,
-                   uintptr_t sin_ptr, int64_t table_len, int64_t row_max_m) {
+                   uintptr_t sin_ptr, int64_t table_len, int64_t row_max_m, int64_t wide_row_max_m) {
   if (!isa_supported(isa)) throw std::invalid_argument("this CPU cannot run quant ISA path " + std::to_string(isa));
   if (kv_es != 4 && kv_es != 2) throw std::invalid_argument("the fused decode step takes float32 or bfloat16 KV caches");
   if (hq % hkv || hq / hkv > MAX_GROUP_HEADS || d > MAX_HEAD_DIM || d % 2) throw std::invalid_argument("unsupported attention geometry for the fused decode step");
@@ -2250,6 +2333,8 @@ void decode_layers(int isa, int activations, int threads, uintptr_t plan_ptr, in
   float* out = reinterpret_cast<float*>(out_ptr);
   const VecOps v = vec_ops(isa);
   const int64_t nqkv = plan[0].qkv.n, g_heads = hq / hkv;
+  const std::vector<std::pair<int64_t, int>> groups = table_groups(tables, table_width, B);
+  const int64_t units = int64_t(groups.size()) * hkv;  // attention work units: a row group x a KV head
   for (const StackLayer& l : plan)
     if (l.qkv.n != (hq + 2 * hkv) * d || l.o.n != hidden || l.gate_up.n != 2 * inter || l.down.n != hidden)
       throw std::invalid_argument("the decode plan's projections do not match the geometry");
@@ -2298,7 +2383,7 @@ void decode_layers(int isa, int activations, int threads, uintptr_t plan_ptr, in
         if (tid == 0) {
           try {
             st.job = plan_matmul(isa, g.type, x, B, ldx, g.w, g.rows, k, lin.bias ? lin.bias + col : nullptr, y + col,
-                                 ldo, int(row_max_m), activations, st.mm);
+                                 ldo, int(row_max_m), activations, st.mm, int(wide_row_max_m));
             quantize_part(st.job, 0, B);
           } catch (...) {
             if (!failed.exchange(true)) failure = std::current_exception();
@@ -2361,11 +2446,12 @@ void decode_layers(int isa, int activations, int threads, uintptr_t plan_ptr, in
           }
         }
       });
-      share(team, tid, phase, B * hkv, B * hkv, [&](int64_t u0, int64_t u1) {
+      share(team, tid, phase, units, units, [&](int64_t u0, int64_t u1) {
         for (int64_t u = u0; u < u1; ++u) {
-          const int64_t b = u / hkv, kvh = u % hkv;
-          attend_unit(v, gm, kv, kl, vl, qr + (b * hq + kvh * g_heads) * d, tables + b * table_width, ctx[b], kvh,
-                      att + (b * hq + kvh * g_heads) * d, sc, row);
+          const auto [b, rows] = groups[u / hkv];
+          const int64_t kvh = u % hkv;
+          attend_rows(v, gm, kv, kl, vl, qr + (b * hq + kvh * g_heads) * d, hq * d, tables + b * table_width, ctx + b,
+                      rows, kvh, att + (b * hq + kvh * g_heads) * d, hq * d, sc, row);
         }
       });
       linear(L.o, att, hq * d, hq * d, tmp, hidden);
