@@ -262,6 +262,10 @@ def _add_up_parser(sub: argparse._SubParsersAction) -> None:
                    help="speculative decoding on every node: ngram (prompt lookup) or suffix drafts, verified in "
                         "the batched decode step; greedy and seeded output unchanged (default off)")
     u.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K", help="draft tokens a step at most")
+    u.add_argument("--kv-tier-gib", type=float, default=0.0, metavar="GIB",
+                   help="a disk tier under each node's KV pool, at most GIB per node, in the cluster directory "
+                        "(kv-tier/<node>): evicted prefixes are read back, and a restarted node comes back warm "
+                        "(default 0: none)")
     u.add_argument("--num-threads", type=int, default=None,
                    help="torch threads per node (default: with --pin the node's CPU count, else the usable CPUs "
                         "divided among the nodes of its pool)")

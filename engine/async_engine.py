@@ -128,6 +128,7 @@ class AsyncEngine:
         for stream in list(self._streams.values()):
             stream.push(abort_output(stream.request_id))
         self._streams.clear()
+        await asyncio.to_thread(self.engine.close)  # the KV tier's pending blocks go to disk
 
     # -- commands -----------------------------------------------------------------------------------
 

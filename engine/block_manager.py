@@ -14,6 +14,12 @@ neither a hash collision nor a stale chain can hand a sequence K/V computed for 
 Free blocks sit in one queue in release order. A freed block that is still registered stays findable
 (evictable) until the queue reaches it and its slot is handed out; a hit on it revives it, taking it off
 the queue.
+
+Tier. With a ``BlockTier`` under the pool (``engine.kv_tier``), every newly committed block is also
+handed to it, and a first allocation or reservation whose pool hits end at a miss continues with the
+blocks the tier holds: each is read back into a fresh block of the sequence and registered like a
+committed one, so the sequence starts after them. A block the tier fails to read ends the run there;
+the rest is computed.
 """
 
 from __future__ import annotations
@@ -21,11 +27,29 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
+from typing import Protocol
 from weakref import WeakKeyDictionary
 
 from pdserve.engine.block_types import PrefixCacheStats, Reservation
 from pdserve.engine.prefix_hash import BlockHash, compute_block_hashes
 from pdserve.engine.sequence import Sequence
+
+
+class BlockTier(Protocol):
+    """A store under the pool that keeps committed blocks after the pool evicts them (engine.kv_tier.KVTier).
+    A block is named by its chained hash and proven by its tokens and its parent's hash."""
+
+    def contains(self, block_hash: BlockHash, tokens: SequenceOf[int], parent: BlockHash | None) -> bool:
+        """Whether it holds the block (changes nothing)."""
+        ...
+
+    def store(self, block_hash: BlockHash, tokens: SequenceOf[int], parent: BlockHash | None, block_id: int) -> None:
+        """Takes a copy of pool block `block_id`, a committed block (changes the store only)."""
+        ...
+
+    def load(self, block_hash: BlockHash, tokens: SequenceOf[int], parent: BlockHash | None, block_id: int) -> bool:
+        """Writes the block's K/V into pool block `block_id`; False (nothing written) if it cannot."""
+        ...
 
 
 @dataclass(eq=False)
@@ -36,6 +60,7 @@ class _Block:
     token_ids: tuple[int, ...] = ()  # registered content, compared on every hit
     parent_entry: int | None = None  # cache entry of the preceding block's content; None for a first block
     entry: int = -1  # cache entry of this block's content chain while registered
+    parent_hash: BlockHash | None = None  # the preceding block's hash while registered (what a tier checks)
 
 
 @dataclass(eq=False)
@@ -52,7 +77,8 @@ class BlockManager:
     ``block_table`` (and, where stated, ``num_computed_tokens`` / ``num_cached_tokens``)."""
 
     def __init__(
-        self, num_blocks: int, block_size: int, hash_seed: int, enable_prefix_caching: bool = True
+        self, num_blocks: int, block_size: int, hash_seed: int, enable_prefix_caching: bool = True,
+        tier: BlockTier | None = None,
     ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
@@ -72,6 +98,7 @@ class BlockManager:
         self._hash_memo: WeakKeyDictionary[Sequence, list[BlockHash]] = WeakKeyDictionary()
         self._next_entry = 0
         self._stats = PrefixCacheStats()
+        self._tier = tier if enable_prefix_caching else None
 
     # ----------------------------------------------------------------------------------- read-only state
 
@@ -117,7 +144,7 @@ class BlockManager:
     def stats(self) -> PrefixCacheStats:
         """A snapshot of the prefix-cache counters."""
         s = self._stats
-        return PrefixCacheStats(s.query_tokens, s.hit_tokens, s.rejected_hits)
+        return PrefixCacheStats(s.query_tokens, s.hit_tokens, s.rejected_hits, s.tier_hit_tokens)
 
     def holds(self, seq: Sequence) -> bool:
         """Whether ``seq`` currently holds blocks allocated or reserved here."""
@@ -137,9 +164,8 @@ class BlockManager:
         Changes nothing."""
         if self.holds(seq):
             raise ValueError(f"sequence {seq.seq_id} already holds blocks")
-        return (
-            len(self._match(seq, (seq.num_tokens - 1) // self._block_size, record=False)) * self._block_size
-        )
+        hits, tiered = self._match(seq, (seq.num_tokens - 1) // self._block_size, record=False)
+        return (len(hits) + tiered) * self._block_size
 
     # ----------------------------------------------------------------------------------- operations
 
@@ -158,13 +184,15 @@ class BlockManager:
                 raise ValueError(f"another sequence with id {seq.seq_id} holds blocks")
             return self._grow(seq, seq.num_computed_tokens + num_new_tokens)
         self._check_fresh(seq)
-        hits = self._match(seq, (seq.num_tokens - 1) // self._block_size, record=True)
-        hit_tokens = len(hits) * self._block_size
-        if not self._take(seq, hits, hit_tokens + num_new_tokens):
+        hits, tiered = self._match(seq, (seq.num_tokens - 1) // self._block_size, record=True)
+        loaded = self._take(seq, hits, tiered, (len(hits) + tiered) * self._block_size + num_new_tokens)
+        if loaded is None:
             return False
+        hit_tokens = (len(hits) + loaded) * self._block_size
         seq.num_computed_tokens = seq.num_cached_tokens = hit_tokens
         self._stats.query_tokens += seq.num_tokens
         self._stats.hit_tokens += hit_tokens
+        self._stats.tier_hit_tokens += loaded * self._block_size
         return True
 
     def reserve(self, seq: Sequence, num_kv_tokens: int) -> Reservation | None:
@@ -178,17 +206,20 @@ class BlockManager:
         if seq.seq_id in self._holders:
             raise ValueError(f"sequence {seq.seq_id} already holds blocks")
         self._check_fresh(seq)
-        hits = self._match(seq, num_kv_tokens // self._block_size, record=True)
-        if not self._take(seq, hits, num_kv_tokens + 1):
+        hits, tiered = self._match(seq, num_kv_tokens // self._block_size, record=True)
+        loaded = self._take(seq, hits, tiered, num_kv_tokens + 1)
+        if loaded is None:
             return None
-        hit_tokens = len(hits) * self._block_size
+        num_cached = len(hits) + loaded
+        hit_tokens = num_cached * self._block_size
         seq.num_computed_tokens = seq.num_cached_tokens = hit_tokens
         self._stats.query_tokens += num_kv_tokens
         self._stats.hit_tokens += hit_tokens
+        self._stats.tier_hit_tokens += loaded * self._block_size
         return Reservation(
             block_ids=tuple(seq.block_table),
-            num_cached_blocks=len(hits),
-            fill_block_ids=tuple(seq.block_table[len(hits) : self.blocks_needed(num_kv_tokens)]),
+            num_cached_blocks=num_cached,
+            fill_block_ids=tuple(seq.block_table[num_cached : self.blocks_needed(num_kv_tokens)]),
             num_cached_tokens=hit_tokens,
         )
 
@@ -233,13 +264,21 @@ class BlockManager:
                 self._uncache(other)
             block = self._blocks[seq.block_table[i]]
             assert block.block_hash is None, "a block of a sequence was cached before it was committed"
-            block.block_hash, block.token_ids, block.parent_entry = hashes[i], tokens, parent
-            block.entry = self._next_entry
-            self._next_entry += 1
-            self._cached[hashes[i]] = block.block_id
-            holder.entries.append(block.entry)
+            self._register(block, holder, hashes, i, tokens)
+            if self._tier is not None:
+                self._tier.store(hashes[i], tokens, block.parent_hash, block.block_id)
             registered += 1
         return registered
+
+    def _register(self, block: _Block, holder: _Holder, hashes: list[BlockHash], i: int, tokens: tuple[int, ...]) -> None:
+        """Registers `block` as the i-th full block of the holder's sequence (its K/V are in place)."""
+        block.block_hash, block.token_ids = hashes[i], tokens
+        block.parent_entry = holder.entries[i - 1] if i else None
+        block.parent_hash = hashes[i - 1] if i else None
+        block.entry = self._next_entry
+        self._next_entry += 1
+        self._cached[hashes[i]] = block.block_id
+        holder.entries.append(block.entry)
 
     def trim(self, seq: Sequence) -> int:
         """Frees the blocks of ``seq`` past those its tokens need (left empty by rejected draft tokens;
@@ -337,11 +376,12 @@ class BlockManager:
             self._hash_memo[seq] = hashes
         return hashes
 
-    def _match(self, seq: Sequence, max_blocks: int, record: bool) -> list[int]:
-        """Ids of the cached blocks holding the longest verified prefix of ``seq`` (at most max_blocks).
-        ``record`` counts refused hash matches in the stats (not for look-ups that may repeat)."""
-        if not self._enable_prefix_caching or max_blocks <= 0 or not self._cached:
-            return []
+    def _match(self, seq: Sequence, max_blocks: int, record: bool) -> tuple[list[int], int]:
+        """Ids of the cached blocks holding the longest verified prefix of ``seq`` (at most max_blocks),
+        and how many blocks after them the tier holds (when the pool's run ended at a miss, not a refused
+        match). ``record`` counts refused hash matches in the stats (not for look-ups that may repeat)."""
+        if not self._enable_prefix_caching or max_blocks <= 0 or (not self._cached and self._tier is None):
+            return [], 0
         bs = self._block_size
         hashes = self._hashes(seq, max_blocks)
         hits: list[int] = []
@@ -349,21 +389,34 @@ class BlockManager:
         for i in range(max_blocks):
             block_id = self._cached.get(hashes[i])
             if block_id is None:
-                break
+                return hits, self._tier_run(seq, hashes, i, max_blocks)
             block = self._blocks[block_id]
             if block.parent_entry != parent or block.token_ids != tuple(seq.token_ids[i * bs : (i + 1) * bs]):
                 self._stats.rejected_hits += int(record)
                 break
             hits.append(block_id)
             parent = block.entry
-        return hits
+        return hits, 0
 
-    def _take(self, seq: Sequence, hits: list[int], num_tokens: int) -> bool:
-        """Gives a fresh ``seq`` the hit blocks plus new blocks up to ``num_tokens`` tokens, or nothing."""
+    def _tier_run(self, seq: Sequence, hashes: list[BlockHash], start: int, max_blocks: int) -> int:
+        """How many consecutive blocks from the ``start``-th the tier holds for ``seq``."""
+        if self._tier is None:
+            return 0
+        bs, n = self._block_size, 0
+        for i in range(start, max_blocks):
+            if not self._tier.contains(hashes[i], seq.token_ids[i * bs : (i + 1) * bs], hashes[i - 1] if i else None):
+                break
+            n += 1
+        return n
+
+    def _take(self, seq: Sequence, hits: list[int], tiered: int, num_tokens: int) -> int | None:
+        """Gives a fresh ``seq`` the hit blocks plus new blocks up to ``num_tokens`` tokens, the first
+        ``tiered`` new ones read back from the tier. Returns how many were (a failed read ends the run), or
+        None, changing nothing, when the blocks do not fit."""
         num_new = max(self.blocks_needed(num_tokens) - len(hits), 0)
         num_revived = sum(1 for b in hits if self._blocks[b].ref_count == 0)
         if num_new > len(self._free) - num_revived:
-            return False
+            return None
         holder = _Holder(seq, entries=[self._blocks[b].entry for b in hits])
         # Hits come off the free queue before new blocks are popped, so a new block never evicts a hit.
         for block_id in hits:
@@ -374,7 +427,24 @@ class BlockManager:
         seq.block_table = list(hits)
         self._holders[seq.seq_id] = holder
         self._append_new_blocks(seq, num_new)
-        return True
+        return self._load_tiered(seq, holder, len(hits), min(tiered, num_new))
+
+    def _load_tiered(self, seq: Sequence, holder: _Holder, start: int, count: int) -> int:
+        """Reads blocks [start, start + count) of ``seq`` from the tier into its new blocks and registers
+        them; stops at the first the tier cannot give. Returns how many it read."""
+        if not count:
+            return 0
+        assert self._tier is not None
+        bs = self._block_size
+        hashes = self._hashes(seq, start + count)
+        for i in range(start, start + count):
+            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            block = self._blocks[seq.block_table[i]]
+            if hashes[i] in self._cached or not self._tier.load(hashes[i], tokens, hashes[i - 1] if i else None,
+                                                                 block.block_id):
+                return i - start
+            self._register(block, holder, hashes, i, tokens)
+        return count
 
     def _grow(self, seq: Sequence, num_tokens: int) -> bool:
         num_new = self.blocks_needed(num_tokens) - len(seq.block_table)
@@ -397,3 +467,4 @@ class BlockManager:
         assert block.block_hash is not None and self._cached.get(block.block_hash) == block.block_id
         del self._cached[block.block_hash]
         block.block_hash, block.token_ids, block.parent_entry, block.entry = None, (), None, -1
+        block.parent_hash = None

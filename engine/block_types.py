@@ -10,6 +10,7 @@ class PrefixCacheStats:
     query_tokens: int = 0  # tokens looked up on first allocations and reservations
     hit_tokens: int = 0  # of those, tokens served from the prefix cache
     rejected_hits: int = 0  # hash matches refused because the stored tokens or chain differed
+    tier_hit_tokens: int = 0  # of hit_tokens, those read back from the tier under the pool (engine.kv_tier)
 
     @property
     def hit_rate(self) -> float:

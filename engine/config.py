@@ -39,6 +39,10 @@ class EngineConfig:
     speculative: str = "off"  # draft proposer of speculative decoding: "off", "ngram" or "suffix"
     num_speculative_tokens: int = 4  # draft tokens a step at most
     speculative_min_match: int = 2  # shortest repeat (tokens) a draft is taken from: ngram's min n, suffix's min_match
+    # A disk tier under the KV pool (engine.kv_tier): committed blocks kept in this directory, at most
+    # kv_tier_bytes, read back on a prefix the pool has evicted (and after a restart). None: no tier.
+    kv_tier_dir: str | None = None
+    kv_tier_bytes: int = 8 << 30
 
     def __post_init__(self) -> None:
         checks = [
@@ -63,6 +67,8 @@ class EngineConfig:
              f"speculative must be one of {SPECULATIVE_METHODS}, got {self.speculative!r}"),
             (1 <= self.num_speculative_tokens <= 16, "num_speculative_tokens must be in [1, 16]"),
             (1 <= self.speculative_min_match <= 16, "speculative_min_match must be in [1, 16]"),
+            (self.kv_tier_bytes > 0, "kv_tier_bytes must be > 0"),
+            (self.kv_tier_dir is None or self.enable_prefix_caching, "a KV tier needs prefix caching"),
         ]
         for ok, msg in checks:
             if not ok:

@@ -13,6 +13,7 @@ import torch
 from pdserve.engine.block_manager import BlockManager, Reservation
 from pdserve.engine.config import EngineConfig, kv_cache_torch_dtype
 from pdserve.engine.embedding import check_pooling, pooled_hidden, token_batches
+from pdserve.engine.kv_tier import KVTier
 from pdserve.engine.live_request import LiveRequest, RequestBuilder
 from pdserve.engine.loader import load_model
 from pdserve.engine.model_runner import ModelRunner, kv_block_bytes
@@ -121,7 +122,11 @@ class LLMEngine:
         self.kv_cache = torch.zeros(
             mc.kv_cache_shape(num_blocks, cfg.block_size), dtype=self.kv_dtype, device=cfg.device
         )  # [L, 2, NB, BS, Hkv, D]
-        self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.prefix_hash_seed, cfg.enable_prefix_caching)
+        # The tier's files are keyed by the model fingerprint (weights, format, dtype): a foreign file is refused.
+        self.kv_tier = KVTier(cfg.kv_tier_dir, cfg.kv_tier_bytes, fingerprint=mc.fingerprint(),
+                              kv_cache=self.kv_cache) if cfg.kv_tier_dir else None
+        self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.prefix_hash_seed, cfg.enable_prefix_caching,
+                                          tier=self.kv_tier)
         self.scheduler = Scheduler(
             self.block_manager, max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
             speculative=SpeculativeConfig(
@@ -273,6 +278,11 @@ class LLMEngine:
         """Speculative decoding's counters since the engine started (all zero when it is off)."""
         return self.scheduler.spec_stats
 
+    def close(self) -> None:
+        """Puts the KV tier's pending blocks on disk (a restarted node finds them). Call once, at the end."""
+        if self.kv_tier is not None:
+            self.kv_tier.close()
+
     def has_unfinished(self) -> bool:
         """Whether a step has anything to schedule (reserved requests wait for their transfer)."""
         return self.scheduler.has_unfinished()
@@ -287,6 +297,9 @@ class LLMEngine:
         reserved = frozenset(s.seq_id for s in sched.reserved_seqs)
         held = frozenset(s.seq_id for s in sched.held_seqs)
         sched.check_integrity()
+        if self.kv_tier is not None:  # its writes done, then its index against its files
+            self.kv_tier.flush()
+            self.kv_tier.check_integrity()
         assert self._requests.keys() == scheduled | reserved, (
             f"engine records {sorted(self._requests)} != unfinished sequences {sorted(scheduled | reserved)}")
         for rid, request in self._requests.items():

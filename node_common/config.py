@@ -117,6 +117,11 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
                         help="draft tokens a step at most (1-16; adapted per request below it)")
     parser.add_argument("--speculative-min-match", type=int, default=2, metavar="N",
                         help="shortest repeat, in tokens, a draft is taken from (ngram and suffix; default 2)")
+    parser.add_argument("--kv-tier-dir", default=None, metavar="DIR",
+                        help="a disk tier under the KV pool: committed blocks kept in DIR (per model), read back "
+                             "when the pool has evicted a prefix, and found again after a restart (default: none)")
+    parser.add_argument("--kv-tier-gib", type=float, default=8.0, metavar="GIB",
+                        help="the most the KV tier keeps on disk; it evicts its least recently used blocks (default 8)")
     parser.add_argument("--grpc-host", default="127.0.0.1")
     parser.add_argument("--grpc-port", type=int, default=0)
     parser.add_argument("--advertise-host", default="")
@@ -152,7 +157,8 @@ def node_kwargs(args: argparse.Namespace) -> dict[str, object]:
         enable_prefix_caching=not args.no_prefix_caching, prefix_hash_seed=args.prefix_hash_seed,
         seed=args.seed, num_threads=num_threads, kv_cache_dtype=args.kv_cache_dtype,
         speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
-        speculative_min_match=args.speculative_min_match,
+        speculative_min_match=args.speculative_min_match, kv_tier_dir=args.kv_tier_dir,
+        kv_tier_bytes=max(1, int(args.kv_tier_gib * 2**30)),
     )
     return dict(
         node_id=args.node_id, cluster=args.cluster,

@@ -31,6 +31,7 @@ from prometheus_client.registry import Collector
 
 from pdserve.engine.block_manager import PrefixCacheStats
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.kv_tier import KVTier
 from pdserve.engine.llm_engine import LLMEngine, RequestOutput, StepStats
 from pdserve.engine.sequence import Sequence as EngineSequence
 from pdserve.engine.speculative import SpeculativeStats
@@ -169,6 +170,43 @@ class _EngineCollector(Collector):
             yield family
 
 
+class _TierCollector(Collector):
+    """The KV tier's series (`engine.kv_tier.KVTier`), on nodes that have one."""
+
+    def __init__(self, labels: MetricLabels, tier: KVTier, cache: Callable[[], PrefixCacheStats]) -> None:
+        self._labels, self._tier, self._cache = labels, tier, cache
+
+    def collect(self) -> Iterator[Metric]:
+        names, values = list(LABEL_NAMES), list(self._labels.values().values())
+        t, st = self._tier, self._tier.stats
+        for name, doc, value in (
+            ("pdserve_kv_tier_hits", "Prompt tokens read back from the KV tier instead of computed",
+             self._cache().tier_hit_tokens),
+            ("pdserve_kv_tier_stored_blocks", "Committed blocks copied to the KV tier", st.stored),
+            ("pdserve_kv_tier_written_blocks", "KV tier blocks written to disk", st.written),
+            ("pdserve_kv_tier_loaded_blocks", "KV tier blocks read back into the pool", st.loaded),
+            ("pdserve_kv_tier_corrupt_blocks", "KV tier files refused (bad bytes, truncated, another model's)",
+             st.corrupt),
+            ("pdserve_kv_tier_missing_blocks", "KV tier files gone when a load wanted them", st.missing),
+            ("pdserve_kv_tier_write_errors", "KV tier writes that failed (full disk, I/O error)", st.write_errors),
+            ("pdserve_kv_tier_evicted_blocks", "KV tier blocks dropped to stay within its byte bound", st.evicted),
+            ("pdserve_kv_tier_recovered_blocks", "KV tier blocks found on disk at startup", st.recovered),
+        ):
+            family = CounterMetricFamily(name, doc, labels=names)
+            family.add_metric(values, value)
+            yield family
+        for name, doc, value in (
+            ("pdserve_kv_tier_bytes", "Bytes the KV tier holds", t.bytes),
+            ("pdserve_kv_tier_capacity_bytes", "The KV tier's byte bound", t.max_bytes),
+            ("pdserve_kv_tier_blocks", "Blocks the KV tier holds", t.num_blocks),
+            ("pdserve_kv_tier_writes_paused", "1 while the KV tier writes nothing (its disk was full)",
+             float(time.monotonic() < t.disabled_until)),
+        ):
+            family = GaugeMetricFamily(name, doc, labels=names)
+            family.add_metric(values, value)
+            yield family
+
+
 class MetricsServer:
     """The process's /metrics HTTP endpoint (a daemon thread)."""
 
@@ -223,6 +261,10 @@ class NodeMetrics:
     def bind(self, gauges: Callable[[], NodeLoad]) -> None:
         """Sets where scrapes read the load gauges from (once the engine exists)."""
         self._gauges = gauges
+
+    def bind_tier(self, tier: KVTier) -> None:
+        """Exports the KV tier's series (a node started with --kv-tier-dir)."""
+        self.registry.register(_TierCollector(self.labels, tier, self._cache_snapshot))
 
     def on_step(self, step: StepRecord) -> None:
         """Engine thread: counts preemptions and keeps the prefix-cache counters for scrapes."""

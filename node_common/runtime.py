@@ -143,6 +143,8 @@ async def _build(config: NodeConfig, role: str, make_service: type[NodeService],
                      engine.weights.format, engine.weights.kernels)
     service = make_service(ctx)
     metrics.bind(service.node_load)
+    if engine.kv_tier is not None:
+        metrics.bind_tier(engine.kv_tier)
     server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=config.rpc.server_interceptors())
     service.add_to_server(server)
     health = health_aio.HealthServicer()

@@ -52,6 +52,7 @@ class LauncherConfig:
     kv_cache_dtype: str = "auto"  # KV cache element type of every node (they must agree)
     speculative: str = "off"  # every node's --speculative (engine.speculative.SPECULATIVE_METHODS)
     num_speculative_tokens: int = 4
+    kv_tier_gib: float = 0.0  # each node's --kv-tier-gib, its tier in cluster_dir/kv-tier/<node> (0: no tier)
     # torch threads per node; None = `node_threads`' rule: with `pin` the size of the node's CPU set,
     # unpinned the usable CPUs divided among the nodes of the node's pool.
     num_threads: int | None = None
@@ -87,6 +88,7 @@ class LauncherConfig:
             (self.kv_cache_dtype in ("auto", "fp8_e5m2", "fp8_e4m3"), f"bad --kv-cache-dtype {self.kv_cache_dtype!r}"),
             (self.speculative in ("off", "ngram", "suffix"), f"bad --speculative {self.speculative!r}"),
             (1 <= self.num_speculative_tokens <= 16, "--num-speculative-tokens must be in [1, 16]"),
+            (self.kv_tier_gib >= 0, "--kv-tier-gib must be >= 0"),
             (self.num_threads is None or self.num_threads >= 1, "--num-threads must be >= 1"),
             (set(self.cpus) <= os.sched_getaffinity(0), f"--cpus {self.cpus} are not all usable here"),
             (not self.cpus or self.pin, "--cpus needs --pin"),
@@ -193,6 +195,7 @@ def build_config(args: Any, resolve_model: Callable[[str | None], ResolvedModel]
         num_decode=args.decode, host=args.host, port=args.port, dtype=args.dtype, kv_memory_mib=args.kv_memory,
         kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
         speculative=getattr(args, "speculative", "off"), num_speculative_tokens=getattr(args, "num_speculative_tokens", 4),
+        kv_tier_gib=getattr(args, "kv_tier_gib", 0.0),
         num_threads=args.num_threads, pin=bool(getattr(args, "pin", False)),
         max_prefill_queue_tokens=getattr(args, "max_prefill_queue_tokens", None),
         cpus=parse_cpus(args.cpus) if getattr(args, "cpus", None) else (), cluster=args.cluster,

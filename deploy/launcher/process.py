@@ -89,6 +89,8 @@ def command(cfg: LauncherConfig, slot: Slot, etcd_endpoints: Sequence[str], logs
         "--metrics-host", "127.0.0.1", "--metrics-port", str(slot.metrics_port), *tracing,
         *(["--colocated"] if slot.pool == "decode" and cfg.num_prefill == 0 else []),
         *(["--max-prefill-queue-tokens", str(cfg.decode_max_prefill_queue_tokens)] if slot.pool == "decode" else []),
+        *(["--kv-tier-dir", str((cfg.cluster_dir / "kv-tier" / slot.name).resolve()), "--kv-tier-gib",
+           f"{cfg.kv_tier_gib:g}"] if cfg.kv_tier_gib > 0 else []),
         *cfg.node_args,
     ]
 
