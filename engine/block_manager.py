@@ -25,12 +25,14 @@ the rest is computed.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
 from typing import Protocol
 from weakref import WeakKeyDictionary
 
 from pdserve.engine.block_types import PrefixCacheStats, Reservation
+from pdserve.engine.kv_events import POOL
 from pdserve.engine.prefix_hash import BlockHash, compute_block_hashes
 from pdserve.engine.sequence import Sequence
 
@@ -78,8 +80,10 @@ class BlockManager:
 
     def __init__(
         self, num_blocks: int, block_size: int, hash_seed: int, enable_prefix_caching: bool = True,
-        tier: BlockTier | None = None,
+        tier: BlockTier | None = None, events: Callable[[bool, int, BlockHash], None] | None = None,
     ) -> None:
+        """``events`` is told of each block registered in (True) or removed from (False) the prefix cache,
+        as (stored, POOL, hash) (engine.kv_events)."""
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if block_size < 1:
@@ -99,6 +103,7 @@ class BlockManager:
         self._next_entry = 0
         self._stats = PrefixCacheStats()
         self._tier = tier if enable_prefix_caching else None
+        self._events = events
 
     # ----------------------------------------------------------------------------------- read-only state
 
@@ -279,6 +284,8 @@ class BlockManager:
         self._next_entry += 1
         self._cached[hashes[i]] = block.block_id
         holder.entries.append(block.entry)
+        if self._events is not None:
+            self._events(True, POOL, hashes[i])
 
     def trim(self, seq: Sequence) -> int:
         """Frees the blocks of ``seq`` past those its tokens need (left empty by rejected draft tokens;
@@ -466,5 +473,7 @@ class BlockManager:
     def _uncache(self, block: _Block) -> None:
         assert block.block_hash is not None and self._cached.get(block.block_hash) == block.block_id
         del self._cached[block.block_hash]
+        if self._events is not None:
+            self._events(False, POOL, block.block_hash)
         block.block_hash, block.token_ids, block.parent_entry, block.entry = None, (), None, -1
         block.parent_hash = None

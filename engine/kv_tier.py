@@ -30,12 +30,14 @@ import threading
 import time
 import zlib
 from collections import OrderedDict
+from collections.abc import Callable
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from pdserve.engine.kv_events import DISK
 from pdserve.engine.prefix_hash import BlockHash
 
 log = logging.getLogger(__name__)
@@ -81,10 +83,14 @@ class KVTier:
     """The disk tier of one KV pool (`kv_cache` [L, 2, NB, BS, Hkv, D]), at most `max_bytes` on disk.
     `store` and `load` change the index (and the pool block `load` writes into); the rest reads."""
 
-    def __init__(self, directory: str | Path, max_bytes: int, *, fingerprint: str, kv_cache: torch.Tensor) -> None:
+    def __init__(self, directory: str | Path, max_bytes: int, *, fingerprint: str, kv_cache: torch.Tensor,
+                 events: Callable[[bool, int, BlockHash], None] | None = None) -> None:
+        """``events`` is told of each block the tier comes to hold (True) or stops holding (False), as
+        (stored, DISK, hash) (engine.kv_events); from any thread."""
         if max_bytes <= 0:
             raise ValueError(f"the KV tier needs a positive byte bound, got {max_bytes}")
         self._kv = kv_cache
+        self._events = events
         self._block_shape = tuple(kv_cache[:, :, 0].shape)  # [L, 2, BS, Hkv, D]
         self._dtype = str(kv_cache.dtype).removeprefix("torch.")
         self._payload_bytes = kv_cache[:, :, 0].numel() * kv_cache.element_size()
@@ -149,8 +155,7 @@ class KVTier:
         with self._lock:
             if block_hash in self._index:  # stored meanwhile (one engine thread: never, but cheap to keep)
                 return
-            self._index[block_hash] = entry
-            self._bytes += entry.size
+            self._added(block_hash, entry)
             self.stats.stored += 1
             self._outstanding += 1
             self._work.put(_Pending(block_hash, entry, header))
@@ -206,13 +211,27 @@ class KVTier:
 
     # ----------------------------------------------------------------------------------- internals
 
+    def _added(self, block_hash: BlockHash, entry: _Entry) -> None:
+        """Puts an entry in the index (lock held)."""
+        self._index[block_hash] = entry
+        self._bytes += entry.size
+        if self._events is not None:
+            self._events(True, DISK, block_hash)
+
+    def _removed(self, block_hash: BlockHash) -> _Entry:
+        """Takes an entry out of the index (lock held); its file is the caller's business."""
+        entry = self._index.pop(block_hash)
+        self._bytes -= entry.size
+        if self._events is not None:
+            self._events(False, DISK, block_hash)
+        return entry
+
     def _path(self, block_hash: BlockHash) -> Path:
         return self.dir / f"{block_hash.hex()}{SUFFIX}"
 
     def _drop(self, block_hash: BlockHash) -> None:
         """Removes a block from the index (lock held) and has its file deleted."""
-        entry = self._index.pop(block_hash)
-        self._bytes -= entry.size
+        self._removed(block_hash)
         self._outstanding += 1
         self._work.put(self._path(block_hash))
 
@@ -220,7 +239,7 @@ class KVTier:
         """The directory was removed under the tier (lock held): every written block went with it."""
         gone = [h for h, e in self._index.items() if e.payload is None]
         for h in gone:
-            self._bytes -= self._index.pop(h).size
+            self._removed(h)
         if gone:
             log.warning("KV tier %s: the directory was removed; %d blocks lost (recomputed when needed)", self.dir,
                         len(gone))
@@ -264,8 +283,7 @@ class KVTier:
             self.stats.missing += 1
             with self._lock:
                 if block_hash in self._index:
-                    entry = self._index.pop(block_hash)
-                    self._bytes -= entry.size
+                    self._removed(block_hash)
                 if not self.dir.is_dir():
                     self._lost_directory()
             return None
@@ -322,8 +340,8 @@ class KVTier:
                 path.unlink(missing_ok=True)
                 continue
             parent = bytes.fromhex(meta["parent"]) if meta.get("parent") else None
-            self._index[bytes.fromhex(path.stem)] = _Entry(tuple(meta["tokens"]), parent, size)
-            self._bytes += size
+            with self._lock:
+                self._added(bytes.fromhex(path.stem), _Entry(tuple(meta["tokens"]), parent, size))
             self.stats.recovered += 1
         with self._lock:
             self._evict_over_bound()
@@ -375,8 +393,7 @@ class KVTier:
                 log.warning("KV tier %s: a write failed: %s", self.dir, err)
             with self._lock:
                 if self._index.get(item.block_hash) is entry:
-                    self._index.pop(item.block_hash)
-                    self._bytes -= entry.size
+                    self._removed(item.block_hash)
             return
         with self._lock:
             if self._index.get(item.block_hash) is entry:

@@ -13,6 +13,7 @@ import torch
 from pdserve.engine.block_manager import BlockManager, Reservation
 from pdserve.engine.config import EngineConfig, kv_cache_torch_dtype
 from pdserve.engine.embedding import check_pooling, pooled_hidden, token_batches
+from pdserve.engine.kv_events import KVEventLog
 from pdserve.engine.kv_tier import KVTier
 from pdserve.engine.live_request import LiveRequest, RequestBuilder
 from pdserve.engine.loader import load_model
@@ -122,11 +123,13 @@ class LLMEngine:
         self.kv_cache = torch.zeros(
             mc.kv_cache_shape(num_blocks, cfg.block_size), dtype=self.kv_dtype, device=cfg.device
         )  # [L, 2, NB, BS, Hkv, D]
+        # Which blocks this engine holds, per tier, as numbered events (what a node streams to the frontends).
+        self.kv_events = KVEventLog()
         # The tier's files are keyed by the model fingerprint (weights, format, dtype): a foreign file is refused.
         self.kv_tier = KVTier(cfg.kv_tier_dir, cfg.kv_tier_bytes, fingerprint=mc.fingerprint(),
-                              kv_cache=self.kv_cache) if cfg.kv_tier_dir else None
+                              kv_cache=self.kv_cache, events=self.kv_events.record) if cfg.kv_tier_dir else None
         self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.prefix_hash_seed, cfg.enable_prefix_caching,
-                                          tier=self.kv_tier)
+                                          tier=self.kv_tier, events=self.kv_events.record)
         self.scheduler = Scheduler(
             self.block_manager, max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
             speculative=SpeculativeConfig(

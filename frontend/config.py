@@ -268,6 +268,9 @@ class FrontendConfig:
     batch_lease_s: Annotated[float, Gt(0)] = 30.0
     log_prompts: bool = False
     console: bool = True  # the web console at / and /console (frontend.console_routes)
+    # Route by the exact cached prefix each node holds (its KV event stream: frontend.kv_index); off: prefix
+    # affinity on consistent-hash rings only.
+    kv_routing: bool = True
     # Per-tenant metrics (pdserve_frontend_tenant_*): this many tenants (the most requests) keep their own
     # `tenant` label, the rest are counted under tenant="other".
     metrics_tenant_series: Annotated[int, Ge(0)] = 20
@@ -358,6 +361,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-prompts", action="store_true", help="include prompt text in the request log")
     p.add_argument("--no-console", dest="console", action="store_false",
                    help="do not serve the web console at / and /console")
+    p.add_argument("--no-kv-routing", dest="kv_routing", action="store_false",
+                   help="do not index the nodes' KV blocks (their event streams) nor route by the cached prefix "
+                        "each holds; prefix affinity on hash rings only")
     p.add_argument("--metrics-tenant-series", type=int, default=20, metavar="N",
                    help="per-tenant metrics: the N tenants with the most requests keep their own tenant label, "
                         "the rest are counted under tenant=\"other\" (default 20)")
@@ -434,7 +440,7 @@ _SAME = ("cluster", "host", "port", "limit_share", "limit_share_index", "output_
          "max_header_bytes", "max_messages", "max_stop_strings", "max_stop_chars", "max_schema_bytes",
          "max_prompt_chars", "max_inflight", "batch_inflight_fraction", "sse_keepalive_s", "prepare_queue",
          "prepare_inline_bytes", "ttft_headroom", "log_prompts", "metrics_tenant_series", "affinity_blocks", "load_factor", "decode_max_queue",
-         "upstream_attempts", "max_migrations", "log_level", "console", "response_ttl_s", "max_file_bytes",
+         "upstream_attempts", "max_migrations", "log_level", "console", "kv_routing", "response_ttl_s", "max_file_bytes",
          "batch_max_inflight", "batch_lease_s",
          "batch_latency_budget", "tls_cert", "tls_key")
 

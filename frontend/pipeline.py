@@ -34,6 +34,7 @@ from pdserve.frontend.console import Console
 from pdserve.frontend.embeddings import EmbeddingService
 from pdserve.frontend.errors import OVERLOADED, APIError
 from pdserve.frontend.job import CHAT, COMPLETION, RESPONSES, Job, UpstreamError, client_request_id, usage
+from pdserve.frontend.kv_index import KVIndex, KVWatcher
 from pdserve.frontend.limits import TenantLimiter
 from pdserve.frontend.metrics import POOL, FrontendMetrics
 from pdserve.frontend.models import ModelCatalog
@@ -81,11 +82,15 @@ class Frontend:
         self.request_log = RequestLog(config.request_log)
         self.view = RegistryView(config.etcd_endpoints, config.cluster)
         self.pool_members = PoolMembers(self.view, _pool_digests(self.catalog), self.metrics)
+        # Which node holds which KV blocks (their event streams), for routing by exact cached prefix.
+        self.kv_index = KVIndex() if config.kv_routing else None
+        self.kv_watcher = KVWatcher(self.view, self.kv_index, config.rpc) if self.kv_index is not None else None
         self.router = Router(
             self.pool_members.members,
             load_factor=config.load_factor,
             affinity_blocks=config.affinity_blocks,
             decode_max_queue=config.decode_max_queue,
+            kv_index=self.kv_index,
         )
         self.connections = DecodeConnections(config.rpc)
         self.workers = PrepareWorkers(config.prepare_workers, config.prepare_queue, config.models)
@@ -123,6 +128,8 @@ class Frontend:
         workers = asyncio.ensure_future(self.workers.start())
         self.view.subscribe(self.pool_members.on_change)
         self.view.subscribe(self._on_view_change)
+        if self.kv_watcher is not None:
+            self.view.subscribe(self.kv_watcher.on_change)
         await self.view.start(sync_timeout_s=None)
         deadline = time.monotonic() + self.config.registry_sync_timeout_s
         while self.view.last_sync is None and time.monotonic() < deadline:
@@ -131,6 +138,8 @@ class Frontend:
             log.error("no registry snapshot from etcd %s within %.0fs; serving 503 until it arrives",
                       ",".join(self.config.etcd_endpoints), self.config.registry_sync_timeout_s)
         await workers
+        if self.kv_watcher is not None:
+            self.kv_watcher.start()  # the nodes of the first snapshot (later ones through the view's changes)
         if self.console is not None:
             self.spawn(self.console.history.run())
         if self.config.models_file is not None:
@@ -208,6 +217,8 @@ class Frontend:
         await self.batches.close()
         await self.responses.close()
         await self.embeddings.close()
+        if self.kv_watcher is not None:
+            await self.kv_watcher.close()
         await self.view.close()
         await self.connections.close()
         self.workers.close()

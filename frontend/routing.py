@@ -8,6 +8,13 @@ under bounded load, so a conversation keeps finding its KV prefix there.
 
 Prefill node: `registry.placement.choose_prefill`, the cluster's one prefill rule (prefix affinity on a
 consistent-hash ring with bounded loads); the decode node follows the choice while that node is usable.
+
+Exact overlap (a `KVIndex` fed by the nodes' KV event streams, `frontend.kv_index`): when some candidate
+holds a leading part of the prompt's blocks, the decode node and the prefill node are each the one holding
+the longest part (a pool block counts one, a tier block half: it is read from disk) among the nodes
+whose load is within `load_factor` of their role's mean (plus one request), so a hot prefix spills to the
+other nodes instead of queueing on one; ties go to the less loaded. Without any overlap the rules above
+apply unchanged.
 """
 
 from __future__ import annotations
@@ -16,10 +23,15 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from pdserve.registry.placement import choose_prefill, usable_prefill
+from pdserve.engine.prefix_hash import compute_block_hashes
+from pdserve.registry.placement import PrefillChoice, choose_prefill, prefill_load, usable_prefill
 from pdserve.registry.ring import HashRing, RingCache, bounded_pick, ring_hash
 from pdserve.registry.view import Member
+
+if TYPE_CHECKING:
+    from pdserve.frontend.kv_index import KVIndex
 
 __all__ = ["Backlog", "HashRing", "NoRoute", "PoolStatus", "RouteDecision", "RouteLease", "Router", "bounded_pick",
            "ring_hash"]
@@ -120,8 +132,10 @@ class PoolStatus:
 class Router:
     """Picks nodes per request; keeps this frontend's outstanding counts per node (changed by leases)."""
 
-    def __init__(self, members: MembersFn, *, load_factor: float, affinity_blocks: int, decode_max_queue: int) -> None:
+    def __init__(self, members: MembersFn, *, load_factor: float, affinity_blocks: int, decode_max_queue: int,
+                 kv_index: KVIndex | None = None) -> None:
         self._members = members
+        self.kv_index = kv_index
         self.load_factor = load_factor
         self.affinity_blocks = affinity_blocks
         self.decode_max_queue = decode_max_queue
@@ -193,10 +207,21 @@ class Router:
             if status.decode:
                 raise NoRoute(f"every decode node of model pool {pool!r} is overloaded", overloaded=True)
             raise NoRoute(f"no decode node serves model pool {pool!r}", overloaded=False)
-        decode, decode_reason, decode_rule = self._pick_decode(candidates, len(prompt_ids) + max_tokens, session_key)
-        prefill = choose_prefill([m for m in status.prefill if m.node_id not in exclude], prompt_ids,
-                                 self.prefill_outstanding, load_factor=self.load_factor,
-                                 affinity_blocks=self.affinity_blocks, rings=self._rings)
+        hashes = self._prompt_hashes(candidates[0], prompt_ids)
+        exact = self._by_overlap(candidates, hashes, self._decode_load)
+        if exact is not None:
+            decode, decode_reason = exact
+            decode_rule = "kv_overlap"
+        else:
+            decode, decode_reason, decode_rule = self._pick_decode(candidates, len(prompt_ids) + max_tokens,
+                                                                   session_key)
+        prefill_nodes = [m for m in status.prefill if m.node_id not in exclude]
+        exact_prefill = self._by_overlap(prefill_nodes, hashes, lambda m: prefill_load(m, self.prefill_outstanding))
+        if exact_prefill is not None:
+            prefill = PrefillChoice(exact_prefill[0].node_id, "kv_overlap", exact_prefill[1])
+        else:
+            prefill = choose_prefill(prefill_nodes, prompt_ids, self.prefill_outstanding, load_factor=self.load_factor,
+                                     affinity_blocks=self.affinity_blocks, rings=self._rings)
         return RouteDecision(
             pool=pool,
             decode_id=decode.node_id,
@@ -210,6 +235,34 @@ class Router:
             fingerprint=decode.record.model_fingerprint,
             prompt_tokens=len(prompt_ids),
         )
+
+    def _prompt_hashes(self, member: Member, prompt_ids: Sequence[int]) -> list[bytes]:
+        """The chained hashes of the prompt's full blocks as the pool's nodes compute them (their block size
+        and seed); none without an index or a block the prefix cache could reuse."""
+        rec = member.record
+        if self.kv_index is None or len(prompt_ids) <= rec.block_size:
+            return []
+        return compute_block_hashes(prompt_ids[: len(prompt_ids) - 1], rec.block_size, rec.prefix_hash_seed)
+
+    def _by_overlap(self, members: list[Member], hashes: list[bytes],
+                    load: Callable[[Member], float]) -> tuple[Member, str] | None:
+        """The member holding the longest leading run of `hashes` (pool blocks 1, tier blocks 0.5) among
+        those within the bounded load, the less loaded among equals; None when no member holds any."""
+        if not hashes or not members or self.kv_index is None:
+            return None
+        overlaps = {m.node_id: self.kv_index.overlap(m.node_id, hashes) for m in members}
+        if not any(o.blocks for o in overlaps.values()):
+            return None
+        loads = {m.node_id: load(m) for m in members}
+        bound = self.load_factor * sum(loads.values()) / len(members) + 1.0
+        eligible = [m for m in members if loads[m.node_id] <= bound and overlaps[m.node_id].blocks]
+        if not eligible:
+            return None  # every holder is over the bound: the ordinary rule spreads the load
+        best = max(eligible, key=lambda m: (overlaps[m.node_id].pool + 0.5 * overlaps[m.node_id].disk,
+                                            -loads[m.node_id]))
+        o = overlaps[best.node_id]
+        return best, (f"cached prefix: {o.pool} pool + {o.disk} tier blocks of {len(hashes)} "
+                      f"(load {loads[best.node_id]:g}, bound {bound:.3g})")
 
     def _pick_decode(self, candidates: list[Member], num_tokens: int, session_key: str | None) -> tuple[Member, str, str]:
         """(node, reason, rule) among usable decode nodes: the session's ring owner under bounded load, or

@@ -6,18 +6,21 @@ the registry, revokes its lease, and lets the requests it still runs finish, all
 resuming the request on another decode node. After a signal the node then exits; after a Drain call it
 idles until signalled. A second signal skips what is left of the drain.
 
-Also here: the rest of the NodeControl service (CheckIntegrity, what tests call after every cluster test).
+Also here: the rest of the NodeControl service (CheckIntegrity, what tests call after every cluster test;
+WatchKVEvents, the stream of the node's KV blocks per tier that the frontends index: engine.kv_events).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import AsyncIterator, Iterator
 
 import grpc
 from grpc_health.v1 import health_pb2
 from grpc_health.v1.health import aio as health_aio
 
+from pdserve.engine.kv_events import EventBatch, Snapshot
 from pdserve.node_common.service import NodeService
 from pdserve.registry import NodeRegistration
 from pdserve.rpc import pdserve_pb2 as pb
@@ -90,9 +93,31 @@ class Drainer:
             log.info("node %s: drain grace over; handed %d request(s) over", self._service.ctx.config.node_id, moved)
 
 
+KV_EVENTS_POLL_S = 0.05  # how often a WatchKVEvents stream looks for new events
+KV_SNAPSHOT_CHUNK = 16384  # block hashes per message of a snapshot (well under gRPC's 4 MiB)
+
+
+def kv_event_messages(epoch: str, snapshot: Snapshot | None, batches: list[EventBatch]) -> Iterator[pb.KVEventBatch]:
+    """The stream messages of what `KVEventLog.since` returned: a snapshot (its hashes in chunks, the first
+    message flagged), then each batch, consecutive events of one kind and tier in one KVEvent."""
+    if snapshot is not None:
+        chunks = [(tier, sorted(hashes)[i:i + KV_SNAPSHOT_CHUNK]) for tier, hashes in sorted(snapshot.held.items())
+                  for i in range(0, max(1, len(hashes)), KV_SNAPSHOT_CHUNK)]
+        for n, (tier, part) in enumerate(chunks):
+            yield pb.KVEventBatch(epoch=epoch, seq=snapshot.seq, snapshot=n == 0, events=[
+                pb.KVEvent(stored=True, tier=tier, block_hashes=part)])
+    for batch in batches:
+        events: list[pb.KVEvent] = []
+        for stored, tier, block_hash in batch.events:
+            if not events or events[-1].stored != stored or events[-1].tier != tier:
+                events.append(pb.KVEvent(stored=stored, tier=tier))
+            events[-1].block_hashes.append(block_hash)
+        yield pb.KVEventBatch(epoch=epoch, seq=batch.seq, events=events)
+
+
 class NodeControlServicer(pb_grpc.NodeControlServicer):
     """The NodeControl service of every node: Drain starts the node's one drain (or joins it);
-    CheckIntegrity runs the node's `check_integrity`."""
+    CheckIntegrity runs the node's `check_integrity`; WatchKVEvents streams its KV blocks' events."""
 
     def __init__(self, drainer: Drainer, service: NodeService) -> None:
         self.drainer, self.service = drainer, service
@@ -116,3 +141,17 @@ class NodeControlServicer(pb_grpc.NodeControlServicer):
             log.error("node %s: integrity check failed: %s", self.service.ctx.config.node_id, err)
             return pb.IntegrityReport(ok=False, problem=str(err) or "assertion failed")
         return pb.IntegrityReport(ok=True)
+
+    async def WatchKVEvents(  # noqa: N802
+        self, request: pb.KVEventsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.KVEventBatch]:
+        """From the caller's cursor (a snapshot first when it cannot be continued) until it hangs up."""
+        log_ = self.service.ctx.engine.engine.kv_events
+        epoch, seq = request.epoch, request.after_seq
+        while True:
+            snapshot, batches = log_.since(epoch, seq)
+            for msg in kv_event_messages(log_.epoch, snapshot, batches):
+                yield msg
+            epoch = log_.epoch
+            seq = snapshot.seq if snapshot is not None else (batches[-1].seq if batches else seq)
+            await asyncio.sleep(KV_EVENTS_POLL_S)

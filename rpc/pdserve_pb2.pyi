@@ -23,6 +23,11 @@ class ServingPath(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SERVING_PATH_LOCAL_PREFILL: _ClassVar[ServingPath]
     SERVING_PATH_RETRIED: _ClassVar[ServingPath]
     SERVING_PATH_MIGRATED: _ClassVar[ServingPath]
+
+class KVTierKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KV_TIER_POOL: _ClassVar[KVTierKind]
+    KV_TIER_DISK: _ClassVar[KVTierKind]
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
@@ -34,6 +39,8 @@ SERVING_PATH_DISAGGREGATED: ServingPath
 SERVING_PATH_LOCAL_PREFILL: ServingPath
 SERVING_PATH_RETRIED: ServingPath
 SERVING_PATH_MIGRATED: ServingPath
+KV_TIER_POOL: KVTierKind
+KV_TIER_DISK: KVTierKind
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "max_tokens", "stop", "stop_token_ids", "ignore_eos", "logprobs", "logit_bias", "structured", "priority", "speculative")
@@ -361,3 +368,33 @@ class IntegrityReport(_message.Message):
     ok: bool
     problem: str
     def __init__(self, ok: _Optional[bool] = ..., problem: _Optional[str] = ...) -> None: ...
+
+class KVEventsRequest(_message.Message):
+    __slots__ = ("epoch", "after_seq")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    AFTER_SEQ_FIELD_NUMBER: _ClassVar[int]
+    epoch: str
+    after_seq: int
+    def __init__(self, epoch: _Optional[str] = ..., after_seq: _Optional[int] = ...) -> None: ...
+
+class KVEvent(_message.Message):
+    __slots__ = ("stored", "tier", "block_hashes")
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    stored: bool
+    tier: KVTierKind
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, stored: _Optional[bool] = ..., tier: _Optional[_Union[KVTierKind, str]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class KVEventBatch(_message.Message):
+    __slots__ = ("epoch", "seq", "snapshot", "events")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    epoch: str
+    seq: int
+    snapshot: bool
+    events: _containers.RepeatedCompositeFieldContainer[KVEvent]
+    def __init__(self, epoch: _Optional[str] = ..., seq: _Optional[int] = ..., snapshot: _Optional[bool] = ..., events: _Optional[_Iterable[_Union[KVEvent, _Mapping]]] = ...) -> None: ...

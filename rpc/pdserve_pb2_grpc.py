@@ -430,7 +430,9 @@ class PrefillNode:
 
 class NodeControlStub:
     """Node operations. CheckIntegrity asserts that the node's KV blocks, engine requests, output streams,
-    reservations and request objects agree (what the tests call after every cluster test).
+    reservations and request objects agree (what the tests call after every cluster test). WatchKVEvents
+    streams which KV blocks the node holds, per tier, as they are stored and removed (the frontends'
+    index for routing by cached prefix).
     """
 
     def __init__(self, channel):
@@ -449,11 +451,18 @@ class NodeControlStub:
                 request_serializer=pdserve__pb2.IntegrityRequest.SerializeToString,
                 response_deserializer=pdserve__pb2.IntegrityReport.FromString,
                 _registered_method=True)
+        self.WatchKVEvents = channel.unary_stream(
+                '/pdserve.v1.NodeControl/WatchKVEvents',
+                request_serializer=pdserve__pb2.KVEventsRequest.SerializeToString,
+                response_deserializer=pdserve__pb2.KVEventBatch.FromString,
+                _registered_method=True)
 
 
 class NodeControlServicer:
     """Node operations. CheckIntegrity asserts that the node's KV blocks, engine requests, output streams,
-    reservations and request objects agree (what the tests call after every cluster test).
+    reservations and request objects agree (what the tests call after every cluster test). WatchKVEvents
+    streams which KV blocks the node holds, per tier, as they are stored and removed (the frontends'
+    index for routing by cached prefix).
     """
 
     def Drain(self, request, context):
@@ -463,6 +472,12 @@ class NodeControlServicer:
         raise NotImplementedError('Method not implemented!')
 
     def CheckIntegrity(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WatchKVEvents(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -481,6 +496,11 @@ def add_NodeControlServicer_to_server(servicer, server):
                     request_deserializer=pdserve__pb2.IntegrityRequest.FromString,
                     response_serializer=pdserve__pb2.IntegrityReport.SerializeToString,
             ),
+            'WatchKVEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchKVEvents,
+                    request_deserializer=pdserve__pb2.KVEventsRequest.FromString,
+                    response_serializer=pdserve__pb2.KVEventBatch.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'pdserve.v1.NodeControl', rpc_method_handlers)
@@ -491,7 +511,9 @@ def add_NodeControlServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class NodeControl:
     """Node operations. CheckIntegrity asserts that the node's KV blocks, engine requests, output streams,
-    reservations and request objects agree (what the tests call after every cluster test).
+    reservations and request objects agree (what the tests call after every cluster test). WatchKVEvents
+    streams which KV blocks the node holds, per tier, as they are stored and removed (the frontends'
+    index for routing by cached prefix).
     """
 
     @staticmethod
@@ -538,6 +560,33 @@ class NodeControl:
             '/pdserve.v1.NodeControl/CheckIntegrity',
             pdserve__pb2.IntegrityRequest.SerializeToString,
             pdserve__pb2.IntegrityReport.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchKVEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.v1.NodeControl/WatchKVEvents',
+            pdserve__pb2.KVEventsRequest.SerializeToString,
+            pdserve__pb2.KVEventBatch.FromString,
             options,
             channel_credentials,
             insecure,
