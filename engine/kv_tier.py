@@ -22,6 +22,7 @@ files. `_lock` guards the index; file I/O happens outside it.
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import logging
 import os
@@ -106,6 +107,14 @@ class KVTier:
         self._idle = threading.Condition(self._lock)
         self._outstanding = 0  # queued work items not yet done
         self.dir.mkdir(parents=True, exist_ok=True)
+        # One process per directory: another's files would look foreign or stray, and its deletions silent.
+        self._lock_file = (self.dir / ".lock").open("a+b")
+        try:
+            fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            self._lock_file.close()
+            raise ValueError(f"KV tier directory {self.dir} is in use by another process; give each node its "
+                             "own --kv-tier-dir") from None
         self._recover()
         self._writer = threading.Thread(target=self._write_loop, name="kv-tier-writer", daemon=True)
         self._writer.start()
@@ -195,6 +204,7 @@ class KVTier:
         self.flush()
         self._work.put(None)
         self._writer.join(timeout=30)
+        self._lock_file.close()  # releases the directory
 
     def check_integrity(self) -> None:
         """Asserts the index's invariants: its byte count, the bound, and a file for every written block.
@@ -314,6 +324,8 @@ class KVTier:
         removes what is not a block of this pool, and leftovers of interrupted writes."""
         files = []
         for path in self.dir.iterdir():
+            if path.name == ".lock":
+                continue
             if path.suffix != SUFFIX:
                 path.unlink(missing_ok=True)  # an interrupted write's temporary file
                 continue

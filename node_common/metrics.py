@@ -165,9 +165,14 @@ class _EngineCollector(Collector):
             ("pdserve_decode_seq_steps", "Sequence decode steps, with or without a draft", spec.decode_steps),
             ("pdserve_decode_seq_tokens", "Tokens those sequence decode steps produced", spec.decode_tokens),
         ):
-            family = CounterMetricFamily(name, doc, labels=names)
-            family.add_metric(values, value)
-            yield family
+            yield _family(CounterMetricFamily, name, doc, names, values, value)
+
+
+def _family(kind: type[Metric], name: str, doc: str, names: list[str], values: list[str], value: float) -> Metric:
+    """One series of a counter or gauge family with the node's labels."""
+    family = kind(name, doc, labels=names)
+    family.add_metric(values, value)
+    return family
 
 
 class _TierCollector(Collector):
@@ -192,9 +197,7 @@ class _TierCollector(Collector):
             ("pdserve_kv_tier_evicted_blocks", "KV tier blocks dropped to stay within its byte bound", st.evicted),
             ("pdserve_kv_tier_recovered_blocks", "KV tier blocks found on disk at startup", st.recovered),
         ):
-            family = CounterMetricFamily(name, doc, labels=names)
-            family.add_metric(values, value)
-            yield family
+            yield _family(CounterMetricFamily, name, doc, names, values, value)
         for name, doc, value in (
             ("pdserve_kv_tier_bytes", "Bytes the KV tier holds", t.bytes),
             ("pdserve_kv_tier_capacity_bytes", "The KV tier's byte bound", t.max_bytes),
@@ -202,9 +205,7 @@ class _TierCollector(Collector):
             ("pdserve_kv_tier_writes_paused", "1 while the KV tier writes nothing (its disk was full)",
              float(time.monotonic() < t.disabled_until)),
         ):
-            family = GaugeMetricFamily(name, doc, labels=names)
-            family.add_metric(values, value)
-            yield family
+            yield _family(GaugeMetricFamily, name, doc, names, values, value)
 
 
 class MetricsServer:

@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.kv_tier import KVTier
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
+from testing.disks import small_tmpfs
 
 BLOCK = 16
 POOL_BLOCKS = 12  # small: two other prompts and their outputs evict every block of an earlier one
@@ -147,6 +148,14 @@ def test_a_tier_directory_removed_while_serving_is_a_miss_then_made_again(
     settle(e)
 
 
+def test_a_tier_directory_takes_one_process(tiny_llama_dir: Path, tier_dir: Path) -> None:
+    first = engine(tiny_llama_dir, tier_dir)
+    with pytest.raises(ValueError, match="in use by another process"):
+        KVTier(tier_dir, 1 << 20, fingerprint=first.model_config.fingerprint(), kv_cache=first.kv_cache)
+    first.close()
+    engine(tiny_llama_dir, tier_dir).close()  # released
+
+
 def test_the_tier_stays_within_its_bound_and_evicts_the_oldest(tiny_llama_dir: Path, tier_dir: Path,
                                                              reference: dict[int, list[int]]) -> None:
     probe = engine(tiny_llama_dir, tier_dir)
@@ -167,17 +176,8 @@ def test_the_tier_stays_within_its_bound_and_evicts_the_oldest(tiny_llama_dir: P
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
     """A 256 KiB tmpfs (root only): a disk that fills up."""
-    mount = tmp_path / "small"
-    mount.mkdir()
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip("a full disk is simulated with a small tmpfs, which needs root")
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)], capture_output=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode()[-200:]}")
-    try:
+    with small_tmpfs(tmp_path, "256k") as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", str(mount)], capture_output=True)
 
 
 def test_a_full_disk_degrades_to_no_tier_never_a_failed_request(tiny_llama_dir: Path, small_disk: Path,

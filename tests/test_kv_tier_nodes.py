@@ -6,10 +6,9 @@ equal the reference engine's and every KV block (pool and tier) is accounted for
 
 from __future__ import annotations
 
-import os
 import shutil
 import signal
-import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import pytest
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
 from testing.cluster import LocalCluster
+from testing.disks import small_tmpfs
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -134,17 +134,9 @@ def test_a_tier_directory_removed_while_serving(cluster: LocalCluster, reference
 
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
-    mount = tmp_path / "small"
-    mount.mkdir()
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip("a full disk is simulated with a small tmpfs, which needs root")
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(mount)], capture_output=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode()[-200:]}")
-    try:
+    """A 512 KiB tmpfs (root only)."""
+    with small_tmpfs(tmp_path, "512k") as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
 
 
 def test_a_full_disk_pauses_the_tier_and_fails_no_request(cluster: LocalCluster, reference: LLMEngine,
@@ -158,3 +150,27 @@ def test_a_full_disk_pauses_the_tier_and_fails_no_request(cluster: LocalCluster,
     assert cluster.metric("d0", "pdserve_kv_tier_writes_paused") == 1
     generate(cluster, reference, 7)
     settle(cluster)
+
+
+def test_disaggregated_pools_with_tiers_give_the_reference_tokens(cluster: LocalCluster, reference: LLMEngine,
+                                                                 tmp_path: Path) -> None:
+    """1 prefill + 1 decode, each with a tier: a history the pools evicted is read back on both sides (the
+    prefill node computes only the suffix; the decode node reserves only what it lacks), tokens unchanged."""
+    nodes = [cluster.spawn_node("prefill", "p0", ["--kv-tier-dir", str(tmp_path / "tier-p0")]),
+             cluster.spawn_node("decode", "d0", ["--kv-tier-dir", str(tmp_path / "tier-d0"),
+                                                 "--local-prefill-threshold", "0"])]
+    cluster.wait_ready(nodes)
+    cluster.wait_registry(lambda m: {"p0", "d0"} <= m.keys(), timeout_s=30, what="both nodes")
+    for _ in range(50):  # d0 learns of p0 through its registry watch
+        if "p0" in cluster.get_load("d0").members:
+            break
+        time.sleep(0.1)
+    out = cluster.generate("d0", prompt(11), PARAMS)
+    assert out.prefill_node_id == "p0" and out.token_ids == reference.generate([prompt(11)], PARAMS)[0].token_ids
+    evict(cluster, reference)  # through p0 as well: both pools evict prompt 11
+    cluster.check_integrity(["p0", "d0"])  # flushes both tiers
+    again = cluster.generate("d0", prompt(11), PARAMS)
+    assert again.token_ids == out.token_ids and again.num_cached_tokens >= 11 * BLOCK
+    assert cluster.metric("d0", "pdserve_kv_tier_hits_total") >= 11 * BLOCK
+    cluster.wait_clean(["p0", "d0"])
+    cluster.check_integrity(["p0", "d0"])
