@@ -64,6 +64,8 @@ ALL_FEATURES = [
     "frontend.ingress.enabled=true",
     "frontend.ingress.host=api.example.com",
     "frontend.ingress.certManager.issuer=letsencrypt-prod",
+    "prefill.kvTierGiB=8",
+    "decode.kvTierGiB=20",
 ]
 
 
@@ -466,6 +468,19 @@ def test_node_command_lines_parse_into_the_drain_the_hook_waits_for(monkeypatch:
         assert config.kv_interface == "net1" and config.model_name == "llama-3.1-8b-instruct"
         if role == "decode":
             assert config.drain_timeout_s == 420 and config.drain_grace_s == values["decode"]["drainGraceSeconds"]
+
+
+def test_a_kv_tier_is_a_flag_and_an_emptydir_of_its_pool_when_set() -> None:
+    for dep in _pools(_render(), "prefill") + _pools(_render(), "decode"):
+        assert not any(a.startswith("--kv-tier") for a in _container(dep)["args"])
+    objs = _render("decode.kvTierGiB=20")
+    (prefill,), (decode,) = _pools(objs, "prefill"), _pools(objs, "decode")
+    assert not any(a.startswith("--kv-tier") for a in _container(prefill)["args"])
+    args = _container(decode)["args"]
+    assert _flag(args, "kv-tier-dir") == "/var/lib/pdserve/kv-tier" and _flag(args, "kv-tier-gib") == "20"
+    mounts = {m["name"]: m["mountPath"] for m in _container(decode)["volumeMounts"]}
+    volumes = {v["name"]: v for v in decode["spec"]["template"]["spec"]["volumes"]}
+    assert mounts["kv-tier"] == "/var/lib/pdserve/kv-tier" and volumes["kv-tier"]["emptyDir"] == {"sizeLimit": "22Gi"}
 
 
 def test_transport_knobs_reach_every_node_pod_when_set() -> None:

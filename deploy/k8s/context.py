@@ -192,6 +192,8 @@ def _node_args(v: dict[str, Any], m: dict[str, Any], cfg: dict[str, Any], etcd: 
         pairs.append(("max-model-len", m["maxContext"]))
     if cfg.get("speculative"):
         pairs += [("speculative", cfg["speculative"]), ("num-speculative-tokens", cfg.get("numSpeculativeTokens", 4))]
+    if cfg.get("kvTierGiB"):  # the pod's kv-tier emptyDir (40-pools.yaml.j2)
+        pairs += [("kv-tier-dir", "/var/lib/pdserve/kv-tier"), ("kv-tier-gib", cfg["kvTierGiB"])]
     if cfg.get("kvInterface"):
         pairs.append(("kv-interface", cfg["kvInterface"]))  # gloo's NIC (NCCL takes NCCL_SOCKET_IFNAME)
     # The node's own drain bound is the preStop hook's (one value, `drainTimeoutSeconds`): a node that
