@@ -10,7 +10,7 @@ configuration: TTFT p50 / p90 of turns 2 and later, prompt tokens actually compu
 cached), requests per decode node (max over min), and the ratios between the two. The greedy answers of
 the two configurations are compared (reported).
 
-    .venv/bin/python bench/multiturn_bench.py            # the default model (its GGUF), ~3x one pool
+    .venv/bin/python bench/multiturn_bench.py            # the default model, ~3x one pool
     .venv/bin/python bench/multiturn_bench.py --quick    # the tiny model, a few turns (the suite runs this)
 """
 
@@ -157,7 +157,7 @@ def run_config(name: str, args: argparse.Namespace, model_dir: Path, model_name:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=None, help="model directory or tiny (default: SmolLM2-135M-Instruct, GGUF)")
+    ap.add_argument("--model", default=None, help="model directory or tiny (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--conversations", type=int, default=16)
     ap.add_argument("--turns", type=int, default=5)
     ap.add_argument("--system-words", type=int, default=300, help="words of the shared system prompt")
