@@ -22,6 +22,7 @@ from pdserve.engine.tokenizer import ChatTemplateError, Tokenizer
 from pdserve.engine.version import chat_template_digest, tokenizer_digest
 from pdserve.frontend.config import ConfigError, ModelSpec
 from pdserve.frontend.errors import APIError, bad_request
+from pdserve.frontend.pricing import Prices
 from pdserve.frontend.reasoning import ReasoningFormat, ReasoningFormatError, reasoning_format
 from pdserve.frontend.tools import ToolSpec, template_input
 
@@ -113,6 +114,7 @@ class ServedModel:
     tokenizer_digest: str  # `engine.version.tokenizer_digest`; a node must publish the same one to serve it
     chat_template_digest: str  # `engine.version.chat_template_digest` ("none" without a template); likewise
     reasoning: ReasoningFormat | None = None  # how its chat answers mark their thinking span (None: not split)
+    prices: Prices | None = None  # the models file's price table (None: requests cost nothing)
 
     @property
     def name(self) -> str:
