@@ -12,7 +12,7 @@ from typing import Any
 from pdserve.engine.version import pdserve_version
 from pdserve.frontend.config import FrontendConfig
 from pdserve.frontend.errors import APIError
-from pdserve.frontend.job import ENDPOINTS, Choice, Job, first_to_token, serving_path
+from pdserve.frontend.job import ENDPOINTS, Choice, Job, cost, first_to_token, serving_path
 from pdserve.frontend.metrics import POOL, FrontendMetrics
 from pdserve.frontend.protocol import GenerationRequest, SamplingOptions
 from pdserve.frontend.request_log import RequestLog
@@ -51,7 +51,7 @@ class Accounting:
         self._write({"ts": time.time(), "request_id": None, "client_request_id": client_id,
                      "tenant": tenant, "endpoint": endpoint, "status": err.status,
                      "error": err.message, "error_code": err.code, "error_type": err.type,
-                     "trace_id": err.trace_id})
+                     "trace_id": err.trace_id, "cost_usd": 0.0})
 
     def _write(self, record: dict[str, Any]) -> None:
         self._log.write(record)
@@ -72,12 +72,14 @@ class Accounting:
         completion = sum(c.progress.tokens for c in job.choices)
         job.grant.release(completion)
         lat = _latencies(job, time.monotonic())
+        usd = cost(job)
         self._observe(job, lat, completion)
+        self._metrics.observe_cost(job.model, job.tenant.name, usd)
         for observe in self.observers:
             observe(job, lat)
         if not job.disconnected:
             self._judge_slo(job, lat, completion)
-        self._write(_log_record(job, lat, completion))
+        self._write(_log_record(job, lat, completion, usd))
         return completion
 
     def _observe(self, job: Job, lat: Latencies, completion: int) -> None:
@@ -138,7 +140,7 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1e3, 3)
 
 
-def _log_record(job: Job, lat: Latencies, completion: int) -> dict[str, Any]:
+def _log_record(job: Job, lat: Latencies, completion: int, usd: float) -> dict[str, Any]:
     itls = sorted(lat.itls)
     record: dict[str, Any] = {
         "ts": time.time(),
@@ -167,6 +169,8 @@ def _log_record(job: Job, lat: Latencies, completion: int) -> dict[str, Any]:
         "prompt_tokens": sum(len(p) for p in job.prompts),
         "completion_tokens": completion,
         "cached_tokens": [c.progress.cached_tokens for c in job.choices],
+        "batch": job.batch,
+        "cost_usd": usd,
         "ttft_ms": _ms(lat.ttft),
         "ttft_breakdown_ms": {k: round(v * 1e3, 3) for k, v in lat.breakdown.items()} or None,
         "waterfall_ms": waterfall(job),

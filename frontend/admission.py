@@ -97,16 +97,18 @@ class Admitter:
         self.workers, self.ttft = workers, ttft
         self.inflight = inflight  # requests this frontend has in flight or in its prepare workers
 
-    async def admit(self, kind: str, tenant: Tenant, body: bytes, headers: Mapping[str, str]) -> Job:
-        """Validates, tokenizes, routes and admits a request. Raises APIError (4xx/503)."""
+    async def admit(self, kind: str, tenant: Tenant, body: bytes, headers: Mapping[str, str],
+                    batch: bool = False) -> Job:
+        """Validates, tokenizes, routes and admits a request (`batch`: a line of a /v1/batches job). Raises
+        APIError (4xx/503)."""
         arrived = time.monotonic()
         offload = len(body) > self.config.prepare_inline_bytes
         limits = self.config.request_limits
         req = await self.workers.parse(kind, body, limits) if offload else parse_request(kind, body, limits)
-        return await self.admit_request(kind, tenant, req, headers, arrived, offload)
+        return await self.admit_request(kind, tenant, req, headers, arrived, offload, batch)
 
     async def admit_request(self, kind: str, tenant: Tenant, req: GenerationRequest, headers: Mapping[str, str],
-                            arrived: float, offload: bool) -> Job:
+                            arrived: float, offload: bool, batch: bool = False) -> Job:
         """Admits an already validated request (`admit` after parsing; the Responses API after it resolved
         the conversation). `offload`: tokenize in a prepare worker. Raises APIError (4xx/503)."""
         budget_ms = ttft_budget_ms(tenant, headers)
@@ -147,7 +149,7 @@ class Admitter:
                   client_request_id=client_request_id(headers), key_hash=key_hash(headers), session_key=session_key,
                   fallback_reason=picked.fallback_reason,
                   stamps=AdmissionStamps(parsed, tokenized_at, routed_from, routed, time.monotonic()),
-                  dropped=dropped)
+                  dropped=dropped, batch=batch)
         if self.config.log_prompts:
             job.prompt_log = req.messages if req.kind == CHAT else req.prompts
         self._count_routes(job)

@@ -634,7 +634,7 @@ class BatchService:
         fe = self.fe
         if kind == EMBEDDINGS:  # no job: the service admits, runs and accounts it itself
             try:
-                obj = await fe.embeddings.handle(tenant, raw, {})
+                obj = await fe.embeddings.handle(tenant, raw, {}, batch=True)
             except APIError as err:
                 if _retryable(err):
                     raise _Retry from None
@@ -642,10 +642,10 @@ class BatchService:
             return "embd-" + uuid.uuid4().hex, orjson.dumps(obj)
         try:
             if kind == RESPONSES:
-                rjob = await fe.responses.admit(tenant, raw, {}, None)
+                rjob = await fe.responses.admit(tenant, raw, {}, None, batch=True)
                 job = rjob.job
             else:
-                rjob, job = None, await fe.admit(kind, tenant, raw, {})
+                rjob, job = None, await fe.admit(kind, tenant, raw, {}, batch=True)
         except APIError as err:
             if _retryable(err):
                 raise _Retry from None

@@ -20,10 +20,15 @@ Models file (YAML or TOML, chosen by the file suffix)::
         embedding: {pooling: last, normalize: true}  # /v1/embeddings (frontend.embeddings): last | mean
         speculative: ngram          # speculative decoding's drafts for this model's requests: ngram, suffix
                                     # or off (default: each decode node's --speculative)
+        prices:                     # USD per million tokens (frontend.pricing); default: requests cost nothing
+          input: 0.15               # prompt tokens computed
+          cached_input: 0.075       # prompt tokens served from the prefix cache (usage's cached_tokens)
+          output: 0.60              # completion tokens
+          batch_discount: 0.5       # fraction taken off every token of a /v1/batches line, in [0, 1)
 
 Canary: entries that share a `name` are versions of one served model, each its own pool, with routing
 weights (requests with a session key stick to a version; the others split exactly by weight). Weights
-are re-read from the file while the frontend runs; weight 0 sends a version no new requests::
+(and prices) are re-read from the file while the frontend runs; weight 0 sends a version no new requests::
 
       - {name: smol, version: v1, pool: smol-v1, path: /models/smol-v1, weight: 90}
       - {name: smol, version: v2, pool: smol-v2, path: /models/smol-v2, weight: 10}
@@ -44,7 +49,7 @@ from pathlib import Path
 from typing import Annotated, Any, ClassVar
 
 from annotated_types import Ge, Gt, Interval
-from pydantic import BeforeValidator
+from pydantic import BeforeValidator, Field, ValidationInfo
 
 from pdserve.frontend.config_files import (
     ConfigError,
@@ -57,6 +62,7 @@ from pdserve.frontend.config_files import (
     entries,
     load_config_file,
 )
+from pdserve.frontend.pricing import Prices
 from pdserve.frontend.protocol import RequestLimits
 from pdserve.frontend.reasoning import REASONING_SETTINGS
 from pdserve.frontend.tls import TLSConfigError, check_pair
@@ -100,6 +106,36 @@ def _embedding_settings(value: Any) -> EmbeddingSettings:
     return EmbeddingEntry.read("embedding", value or {}).settings()
 
 
+_PRICE = "{key} must be a finite number >= 0 (USD per million tokens), got {value!r}"
+Price = Annotated[float, Field(ge=0, allow_inf_nan=False), Requirement(_PRICE)]
+
+
+class PricesEntry(FileEntry):
+    """A model's `prices`: USD per million tokens; a missing price is 0."""
+
+    kind: ClassVar[str] = "prices table"
+    input: Price = 0.0
+    cached_input: Price = 0.0
+    output: Price = 0.0
+    batch_discount: Annotated[float, Field(ge=0, lt=1), Requirement(
+        "batch_discount must be a number in [0, 1) (the fraction taken off batch work), got {value!r}")] = 0.0
+
+    def prices(self) -> Prices:
+        return Prices(self.input, self.cached_input, self.output, self.batch_discount)
+
+
+def read_prices(value: Any, model: str) -> Prices | None:
+    """A models-file entry's `prices` mapping (null: none, requests cost nothing). Raises ConfigError naming
+    the model and the field."""
+    if value is None or isinstance(value, Prices):
+        return value
+    return PricesEntry.read(f"model {model!r}: prices", value).prices()
+
+
+def _prices(value: Any, info: ValidationInfo) -> Prices | None:
+    return read_prices(value, str(info.data.get("name", "?")))
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """One served model: its names, where its tokenizer lives and which pool serves it."""
@@ -118,6 +154,7 @@ class ModelSpec:
     reasoning_parser: str = "auto"  # frontend.reasoning.REASONING_SETTINGS
     embedding: EmbeddingSettings = EmbeddingSettings()  # /v1/embeddings pooling
     speculative: str = ""  # SPECULATIVE_SETTINGS; "": the decode nodes' --speculative
+    prices: Prices | None = None  # USD per million tokens (None: its requests cost nothing)
 
     def __post_init__(self) -> None:
         if self.speculative not in SPECULATIVE_SETTINGS:
@@ -156,6 +193,7 @@ class ModelEntry(FileEntry):
     reasoning_parser: Annotated[str, Requirement("reasoning_parser must be a string")] = "auto"
     embedding: Annotated[EmbeddingSettings, BeforeValidator(_embedding_settings)] = EmbeddingSettings()
     speculative: Annotated[str, empty_as(""), Requirement("speculative must be a string")] = ""
+    prices: Annotated[Prices | None, BeforeValidator(_prices)] = None
 
     def spec(self) -> ModelSpec:
         return ModelSpec(**{**dict(self), "path": os.path.expanduser(self.path), "aliases": tuple(self.aliases)})
@@ -184,6 +222,11 @@ def check_versions(specs: tuple[ModelSpec, ...] | list[ModelSpec]) -> None:
 def version_weights(specs: tuple[ModelSpec, ...] | list[ModelSpec]) -> dict[tuple[str, str], float]:
     """(name, version) -> routing weight of every entry."""
     return {(s.name, s.version): s.weight for s in specs}
+
+
+def version_prices(specs: tuple[ModelSpec, ...] | list[ModelSpec]) -> dict[tuple[str, str], Prices | None]:
+    """(name, version) -> price table of every entry."""
+    return {(s.name, s.version): s.prices for s in specs}
 
 
 def load_models_file(path: str | Path) -> list[ModelSpec]:

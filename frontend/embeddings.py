@@ -20,8 +20,9 @@ retried once on another node; then a 503 (refused or unreachable) or 502.
 
 Pooling is the model's (`ModelSpec.embedding`: `last` + normalize unless the models file says otherwise).
 Metrics: `pdserve_frontend_requests_total{endpoint="embeddings"}`, `pdserve_frontend_tokens_total{kind=
-"prompt"}` and `pdserve_frontend_embedding_requests_total{model_pool,tenant,status}`; one request-log
-line per request.
+"prompt"}`, `pdserve_frontend_embedding_requests_total{model_pool,tenant,status}` and
+`pdserve_frontend_cost_total` (input tokens at the model's input price; a batch line at its batch
+discount); one request-log line per request, with its `cost_usd`.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from starlette.requests import ClientDisconnect
 from pdserve.frontend.errors import OVERLOADED, APIError, invalid_type, invalid_value, missing_parameter
 from pdserve.frontend.limits import Grant
 from pdserve.frontend.models import ServedModel
+from pdserve.frontend.pricing import cost_usd
 from pdserve.frontend.prompts import text_or_token_lists
 from pdserve.frontend.protocol import parse_json_body
 from pdserve.frontend.tenants import Tenant
@@ -165,9 +167,11 @@ class EmbeddingService:
 
     # -- one request ----------------------------------------------------------------------------------
 
-    async def handle(self, tenant: Tenant, body: bytes, headers: Mapping[str, str]) -> dict[str, Any]:
-        """The response object of one request. Raises APIError (accounted: a refusal before it ran by
-        `reject`, a failure after by `_account`)."""
+    async def handle(self, tenant: Tenant, body: bytes, headers: Mapping[str, str],
+                     batch: bool = False) -> dict[str, Any]:
+        """The response object of one request (`batch`: a line of a /v1/batches job, charged at the batch
+        discount). Raises APIError (accounted: a refusal before it ran by `reject`, a failure after by
+        `_account`)."""
         arrived = time.monotonic()
         try:
             req, model, members, ids, grant = await self._admit(tenant, body, headers)
@@ -184,7 +188,7 @@ class EmbeddingService:
             raise
         finally:
             grant.release(0)
-            self._account(request_id, tenant, model, req, tokens, status, error, arrived)
+            self._account(request_id, tenant, model, req, tokens, status, error, arrived, batch)
         data = []
         for part in parts:
             size = 4 * part.dimensions
@@ -312,9 +316,12 @@ class EmbeddingService:
     # -- accounting ------------------------------------------------------------------------------------
 
     def _account(self, request_id: str, tenant: Tenant, model: ServedModel, req: EmbeddingRequest, tokens: int,
-                 status: int, error: APIError | None, arrived: float) -> None:
+                 status: int, error: APIError | None, arrived: float, batch: bool) -> None:
         m = self.fe.metrics
         lbl = m.labels(model)
+        # Input tokens only, at the input price; a request that failed returned no vectors and costs nothing.
+        usd = cost_usd(model.prices, tokens, 0, 0, batch) if error is None else 0.0
+        m.observe_cost(model, tenant.name, usd)
         m.requests.labels(*lbl, EMBEDDINGS, str(status), "stop" if error is None else "error").inc()
         m.tokens.labels(*lbl, tenant.name, "prompt").inc(tokens)
         m.embedding_requests.labels(*lbl, model.pool, tenant.name, str(status)).inc()
@@ -323,7 +330,8 @@ class EmbeddingService:
             "ts": time.time(), "request_id": request_id, "tenant": tenant.name, "endpoint": EMBEDDINGS,
             "model": model.name, "requested_model": req.model, "pool": model.pool, "status": status,
             "inputs": len(req.inputs), "prompt_tokens": tokens, "e2e_ms": round((time.monotonic() - arrived) * 1e3, 3),
-            "error": error.message if error is not None else None, "error_code": error.code if error else None})
+            "error": error.message if error is not None else None, "error_code": error.code if error else None,
+            "batch": batch, "cost_usd": usd})
 
     def reject(self, tenant: str | None, err: APIError) -> None:
         """A request refused before it ran (metrics and a request-log line)."""
@@ -331,7 +339,7 @@ class EmbeddingService:
         fe.metrics.requests.labels("frontend", fe.config.frontend_id, "", "", EMBEDDINGS, str(err.status),
                                    "rejected").inc()
         fe.request_log.write({"ts": time.time(), "request_id": None, "tenant": tenant, "endpoint": EMBEDDINGS,
-                              "status": err.status, "error": err.message, "error_code": err.code})
+                              "status": err.status, "error": err.message, "error_code": err.code, "cost_usd": 0.0})
 
 
 def add_embedding_routes(app: FastAPI, frontend: Any) -> None:

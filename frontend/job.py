@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from pdserve.frontend.errors import APIError
 from pdserve.frontend.limits import Grant
 from pdserve.frontend.models import ServedModel
+from pdserve.frontend.pricing import cost_usd
 from pdserve.frontend.protocol import GenerationRequest
 from pdserve.frontend.render import usage_dict
 from pdserve.frontend.routing import RouteDecision, RouteLease
@@ -165,6 +166,7 @@ class Job:
     stamps: AdmissionStamps = field(default_factory=AdmissionStamps)
     trace: RequestTrace | None = None  # set when tracing is on
     dropped: int = 0  # leading messages admission dropped to fit the context (`GenerationRequest.droppable`)
+    batch: bool = False  # a line of a /v1/batches job: its model's batch discount applies (`cost`)
 
     def traced(self, err: APIError) -> APIError:
         """`err` carrying the job's trace id (in its message and an x-trace-id header), when traced."""
@@ -224,3 +226,16 @@ def usage(job: Job) -> dict[str, Any]:
     split = [c.progress for c in job.choices if c.progress.reasoning_tokens is not None]
     reasoning = sum(min(p.reasoning_tokens or 0, p.tokens) for p in split) if split else None
     return usage_dict(sum(len(p) for p in job.prompts), completion, sum(cached.values()), reasoning)
+
+
+def cost(job: Job) -> float:
+    """USD the job is charged: `frontend.pricing.cost_usd` of its usage (prompt tokens, the cached ones as
+    usage reports them, completion tokens) at its model's prices, with the batch discount for a batch
+    line. What was used is charged also when the job failed or its client went away mid-way; nothing
+    when no choice got as far as a token or a finish (nothing was computed for it)."""
+    if not any(c.progress.first_at is not None or c.progress.finish_reason is not None for c in job.choices):
+        return 0.0
+    u = usage(job)
+    prompt = u["prompt_tokens"]  # a resumed choice's node may count cached tokens past the prompt: bounded
+    return cost_usd(job.model.prices, prompt, min(u["prompt_tokens_details"]["cached_tokens"], prompt),
+                    u["completion_tokens"], job.batch)

@@ -92,10 +92,13 @@ class FrontendMetrics:
                                "local_prefill, retried, migrated", [*base, "path"], registry=r)
         self.tokens = Counter("pdserve_frontend_tokens_total", "Prompt and completion tokens per tenant and model",
                               [*base, "tenant", "kind"], registry=r)
+        self.cost = Counter("pdserve_frontend_cost", "USD charged per tenant and model: finished requests' usage at the "
+                            "models file's prices (frontend.pricing.cost_usd; batch lines with the batch discount)",
+                            [*base, "tenant"], registry=r)
         self.rejections = Counter("pdserve_frontend_rate_limited_total", "Requests refused by tenant limits",
                                   ["pool", "node", "tenant", "limit"], registry=r)
         self.config_reloads = Counter("pdserve_frontend_config_reloads_total", "Changed config files re-read, by file "
-                                      "(tenants, tls) and outcome (ok: in force; error: unusable, the old one kept)",
+                                      "(models, tenants, tls) and outcome (ok: in force; error: unusable, the old one kept)",
                                       ["pool", "node", "file", "outcome"], registry=r)
         self.slo = Counter("pdserve_frontend_slo_requests_total", "Requests meeting (met=true) or missing an SLO",
                            [*base, "slo", "met"], registry=r)
@@ -188,6 +191,10 @@ class FrontendMetrics:
         lbl = (*self.labels(model), model.pool)
         self.input_tokens.labels(*lbl).observe(prompt)
         self.output_tokens.labels(*lbl).observe(completion)
+
+    def observe_cost(self, model: ServedModel, tenant: str, usd: float) -> None:
+        """A request of `tenant` ended costing `usd` (a series per tenant and model, even at 0)."""
+        self.cost.labels(*self.labels(model), tenant).inc(usd)
 
     def labels(self, model: ServedModel) -> tuple[str, str, str, str]:
         return POOL, self.node, model.name, model.version

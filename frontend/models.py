@@ -175,8 +175,8 @@ def _max_model_len(path: Path) -> int | None:
 
 class ModelCatalog:
     """Served names and aliases -> ServedModel, one per version of each model. Loaded once at startup;
-    afterwards only the versions' routing weights change (`set_weights`), and the round-robin credit
-    that `rank` keeps."""
+    afterwards only the versions' routing weights and prices change (`set_weights`, `set_prices`: the
+    models file re-read), and the round-robin credit that `rank` keeps."""
 
     def __init__(self, specs: tuple[ModelSpec, ...]) -> None:
         self._versions: dict[str, list[ServedModel]] = {}  # model name -> its versions, in file order
@@ -197,7 +197,7 @@ class ModelCatalog:
             if not limits:
                 raise ConfigError(f"model {spec.name!r}: no config.json in {path}; set max_context")
             served = ServedModel(spec, tokenizer, TokenTexts(tokenizer), min(limits), now, tokenizer_digest(tokenizer),
-                                 chat_template_digest(tokenizer.chat_template), reasoning)
+                                 chat_template_digest(tokenizer.chat_template), reasoning, spec.prices)
             self._versions.setdefault(spec.name, []).append(served)
             self._weights[(spec.name, spec.version)] = spec.weight
             self._credit[(spec.name, spec.version)] = 0.0
@@ -263,6 +263,17 @@ class ModelCatalog:
             self._credit = dict.fromkeys(self._credit, 0.0)
         return changes
 
+    def set_prices(self, prices: dict[tuple[str, str], Prices | None]) -> list[str]:
+        """Sets the price table of each known (name, version) in `prices` (others unchanged); requests
+        ending from now on are charged at it. Returns a line per change."""
+        changes = []
+        for m in self.all_versions:
+            key = (m.name, m.version)
+            if key in prices and prices[key] != m.prices:
+                changes.append(f"{m.name}@{m.version or '-'}: prices {_price_text(m.prices)} -> {_price_text(prices[key])}")
+                m.prices = prices[key]
+        return changes
+
     def names_of(self, model: ServedModel) -> tuple[str, ...]:
         return (model.spec.name, *model.spec.aliases)
 
@@ -278,6 +289,13 @@ class ModelCatalog:
     @property
     def served_names(self) -> set[str]:
         return set(self._names)
+
+
+def _price_text(prices: Prices | None) -> str:
+    if prices is None:
+        return "none"
+    return (f"input {prices.input:g}, cached_input {prices.cached_input:g}, output {prices.output:g} USD/1M tokens, "
+            f"batch_discount {prices.batch_discount:g}")
 
 
 def _unit_hash(key: str, version: str) -> float:

@@ -27,6 +27,7 @@ from pdserve.frontend.config import (
     FrontendConfig,
     check_versions,
     load_models_file,
+    version_prices,
     version_weights,
 )
 from pdserve.frontend.connections import DecodeConnections
@@ -192,16 +193,23 @@ class Frontend:
 
     async def _watch_models_file(self, path: str) -> None:
         """Re-reads the models file when it changes and applies its versions' routing weights (canary
-        shifts and rollbacks without a restart). Other changes need a restart; they are logged, not applied."""
+        shifts and rollbacks without a restart) and price tables. A file that cannot be used (a negative
+        price, say) changes nothing: the weights and prices in force stay (a log line and
+        `pdserve_frontend_config_reloads_total{file="models",outcome="error"}`). Other changes need a
+        restart; they are logged, not applied."""
         async for _ in _changes(_MODELS_POLL_S, path):
             try:
                 specs = load_models_file(path)
                 check_versions(specs)
             except ConfigError as err:
-                log.error("models file %s changed but cannot be used; keeping the weights in force: %s", path, err)
+                log.error("models file %s changed but cannot be used; keeping the weights and prices in force: %s",
+                          path, err)
+                self.metrics.config_reloads.labels(POOL, self.metrics.node, "models", "error").inc()
                 continue
-            for line in self.catalog.set_weights(version_weights(specs)):
+            for line in [*self.catalog.set_weights(version_weights(specs)),
+                         *self.catalog.set_prices(version_prices(specs))]:
                 log.info("models file %s: %s", path, line)
+            self.metrics.config_reloads.labels(POOL, self.metrics.node, "models", "ok").inc()
             self._publish_weights()
             running = {(m.name, m.version, m.pool, m.spec.path) for m in self.catalog.all_versions}
             if {(s.name, s.version, s.pool, s.path) for s in specs} != running:
@@ -296,18 +304,19 @@ class Frontend:
     # --- a job's life ----------------------------------------------------------------------------
 
     async def admit(self, kind: str, tenant: Tenant, body: bytes, headers: Mapping[str, str],
-                    trace: RequestTrace | None = None) -> Job:
+                    trace: RequestTrace | None = None, batch: bool = False) -> Job:
         """Validates, tokenizes, routes and admits a request (`Admitter.admit`); `trace` (tracing on)
-        becomes the job's. Raises APIError (4xx/503). On success the job counts as in flight until `end`."""
+        becomes the job's; `batch`: a line of a /v1/batches job (charged at the batch discount). Raises
+        APIError (4xx/503). On success the job counts as in flight until `end`."""
         self._check_inflight()
-        return self._admitted(await self.admitter.admit(kind, tenant, body, headers), trace)
+        return self._admitted(await self.admitter.admit(kind, tenant, body, headers, batch), trace)
 
     async def admit_request(self, kind: str, tenant: Tenant, req: GenerationRequest, headers: Mapping[str, str],
-                            trace: RequestTrace | None, arrived: float) -> Job:
+                            trace: RequestTrace | None, arrived: float, batch: bool = False) -> Job:
         """`admit` for a request already validated (the Responses API's, once its conversation is known)."""
         self._check_inflight()
         offload = sum(len(m.get("content") or "") for m in req.messages or ()) > self.config.prepare_inline_bytes
-        job = await self.admitter.admit_request(kind, tenant, req, headers, arrived, offload)
+        job = await self.admitter.admit_request(kind, tenant, req, headers, arrived, offload, batch)
         return self._admitted(job, trace)
 
     def _check_inflight(self) -> None:

@@ -1,7 +1,9 @@
 """The request log: one JSON object per line and per request, written when the request ends.
 
 Fields: ts, request_id (the response id), client_request_id, tenant, endpoint, model (served),
-requested_model, status, finish_reasons, prompt_tokens, completion_tokens, cached_tokens, ttft_ms,
+requested_model, status, finish_reasons, prompt_tokens, completion_tokens, cached_tokens, batch (a line
+of a /v1/batches job), cost_usd (what the request was charged: `frontend.job.cost`, the usage at the
+models file's prices; 0.0 for a refusal), ttft_ms,
 e2e_ms, tpot_ms, itl_p50_ms, itl_max_ms, waterfall_ms (the stages on one time line:
 `frontend.accounting.waterfall`), stream, n, sampling (the sampling parameters the request set,
 no text: `stop` is only true/absent), routes (per choice: decode/prefill node, reason, upstream timing

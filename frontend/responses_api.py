@@ -138,7 +138,7 @@ class ResponsesService:
     # --- admission ---
 
     async def admit(self, tenant: Tenant, body: bytes, headers: Mapping[str, str],
-                    trace: RequestTrace | None) -> ResponseJob:
+                    trace: RequestTrace | None, batch: bool = False) -> ResponseJob:
         """Validates a body, puts the stored conversation in front of it and admits it as a chat job.
         Raises APIError (4xx, 503 when the store is needed and unavailable)."""
         arrived = time.monotonic()
@@ -164,7 +164,7 @@ class ResponsesService:
         rreq.conversation(context, limits)
         if rreq.reasoning_effort is not None:
             self._reasoning(rreq)
-        job = await self.fe.admit_request(RESPONSES, tenant, rreq.generation, headers, trace, arrived)
+        job = await self.fe.admit_request(RESPONSES, tenant, rreq.generation, headers, trace, arrived, batch)
         return ResponseJob(job, rreq, time.time())
 
     def _reasoning(self, rreq: ResponsesRequest) -> None:
