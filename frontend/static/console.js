@@ -35,6 +35,11 @@ function fmt(v, digits = 1) {
   return Number(v).toFixed(digits);
 }
 
+// A request's cost in USD: six decimals (a request is often a fraction of a cent); "–" when not priced.
+function money(v) {
+  return v === null || v === undefined ? "–" : Number(v).toFixed(6);
+}
+
 class AuthError extends Error {}
 
 function headers(extra = {}) {
@@ -291,7 +296,8 @@ async function renderRequests() {
       el("td", { text: pathOf(rec) }),
       el("td", { class: "num", text: `${rec.prompt_tokens ?? "–"} / ${rec.completion_tokens ?? "–"}` }),
       el("td", { class: "num", text: fmt(rec.ttft_ms) }), el("td", { class: "num", text: fmt(rec.tpot_ms) }),
-      el("td", { class: "num", text: fmt(rec.e2e_ms) }));
+      el("td", { class: "num", text: fmt(rec.e2e_ms) }),
+      el("td", { class: "num cost", text: money(rec.cost_usd), title: rec.batch ? "batch line (batch discount)" : "" }));
     tbody.append(row);
   }
   $("#requests-status").textContent = `The most recent requests, newest first (${data.data.length} shown; this ` +
@@ -355,7 +361,8 @@ async function showRequest(id) {
     el("h2", { text: `Request ${id}` }),
     el("p", { class: "status", text: `${rec.tenant} · ${rec.model} · status ${rec.status} · ${rec.prompt_tokens} prompt, ` +
       `${rec.completion_tokens} completion tokens · TTFT ${fmt(rec.ttft_ms)} ms · TPOT ${fmt(rec.tpot_ms)} ms · ` +
-      `total ${fmt(rec.e2e_ms)} ms${rec.trace_id ? ` · trace ${rec.trace_id}` : ""}` }),
+      `total ${fmt(rec.e2e_ms)} ms · cost $${money(rec.cost_usd)}${rec.batch ? " (batch)" : ""}` +
+      `${rec.trace_id ? ` · trace ${rec.trace_id}` : ""}` }),
     ...routes.map((r) => el("p", { class: "route", text: r })),
     waterfall(rec),
     el("details", {}, el("summary", { text: "Request log record" }), el("pre", { class: "json", text: JSON.stringify(rec, null, 2) })),
