@@ -386,6 +386,28 @@ def test_model_sources_render_verified_fetches() -> None:
             assert _fetch_args(inits["fetch-from-pvc-gguf"]).dtype == "bfloat16"
 
 
+def test_model_prices_reach_the_models_file_and_bad_ones_are_refused() -> None:
+    """`models[].prices` lands in the frontend's models file as the frontend reads it; a price the frontend
+    would refuse at start-up is refused at render time, naming the model and the field."""
+    from pdserve.frontend.config import read_prices
+    from pdserve.frontend.pricing import Prices
+
+    values = k8s.load_values()
+    values["models"][0]["prices"] = {"input": 0.15, "cached_input": 0.075, "output": 0.6, "batch_discount": 0.5}
+    objs = k8s.render_objects(values)
+    [entry] = yaml.safe_load(_one(objs, "ConfigMap", "pdserve-models")["data"]["models.yaml"])["models"]
+    assert read_prices(entry["prices"], entry["name"]) == Prices(0.15, 0.075, 0.6, 0.5)
+    assert "prices" not in yaml.safe_load(_one(k8s.render_objects(k8s.load_values()), "ConfigMap", "pdserve-models")
+                                          ["data"]["models.yaml"])["models"][0]
+    for bad, message in (({"output": -1}, "output must be a finite number >= 0"),
+                         ({"batch_discount": 1.0}, r"batch_discount must be a number in \[0, 1\)"),
+                         ({"inputs": 1}, r"unknown field\(s\) \['inputs'\]")):
+        values["models"][0]["prices"] = bad
+        with pytest.raises(k8s.ValuesError, match=f"models\\[SmolLM2-135M-Instruct\\]: model 'SmolLM2-135M-Instruct': "
+                           f"prices: {message}"):
+            k8s.render(values)
+
+
 @pytest.mark.parametrize(("source", "sets", "message"), [
     pytest.param({"type": "gguf", "uri": "https://x/a.gguf"}, (), "sha256", id="gguf-no-digest"),
     pytest.param({"type": "dir", "uri": "m"}, (), "volume is required", id="dir-no-volume"),

@@ -144,8 +144,21 @@ def _models_file(v: dict[str, Any]) -> str:
                              ("speculative", "speculative")):
             if m.get(key) is not None:
                 entry[out_key] = m[key]
+        if m.get("prices") is not None:
+            entry["prices"] = _prices(m["name"], m["prices"])
         entries.append(entry)
     return yaml.safe_dump({"models": entries}, sort_keys=False)
+
+
+def _prices(model: str, prices: Any) -> dict[str, Any]:
+    """A model's price table, checked by the frontend's own rule (it would refuse to start otherwise)."""
+    from pdserve.frontend.config import ConfigError, read_prices  # the models file's format
+
+    try:
+        read_prices(prices, model)
+    except ConfigError as err:
+        raise ValuesError(f"models[{model}]: {err}") from None
+    return dict(prices)
 
 
 def _tenants_file(v: dict[str, Any], served: set[str]) -> str:
