@@ -289,6 +289,9 @@ def test_a_tenant_key_sees_only_its_own_requests(browser: Any, env: Env) -> None
     page.wait_for_selector(f'tr[data-request-id="{ids["alpha"]}"]')
     tenants = page.eval_on_selector_all("#requests-table tr[data-tenant]", "rows => rows.map(r => r.dataset.tenant)")
     assert set(tenants) == {"alpha"}, tenants
+    # Each row shows its request log record's cost_usd (this cluster's models have no prices: 0).
+    cost = next(r["cost_usd"] for r in alpha if r["request_id"] == ids["alpha"])
+    assert page.inner_text(f'tr[data-request-id="{ids["alpha"]}"] td.cost') == f"{cost:.6f}" == "0.000000"
     assert page.locator(f'tr[data-request-id="{ids["beta"]}"]').count() == 0
     assert page.locator('#nav a[data-page="cluster"]').is_hidden()  # operator pages are not offered
     screenshot(page, "requests")

@@ -276,6 +276,7 @@ def test_mixed_run_costs_usage_times_prices_in_the_metric_and_the_request_log(en
     for key, usd in expected.items():
         assert round(metric[key], 2) == round(usd, 2) and math.isclose(metric[key], usd, rel_tol=1e-9), (key, metric)
         assert math.isclose(metric[key], logged[key], rel_tol=1e-9), (key, metric, logged)
+    print("cost per (tenant, model), USD: " + ", ".join(f"{t}/{m} {metric[(t, m)]:.6f}" for t, m in sorted(expected)))
     assert sum(expected.values()) > 1.0  # whole dollars: the comparison to the cent means something
     assert all(v > 0 for v in metric.values())
     assert {m for _, m in expected} == set(prices)  # both price tables were used
