@@ -35,9 +35,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
-from redis.retry import Retry
 
 from pdserve.frontend.errors import QUOTA, RATE_LIMIT, APIError
 from pdserve.frontend.limits import (
