@@ -75,7 +75,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: Path,
     clock_file.write_text("0")
     with EtcdServer(tmp / "etcd") as etcd:
         node = start_scripted_node("scripted", tmp, etcd.endpoints, "--tokenizer", str(tiny_llama_dir), "--reply",
-                                   REPLY, "--model", "tiny-llama", "--node-id", "d")
+                                   REPLY, "--model", "tiny-llama", "--node-id", "d", "--prefill-ids", "p0")
         c = Cluster(tmp, etcd, redis_server, node, tenants, models, clock_file, [])
         try:
             c.frontends = [c.start_shared(i) for i in range(N_FRONTENDS)]
