@@ -281,7 +281,12 @@ class RedisLimitStore:
 
     def release_later(self, grant: SharedGrant, output_used: int, cost_usd: float) -> None:
         self.held.get(grant.tenant.name, {}).pop(grant.id, None)
-        task = asyncio.get_running_loop().create_task(self._settle(grant, output_used, cost_usd))
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError as err:  # no event loop (shutting down): the lease expires, the ledger keeps the rest
+            self.on_release_failed(grant, output_used, cost_usd, err)
+            return
+        task = loop.create_task(self._settle(grant, output_used, cost_usd))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -445,7 +450,8 @@ class Limiter:
         tokens and the spend are kept in the local ledger."""
         self.local.ledger.charge(grant.tenant.name, grant.day, grant.input_tokens + output_used, cost_usd,
                                  self.local.wall())
-        self._lost(err)
+        if isinstance(err, RedisError | OSError):
+            self._lost(err)
 
     def precheck(self, tenant: Tenant) -> None:
         """The early check before tokenizing: local only (the shared check is the one round trip of `grant`)."""
