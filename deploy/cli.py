@@ -285,6 +285,9 @@ def _add_up_parser(sub: argparse._SubParsersAction) -> None:
     u.add_argument("--no-restart", action="store_true", help="report dead processes without restarting them")
     u.add_argument("--node-arg", action="append", metavar="ARG", help="extra flag for every node, e.g. --node-arg=--max-num-seqs=64 (repeatable)")
     u.add_argument("--frontend-arg", action="append", metavar="ARG", help="extra flag for the frontend, e.g. --frontend-arg=--ttft-slo=1 (repeatable)")
+    u.add_argument("--limits-redis", default="", metavar="URL",
+                   help="a Redis (redis://HOST:PORT/DB) holding the tenants' limits, quotas and spend, shared with "
+                        "other frontends of the cluster (default: none, kept by the frontend in the cluster directory)")
     u.add_argument("--otlp-endpoint", default="", metavar="URL",
                    help="trace every process to this OTLP/HTTP receiver (default: $OTEL_EXPORTER_OTLP_ENDPOINT, "
                         "which the processes inherit; unset: tracing off)")

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -34,7 +34,7 @@ from pdserve.frontend.job import (
     client_request_id,
     key_hash,
 )
-from pdserve.frontend.limits import TenantLimiter
+from pdserve.frontend.limit_store import Limiter
 from pdserve.frontend.metrics import FrontendMetrics
 from pdserve.frontend.models import ModelCatalog, ServedModel
 from pdserve.frontend.prepare import Tokenized, parse_request, tokenize
@@ -90,7 +90,7 @@ class Admitter:
     """Turns a request body into an admitted `Job` (reads the catalog, router and limiter; takes route
     leases and a tenant grant, which the job's end releases)."""
 
-    def __init__(self, config: FrontendConfig, catalog: ModelCatalog, limiter: TenantLimiter, router: Router,
+    def __init__(self, config: FrontendConfig, catalog: ModelCatalog, limiter: Limiter, router: Router,
                  metrics: FrontendMetrics, workers: PrepareWorkers, ttft: TTFTEstimator,
                  inflight: Callable[[], int] = lambda: 0) -> None:
         self.config, self.catalog, self.limiter, self.router, self.metrics = config, catalog, limiter, router, metrics
@@ -141,7 +141,7 @@ class Admitter:
             self._limited(tenant, lambda: self._check_ttft(model, [d for _, d in decisions], budget_ms, arrived))
         firm = sum(budgets[pi].reserve for pi, _ in decisions if not budgets[pi].estimated)
         estimate = sum(budgets[pi].reserve for pi, _ in decisions if budgets[pi].estimated)
-        grant = self._limited(tenant, lambda: self.limiter.grant(tenant, sum(len(p) for p in prompts), firm, estimate))
+        grant = await self.limited(tenant, self.limiter.grant(tenant, sum(len(p) for p in prompts), firm, estimate))
         job_id = _ID_PREFIX[kind] + uuid.uuid4().hex
         job = Job(kind=kind, id=job_id, created=int(time.time()), arrived=arrived, req=req, tenant=tenant,
                   model=model, requested_model=req.model, prompts=prompts, echo_texts=tokenized.echo_texts,
@@ -193,6 +193,14 @@ class Admitter:
         """Runs a tenant-limit check, counting a refusal in the metrics before re-raising it."""
         try:
             return check()
+        except APIError as err:
+            self._count_rejection(tenant, err)
+            raise
+
+    async def limited(self, tenant: Tenant, check: Awaitable[T]) -> T:
+        """`_limited` for a check that awaits (the shared limits store)."""
+        try:
+            return await check
         except APIError as err:
             self._count_rejection(tenant, err)
             raise

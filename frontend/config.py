@@ -268,6 +268,12 @@ class FrontendConfig:
     # Retry-After, so clients and balancers retry on another frontend.
     limit_share: Annotated[int, Ge(1)] = 1
     limit_share_index: int | None = None
+    # The limits shared by every frontend (frontend.limit_store): a Redis URL (redis://, rediss://, unix://)
+    # where each tenant's limits and spend are held as if there were one frontend; "" none. While it is
+    # unreachable each frontend falls back to its share above. A frontend's holds (concurrency, tokens in
+    # flight) are leased for limits_lease_s, renewed while its requests run, so a killed one's expire.
+    limits_redis: str = ""
+    limits_lease_s: Annotated[float, Gt(0)] = 30.0
     # Output tokens a request without max_tokens reserves against its tenant's output budget until it
     # ends (then it is charged what it generated); a model's or tenant's output_tokens_estimate wins.
     output_estimate: Annotated[int, Ge(1)] = 256
@@ -351,6 +357,8 @@ class FrontendConfig:
             (self.limit_share_index is None or 0 <= self.limit_share_index < self.limit_share,
              f"limit_share_index must be in [0, limit_share={self.limit_share}), got {self.limit_share_index}"),
             (self.request_timeout_s > 0, "request_timeout_s must be > 0"),
+            (not self.limits_redis or self.limits_redis.startswith(("redis://", "rediss://", "unix://")),
+             f"--limits-redis must be a redis://, rediss:// or unix:// URL, got {self.limits_redis!r}"),
             (self.ttft_slo_s > 0 and self.tpot_slo_s > 0, "SLO thresholds must be > 0"),
         ])
         object.__setattr__(self, "request_limits", RequestLimits(
@@ -447,6 +455,12 @@ def _add_admission_flags(p: argparse.ArgumentParser) -> None:
                    help="number of frontend processes sharing each tenant's limits")
     p.add_argument("--limit-share-index", type=int, default=None,
                    help="this frontend's index in [0, --limit-share): the shares then sum to each limit exactly")
+    p.add_argument("--limits-redis", default="", metavar="URL",
+                   help="a Redis (redis://HOST:PORT/DB) holding every tenant's limits, quotas and spend for all the "
+                        "frontends, as if there were one; while it is unreachable each falls back to its --limit-share")
+    p.add_argument("--limits-lease-s", type=float, default=30.0,
+                   help="a frontend's concurrency and tokens-in-flight holds in --limits-redis expire this long after "
+                        "it stops renewing them (it was killed)")
     p.add_argument("--output-estimate", type=int, default=256,
                    help="output tokens reserved against tenant budgets for a request without max_tokens "
                         "(reconciled with what it generated when it ends)")
@@ -479,7 +493,8 @@ def _add_admission_flags(p: argparse.ArgumentParser) -> None:
 # Flags whose FrontendConfig field has another name, and the fields named as their flags.
 _RENAMED = {"tenants": "tenants_file", "models": "models_file", "body_timeout": "body_timeout_s",
             "request_timeout": "request_timeout_s", "ttft_slo": "ttft_slo_s", "tpot_slo": "tpot_slo_s"}
-_SAME = ("cluster", "host", "port", "limit_share", "limit_share_index", "output_estimate", "max_body_bytes",
+_SAME = ("cluster", "host", "port", "limit_share", "limit_share_index", "limits_redis", "limits_lease_s",
+         "output_estimate", "max_body_bytes",
          "max_header_bytes", "max_messages", "max_stop_strings", "max_stop_chars", "max_schema_bytes",
          "max_prompt_chars", "max_inflight", "batch_inflight_fraction", "sse_keepalive_s", "prepare_queue",
          "prepare_inline_bytes", "ttft_headroom", "log_prompts", "metrics_tenant_series", "affinity_blocks", "load_factor", "decode_max_queue",

@@ -45,7 +45,7 @@ from fastapi.responses import Response
 from starlette.requests import ClientDisconnect
 
 from pdserve.frontend.errors import OVERLOADED, APIError, invalid_type, invalid_value, missing_parameter
-from pdserve.frontend.limits import Grant
+from pdserve.frontend.limits import AnyGrant
 from pdserve.frontend.models import ServedModel
 from pdserve.frontend.pricing import cost_usd
 from pdserve.frontend.prompts import text_or_token_lists
@@ -199,7 +199,7 @@ class EmbeddingService:
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
     async def _admit(self, tenant: Tenant, body: bytes, headers: Mapping[str, str]) -> tuple[
-            EmbeddingRequest, ServedModel, list[Member], list[list[int]], Grant]:
+            EmbeddingRequest, ServedModel, list[Member], list[list[int]], AnyGrant]:
         """Parse, model and permission, limits, version and nodes, tokens, context, the tenant's grant."""
         fe = self.fe
         req = parse_embedding_request(parse_json_body(body), fe.config.max_prompt_chars)
@@ -216,7 +216,7 @@ class EmbeddingService:
         ids = await self._tokenize(model, req, len(body) > fe.config.prepare_inline_bytes)
         self._check_context(tenant, model, ids)
         tokens = sum(len(p) for p in ids)
-        grant: Grant = fe.admitter._limited(tenant, lambda: fe.limiter.grant(tenant, tokens, 0))
+        grant: AnyGrant = await fe.admitter.limited(tenant, fe.limiter.grant(tenant, tokens, 0))
         return req, model, members, ids, grant
 
     def _pick(self, model: ServedModel, session_key: str | None) -> tuple[ServedModel, list[Member]]:

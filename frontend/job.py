@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pdserve.frontend.errors import APIError
-from pdserve.frontend.limits import Grant
+from pdserve.frontend.limits import AnyGrant
 from pdserve.frontend.models import ServedModel
 from pdserve.frontend.pricing import cost_usd
 from pdserve.frontend.protocol import GenerationRequest
@@ -153,7 +153,7 @@ class Job:
     prompts: list[list[int]]
     echo_texts: list[str]
     choices: list[Choice]
-    grant: Grant  # what admission took from the tenant's limits
+    grant: AnyGrant  # what admission took from the tenant's limits
     client_request_id: str | None = None
     key_hash: str | None = None  # `key_hash` of its request
     session_key: str | None = None

@@ -10,21 +10,130 @@ generated, which may put the bucket into debt that later requests wait out. Limi
 gives every process 1/K of each limit; a balancer that pins a tenant's key to one frontend (hash on the
 Authorization header) can instead give that process the whole limit.
 
-Soft limits (a bucket that refills) answer 429 with `Retry-After`; hard ones (the daily quota, or a request
-larger than the bucket could ever hold) answer 429 with `x-should-retry: false` so SDKs do not retry.
+Soft limits (a bucket that refills) answer 429 with `Retry-After`; hard ones (the daily quota, a money
+budget, or a request larger than the bucket could ever hold) answer 429 with `x-should-retry: false` so SDKs
+do not retry.
+
+Money budgets (`daily_budget_usd`, `monthly_budget_usd`) are checked at admission against what the tenant
+has spent in the UTC day / month; a request's cost is charged when it ends (`Grant.release`), so requests
+admitted together may overshoot a budget by what they cost. Today's tokens and the spend are kept in a
+`UsageLedger` (an SQLite file), so they survive a restart. With several frontends sharing a Redis
+(`frontend.limit_store`) this limiter is the fallback for when Redis cannot be reached.
 """
 
 from __future__ import annotations
 
+import calendar
 import math
+import sqlite3
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
 
 from pdserve.frontend.errors import QUOTA, RATE_LIMIT, APIError
 from pdserve.frontend.tenants import Tenant, TenantLimits
 
 SECONDS_PER_DAY = 86400.0
+_LEDGER_KEEP_DAYS = 40  # older rows of the usage ledger are deleted when it opens
+
+
+def utc_day(wall: float) -> int:
+    """The UTC day number of a wall-clock time (days since 1970-01-01)."""
+    return int(wall // SECONDS_PER_DAY)
+
+
+def utc_month(wall: float) -> int:
+    """The UTC month of a wall-clock time as YYYYMM."""
+    t = time.gmtime(wall)
+    return t.tm_year * 100 + t.tm_mon
+
+
+def next_month_start(wall: float) -> float:
+    """The wall-clock time at which the UTC month of `wall` ends."""
+    t = time.gmtime(wall)
+    year, month = (t.tm_year + 1, 1) if t.tm_mon == 12 else (t.tm_year, t.tm_mon + 1)
+    return float(calendar.timegm((year, month, 1, 0, 0, 0, 0, 0, 0)))
+
+
+def budget_refusal(tenant: Tenant, which: str, budget: float, spent: float, wall: float,
+                   share: int = 1) -> APIError:
+    """429 for a tenant whose daily or monthly money budget is spent (or is 0): hard until the period
+    rolls over. `share` > 1: the budget is this frontend's share of the tenant's (the limits store is down)."""
+    if which == "daily":
+        reset_in, resets = (utc_day(wall) + 1) * SECONDS_PER_DAY - wall, "resets at 00:00 UTC"
+    else:
+        reset_in, resets = next_month_start(wall) - wall, "resets on the 1st of the month at 00:00 UTC"
+    of = f" (this frontend's 1/{share} share)" if share > 1 else ""
+    if budget <= 0:
+        message = (f"tenant {tenant.name!r} has a {which} budget of $0.00{of}: no request is admitted until the "
+                   "budget is raised in the tenants file.")
+    else:
+        message = (f"tenant {tenant.name!r} reached its {which} budget of ${budget:.2f}{of} (${spent:.4f} spent); "
+                   f"{resets}.")
+    return APIError(429, message, type=QUOTA, code="insufficient_quota", limit=f"{which}_budget",
+                    headers={"retry-after": _retry_after(reset_in), "x-should-retry": "false"})
+
+
+class UsageLedger:
+    """Tokens charged per UTC day and USD spent per UTC day and month, per tenant, in an SQLite file (or
+    in memory: ":memory:"), so the daily quota and the budgets survive a restart. `slot` keeps apart the
+    rows of frontends that share the file with different limit shares (each restores its own). Rows are
+    cached: reads cost nothing, each charge is one upsert."""
+
+    def __init__(self, path: str = ":memory:", slot: str = "") -> None:
+        self.path, self.slot = path, slot
+        if path != ":memory:":
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=5)
+        self._lock = threading.Lock()
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.execute("CREATE TABLE IF NOT EXISTS usage (slot TEXT NOT NULL, tenant TEXT NOT NULL, period TEXT "
+                         "NOT NULL, tokens INTEGER NOT NULL DEFAULT 0, usd REAL NOT NULL DEFAULT 0, "
+                         "PRIMARY KEY (slot, tenant, period))")
+        oldest = utc_day(time.time()) - _LEDGER_KEEP_DAYS
+        self._db.execute("DELETE FROM usage WHERE period LIKE 'd:%' AND CAST(substr(period, 3) AS INTEGER) < ?",
+                         (oldest,))
+        self._rows: dict[tuple[str, str], tuple[int, float]] = {}
+
+    def _row(self, tenant: str, period: str) -> tuple[int, float]:
+        row = self._rows.get((tenant, period))
+        if row is None:
+            with self._lock:
+                got = self._db.execute("SELECT tokens, usd FROM usage WHERE slot = ? AND tenant = ? AND period = ?",
+                                       (self.slot, tenant, period)).fetchone()
+            row = (int(got[0]), float(got[1])) if got else (0, 0.0)
+            self._rows[(tenant, period)] = row
+        return row
+
+    def day_tokens(self, tenant: str, day: int) -> int:
+        return self._row(tenant, f"d:{day}")[0]
+
+    def spent(self, tenant: str, which: str, wall: float) -> float:
+        """USD `tenant` spent in the UTC day (which="daily") or month ("monthly") of `wall`."""
+        period = f"d:{utc_day(wall)}" if which == "daily" else f"m:{utc_month(wall)}"
+        return self._row(tenant, period)[1]
+
+    def charge(self, tenant: str, day: int, tokens: int, usd: float, wall: float) -> None:
+        """Adds `tokens` to day `day` (when the request was granted) and `usd` to the day and month of `wall`
+        (when it ended)."""
+        adds = [(f"d:{day}", tokens, 0.0)]
+        if usd > 0:
+            adds += [(f"d:{utc_day(wall)}", 0, usd), (f"m:{utc_month(wall)}", 0, usd)]
+        for period, n, dollars in adds:
+            old = self._row(tenant, period)
+            self._rows[(tenant, period)] = (old[0] + n, old[1] + dollars)
+            with self._lock:
+                self._db.execute("INSERT INTO usage (slot, tenant, period, tokens, usd) VALUES (?, ?, ?, ?, ?) "
+                                 "ON CONFLICT (slot, tenant, period) DO UPDATE SET tokens = tokens + excluded.tokens, "
+                                 "usd = usd + excluded.usd", (self.slot, tenant, period, n, dollars))
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
 _SHARED_LIMITS = ("requests_per_minute", "input_tokens_per_minute", "output_tokens_per_minute",
                   "max_concurrent_requests", "daily_token_quota", "max_tokens_in_flight")
 
@@ -80,6 +189,13 @@ class TenantState:
     day_used: int = 0  # tokens charged today (reserved output included until refunded)
 
 
+class AnyGrant(Protocol):
+    """What admission took for one request (here or in the shared store, `frontend.limit_store`);
+    `release` (once, when the request ends) gives it back and charges what the request cost."""
+
+    def release(self, output_used: int, cost_usd: float = 0.0) -> None: ...
+
+
 @dataclass(eq=False)
 class Grant:
     """What admission took from a tenant's limits for one request; `release` gives it back once, when the
@@ -90,15 +206,19 @@ class Grant:
     input_tokens: int
     output_reserved: int
     day: int
+    ledger: UsageLedger | None = None
+    wall: Callable[[], float] = time.time
     released: bool = field(default=False)
 
-    def release(self, output_used: int) -> None:
+    def release(self, output_used: int, cost_usd: float = 0.0) -> None:
         """Frees the concurrency slot and settles the output reservation against `output_used`: the
         unused part is refunded, generation beyond an estimated reservation is charged (the bucket may
-        go into debt)."""
+        go into debt). `cost_usd` (what the request cost) is charged to the tenant's spend."""
         if self.released:
             return
         self.released = True
+        if self.ledger is not None:
+            self.ledger.charge(self.tenant.name, self.day, self.input_tokens + output_used, cost_usd, self.wall())
         self.state.concurrent -= 1
         self.state.tokens_in_flight -= self.input_tokens + self.output_reserved
         unused = self.output_reserved - output_used
@@ -120,13 +240,23 @@ class TenantLimiter:
     """Grants or refuses requests their charges per tenant (changes the tenants' counters and buckets)."""
 
     def __init__(self, share: int = 1, clock: Callable[[], float] = time.monotonic,
-                 wall_clock: Callable[[], float] = time.time, index: int | None = None) -> None:
+                 wall_clock: Callable[[], float] = time.time, index: int | None = None,
+                 ledger: UsageLedger | None = None) -> None:
         assert share >= 1 and (index is None or 0 <= index < share), (share, index)
         self._share = share
         self._index = index
         self._clock = clock
         self._wall = wall_clock
         self._states: dict[str, TenantState] = {}
+        self.ledger = ledger or UsageLedger()
+
+    @property
+    def share(self) -> int:
+        return self._share
+
+    def wall(self) -> float:
+        """The wall clock of the daily and monthly periods."""
+        return self._wall()
 
     def _scaled(self, limit: int | None) -> int | None:
         """This process's share of `limit` (None: unlimited); the shares of indices 0..K-1 sum to it."""
@@ -142,6 +272,10 @@ class TenantLimiter:
     def _bucket(self, limit: int | None, now: float) -> TokenBucket | None:
         share = self._scaled(limit)
         return None if limit is None or share is None else TokenBucket.per_minute(share, now, self._largest(limit))
+
+    def _scaled_usd(self, budget: float) -> float:
+        """This process's share of a money budget."""
+        return budget / self._share
 
     def zero_shares(self, tenants: list[Tenant]) -> list[str]:
         """`tenant.limit` names whose share in this process is zero (for a startup warning)."""
@@ -180,6 +314,7 @@ class TenantLimiter:
         """Rejects early (before tokenizing) when the request or concurrency limit is already hit.
         Charges nothing."""
         st = self.state(tenant)
+        self.check_budgets(tenant)
         self._check_concurrency(tenant, st)
         if st.requests is not None:
             st.requests.refill(self._clock())
@@ -191,6 +326,7 @@ class TenantLimiter:
         cut to what the output bucket and the daily quota can hold); or raises a 429 APIError."""
         st = self.state(tenant)
         now = self._clock()
+        self.check_budgets(tenant)
         self._check_concurrency(tenant, st)
         if st.output_tokens is not None:
             output_estimate = min(output_estimate, max(0, int(st.output_tokens.capacity) - output_reserve))
@@ -212,7 +348,19 @@ class TenantLimiter:
         st.concurrent += 1
         st.tokens_in_flight += input_tokens + output_reserve
         st.day_used += input_tokens + output_reserve
-        return Grant(tenant, st, input_tokens, output_reserve, day)
+        return Grant(tenant, st, input_tokens, output_reserve, day, self.ledger, self._wall)
+
+    def check_budgets(self, tenant: Tenant) -> None:
+        """429 when the tenant's daily or monthly budget (this process's share) is spent, or is 0."""
+        wall = self._wall()
+        for which in ("daily", "monthly"):
+            budget = getattr(tenant.limits, f"{which}_budget_usd")
+            if budget is None:
+                continue
+            share = self._scaled_usd(budget)
+            spent = self.ledger.spent(tenant.name, which, wall)
+            if budget <= 0 or spent >= share:
+                raise budget_refusal(tenant, which, share, spent, wall, self._share)
 
     def _no_share(self, tenant: Tenant, what: str, name: str, amount: int = 1) -> APIError:
         """429 for a request beyond this process's share of a limit that another frontend's share could
@@ -296,9 +444,9 @@ class TenantLimiter:
                      estimated: int) -> tuple[int, int]:
         """(the UTC day number, the output reservation cut so its `estimated` part fits the quota)."""
         wall = self._wall()
-        day = int(wall // SECONDS_PER_DAY)
-        if st.day != day:
-            st.day, st.day_used = day, 0
+        day = utc_day(wall)
+        if st.day != day:  # a new day, or the first request since the start: what the ledger kept of it
+            st.day, st.day_used = day, self.ledger.day_tokens(tenant.name, day)
         quota = self._scaled(st.limits.daily_token_quota)
         if quota == 0:
             raise self._no_share(tenant, "daily token quota", "quota", input_tokens + output_reserve)

@@ -123,6 +123,13 @@ class FrontendMetrics:
         self.nodes_excluded = Gauge("pdserve_frontend_nodes_excluded", "Registered nodes not routed to: their "
                                     "tokenizer or chat_template digest differs from this frontend's",
                                     ["pool", "node", "model_pool", "reason"], registry=r)
+        self.limits_store_up = Gauge("pdserve_frontend_limits_store_up", "1 while the shared limits store "
+                                     "(--limits-redis) decides admissions, 0 while this frontend falls back to its "
+                                     "local share", ["pool", "node"], registry=r).labels(POOL, node)
+        self.limits_store_fallbacks = Counter("pdserve_frontend_limits_store_fallbacks_total",
+                                              "Admissions decided by this frontend's local share because the shared "
+                                              "limits store was unreachable", ["pool", "node"],
+                                              registry=r).labels(POOL, node)
         self.inflight_now = self.inflight.labels(POOL, node)
         self._declare_latencies(base)
         self._declare_request_shapes(base)

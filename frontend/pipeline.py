@@ -36,7 +36,8 @@ from pdserve.frontend.embeddings import EmbeddingService
 from pdserve.frontend.errors import OVERLOADED, APIError
 from pdserve.frontend.job import CHAT, COMPLETION, RESPONSES, Job, UpstreamError, client_request_id, usage
 from pdserve.frontend.kv_index import KVIndex, KVWatcher
-from pdserve.frontend.limits import TenantLimiter
+from pdserve.frontend.limit_store import Limiter, RedisLimitStore, WallClock, limits_ledger_path
+from pdserve.frontend.limits import TenantLimiter, UsageLedger
 from pdserve.frontend.metrics import POOL, FrontendMetrics
 from pdserve.frontend.models import ModelCatalog
 from pdserve.frontend.output import choice_outputs
@@ -74,8 +75,14 @@ class Frontend:
         self.catalog = ModelCatalog(config.models)
         self.version = pdserve_version()
         self.tenants = TenantTable.from_file(config.tenants_file) if config.tenants_file else TenantTable.local()
-        self.limiter = TenantLimiter(share=config.limit_share, index=config.limit_share_index)
         self.metrics = FrontendMetrics(config.frontend_id, tenant_series=config.metrics_tenant_series)
+        wall = WallClock()
+        slot = "" if config.limit_share == 1 else f"{config.limit_share_index}/{config.limit_share}"
+        local = TenantLimiter(share=config.limit_share, index=config.limit_share_index, wall_clock=wall,
+                              ledger=UsageLedger(limits_ledger_path(config.response_store), slot))
+        store = (RedisLimitStore(config.limits_redis, config.cluster, wall, config.limits_lease_s)
+                 if config.limits_redis else None)
+        self.limiter = Limiter(local, store, self.metrics.limits_store_up, self.metrics.limits_store_fallbacks)
         for m in self.catalog.all_versions:
             self.metrics.model_info.labels(*self.metrics.labels(m), m.pool, m.tokenizer_digest,
                                            m.chat_template_digest, str(m.max_context)).set(1)
@@ -127,6 +134,7 @@ class Frontend:
         """Starts the prepare workers and the registry watch; waits up to registry_sync_timeout_s for the
         first snapshot."""
         workers = asyncio.ensure_future(self.workers.start())
+        await self.limiter.start()
         self.view.subscribe(self.pool_members.on_change)
         self.view.subscribe(self._on_view_change)
         if self.kv_watcher is not None:
@@ -230,6 +238,7 @@ class Frontend:
         await self.view.close()
         await self.connections.close()
         self.workers.close()
+        await self.limiter.close()
         self.request_log.close()
         if self.tracer is not None:
             await asyncio.to_thread(self.tracer.shutdown)  # exports the spans still queued

@@ -13,6 +13,9 @@ Tenants file (YAML or TOML)::
         max_context_tokens: 4096          # prompt + max_tokens
         max_output_tokens: 1024           # max_tokens per choice
         daily_token_quota: 5000000        # hard quota, input + output tokens per UTC day
+        daily_budget_usd: 5.00            # money budgets (the models' prices, charged when a request ends):
+        monthly_budget_usd: 100.00        # refused (429) once spent, until the UTC day / month rolls over;
+                                          # 0 admits nothing; omitted or null: no budget
         output_tokens_estimate: 256       # output reserved for a request without max_tokens (default: the
                                           # model's, else the frontend's --output-estimate)
         ttft_budget_ms: 2000              # refuse at once (503) what cannot get a first token in time
@@ -33,7 +36,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Annotated, Any, ClassVar
 
-from pydantic import Field, ValidationInfo, create_model, field_validator
+from annotated_types import Ge
+from pydantic import AllowInfNan, Field, Strict, ValidationInfo, create_model, field_validator
 
 from pdserve.frontend.config_files import (
     FileEntry,
@@ -74,6 +78,13 @@ class TenantLimits:
     ttft_budget_ms: int | None = None
     # Prompt tokens plus reserved output tokens of the tenant's requests in flight (429 beyond).
     max_tokens_in_flight: int | None = None
+    # Money budgets in USD (frontend.pricing.cost_usd, charged when a request ends): a tenant that has spent
+    # its budget is refused until the UTC day / month rolls over. 0 admits nothing; None: no budget.
+    daily_budget_usd: float | None = None
+    monthly_budget_usd: float | None = None
+
+
+BUDGETS = ("daily_budget_usd", "monthly_budget_usd")
 
 
 @dataclass(frozen=True)
@@ -139,8 +150,13 @@ class _TenantFields(FileEntry):
         return Tenant(self.name, frozenset(self.models), limits, self.priority, self.operator)
 
 
+# A budget in US dollars: a number >= 0 (0: nothing is admitted) or null (no budget); "5" or true is no number.
+UsdOrNull = Annotated[Annotated[float, Strict(), Ge(0), AllowInfNan(False)] | None,
+                      Requirement("{key} must be a number of US dollars >= 0 (0 admits nothing) or null, got {value!r}")]
+
 TenantEntry = create_model("TenantEntry", __base__=_TenantFields,
-                           **{f.name: (PositiveOrNull, None) for f in fields(TenantLimits)}, priority=(Any, 0))
+                           **{f.name: (UsdOrNull if f.name in BUDGETS else PositiveOrNull, None)
+                              for f in fields(TenantLimits)}, priority=(Any, 0))
 
 
 class TenantTable:

@@ -121,14 +121,15 @@ class FrontendProc:
 
 
 def start_frontend(name: str, log_dir: Path, etcd: list[str], port: int, *args: str,
-                   ready: bool = True, timeout: float = 60.0, tls_ca: str | None = None) -> FrontendProc:
+                   ready: bool = True, timeout: float = 60.0, tls_ca: str | None = None,
+                   env: dict[str, str] | None = None) -> FrontendProc:
     """Starts `python -m pdserve.frontend` on 127.0.0.1:`port`; waits for /health, and for /ready when `ready`
     (over HTTPS, trusting `tls_ca`, when it is given: the frontend was given --tls-cert/--tls-key)."""
     if "--response-store" not in args:  # stored responses beside the logs, never in the user's home
         args = (*args, "--response-store", str(log_dir / f"{name}-responses.db"))
     argv = [sys.executable, "-m", "pdserve.frontend", *(f"--etcd={e}" for e in etcd), "--host", "127.0.0.1",
             "--port", str(port), *args]
-    proc = spawn(name, argv, log_dir)
+    proc = spawn(name, argv, log_dir, env)
     fp = FrontendProc(proc, "127.0.0.1", port, tls_ca)
     try:
         wait_for_http(proc, f"{fp.base_url}/health", timeout, ca=tls_ca)

@@ -531,7 +531,7 @@ def test_hostile_sizes_at_the_default_limits(env: Env, tmp_path: Path, monkeypat
     assert alpha.files.list().data == []
     assert fe.stop() == 0 and "Traceback" not in fe.proc.log_text(), fe.proc.tail(40)
     assert list(spool.iterdir()) == []
-    stores = {f"limits{db}.db{end}" for db in ("", "-batches") for end in ("", "-wal", "-shm")}
+    stores = {f"limits{db}.db{end}" for db in ("", "-batches", "-limits") for end in ("", "-wal", "-shm")}
     assert {p.name for p in tmp_path.iterdir()} <= {"spool", *stores}
 
 

@@ -72,6 +72,7 @@ class LauncherConfig:
     restart: bool = True
     node_args: tuple[str, ...] = ()  # extra flags for every node
     frontend_args: tuple[str, ...] = ()  # extra flags for the frontend
+    limits_redis: str = ""  # the frontend's --limits-redis ("" none)
     # Tracing of every process ("" = what $OTEL_EXPORTER_OTLP_ENDPOINT, inherited, says; unset: off).
     otlp_endpoint: str = ""
     trace_sample_ratio: float = 1.0
@@ -98,6 +99,8 @@ class LauncherConfig:
             (self.lease_ttl_s >= 1, "lease TTL must be >= 1 s"),
             (self.drain_timeout_s >= 0 and self.startup_timeout_s > 0, "timeouts must be positive"),
             (0.0 <= self.trace_sample_ratio <= 1.0, "--trace-sample-ratio must be in [0, 1]"),
+            (not self.limits_redis or self.limits_redis.startswith(("redis://", "rediss://", "unix://")),
+             f"--limits-redis must be a redis://, rediss:// or unix:// URL, got {self.limits_redis!r}"),
             (not self.otlp_endpoint or self.otlp_endpoint.startswith(("http://", "https://")),
              f"--otlp-endpoint must be an http(s) URL, got {self.otlp_endpoint!r}"),
         ]
@@ -202,5 +205,6 @@ def build_config(args: Any, resolve_model: Callable[[str | None], ResolvedModel]
         runs_dir=Path(args.runs_dir) if args.runs_dir else default_runs_dir(), lease_ttl_s=args.lease_ttl,
         drain_timeout_s=args.drain_timeout, restart=not args.no_restart,
         node_args=tuple(args.node_arg or ()), frontend_args=tuple(args.frontend_arg or ()),
+        limits_redis=getattr(args, "limits_redis", "") or "",
         otlp_endpoint=getattr(args, "otlp_endpoint", "") or "", trace_sample_ratio=getattr(args, "trace_sample_ratio", 1.0),
     )

@@ -75,7 +75,8 @@ def command(cfg: LauncherConfig, slot: Slot, etcd_endpoints: Sequence[str], logs
             *py, "pdserve.frontend", "--etcd", etcd, "--cluster", cfg.cluster, "--host", cfg.host, "--port", str(cfg.port),
             "--model", f"{cfg.model_name}={cfg.model}", "--frontend-id", slot.name,
             "--request-log", str(logs_dir / "requests.log"),
-            "--response-store", f"sqlite:///{(cfg.cluster_dir / 'responses.db').resolve()}", *tracing, *cfg.frontend_args,
+            "--response-store", f"sqlite:///{(cfg.cluster_dir / 'responses.db').resolve()}", *tracing,
+            *(["--limits-redis", cfg.limits_redis] if cfg.limits_redis else []), *cfg.frontend_args,
         ]
     cpus = cfg.node_cpus().get(slot.name, ())
     pinning = ["--cpus", format_cpus(cpus)] if cpus else []
