@@ -14,7 +14,6 @@ from pdserve.frontend.config import FrontendConfig
 from pdserve.frontend.errors import APIError
 from pdserve.frontend.job import ENDPOINTS, Choice, Job, cost, first_to_token, serving_path
 from pdserve.frontend.metrics import POOL, FrontendMetrics
-from pdserve.frontend.pricing import cost_usd
 from pdserve.frontend.protocol import GenerationRequest, SamplingOptions
 from pdserve.frontend.request_log import RequestLog
 
@@ -71,9 +70,9 @@ class Accounting:
                 c.call.cancel()
             c.lease.release()
         completion = sum(c.progress.tokens for c in job.choices)
-        job.grant.release(completion, _cost_usd(job, completion))
-        lat = _latencies(job, time.monotonic())
         usd = cost(job)
+        job.grant.release(completion, usd)  # the same figure the cost metric and the request log get
+        lat = _latencies(job, time.monotonic())
         self._observe(job, lat, completion)
         self._metrics.observe_cost(job.model, job.tenant.name, usd)
         for observe in self.observers:
@@ -113,15 +112,6 @@ class Accounting:
         m.observe_slo(name, "both", ttft_ok and tpot_ok)
         if ttft_ok and tpot_ok:
             m.goodput_tokens.labels(*m.labels(name)).inc(completion)
-
-
-def _cost_usd(job: Job, completion: int) -> float:
-    """What the job cost its tenant (the model's prices; cached prompt tokens at the cached price)."""
-    cached: dict[int, int] = {}
-    for c in job.choices:
-        cached[c.prompt_index] = max(cached.get(c.prompt_index, 0), c.progress.cached_tokens)
-    prompt = sum(len(p) for p in job.prompts)
-    return cost_usd(job.model.prices, prompt, min(prompt, sum(cached.values())), completion)
 
 
 def _latencies(job: Job, now: float) -> Latencies:

@@ -187,8 +187,7 @@ class EmbeddingService:
             status, error = err.status, err
             raise
         finally:
-            grant.release(0)
-            self._account(request_id, tenant, model, req, tokens, status, error, arrived, batch)
+            grant.release(0, self._account(request_id, tenant, model, req, tokens, status, error, arrived, batch))
         data = []
         for part in parts:
             size = 4 * part.dimensions
@@ -316,7 +315,8 @@ class EmbeddingService:
     # -- accounting ------------------------------------------------------------------------------------
 
     def _account(self, request_id: str, tenant: Tenant, model: ServedModel, req: EmbeddingRequest, tokens: int,
-                 status: int, error: APIError | None, arrived: float, batch: bool) -> None:
+                 status: int, error: APIError | None, arrived: float, batch: bool) -> float:
+        """Metrics and the request-log line of one request; returns what it cost (its tenant's spend)."""
         m = self.fe.metrics
         lbl = m.labels(model)
         # Input tokens only, at the input price; a request that failed returned no vectors and costs nothing.
@@ -332,6 +332,7 @@ class EmbeddingService:
             "inputs": len(req.inputs), "prompt_tokens": tokens, "e2e_ms": round((time.monotonic() - arrived) * 1e3, 3),
             "error": error.message if error is not None else None, "error_code": error.code if error else None,
             "batch": batch, "cost_usd": usd})
+        return usd
 
     def reject(self, tenant: str | None, err: APIError) -> None:
         """A request refused before it ran (metrics and a request-log line)."""
