@@ -20,6 +20,10 @@ Models file (YAML or TOML, chosen by the file suffix)::
         embedding: {pooling: last, normalize: true}  # /v1/embeddings (frontend.embeddings): last | mean
         speculative: ngram          # speculative decoding's drafts for this model's requests: ngram, suffix
                                     # or off (default: each decode node's --speculative)
+        degrade:                    # what requests give up under pressure (frontend.degrade); re-read live
+          cap_max_tokens: {max_tokens: 64, kv_use_above: 0.8, queue_above: 8}
+          trim_history: {default: auto}  # or the request's truncation: "auto"
+          long_prompt_lane: {above_tokens: 2048, max_concurrent: 1}
 
 Canary: entries that share a `name` are versions of one served model, each its own pool, with routing
 weights (requests with a session key stick to a version; the others split exactly by weight). Weights
@@ -57,6 +61,7 @@ from pdserve.frontend.config_files import (
     entries,
     load_config_file,
 )
+from pdserve.frontend.degrade import NO_POLICY, DegradePolicy, parse_degrade
 from pdserve.frontend.protocol import RequestLimits
 from pdserve.frontend.reasoning import REASONING_SETTINGS
 from pdserve.frontend.tls import TLSConfigError, check_pair
@@ -118,6 +123,7 @@ class ModelSpec:
     reasoning_parser: str = "auto"  # frontend.reasoning.REASONING_SETTINGS
     embedding: EmbeddingSettings = EmbeddingSettings()  # /v1/embeddings pooling
     speculative: str = ""  # SPECULATIVE_SETTINGS; "": the decode nodes' --speculative
+    degrade: DegradePolicy = NO_POLICY  # frontend.degrade: what its requests give up under pressure
 
     def __post_init__(self) -> None:
         if self.speculative not in SPECULATIVE_SETTINGS:
@@ -156,6 +162,7 @@ class ModelEntry(FileEntry):
     reasoning_parser: Annotated[str, Requirement("reasoning_parser must be a string")] = "auto"
     embedding: Annotated[EmbeddingSettings, BeforeValidator(_embedding_settings)] = EmbeddingSettings()
     speculative: Annotated[str, empty_as(""), Requirement("speculative must be a string")] = ""
+    degrade: Annotated[DegradePolicy, BeforeValidator(parse_degrade)] = NO_POLICY
 
     def spec(self) -> ModelSpec:
         return ModelSpec(**{**dict(self), "path": os.path.expanduser(self.path), "aliases": tuple(self.aliases)})

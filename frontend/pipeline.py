@@ -192,20 +192,23 @@ class Frontend:
 
     async def _watch_models_file(self, path: str) -> None:
         """Re-reads the models file when it changes and applies its versions' routing weights (canary
-        shifts and rollbacks without a restart). Other changes need a restart; they are logged, not applied."""
+        shifts and rollbacks without a restart) and degradation policies. Other changes need a restart;
+        they are logged, not applied."""
         async for _ in _changes(_MODELS_POLL_S, path):
             try:
                 specs = load_models_file(path)
                 check_versions(specs)
             except ConfigError as err:
-                log.error("models file %s changed but cannot be used; keeping the weights in force: %s", path, err)
+                log.error("models file %s changed but cannot be used; keeping the weights and degrade policies in force: %s", path, err)
                 continue
             for line in self.catalog.set_weights(version_weights(specs)):
+                log.info("models file %s: %s", path, line)
+            for line in self.catalog.set_degrade({(s.name, s.version): s.degrade for s in specs}):
                 log.info("models file %s: %s", path, line)
             self._publish_weights()
             running = {(m.name, m.version, m.pool, m.spec.path) for m in self.catalog.all_versions}
             if {(s.name, s.version, s.pool, s.path) for s in specs} != running:
-                log.warning("models file %s: changes other than weights take effect after a restart", path)
+                log.warning("models file %s: changes other than weights and degrade take effect after a restart", path)
 
     def _publish_weights(self) -> None:
         for m in self.catalog.all_versions:
@@ -381,6 +384,8 @@ class Frontend:
         if job.ended:
             return
         self.accounting.end(job)
+        if job.lane is not None:
+            job.lane.release()
         if job.trace is not None:
             job.trace.end(job, time.monotonic())
         self.inflight -= 1
