@@ -134,11 +134,12 @@ def _section(entry: type[CapEntry] | type[TrimEntry] | type[LaneEntry], name: st
     # `trim_history: auto` is short for `trim_history: {default: auto}`.
     if name == TRIM_HISTORY and isinstance(value, str):
         value = {"default": value}
-    return entry.read(f"degrade.{name}", {} if value is None else value).policy()
+    return entry.read(f"degrade.{name}", value).policy()
 
 
 def parse_degrade(value: Any) -> DegradePolicy:
-    """A models-file entry's `degrade` mapping (null: no policy). Raises ConfigError naming the field."""
+    """A models-file entry's `degrade` mapping (null, or a policy's null: off). Raises ConfigError naming
+    the field."""
     if isinstance(value, DegradePolicy):
         return value
     if value is None:
@@ -149,7 +150,8 @@ def parse_degrade(value: Any) -> DegradePolicy:
     if unknown:
         raise ConfigError(f"degrade: unknown policy(ies) {unknown}; allowed: {list(POLICIES)}")
     entries = {CAP_MAX_TOKENS: CapEntry, TRIM_HISTORY: TrimEntry, LONG_PROMPT_LANE: LaneEntry}
-    return DegradePolicy(**{name: _section(entries[name], name, value[name]) for name in value})
+    return DegradePolicy(**{name: _section(entries[name], name, section) for name, section in value.items()
+                            if section is not None})
 
 
 # --- cap_max_tokens ---------------------------------------------------------------------------------
