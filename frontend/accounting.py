@@ -158,6 +158,7 @@ def _log_record(job: Job, lat: Latencies, completion: int, usd: float) -> dict[s
         "chat_template_digest": job.model.chat_template_digest,
         "pdserve_version": pdserve_version(),
         "fallback": job.fallback_reason or None,
+        "degraded": job.degraded or None,
         "status": lat.status,
         "finish_reasons": [c.progress.finish_reason for c in job.choices],
         "error": None if job.error is None else job.error.message,

@@ -11,7 +11,11 @@ They are pure functions of the body and the model; everything that reads or chan
 
 Fallback (`Admitter._fallback`, the one rule): a model with a configured fallback is served by it when its
 own pool has no usable decode node at admission, or (`Admitter.fall_back`) when every decode node tried
-failed the request before anything was sent to the client."""
+failed the request before anything was sent to the client.
+
+Degradation (`frontend.degrade`, the model's `degrade` policies): under pressure a request's output is
+capped, a chat over the context is trimmed of its oldest turns, and a long prompt waits in its model's
+long-prompt lane; the job names what was applied (`Job.degraded`)."""
 
 from __future__ import annotations
 
@@ -23,6 +27,17 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from pdserve.frontend.config import FrontendConfig
+from pdserve.frontend.degrade import (
+    CAP_MAX_TOKENS,
+    LONG_PROMPT_LANE,
+    TRIM_HISTORY,
+    Lanes,
+    LaneSlot,
+    next_drop,
+    pool_pressure,
+    pressure_cap,
+    trim_allowed,
+)
 from pdserve.frontend.errors import OVERLOADED, APIError
 from pdserve.frontend.job import (
     CHAT,
@@ -67,6 +82,7 @@ class OutputBudget:
     max_tokens: int
     reserve: int
     estimated: bool
+    capped: bool = False  # lowered by cap_max_tokens (`frontend.degrade`)
 
 
 def ttft_budget_ms(tenant: Tenant, headers: Mapping[str, str]) -> float | None:
@@ -95,6 +111,7 @@ class Admitter:
                  inflight: Callable[[], int] = lambda: 0) -> None:
         self.config, self.catalog, self.limiter, self.router, self.metrics = config, catalog, limiter, router, metrics
         self.workers, self.ttft = workers, ttft
+        self.lanes = Lanes()  # the models' long-prompt lanes (`frontend.degrade`)
         self.inflight = inflight  # requests this frontend has in flight or in its prepare workers
 
     async def admit(self, kind: str, tenant: Tenant, body: bytes, headers: Mapping[str, str],
@@ -129,10 +146,43 @@ class Admitter:
         picked = self._pick_model(tenant, model, session_key)
         model = picked.model
         tokenized = await self.workers.tokenize(req, model) if offload else tokenize(req, model)
-        tokenized, dropped = await self._fit(req, tenant, model, tokenized, offload)
+        status = self.router.status(model.pool)
+        cap = pressure_cap(model.degrade, pool_pressure(status.decode, status.prefill))
+        tokenized, dropped = await self._fit(req, tenant, model, tokenized, offload, cap)
         tokenized_at = time.monotonic()
         prompts = tokenized.prompts
-        budgets = [self._max_tokens(req, tenant, model, len(p)) for p in prompts]
+        budgets = [self._max_tokens(req, tenant, model, len(p), cap) for p in prompts]
+        degraded = [name for name, on in ((TRIM_HISTORY, dropped > 0),
+                                          (CAP_MAX_TOKENS, any(b.capped for b in budgets))) if on]
+        slot = await self._lane(model, prompts)
+        try:
+            if slot is not None and slot.waited:
+                degraded.append(LONG_PROMPT_LANE)
+            job = self._admit_routed(kind, tenant, req, model, picked, tokenized, budgets, session_key, headers,
+                                     budget_ms, arrived, AdmissionStamps(parsed, tokenized_at), dropped)
+        except BaseException:
+            if slot is not None:
+                slot.release()
+            raise
+        job.lane, job.degraded = slot, degraded
+        for name in degraded:
+            self.metrics.degradations.labels(*self.metrics.labels(model), name).inc()
+        return job
+
+    async def _lane(self, model: ServedModel, prompts: list[list[int]]) -> LaneSlot | None:
+        """A place in the model's long-prompt lane when its policy has one and a prompt is over it (after
+        a wait while the lane is full); None otherwise. 503 APIError when too many wait already."""
+        lane = model.degrade.long_prompt_lane
+        if lane is None or max(len(p) for p in prompts) <= lane.above_tokens:
+            return None
+        return await self.lanes.acquire(model.name, lane, f"Model `{model.name}`")
+
+    def _admit_routed(self, kind: str, tenant: Tenant, req: GenerationRequest, model: ServedModel, picked: PickedModel,
+                      tokenized: Tokenized, budgets: list[OutputBudget], session_key: str | None,
+                      headers: Mapping[str, str], budget_ms: float | None, arrived: float, stamps: AdmissionStamps,
+                      dropped: int) -> Job:
+        """Routes every choice, checks the TTFT budget and takes the tenant's grant: the admitted job."""
+        prompts = tokenized.prompts
         per_prompt_max = [b.max_tokens for b in budgets]
         routed_from = time.monotonic()
         decisions = self._route(req, model, prompts, per_prompt_max, session_key)
@@ -148,7 +198,7 @@ class Admitter:
                   choices=self._choices(job_id, req, model, prompts, per_prompt_max, decisions), grant=grant,
                   client_request_id=client_request_id(headers), key_hash=key_hash(headers), session_key=session_key,
                   fallback_reason=picked.fallback_reason,
-                  stamps=AdmissionStamps(parsed, tokenized_at, routed_from, routed, time.monotonic()),
+                  stamps=AdmissionStamps(stamps.parsed, stamps.tokenized, routed_from, routed, time.monotonic()),
                   dropped=dropped, batch=batch)
         if self.config.log_prompts:
             job.prompt_log = req.messages if req.kind == CHAT else req.prompts
@@ -156,27 +206,31 @@ class Admitter:
         return job
 
     async def _fit(self, req: GenerationRequest, tenant: Tenant, model: ServedModel, tokenized: Tokenized,
-                   offload: bool) -> tuple[Tokenized, int]:
-        """`tokenized`, or when the prompt does not fit the context and `req.droppable` allows it, the
-        prompt without its oldest messages (after a first system message), dropped one at a time until it
-        fits; `req.messages` loses them too. Returns the prompt and how many messages were dropped."""
+                   offload: bool, cap: int | None) -> tuple[Tokenized, int]:
+        """`tokenized`, or when the chat does not fit the context and trimming is allowed (`req.droppable`
+        of the Responses API's truncation "auto"; a chat's own `truncation`, else the model's trim_history
+        default: `frontend.degrade.trim_allowed`), the chat without its oldest turns (`degrade.next_drop`:
+        system messages and the last user turn stay), re-rendered with the chat template after each drop
+        until it fits; `req.messages` loses them too. Returns the prompt and how many messages were dropped."""
+        allowed = req.droppable
+        if not allowed and req.kind == CHAT and trim_allowed(model.degrade, req.truncation):
+            allowed = len(req.messages or ())
         dropped = 0
-        while req.droppable > dropped and not self._fits(req, tenant, model, len(tokenized.prompts[0])):
+        while allowed > dropped and not self._fits(req, tenant, model, len(tokenized.prompts[0]), cap):
             assert req.messages is not None
-            head = 1 if req.messages and req.messages[0]["role"] == "system" else 0
-            if len(req.messages) - head <= 1:
-                break  # the last message stays: nothing is left to answer without it
-            del req.messages[head]
-            dropped += 1
-            while len(req.messages) - head > 1 and req.messages[head]["role"] == "tool":
-                del req.messages[head]  # a call's results go with it
-                dropped += 1
+            drop = next_drop(req.messages)
+            if not drop:
+                break  # nothing is left to answer without what remains
+            for i in reversed(drop):
+                del req.messages[i]
+            dropped += len(drop)
             tokenized = await self.workers.tokenize(req, model) if offload else tokenize(req, model)
         return tokenized, dropped
 
-    def _fits(self, req: GenerationRequest, tenant: Tenant, model: ServedModel, prompt_len: int) -> bool:
+    def _fits(self, req: GenerationRequest, tenant: Tenant, model: ServedModel, prompt_len: int,
+              cap: int | None) -> bool:
         try:
-            self._max_tokens(req, tenant, model, prompt_len)
+            self._max_tokens(req, tenant, model, prompt_len, cap)
         except APIError as err:
             if err.code == "context_length_exceeded":
                 return False
@@ -324,8 +378,11 @@ class Admitter:
         self._count_routes(job)
         return True
 
-    def _max_tokens(self, req: GenerationRequest, tenant: Tenant, model: ServedModel, prompt_len: int) -> OutputBudget:
-        """The output budget of one choice; 400 APIError when the request cannot fit the context."""
+    def _max_tokens(self, req: GenerationRequest, tenant: Tenant, model: ServedModel, prompt_len: int,
+                    pressure_cap: int | None = None) -> OutputBudget:
+        """The output budget of one choice, at most `pressure_cap` (cap_max_tokens in force; a request over
+        it is lowered to it, after the tenant's own cap is checked); 400 APIError when the request cannot
+        fit the context."""
         limit = model.max_context
         if tenant.limits.max_context_tokens is not None:
             limit = min(limit, tenant.limits.max_context_tokens)
@@ -343,15 +400,20 @@ class Admitter:
             if model.spec.default_max_tokens is not None:
                 budget = min(budget, model.spec.default_max_tokens)
             budget = budget if cap is None else min(budget, cap)
+            capped = pressure_cap is not None and budget > pressure_cap
+            budget = min(budget, pressure_cap) if capped and pressure_cap is not None else budget
             estimate = next(e for e in (tenant.limits.output_tokens_estimate, model.spec.output_tokens_estimate,
                                         self.config.output_estimate) if e is not None)
-            return OutputBudget(budget, min(budget, estimate), estimated=True)
+            return OutputBudget(budget, min(budget, estimate), estimated=True, capped=capped)
         if cap is not None and wanted > cap:
             raise APIError(400, f"{param} is too large: {wanted}. This model supports at most {cap} completion "
                            "tokens per choice for this tenant.", param=param, code="invalid_value")
+        capped = pressure_cap is not None and wanted > pressure_cap
+        if capped and pressure_cap is not None:
+            wanted = pressure_cap
         if prompt_len + wanted > limit:
             raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
                            f"{prompt_len + wanted} tokens ({prompt_len} in the {what}, {wanted} in the completion). "
                            f"Please reduce the length of the {what} or completion.", param=param,
                            code="context_length_exceeded")
-        return OutputBudget(wanted, wanted, estimated=False)
+        return OutputBudget(wanted, wanted, estimated=False, capped=capped)

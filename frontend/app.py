@@ -27,6 +27,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pdserve.frontend.console_routes import add_console_routes
+from pdserve.frontend.degrade import HEADER as DEGRADED_HEADER
 from pdserve.frontend.embeddings import add_embedding_routes
 from pdserve.frontend.errors import NOT_FOUND, SERVER, APIError
 from pdserve.frontend.files import add_batch_routes
@@ -145,6 +146,8 @@ class GenerationResponse(Response):
         headers = [*extra, (b"x-request-id", job.id.encode()), (b"x-pdserve-model", job.model.name.encode())]
         if job.trace is not None:
             headers.append((TRACE_ID_HEADER.encode(), job.trace.trace_id.encode()))
+        if job.degraded:
+            headers.append((DEGRADED_HEADER.encode(), ",".join(job.degraded).encode()))
         return headers
 
     async def _events(self) -> AsyncIterator[bytes]:

@@ -25,6 +25,10 @@ Models file (YAML or TOML, chosen by the file suffix)::
           cached_input: 0.075       # prompt tokens served from the prefix cache (usage's cached_tokens)
           output: 0.60              # completion tokens
           batch_discount: 0.5       # fraction taken off every token of a /v1/batches line, in [0, 1)
+        degrade:                    # what requests give up under pressure (frontend.degrade); re-read live
+          cap_max_tokens: {max_tokens: 64, kv_use_above: 0.8, queue_above: 8}
+          trim_history: {default: auto}  # or the request's truncation: "auto"
+          long_prompt_lane: {above_tokens: 2048, max_concurrent: 1}
 
 Canary: entries that share a `name` are versions of one served model, each its own pool, with routing
 weights (requests with a session key stick to a version; the others split exactly by weight). Weights
@@ -63,6 +67,7 @@ from pdserve.frontend.config_files import (
     load_config_file,
 )
 from pdserve.frontend.pricing import Prices
+from pdserve.frontend.degrade import NO_POLICY, DegradePolicy, parse_degrade
 from pdserve.frontend.protocol import RequestLimits
 from pdserve.frontend.reasoning import REASONING_SETTINGS
 from pdserve.frontend.tls import TLSConfigError, check_pair
@@ -155,6 +160,7 @@ class ModelSpec:
     embedding: EmbeddingSettings = EmbeddingSettings()  # /v1/embeddings pooling
     speculative: str = ""  # SPECULATIVE_SETTINGS; "": the decode nodes' --speculative
     prices: Prices | None = None  # USD per million tokens (None: its requests cost nothing)
+    degrade: DegradePolicy = NO_POLICY  # frontend.degrade: what its requests give up under pressure
 
     def __post_init__(self) -> None:
         if self.speculative not in SPECULATIVE_SETTINGS:
@@ -194,6 +200,7 @@ class ModelEntry(FileEntry):
     embedding: Annotated[EmbeddingSettings, BeforeValidator(_embedding_settings)] = EmbeddingSettings()
     speculative: Annotated[str, empty_as(""), Requirement("speculative must be a string")] = ""
     prices: Annotated[Prices | None, BeforeValidator(_prices)] = None
+    degrade: Annotated[DegradePolicy, BeforeValidator(parse_degrade)] = NO_POLICY
 
     def spec(self) -> ModelSpec:
         return ModelSpec(**{**dict(self), "path": os.path.expanduser(self.path), "aliases": tuple(self.aliases)})

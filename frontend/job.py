@@ -9,6 +9,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from pdserve.frontend.degrade import LaneSlot
 from pdserve.frontend.errors import APIError
 from pdserve.frontend.limits import AnyGrant
 from pdserve.frontend.models import ServedModel
@@ -167,6 +168,8 @@ class Job:
     trace: RequestTrace | None = None  # set when tracing is on
     dropped: int = 0  # leading messages admission dropped to fit the context (`GenerationRequest.droppable`)
     batch: bool = False  # a line of a /v1/batches job: its model's batch discount applies (`cost`)
+    degraded: list[str] = field(default_factory=list)  # `frontend.degrade` policies applied, in order
+    lane: LaneSlot | None = None  # its place in the model's long-prompt lane, released when it ends
 
     def traced(self, err: APIError) -> APIError:
         """`err` carrying the job's trace id (in its message and an x-trace-id header), when traced."""

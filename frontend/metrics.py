@@ -120,6 +120,9 @@ class FrontendMetrics:
         self.embedding_requests = Counter("pdserve_frontend_embedding_requests_total",
                                           "/v1/embeddings requests by model pool, tenant and HTTP status",
                                           [*base, "model_pool", "tenant", "status"], registry=r)
+        self.degradations = Counter("pdserve_frontend_degradations_total",
+                                    "Requests a degradation policy changed (cap_max_tokens, trim_history, "
+                                    "long_prompt_lane), by policy", [*base, "policy"], registry=r)
         self.nodes_excluded = Gauge("pdserve_frontend_nodes_excluded", "Registered nodes not routed to: their "
                                     "tokenizer or chat_template digest differs from this frontend's",
                                     ["pool", "node", "model_pool", "reason"], registry=r)

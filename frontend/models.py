@@ -21,6 +21,7 @@ from pdserve.engine.model_config import ModelLoadError, parse_model_config, read
 from pdserve.engine.tokenizer import ChatTemplateError, Tokenizer
 from pdserve.engine.version import chat_template_digest, tokenizer_digest
 from pdserve.frontend.config import ConfigError, ModelSpec
+from pdserve.frontend.degrade import NO_POLICY, DegradePolicy
 from pdserve.frontend.errors import APIError, bad_request
 from pdserve.frontend.pricing import Prices
 from pdserve.frontend.reasoning import ReasoningFormat, ReasoningFormatError, reasoning_format
@@ -115,6 +116,8 @@ class ServedModel:
     chat_template_digest: str  # `engine.version.chat_template_digest` ("none" without a template); likewise
     reasoning: ReasoningFormat | None = None  # how its chat answers mark their thinking span (None: not split)
     prices: Prices | None = None  # the models file's price table (None: requests cost nothing)
+    # Its degradation policies (`frontend.degrade`): the models file's, replaced when the file is re-read.
+    degrade: DegradePolicy = NO_POLICY
 
     @property
     def name(self) -> str:
@@ -198,6 +201,7 @@ class ModelCatalog:
                 raise ConfigError(f"model {spec.name!r}: no config.json in {path}; set max_context")
             served = ServedModel(spec, tokenizer, TokenTexts(tokenizer), min(limits), now, tokenizer_digest(tokenizer),
                                  chat_template_digest(tokenizer.chat_template), reasoning, spec.prices)
+            served.degrade = spec.degrade
             self._versions.setdefault(spec.name, []).append(served)
             self._weights[(spec.name, spec.version)] = spec.weight
             self._credit[(spec.name, spec.version)] = 0.0
@@ -272,6 +276,17 @@ class ModelCatalog:
             if key in prices and prices[key] != m.prices:
                 changes.append(f"{m.name}@{m.version or '-'}: prices {_price_text(m.prices)} -> {_price_text(prices[key])}")
                 m.prices = prices[key]
+        return changes
+
+    def set_degrade(self, policies: dict[tuple[str, str], DegradePolicy]) -> list[str]:
+        """Puts in force the degradation policies of each known (name, version) in `policies`; returns a
+        line per change."""
+        changes = []
+        for m in self.all_versions:
+            policy = policies.get((m.name, m.version))
+            if policy is not None and policy != m.degrade:
+                changes.append(f"{m.name}@{m.version or '-'}: degrade {m.degrade.describe()} -> {policy.describe()}")
+                m.degrade = policy
         return changes
 
     def names_of(self, model: ServedModel) -> tuple[str, ...]:

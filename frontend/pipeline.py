@@ -201,27 +201,29 @@ class Frontend:
 
     async def _watch_models_file(self, path: str) -> None:
         """Re-reads the models file when it changes and applies its versions' routing weights (canary
-        shifts and rollbacks without a restart) and price tables. A file that cannot be used (a negative
-        price, say) changes nothing: the weights and prices in force stay (a log line and
-        `pdserve_frontend_config_reloads_total{file="models",outcome="error"}`). Other changes need a
-        restart; they are logged, not applied."""
+        shifts and rollbacks without a restart), price tables and degradation policies. A file that cannot
+        be used (a negative price, say) changes nothing: the weights, prices and degradation policies in force
+        stay (a log line and `pdserve_frontend_config_reloads_total{file="models",outcome="error"}`). Other
+        changes need a restart; they are logged, not applied."""
         async for _ in _changes(_MODELS_POLL_S, path):
             try:
                 specs = load_models_file(path)
                 check_versions(specs)
             except ConfigError as err:
-                log.error("models file %s changed but cannot be used; keeping the weights and prices in force: %s",
+                log.error("models file %s changed but cannot be used; keeping the weights, prices and degradation policies in force: %s",
                           path, err)
                 self.metrics.config_reloads.labels(POOL, self.metrics.node, "models", "error").inc()
                 continue
             for line in [*self.catalog.set_weights(version_weights(specs)),
                          *self.catalog.set_prices(version_prices(specs))]:
                 log.info("models file %s: %s", path, line)
+            for line in self.catalog.set_degrade({(s.name, s.version): s.degrade for s in specs}):
+                log.info("models file %s: %s", path, line)
             self.metrics.config_reloads.labels(POOL, self.metrics.node, "models", "ok").inc()
             self._publish_weights()
             running = {(m.name, m.version, m.pool, m.spec.path) for m in self.catalog.all_versions}
             if {(s.name, s.version, s.pool, s.path) for s in specs} != running:
-                log.warning("models file %s: changes other than weights take effect after a restart", path)
+                log.warning("models file %s: changes other than weights and degrade take effect after a restart", path)
 
     def _publish_weights(self) -> None:
         for m in self.catalog.all_versions:
@@ -399,6 +401,8 @@ class Frontend:
         if job.ended:
             return
         self.accounting.end(job)
+        if job.lane is not None:
+            job.lane.release()
         if job.trace is not None:
             job.trace.end(job, time.monotonic())
         self.inflight -= 1

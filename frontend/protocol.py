@@ -120,6 +120,7 @@ class GenerationRequest:
     # Chat: how many leading messages (after a first system message) admission may drop, oldest first, to
     # fit the context instead of refusing (the Responses API's truncation "auto"); 0: refuse.
     droppable: int = 0
+    truncation: str | None = None  # chat: the request's "auto" / "disabled" (None: the model's default)
 
 
 def parse_json_body(body: bytes) -> dict[str, Any]:
@@ -292,6 +293,9 @@ class ChatBody(_Tail, _MaxTokens, _MaxCompletionTokens, _Head):
     function_call: Any = None
     response_format: Any = None  # validated: a StructuredSpec
     chat_template_kwargs: Annotated[Any, AfterValidator(lambda v: call_parser(parse_template_kwargs, v))] = None
+    # As the Responses API names it: "auto" lets admission drop the oldest turns of a chat over the context
+    # (`frontend.degrade` trim_history); absent: the model's trim_history default.
+    truncation: Literal["auto", "disabled"] = None
 
     @field_validator("messages")
     @classmethod
@@ -329,6 +333,7 @@ def parse_chat_request(obj: dict[str, Any], limits: RequestLimits = RequestLimit
     req = _request("chat", body, getattr(body, max_param), max_param)
     req.messages = body.messages
     req.template_kwargs = body.chat_template_kwargs
+    req.truncation = body.truncation
     req.sampling.logprobs = (body.top_logprobs or 0) if body.logprobs else None
     req.sampling.structured = body.response_format
     req.tools = parse_tools(obj, limits.max_schema_bytes)
