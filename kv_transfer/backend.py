@@ -6,6 +6,10 @@ connection to the prefill node's `kv_address` and wraps it in
 the decode side. A dedicated client connection per connect keeps one slow rendezvous (a peer
 that never shows up) from blocking the store for every other pair.
 
+With a cluster token the decode side first authenticates to the prefill node's KV port
+(`kv_transfer.auth.dial`) and its store client rides that connection through a loopback relay; the
+prefill side reaches its own store on loopback directly.
+
 Gloo binds its device to this node's own address (or a named interface), never to whatever the
 hostname resolves to, so nodes in separate network namespaces advertise a reachable address.
 """
@@ -15,13 +19,14 @@ from __future__ import annotations
 import datetime
 import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo, TCPStore
 
 from pdserve.kernels.interface import fp8_as_bytes
+from pdserve.kv_transfer.auth import LoopbackRelay, dial
 from pdserve.kv_transfer.types import ChannelError, ChannelKey, NodeAddress
 
 
@@ -85,8 +90,9 @@ class _GlooOp(PendingOp):
 class GlooPair(PairGroup):
     backend = "gloo"
 
-    def __init__(self, pg: ProcessGroupGloo) -> None:
+    def __init__(self, pg: ProcessGroupGloo, relay: LoopbackRelay | None = None) -> None:
         self._pg: ProcessGroupGloo | None = pg
+        self._relay = relay  # the authenticated store connection, when there is one
 
     def _live(self) -> ProcessGroupGloo:
         if self._pg is None:
@@ -111,6 +117,8 @@ class GlooPair(PairGroup):
         # Gloo closes its sockets only when the last reference to the group goes away; neither
         # abort() nor shutdown() does, so the peer would otherwise wait for its own deadline.
         self._pg = None
+        if self._relay is not None:
+            self._relay.close()
 
 
 class _NcclOp(PendingOp):
@@ -136,8 +144,9 @@ class _NcclOp(PendingOp):
 class NcclPair(PairGroup):
     backend = "nccl"
 
-    def __init__(self, pg: Any) -> None:  # ProcessGroupNCCL, absent from CPU builds
+    def __init__(self, pg: Any, relay: LoopbackRelay | None = None) -> None:  # ProcessGroupNCCL, absent from CPU builds
         self._pg: Any = pg
+        self._relay = relay
 
     def _live(self) -> Any:
         if self._pg is None:
@@ -165,6 +174,8 @@ class NcclPair(PairGroup):
                 pg.shutdown()
             except RuntimeError:
                 pass
+        if self._relay is not None:
+            self._relay.close()
 
 
 @dataclass(frozen=True)
@@ -177,6 +188,18 @@ class ConnectSpec:
     backend: str  # "gloo" or "nccl"
     device: str  # the KV cache's device
     timeout_s: float
+    auth: DialAuth | None = None  # authenticate to store_address first (the decode side, with a token)
+
+
+@dataclass(frozen=True)
+class DialAuth:
+    """What the decode side presents to the prefill node's KV port (`kv_transfer.auth`)."""
+
+    token: str = field(repr=False)
+    node_id: str  # this node
+    role: str  # this node's role
+    peer_id: str  # the node whose KV port it dials
+    handshake_timeout_s: float
 
 
 def create_gloo_device(address: NodeAddress, interface: str | None) -> ProcessGroupGloo.Device:
@@ -190,8 +213,16 @@ def connect_pair(spec: ConnectSpec, gloo_device: ProcessGroupGloo.Device | None)
     """Joins the pair's rendezvous and returns the connected group. Blocks until the peer joins or
     `spec.timeout_s` passes (then raises ChannelError). Changes only the prefill node's store."""
     timeout = datetime.timedelta(seconds=spec.timeout_s)
+    relay: LoopbackRelay | None = None
+    store_address = spec.store_address
     try:
-        client = TCPStore(spec.store_address.host, spec.store_address.port, is_master=False, timeout=timeout)
+        if spec.auth is not None:
+            a = spec.auth
+            sock = dial(spec.store_address, a.token, a.node_id, a.role, a.peer_id,
+                        min(a.handshake_timeout_s, spec.timeout_s))
+            relay = LoopbackRelay(sock, f"kv-relay-{spec.key.store_prefix}", accept_timeout_s=spec.timeout_s)
+            store_address = relay.address
+        client = TCPStore(store_address.host, store_address.port, is_master=False, timeout=timeout)
         store = PrefixStore(spec.key.store_prefix, client)
         if spec.backend == "gloo":
             if gloo_device is None:
@@ -200,13 +231,17 @@ def connect_pair(spec: ConnectSpec, gloo_device: ProcessGroupGloo.Device | None)
             opts._timeout = timeout
             opts._devices = [gloo_device]
             opts._threads = 1  # send/recv never use gloo's collective worker threads
-            return GlooPair(ProcessGroupGloo(store, spec.rank, 2, opts))
+            return GlooPair(ProcessGroupGloo(store, spec.rank, 2, opts), relay)
         if spec.backend == "nccl":
-            return NcclPair(_nccl_group(store, spec, timeout))
+            return NcclPair(_nccl_group(store, spec, timeout), relay)
         raise ChannelError(f"unknown channel backend {spec.backend!r}")
     except ChannelError:
+        if relay is not None:
+            relay.close()
         raise
     except (RuntimeError, ValueError) as e:
+        if relay is not None:
+            relay.close()
         raise ChannelError(f"connect {spec.key.store_prefix} as rank {spec.rank} failed: {e}") from e
 
 

@@ -12,19 +12,28 @@ every earlier one, seeded from the wall clock in microseconds, so epochs also ke
 across prefill restarts (whose fresh store would otherwise reuse old names). The decode side
 opens whatever epoch the metadata names, closes an older channel to that peer when a newer epoch
 appears, and refuses epochs it has already closed (StaleEpochError).
+
+Who may connect (`kv_transfer.auth`): with `ChannelConfig.token` the store listens on loopback only and
+`kv_address` is a `KVGate` that relays a connection to it only once the peer proved it holds the token;
+the decode side dials through `auth.dial`. Without a token the store itself listens on `kv_address`
+(its host only, never every interface) and anyone who reaches it can join a pair's rendezvous.
 """
 
 from __future__ import annotations
 
 import datetime
+import logging
+import socket
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 
 import torch
 from torch._C._distributed_c10d import ProcessGroupGloo, TCPStore
 
-from pdserve.kv_transfer.backend import ConnectSpec, PairGroup, connect_pair, create_gloo_device
+from pdserve.kv_transfer.auth import FailureReason, KVGate
+from pdserve.kv_transfer.backend import ConnectSpec, DialAuth, PairGroup, connect_pair, create_gloo_device
 from pdserve.kv_transfer.channel import Channel
 from pdserve.kv_transfer.types import (
     DECODE_RANK,
@@ -36,22 +45,52 @@ from pdserve.kv_transfer.types import (
     StaleEpochError,
 )
 
+log = logging.getLogger(__name__)
+
+
+def _listen(address: NodeAddress) -> socket.socket:
+    """A listening socket on exactly `address` (port 0: a free one). TCPStore, left to bind by itself,
+    would listen on every interface whatever host it is given."""
+    family = socket.getaddrinfo(address.host, address.port, type=socket.SOCK_STREAM)[0][0]
+    return socket.create_server((address.host, address.port), family=family, backlog=128)
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return any(info[4][0] in ("127.0.0.1", "::1") or info[4][0].startswith("127.")
+                   for info in socket.getaddrinfo(host, None))
+    except OSError:
+        return False
+
 
 class ChannelManager:
     """Owns one node's channels (keyed by peer id). Thread-safe; no call but `close` blocks on the
     network or on another thread, so it may be used from an asyncio event loop."""
 
-    def __init__(self, config: ChannelConfig) -> None:
+    def __init__(self, config: ChannelConfig,
+                 on_auth_failure: Callable[[FailureReason, str], None] | None = None) -> None:
+        """``on_auth_failure(reason, peer address)``: called for every peer the KV port refused (with a token)."""
         self.config = config
         self._device = torch.device(config.device)
         self._backend = config.resolved_backend
         address = NodeAddress.parse(config.kv_address)
-        # A wait-free server: its own clients only connect per rendezvous, each with its own timeout.
+        self._gate: KVGate | None = None
+        public = _listen(address)
+        store_listener = _listen(NodeAddress("127.0.0.1", 0)) if config.token else public
+        self._store_address = NodeAddress(*store_listener.getsockname()[:2])
+        self.address = NodeAddress(address.host, public.getsockname()[1])  # port 0 resolved
+        # A wait-free server: its own clients only connect per rendezvous, each with its own timeout. It
+        # owns (and closes) the listening socket handed to it.
         self._server = TCPStore(
-            address.host, address.port, is_master=True, wait_for_workers=False,
-            timeout=datetime.timedelta(seconds=config.connect_timeout_s),
+            self._store_address.host, self._store_address.port, is_master=True, wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=config.connect_timeout_s), master_listen_fd=store_listener.detach(),
         )
-        self.address = NodeAddress(address.host, self._server.port)  # port 0 resolved
+        if config.token:
+            self._gate = KVGate(public, self._store_address, config.token, config.node_id,
+                                config.handshake_timeout_s, on_auth_failure)
+        elif not _is_loopback(address.host):
+            log.warning("KV channels of %s are not authenticated (no cluster token): anything that reaches %s "
+                        "can join a rendezvous", config.node_id, self.address)
         self._gloo_device: ProcessGroupGloo.Device | None = None
         if self._backend == "gloo":
             self._gloo_device = create_gloo_device(self.address, config.interface)
@@ -63,6 +102,11 @@ class ChannelManager:
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap, name=f"kv-reaper-{config.node_id}", daemon=True)
         self._reaper.start()
+
+    @property
+    def auth_failures(self) -> dict[FailureReason, int]:
+        """Peers the KV port refused, by reason (all zero without a token)."""
+        return dict(self._gate.failures) if self._gate is not None else dict.fromkeys(FailureReason, 0)
 
     @property
     def kv_address(self) -> str:
@@ -80,7 +124,7 @@ class ChannelManager:
                 return ch
             epoch = max(self._last_epoch.get(decode_id, -1) + 1, time.time_ns() // 1000)
             key = ChannelKey(self.config.node_id, decode_id, epoch)
-            return self._open(decode_id, key, PREFILL_RANK, self.address)
+            return self._open(decode_id, key, PREFILL_RANK, self._store_address)
 
     def channel_from(self, prefill_id: str, prefill_kv_address: str, epoch: int) -> Channel:
         """Decode side: the channel of `epoch` from `prefill_id`, opened (and any older one to that
@@ -122,9 +166,13 @@ class ChannelManager:
         if self._closed:
             raise ChannelCapacityError("channel manager is closed")
         self._make_room()
+        auth = None
+        if rank == DECODE_RANK and self.config.token:
+            auth = DialAuth(self.config.token, self.config.node_id, self.config.role, peer,
+                            self.config.handshake_timeout_s)
         spec = ConnectSpec(
             key=key, rank=rank, store_address=store_address, backend=self._backend, device=self.config.device,
-            timeout_s=self.config.connect_timeout_s,
+            timeout_s=self.config.connect_timeout_s, auth=auth,
         )
         gloo_device = self._gloo_device
 
@@ -202,6 +250,8 @@ class ChannelManager:
             self._retired.clear()
         for ch in set(channels + closed_earlier):
             ch.join(max(0.0, deadline - time.monotonic()))
+        if self._gate is not None:
+            self._gate.close()
         self._server = None  # type: ignore[assignment]
 
     def __enter__(self) -> ChannelManager:

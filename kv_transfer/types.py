@@ -7,7 +7,7 @@ Nothing here talks to the network: these are the values that cross the API (and,
 from __future__ import annotations
 
 import enum
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from pdserve.registry.records import Role
@@ -87,12 +87,18 @@ class ChannelConfig:
     device: str = "cpu"  # the KV cache's device
     interface: str | None = None  # bind the gloo device to this NIC instead of kv_address's host
     reap_interval_s: float = 0.1  # how often idle channels and overdue queued transfers are checked
+    # The cluster token (`kv_transfer.auth`): with one, the KV port admits only peers that prove they hold
+    # it; "" = KV channels are not authenticated (the store listens on kv_address itself).
+    token: str = field(default="", repr=False)
+    handshake_timeout_s: float = 5.0  # a peer must finish the handshake within this, or it is refused
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
             raise ValueError(f"role must be 'prefill' or 'decode', got {self.role!r}")
         if self.max_channels < 1:
             raise ValueError("max_channels must be >= 1")
+        if self.handshake_timeout_s <= 0:
+            raise ValueError("handshake_timeout_s must be > 0")
         if NodeAddress.parse(self.kv_address).host in ("0.0.0.0", "::", "*"):
             # Gloo advertises the address it binds; a wildcard is not something a peer can dial.
             raise ValueError(f"kv_address must be this node's reachable address, got {self.kv_address!r}")

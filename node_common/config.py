@@ -36,6 +36,8 @@ class NodeConfig:
     load_interval_s: float = 1.0
     join_timeout_s: float = 30.0  # how long to wait for etcd at start-up
     transfer_timeout_s: float = 30.0  # last-resort bound on one KV transfer (queue + wire)
+    # A peer of the KV port must prove it holds the cluster token within this (`kv_transfer.auth`).
+    kv_handshake_timeout_s: float = 5.0
     metrics_host: str = "127.0.0.1"  # where /metrics is served
     metrics_port: int = 0  # 0 picks a free port (reported in the ready line)
     drain_timeout_s: float = 30.0  # how long a drain waits for the work in flight before giving up
@@ -60,6 +62,7 @@ class NodeConfig:
             (self.load_interval_s > 0, "load_interval_s must be > 0"),
             (self.join_timeout_s > 0, "join_timeout_s must be > 0"),
             (self.transfer_timeout_s > 0, "transfer_timeout_s must be > 0"),
+            (self.kv_handshake_timeout_s > 0, "kv_handshake_timeout_s must be > 0"),
             (self.drain_timeout_s >= 0, "drain_timeout_s must be >= 0"),
             (self.max_step_failures >= 1, "max_step_failures must be >= 1"),
             (self.step_stall_timeout_s > 0, "step_stall_timeout_s must be > 0"),
@@ -69,6 +72,7 @@ class NodeConfig:
             if not ok:
                 raise ValueError(f"{type(self).__name__}: {msg}")
         self.rpc.check_bind(self.grpc_host)
+        self.rpc.check_bind(self.kv_host, "the KV port")
         if not self.model_name:
             object.__setattr__(self, "model_name", Path(self.engine.model).name)
 
@@ -128,6 +132,8 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-host", default="127.0.0.1")
     parser.add_argument("--kv-port", type=int, default=0)
     parser.add_argument("--kv-interface", default=None)
+    parser.add_argument("--kv-handshake-timeout", type=float, default=5.0,
+                        help="seconds a peer of the KV port has to prove it holds the cluster token")
     parser.add_argument("--lease-ttl", type=int, default=5)
     parser.add_argument("--load-interval", type=float, default=1.0)
     parser.add_argument("--join-timeout", type=float, default=30.0)
@@ -167,6 +173,7 @@ def node_kwargs(args: argparse.Namespace) -> dict[str, object]:
         advertise_host=args.advertise_host, kv_host=args.kv_host, kv_port=args.kv_port,
         kv_interface=args.kv_interface, lease_ttl_s=args.lease_ttl, load_interval_s=args.load_interval,
         join_timeout_s=args.join_timeout, transfer_timeout_s=args.transfer_timeout,
+        kv_handshake_timeout_s=args.kv_handshake_timeout,
         metrics_host=args.metrics_host, metrics_port=args.metrics_port, drain_timeout_s=args.drain_timeout,
         max_step_failures=args.max_step_failures, step_stall_timeout_s=args.step_stall_timeout,
         rpc=rpc_security_from_args(args), tracing=tracing_config_from_args(args), cpus=cpus,

@@ -36,6 +36,7 @@ from pdserve.engine.llm_engine import LLMEngine, RequestOutput, StepStats
 from pdserve.engine.sequence import Sequence as EngineSequence
 from pdserve.engine.speculative import SpeculativeStats
 from pdserve.engine.version import pdserve_version
+from pdserve.kv_transfer.auth import FailureReason
 from pdserve.node_common.faults import NodeFaults
 from pdserve.registry import NodeLoad
 
@@ -244,6 +245,11 @@ class NodeMetrics:
         self._embed_requests = self.counter("pdserve_embedding_requests", "Embed calls served")
         self._embed_inputs = self.counter("pdserve_embedding_inputs", "Inputs embedded")
         self._embed_tokens = self.counter("pdserve_embedding_tokens", "Input tokens embedded (never in the KV cache)")
+        self._kv_auth_failures = self.counter("pdserve_kv_channel_auth_failures",
+                                              "Connections to the KV port refused before any rendezvous, by reason",
+                                              extra=("reason",))
+        for reason in FailureReason:  # every reason's series exists from the start, at 0
+            self._kv_auth_failures.labels(**labels.values(), reason=reason.value)
         self.registry.register(_EngineCollector(labels, self._gauge_snapshot, self._cache_snapshot,
                                                 self._spec_snapshot if speculative else None))
 
@@ -280,6 +286,10 @@ class NodeMetrics:
         self._embed_requests.inc()
         self._embed_inputs.inc(inputs)
         self._embed_tokens.inc(tokens)
+
+    def kv_auth_failed(self, reason: FailureReason, peer: str) -> None:
+        """The KV port refused `peer` (a gate thread; `kv_transfer.auth`)."""
+        self._kv_auth_failures.labels(**self.labels.values(), reason=reason.value).inc()
 
     def set_info(self, fingerprint: str, dtype: str, block_size: int, weights: str = "", kernels: str = "") -> None:
         """The info series (always 1; once the engine exists): the pdserve version, and which model,

@@ -132,8 +132,9 @@ async def _build(config: NodeConfig, role: str, make_service: type[NodeService],
     channels = ChannelManager(ChannelConfig(
         node_id=config.node_id, role=role, kv_address=f"{config.kv_host}:{config.kv_port}",  # type: ignore[arg-type]
         device=config.engine.device, interface=config.kv_interface,
-        connect_timeout_s=config.transfer_timeout_s,
-    ))
+        connect_timeout_s=config.transfer_timeout_s, token=config.rpc.token,
+        handshake_timeout_s=config.kv_handshake_timeout_s,
+    ), on_auth_failure=metrics.kv_auth_failed)
     view = RegistryView(config.etcd_endpoints, config.cluster)
     ctx = NodeContext(config, role, aengine, channels, view, engine.model_config.fingerprint(), metrics, faults)
     # None unless an OTLP endpoint is configured; span times are this process's time.monotonic readings.

@@ -8,9 +8,9 @@ A server bound beyond loopback refuses to start without a token unless `--allow-
 that is intended (a network the operator trusts).
 
 The grpc.health.v1 service stays open: probes (kubelet, `grpc_health_probe`) carry no token, and health
-says nothing a peer could misuse. The KV channels (TCPStore + gloo) carry no token of their own: they bind
-the configured `--kv-host` (loopback by default) and, in a pod network, belong behind a NetworkPolicy
-(`deploy/k8s`).
+says nothing a peer could misuse. The KV channels use the same token (`kv_transfer.auth`: an HMAC
+challenge-response on the KV port before any rendezvous), and the same rule: a node whose `--kv-host` is
+beyond loopback refuses to start without a token unless `--allow-unauthenticated`.
 """
 
 from __future__ import annotations
@@ -62,12 +62,12 @@ class RpcSecurity:
             if path and not Path(path).is_file():
                 raise ValueError(f"TLS file {path!r} does not exist")
 
-    def check_bind(self, host: str) -> None:
-        """Raises ValueError when a server bound to `host` would take unauthenticated calls from
-        other machines without the operator having said so."""
+    def check_bind(self, host: str, what: str = "gRPC") -> None:
+        """Raises ValueError when a server (`what`: gRPC, KV) bound to `host` would take unauthenticated
+        calls from other machines without the operator having said so."""
         if not self.token and not self.allow_unauthenticated and not is_loopback(host):
             raise ValueError(
-                f"gRPC binds {host}, beyond loopback, without a cluster token: set ${TOKEN_ENV} or "
+                f"{what} binds {host}, beyond loopback, without a cluster token: set ${TOKEN_ENV} or "
                 "--cluster-token-file (or pass --allow-unauthenticated on a network you trust)")
 
     # -- servers ------------------------------------------------------------------------------------
@@ -117,7 +117,8 @@ def add_rpc_args(parser: argparse.ArgumentParser, *, server: bool = True) -> Non
     parser.add_argument("--grpc-tls-ca", default="", help="PEM CA bundle to verify other processes' gRPC servers")
     if server:
         parser.add_argument("--allow-unauthenticated", action="store_true",
-                            help="serve gRPC beyond loopback without a cluster token (a network you trust)")
+                            help="serve gRPC and KV channels beyond loopback without a cluster token "
+                                 "(a network you trust)")
         parser.add_argument("--grpc-tls-cert", default="", help="PEM certificate this process's gRPC server presents")
         parser.add_argument("--grpc-tls-key", default="", help="its PEM private key")
 
