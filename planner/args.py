@@ -27,6 +27,13 @@ def add_profile_parser(sub: argparse._SubParsersAction, model_help: str) -> argp
     return p
 
 
+def add_machine_flag(p: argparse.ArgumentParser) -> None:
+    """--allow-other-machine: plan with a profile of another CPU kind (planner/machine.py)."""
+    p.add_argument("--allow-other-machine", action="store_true",
+                   help="use a profile measured on another CPU kind (vendor, model, ISA flags) anyway, with a "
+                        "warning; by default such a profile is refused, its step times do not hold here")
+
+
 def add_plan_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """`pdserve plan`: the cheapest P:D (or colocated) shape meeting SLOs, by simulation."""
     p = sub.add_parser("plan", help="is disaggregation worth it, and how many prefill and decode nodes: "
@@ -35,6 +42,7 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                                    "(a discrete-event model timed by a `pdserve profile`), prints the cheapest shape "
                                    "meeting the SLOs and the alternatives, writes a deploy/k8s values file.")
     p.add_argument("--profile", required=True, metavar="PROFILE.json", help="from `pdserve profile`")
+    add_machine_flag(p)
     w = p.add_argument_group("traffic (one of --workload, --trace)")
     w.add_argument("--workload", default=None, metavar="SPEC",
                    help="prompt=DIST,output=DIST[,prefix=N]; DIST as `pdserve bench`: N, uniform:LO:HI, "

@@ -28,7 +28,7 @@ from rich.console import Console
 
 from pdserve.planner.loadgen.metrics import parse_slos
 from pdserve.planner.plan import PlanConfig, Planner
-from pdserve.planner.profile_model import load_profile
+from pdserve.planner.profile_model import load_profile_here
 from pdserve.planner.sim import NodeSettings, Shape
 from pdserve.planner.traffic import Traffic
 
@@ -181,7 +181,7 @@ def check(args: argparse.Namespace) -> CheckResult:
            else observe_metrics(args.metrics_url, args.node_metrics_url, args.window))
     if obs.requests < 1 or obs.rate <= 0:
         raise ValueError("the cluster finished no request in the window: nothing to plan for")
-    profile = load_profile(args.profile)
+    profile = load_profile_here(args.profile, args.allow_other_machine)
     traffic = Traffic.parse(str(max(1, round(obs.mean_prompt))), str(max(1, round(obs.mean_output))), 0, args.seed)
     settings = NodeSettings.of(profile, local_prefill_threshold=args.local_prefill_threshold,
                                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
