@@ -64,20 +64,22 @@ class Observed:
 
 
 @dataclass
-class _Counters:
+class Counters:
+    """One or more frontends' request and token counters (summed)."""
+
     requests: float = 0.0
     prompt: float = 0.0
     completion: float = 0.0
     created: float = math.inf  # earliest counter creation (unix s)
 
 
-def _get(url: str, timeout: float = 10.0) -> str:
+def get_text(url: str, timeout: float = 10.0) -> str:
     with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310 (operator-given URL)
         return resp.read().decode("utf-8")
 
 
-def _frontend_counters(text: str) -> _Counters:
-    c = _Counters()
+def frontend_counters(text: str) -> Counters:
+    c = Counters()
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
             if s.name == "pdserve_frontend_requests_total" and s.labels.get("status") == "200":
@@ -92,7 +94,7 @@ def _frontend_counters(text: str) -> _Counters:
     return c
 
 
-def _node_pool(text: str) -> str | None:
+def node_pool(text: str) -> str | None:
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
             if s.labels.get("pool") in ("prefill", "decode"):
@@ -102,11 +104,11 @@ def _node_pool(text: str) -> str | None:
 
 def observe_metrics(frontend_urls: list[str], node_urls: list[str], window_s: float) -> Observed:
     """Reads the frontends' /metrics (twice, `window_s` apart; once with 0) and the nodes' pools."""
-    first = [_frontend_counters(_get(u)) for u in frontend_urls]
+    first = [frontend_counters(get_text(u)) for u in frontend_urls]
     if window_s > 0:
         started = time.monotonic()
         time.sleep(window_s)  # the observation window itself, not a synchronisation
-        second = [_frontend_counters(_get(u)) for u in frontend_urls]
+        second = [frontend_counters(get_text(u)) for u in frontend_urls]
         window = time.monotonic() - started
         delta = [(b.requests - a.requests, b.prompt - a.prompt, b.completion - a.completion)
                  for a, b in zip(first, second, strict=True)]
@@ -114,7 +116,7 @@ def observe_metrics(frontend_urls: list[str], node_urls: list[str], window_s: fl
         created = min((c.created for c in first), default=math.inf)
         window = time.time() - created if math.isfinite(created) else 0.0
         delta = [(c.requests, c.prompt, c.completion) for c in first]
-    pools = [_node_pool(_get(u)) for u in node_urls]
+    pools = [node_pool(get_text(u)) for u in node_urls]
     obs = Observed(sum(d[0] for d in delta), sum(d[1] for d in delta), sum(d[2] for d in delta), window)
     if node_urls:
         obs.prefill_nodes, obs.decode_nodes = pools.count("prefill"), pools.count("decode")
@@ -123,7 +125,7 @@ def observe_metrics(frontend_urls: list[str], node_urls: list[str], window_s: fl
 
 def _prom_scalar(base: str, query: str) -> float:
     url = f"{base.rstrip('/')}/api/v1/query?{urllib.parse.urlencode({'query': query})}"
-    data = json.loads(_get(url))
+    data = json.loads(get_text(url))
     if data.get("status") != "success":
         raise ValueError(f"Prometheus query {query!r} failed: {data.get('error', data)}")
     result = data["data"]["result"]
