@@ -151,7 +151,7 @@ def damp(current: Shape, proposal: Proposal, now: float, last_change: float, coo
                     f"(attainment {100 * p.target_attainment:.0f}% predicted)")
         if wait > 0:
             return Decision("hold", current, f"{why}; cooldown: {wait:.0f} s before scaling down to {nxt.label}")
-        return Decision("scale_down", nxt, f"{why}: {current.label} -> {nxt.label}")
+        return Decision("scale_down", nxt, why)
     grow = p.target.nodes > current.nodes
     action = "scale_up" if grow else "reshape"
     fit = (f"meets them (attainment {100 * p.target_attainment:.0f}% predicted)" if p.target_fits
