@@ -25,21 +25,13 @@ import re
 import signal
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from pdserve.planner.check import (
-    Counters,
-    Observed,
-    frontend_counters,
-    get_text,
-    node_pool,
-    observe_prometheus,
-)
+from pdserve.planner.check import Observed, PrometheusSource, ScrapeSource
 from pdserve.planner.loadgen.metrics import SLO
 from pdserve.planner.plan import shapes
 from pdserve.planner.profile_model import Profile
@@ -201,56 +193,6 @@ class MetricsSource(Protocol):
     ValueError when the source cannot be read."""
 
     def observe(self) -> Observed: ...
-
-
-class ScrapeSource:
-    """Frontends' /metrics scraped at each observation; the traffic is the counters' increase over the
-    samples of the last `window_s` (a counter that went down, a restarted frontend, starts a new window).
-    `node_urls` give the current shape (each node's pool)."""
-
-    def __init__(self, frontend_urls: list[str], node_urls: list[str], window_s: float,
-                 timeout_s: float = 3.0) -> None:
-        assert frontend_urls, "a ScrapeSource needs at least one frontend /metrics URL"
-        self.frontend_urls, self.node_urls = frontend_urls, node_urls
-        self.window_s, self.timeout_s = window_s, timeout_s
-        self.history: deque[tuple[float, Counters]] = deque()
-
-    def observe(self) -> Observed:
-        total = Counters()
-        for url in self.frontend_urls:
-            c = frontend_counters(get_text(url, self.timeout_s))
-            total.requests, total.prompt, total.completion = (total.requests + c.requests, total.prompt + c.prompt,
-                                                              total.completion + c.completion)
-        now = time.monotonic()
-        if self.history and total.requests < self.history[-1][1].requests:
-            self.history.clear()  # a frontend restarted: its counters began again
-        self.history.append((now, total))
-        while len(self.history) > 2 and now - self.history[1][0] >= self.window_s:
-            self.history.popleft()
-        t0, first = self.history[0]
-        obs = Observed(total.requests - first.requests, total.prompt - first.prompt,
-                       total.completion - first.completion, now - t0)
-        if self.node_urls:
-            pools = [node_pool(get_text(u, self.timeout_s)) for u in self.node_urls]
-            obs.prefill_nodes, obs.decode_nodes = pools.count("prefill"), pools.count("decode")
-        return obs
-
-    @property
-    def warm(self) -> bool:
-        """Whether the samples span a whole window yet."""
-        return len(self.history) >= 2 and self.history[-1][0] - self.history[0][0] >= self.window_s * 0.9
-
-
-class PrometheusSource:
-    """The same figures from a Prometheus server over the last `window_s`."""
-
-    warm = True
-
-    def __init__(self, base: str, window_s: float) -> None:
-        self.base, self.window_s = base, window_s
-
-    def observe(self) -> Observed:
-        return observe_prometheus(self.base, self.window_s)
 
 
 class Actuator(Protocol):

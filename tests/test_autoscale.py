@@ -17,6 +17,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -28,12 +29,11 @@ from pdserve.planner.autoscale import (
     ControllerMetrics,
     ExportActuator,
     Proposal,
-    ScrapeSource,
     damp,
     propose,
     step_down,
 )
-from pdserve.planner.check import Observed
+from pdserve.planner.check import Observed, ScrapeSource
 from pdserve.planner.loadgen.metrics import parse_slos
 from pdserve.planner.profile_model import EngineFacts, Linear, Profile
 from pdserve.planner.sim import NodeSettings, Shape
@@ -150,7 +150,7 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpCluster]:
         "--model", "tiny", "--prefill", "1", "--decode", "1", "--lease-ttl", "2", "--kv-memory", "64",
         "--num-threads", "1", "--drain-timeout", "20", "--autoscale", "--node-budget", "3",
         "--autoscale-profile", str(prof), "--autoscale-slo", SLO, "--autoscale-interval", "1",
-        "--autoscale-window", "4", "--autoscale-cooldown", "4"])
+        "--autoscale-window", "4", "--autoscale-cooldown", "4"], timeout_s=480)
     try:
         yield cluster
     finally:
@@ -206,13 +206,13 @@ def decode_nodes(up: UpCluster) -> list[str]:
 
 
 @pytestmark_up
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(900)
 def test_heavy_traffic_starts_a_decode_node(up: UpCluster) -> None:
     assert decode_nodes(up) == ["decode-0"]
     load = Load(up, rate=4.0, max_tokens=8)
     try:
-        up.wait_for("autoscale: scale_up: 1P:1D -> 1P:2D", 90)
-        up.wait_for("ready decode-1", 120)
+        up.wait_for("autoscale: scale_up: 1P:1D -> 1P:2D", 180)
+        up.wait_for("ready decode-1", 300)
         time.sleep(1.0)  # requests keep arriving while the new node takes its share
     finally:
         results = load.stop()
@@ -227,14 +227,14 @@ def test_heavy_traffic_starts_a_decode_node(up: UpCluster) -> None:
 
 
 @pytestmark_up
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(900)
 def test_light_traffic_drains_a_decode_node_and_no_request_fails(up: UpCluster) -> None:
     if decode_nodes(up) != ["decode-0", "decode-1"]:
         pytest.skip("needs the second decode node the previous test started")
     load = Load(up, rate=1.0, max_tokens=2)
     try:
-        up.wait_for("autoscale: scale_down: 1P:2D -> 1P:1D", 90)
-        up.wait_for("drained decode-1", 60)
+        up.wait_for("autoscale: scale_down: 1P:2D -> 1P:1D", 180)
+        up.wait_for("drained decode-1", 120)
         time.sleep(2.0)  # requests keep arriving after the drain
     finally:
         results = load.stop()
@@ -268,3 +268,34 @@ def test_a_frozen_frontend_leaves_the_shape_as_it_is(up: UpCluster) -> None:
         os.kill(frontend["pid"], signal.SIGCONT)
     up.wait_for("autoscale: metrics source back", 30)
     up.check_integrity()
+
+
+def test_the_controllers_series_are_in_the_catalogue() -> None:
+    """Every series the controller registers is documented in deploy/prometheus/README.md."""
+    import re
+
+    readme = Path(__file__).resolve().parents[1] / "deploy" / "prometheus" / "README.md"
+    catalogue = set(re.findall(r"^\| `(pdserve_[a-z0-9_]+)`", readme.read_text(encoding="utf-8"), re.M))
+    names = {m.name + ("_total" if m.type == "counter" else "") for m in ControllerMetrics().registry.collect()}
+    assert names and names <= catalogue, sorted(names - catalogue)
+
+
+def test_the_keda_example_runs_this_controller_and_reads_its_series() -> None:
+    """deploy/k8s/examples/autoscale-keda.yaml: the controller's command line is one `pdserve autoscale`
+    accepts, and each pool's ScaledObject scales to that pool's desired replicas."""
+    import yaml
+
+    from pdserve.deploy.cli import build_parser
+
+    path = Path(__file__).resolve().parents[1] / "deploy" / "k8s" / "examples" / "autoscale-keda.yaml"
+    docs = [d for d in yaml.safe_load_all(path.read_text(encoding="utf-8")) if d]
+    deployment = next(d for d in docs if d["kind"] == "Deployment")
+    command = deployment["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert command[:2] == ["pdserve", "autoscale"]
+    args = build_parser().parse_args(command[1:])
+    assert args.prometheus and args.node_budget >= 2 and args.metrics_port == 9400
+    scaled = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ScaledObject"}
+    for pool in ("prefill", "decode"):
+        trigger = scaled[f"pdserve-{pool}-autoscale"]["spec"]["triggers"][0]
+        assert trigger["metadata"]["query"] == f'max(pdserve_autoscale_desired_replicas{{pool="{pool}"}})'
+        assert (trigger["metricType"], trigger["metadata"]["threshold"]) == ("AverageValue", "1")

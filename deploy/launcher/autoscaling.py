@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import start_http_server
 
-from pdserve.planner.autoscale import AutoscaleConfig, Controller, ControllerMetrics, ScrapeSource
+from pdserve.planner.autoscale import AutoscaleConfig, Controller, ControllerMetrics
+from pdserve.planner.check import ScrapeSource
 from pdserve.planner.loadgen.metrics import parse_slos
 from pdserve.planner.profile_model import load_profile_here
 from pdserve.planner.sim import NodeSettings, Shape
