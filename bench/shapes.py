@@ -25,6 +25,13 @@ measurement, in one run on this machine.
 The frontend and etcd float over both cores in every shape (they are the same in each). Requests go to
 /v1/completions with `ignore_eos`, so the prompt and output lengths are exactly the drawn ones. Results
 go to `--out` as JSON (and a PNG of TPOT p99 and goodput against rate with `--compare`).
+
+SLOs are stated relative to the machine's own profile (`ttft_p90=4x`: four times one request's TTFT alone;
+`tpot_p99=3x`: three decode steps of one sequence; see `relative_slos`), so each workload is feasible and
+discriminating on whatever core runs it; when no shape meets them at any rate, every threshold is doubled,
+step by step, and the run says so instead of skipping the workload. `--predict-only` prints the
+planner's rates, shapes and figures without starting a cluster (the smoke run of the suite,
+tests/test_shapes_bench.py).
 """
 
 from __future__ import annotations
@@ -55,22 +62,57 @@ from pdserve.planner.loadgen.metrics import SLO, Summary, parse_slos  # noqa: E4
 from pdserve.planner.loadgen.runner import LoadConfig, run  # noqa: E402
 from pdserve.planner.loadgen.workload import WorkloadConfig, parse_dist  # noqa: E402
 from pdserve.planner.plan import PlanConfig, Planner  # noqa: E402
-from pdserve.planner.profile_model import Profile, load_profile  # noqa: E402
+from pdserve.planner.profile_model import Profile, load_profile, load_profile_here  # noqa: E402
 from pdserve.planner.sim import Overheads, Shape, SimRequest, simulate  # noqa: E402
 from pdserve.planner.traffic import Traffic  # noqa: E402
 from testing.up_cluster import UpCluster  # noqa: E402
 
 # Workloads: prompt tokens, output tokens, and the SLOs each is judged by (what its users would ask for).
+# The SLOs are relative to this machine's own profile (`Nx`: N times what one request alone gets, see
+# `relative_slos`), so each workload is feasible and tells the shapes apart on a slow core and a fast one
+# alike; fixed thresholds (`3s`, `300ms`) are taken as they are.
 # prompt-heavy: documents of 512-1k tokens, short answers (prefill-bound; TTFT matters, TPOT loosely).
 # output-heavy: short chats with long answers (decode-bound; the short prompts make a transfer cost more
 # than it saves). mixed: mostly short chats with long streams, a quarter 1-2k-token documents whose
 # prefill stalls a colocated node's decoding (TPOT p99 is what its streaming users feel).
 WORKLOADS: dict[str, tuple[str, str, str]] = {
-    "prompt-heavy": ("uniform:512:1024", "uniform:16:32", "ttft_p90=3s,tpot_p99=300ms"),
-    "output-heavy": ("uniform:64:256", "uniform:128:256", "ttft_p90=2s,tpot_p99=100ms"),
-    "mixed": ("0.75*uniform:64:256+0.25*uniform:1024:2048", "uniform:128:256", "ttft_p90=8s,tpot_p99=60ms"),
+    "prompt-heavy": ("uniform:512:1024", "uniform:16:32", "ttft_p90=4x,tpot_p99=8x"),
+    "output-heavy": ("uniform:64:256", "uniform:128:256", "ttft_p90=10x,tpot_p99=2.5x"),
+    "mixed": ("0.75*uniform:64:256+0.25*uniform:1024:2048", "uniform:128:256", "ttft_p90=20x,tpot_p99=3x"),
 }
+LOOSEN = 2.0  # when no shape meets a workload's SLOs, its thresholds are multiplied by this, step by step
+MAX_LOOSEN_STEPS = 8
 TOLERANCE = 0.25  # predictions within 25% of measurement
+
+
+def single_request_s(profile: Profile, traffic: Traffic) -> dict[str, float]:
+    """What one request of the workload's mean lengths gets alone on this machine's profile: TTFT (its
+    prompt prefilled in one step, then its first decode step), the decode step (TPOT, ITL) at its mean
+    context, and e2e."""
+    sample = traffic.requests(1.0, 200)
+    prompt = round(statistics.mean(r.prompt_tokens for r in sample))
+    output = statistics.mean(r.output_tokens for r in sample)
+    step = profile.step_s(1, round(prompt + output / 2), 0, 0.0)
+    ttft = profile.prefill_s(prompt) + profile.step_s(1, prompt, 0, 0.0)
+    return {"ttft": ttft, "tpot": step, "itl": step, "e2e": ttft + output * step}
+
+
+def relative_slos(text: str, profile: Profile, traffic: Traffic, factor: float = 1.0) -> str:
+    """An --slo string with each `METRIC[_pNN]=Nx` resolved against `single_request_s` (N times the
+    single-request figure), fixed thresholds kept; every threshold times `factor` (the loosening)."""
+    base = single_request_s(profile, traffic)
+    items = []
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        key, _, value = item.partition("=")
+        if value.endswith("x"):
+            metric = key.split("_p")[0]
+            if metric not in base:
+                raise ValueError(f"bad relative SLO {item!r}: {metric} is not one of {', '.join(base)}")
+            seconds = float(value[:-1]) * base[metric]
+        else:
+            seconds = parse_slos(item)[0].threshold_s
+        items.append(f"{key}={seconds * factor * 1000:.4g}ms")
+    return ",".join(items)
 
 
 @dataclass
@@ -275,15 +317,24 @@ def validate(args: argparse.Namespace, profile: Profile, overheads: Overheads | 
              workdir: Path) -> list[dict[str, Any]]:
     rows = []
     for name in args.validate:
-        prompt, output, slo_text = WORKLOADS[name]
-        slos = parse_slos(args.slo or slo_text)
+        prompt, output, stated = WORKLOADS[name]
+        stated = args.slo or stated
         traffic = Traffic.parse(prompt, output, seed=args.seed)
-        sweep = Planner(PlanConfig(profile, slos, args.attainment, len(cpus), None, True, traffic,
-                                   requests=args.sim_requests, overheads=overheads)).run()
-        by_max = sorted(sweep.results, key=lambda r: r.max_rate or 0.0, reverse=True)
-        top, runner = by_max[0].max_rate or 0.0, by_max[1].max_rate or 0.0
+        for step in range(MAX_LOOSEN_STEPS + 1):
+            slo_text = relative_slos(stated, profile, traffic, LOOSEN ** step)
+            slos = parse_slos(slo_text)
+            sweep = Planner(PlanConfig(profile, slos, args.attainment, len(cpus), None, True, traffic,
+                                       requests=args.sim_requests, overheads=overheads)).run()
+            by_max = sorted(sweep.results, key=lambda r: r.max_rate or 0.0, reverse=True)
+            top, runner = by_max[0].max_rate or 0.0, by_max[1].max_rate or 0.0
+            if top > 0:
+                break
+            print(f"{name}: no shape meets {slo_text} at any rate simulated; loosening every threshold "
+                  f"x{LOOSEN:g}", flush=True)
         if top <= 0:
-            print(f"{name}: no shape meets the SLOs at any rate simulated; skipped", flush=True)
+            print(f"{name}: no shape meets even x{LOOSEN ** MAX_LOOSEN_STEPS:g} the stated SLOs {stated}; "
+                  f"nothing to validate", flush=True)
+            rows.append({"workload": name, "slo_stated": stated, "slo": slo_text, "feasible": False})
             continue
         # Between the two shapes' highest rates (geometric mean): the planner then says one shape fits
         # and the other does not, which the measurement confirms or refutes.
@@ -297,17 +348,21 @@ def validate(args: argparse.Namespace, profile: Profile, overheads: Overheads | 
         rec = plan.recommended or by_label[by_max[0].shape.label]
         alt = by_label[by_max[1].shape.label] if rec.shape.label != by_max[1].shape.label \
             else by_label[by_max[0].shape.label]
-        print(f"\n== {name}: prompt {prompt}, output {output}, SLO {args.slo or slo_text}; simulated highest "
+        loosened = f" (stated {stated}, loosened x{LOOSEN ** step:g})" if step else f" (stated {stated})"
+        print(f"\n== {name}: prompt {prompt}, output {output}, SLO {slo_text}{loosened}; simulated highest "
               f"rates {', '.join(f'{r.shape.label} {r.max_rate or 0:.3g}' for r in by_max)}; at {rate} req/s the "
               f"planner recommends {rec.shape.label}, alternative {alt.shape.label}", flush=True)
+        if args.predict_only:
+            rows.append(predictions(name, prompt, output, stated, slo_text, step, rate, rec, alt))
+            continue
         workload = WorkloadConfig(parse_dist(prompt), parse_dist(output), seed=args.seed, tokenizer=args.model)
         measured = {}
         for res in (rec, alt):
             m = measure(args.model, res.shape, cpus[: res.shape.nodes], workload, rate, args.requests, slos,
                         args.attainment, workdir / f"{name}-{res.shape.label.replace(':', '')}")
             measured[res.shape.label] = m
-        out = {"workload": name, "prompt": prompt, "output": output, "slo": args.slo or slo_text, "rate": rate,
-               "shapes": []}
+        out = {"workload": name, "prompt": prompt, "output": output, "slo_stated": stated, "slo": slo_text,
+               "loosened": LOOSEN ** step, "rate": rate, "shapes": []}
         for res in (rec, alt):
             pred, meas = figures(res.at_rate.summary), measured[res.shape.label].figures()
             pred_bare = figures(bare.simulate(res.shape, rate).summary)
@@ -331,16 +386,35 @@ def validate(args: argparse.Namespace, profile: Profile, overheads: Overheads | 
     return rows
 
 
+def predictions(name: str, prompt: str, output: str, stated: str, slo_text: str, step: int, rate: float,
+                rec: Any, alt: Any) -> dict[str, Any]:
+    """--predict-only: the planner's figures for the recommended and the alternative shape, printed."""
+    out: dict[str, Any] = {"workload": name, "prompt": prompt, "output": output, "slo_stated": stated,
+                           "slo": slo_text, "loosened": LOOSEN ** step, "rate": rate, "feasible": True,
+                           "shapes": []}
+    for res in (rec, alt):
+        pred = figures(res.at_rate.summary)
+        out["shapes"].append({"shape": res.shape.label, "recommended": res is rec, "fits": res.fits,
+                              "predicted": pred})
+        print(f"  {res.shape.label:<6}{' (rec)' if res is rec else '      '} predicted "
+              + "  ".join(f"{k} {pred[k]:.3f}" for k in ("ttft_p90", "tpot_p99", "goodput", "attainment"))
+              + f"  fits: {res.fits}", flush=True)
+    return out
+
+
 def compare(args: argparse.Namespace, name: str, rates: list[float], cpus: tuple[int, ...], workdir: Path,
             profile: Profile | None) -> dict[str, Any]:
     prompt, output, slo_text = WORKLOADS[name]
-    slos = parse_slos(args.slo or slo_text)
-    workload = WorkloadConfig(parse_dist(prompt), parse_dist(output), seed=args.seed, tokenizer=args.model)
     traffic = Traffic.parse(prompt, output, seed=args.seed)
+    slo_text = args.slo or slo_text
+    if profile is not None:
+        slo_text = relative_slos(slo_text, profile, traffic)
+    slos = parse_slos(slo_text)
+    workload = WorkloadConfig(parse_dist(prompt), parse_dist(output), seed=args.seed, tokenizer=args.model)
     shapes = [(Shape(1, 1), cpus), (Shape(0, 1), cpus), (Shape(0, 2), cpus)]
-    print(f"\n== compare on {name}: prompt {prompt}, output {output}, SLO {args.slo or slo_text}; rates {rates}",
+    print(f"\n== compare on {name}: prompt {prompt}, output {output}, SLO {slo_text}; rates {rates}",
           flush=True)
-    out: dict[str, Any] = {"workload": name, "prompt": prompt, "output": output, "slo": args.slo or slo_text,
+    out: dict[str, Any] = {"workload": name, "prompt": prompt, "output": output, "slo": slo_text,
                            "shapes": {}}
     for shape, shape_cpus in shapes:
         label = f"{shape.label}/{len(shape_cpus)}cores"
@@ -405,11 +479,17 @@ def main() -> int:
     ap.add_argument("--full-sweep", action="store_true", help="--compare: every rate, not only up to the first miss")
     ap.add_argument("--requests", type=int, default=40, help="requests per measured run (40)")
     ap.add_argument("--sim-requests", type=int, default=400, help="simulated requests per sweep step (400)")
-    ap.add_argument("--slo", default="", help="override every workload's SLOs, e.g. ttft_p90=4s,tpot_p99=150ms")
+    ap.add_argument("--slo", default="", help="override every workload's SLOs, e.g. ttft_p90=4s,tpot_p99=150ms, "
+                                              "or relative to the profile: ttft_p90=5x,tpot_p99=3x")
     ap.add_argument("--attainment", type=float, default=0.9)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-overheads", action="store_true",
                     help="--validate: simulate the profile's engine steps alone (skips measuring the overheads)")
+    ap.add_argument("--allow-other-machine", action="store_true",
+                    help="use a --profile measured on another CPU kind anyway (warned)")
+    ap.add_argument("--predict-only", action="store_true",
+                    help="--validate: print the planner's predictions (rates, shapes, figures) without starting a "
+                         "cluster or measuring anything but the profile (none with --profile)")
     ap.add_argument("--out", default="shapes-result", help="directory for JSON and plots")
     args = ap.parse_args()
     args.model = str(resolve_model(args.model).path)
@@ -427,12 +507,19 @@ def main() -> int:
         if w not in WORKLOADS:
             ap.error(f"unknown workload {w!r}: {', '.join(WORKLOADS)}")
     cpus = tuple(sorted(os.sched_getaffinity(0)))[:2]
+    if args.predict_only:
+        if compares:
+            ap.error("--predict-only predicts --validate's workloads; --compare measures")
+        args.no_overheads = True  # the overheads are measured on a running cluster
+        cpus = cpus if len(cpus) >= 2 else (cpus[0], cpus[0])  # two nodes' worth of shapes, nothing pinned
     if len(cpus) < 2:
         ap.error("needs 2 usable CPUs: the shapes compared are 2 nodes on a core each against 1 node on both")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    profile = load_profile(args.profile) if args.profile else None
-    if profile is None and args.validate:
+    profile = load_profile_here(args.profile, args.allow_other_machine) if args.profile else None
+    relative = any(v.endswith("x") for w in (c[0] for c in compares)
+                   for v in (args.slo or WORKLOADS[w][2]).replace("=", ",").split(","))
+    if profile is None and (args.validate or relative):  # relative SLOs are this machine's profile's multiples
         profile = profile_here(args.model, out / "profile.json", cpus[0], args.quick_profile)
     result: dict[str, Any] = {"model": args.model, "attainment": args.attainment,
                               "requests": args.requests, "cpus": list(cpus), "started": time.time()}

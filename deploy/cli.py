@@ -199,6 +199,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return plan_main(args)
 
 
+def _cmd_autoscale(args: argparse.Namespace) -> int:
+    from pdserve.planner.autoscale import main as autoscale_main
+
+    return autoscale_main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving")
     p.add_argument("--log-level", default="WARNING")
@@ -208,12 +214,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_status_parser(sub)
     _add_bench_parser(sub)
     from pdserve.planner.args import (  # argparse only: imports no planner code
+        add_autoscale_parser,
         add_plan_parser,
         add_profile_parser,
     )
 
     add_profile_parser(sub, MODEL_HELP).set_defaults(fn=_cmd_profile)
     add_plan_parser(sub).set_defaults(fn=_cmd_plan)
+    add_autoscale_parser(sub).set_defaults(fn=_cmd_autoscale)
     for name, (_, help_text) in _SERVERS.items():
         sub.add_parser(name, help=f"{help_text} (flags: pdserve {name} --help)", add_help=False)
     _add_drain_parser(sub)
@@ -292,6 +300,9 @@ def _add_up_parser(sub: argparse._SubParsersAction) -> None:
                    help="trace every process to this OTLP/HTTP receiver (default: $OTEL_EXPORTER_OTLP_ENDPOINT, "
                         "which the processes inherit; unset: tracing off)")
     u.add_argument("--trace-sample-ratio", type=float, default=1.0, help="share of requests traced (default 1)")
+    from pdserve.planner.args import add_up_autoscale_flags  # argparse only
+
+    add_up_autoscale_flags(u)
     u.set_defaults(fn=_cmd_up)
 
 

@@ -11,6 +11,8 @@ Torch-free except `measure` (which runs the engine to time it).
     args.py           the `pdserve profile` / `pdserve plan` options (argparse only)
     cli.py            `pdserve plan`: options -> config, progress, the tables, the plot, JSON
     check.py          `pdserve plan --check`: a live cluster's traffic from its metrics, re-planned
+    machine.py        the CPU kind a profile was measured on; plan refuses another kind
+    autoscale.py      `pdserve autoscale` / `pdserve up --autoscale`: the damped controller, its metrics
 """
 
 from __future__ import annotations

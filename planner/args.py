@@ -27,6 +27,13 @@ def add_profile_parser(sub: argparse._SubParsersAction, model_help: str) -> argp
     return p
 
 
+def add_machine_flag(p: argparse.ArgumentParser) -> None:
+    """--allow-other-machine: plan with a profile of another CPU kind (planner/machine.py)."""
+    p.add_argument("--allow-other-machine", action="store_true",
+                   help="use a profile measured on another CPU kind (vendor, model, ISA flags) anyway, with a "
+                        "warning; by default such a profile is refused, its step times do not hold here")
+
+
 def add_plan_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """`pdserve plan`: the cheapest P:D (or colocated) shape meeting SLOs, by simulation."""
     p = sub.add_parser("plan", help="is disaggregation worth it, and how many prefill and decode nodes: "
@@ -35,6 +42,7 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                                    "(a discrete-event model timed by a `pdserve profile`), prints the cheapest shape "
                                    "meeting the SLOs and the alternatives, writes a deploy/k8s values file.")
     p.add_argument("--profile", required=True, metavar="PROFILE.json", help="from `pdserve profile`")
+    add_machine_flag(p)
     w = p.add_argument_group("traffic (one of --workload, --trace)")
     w.add_argument("--workload", default=None, metavar="SPEC",
                    help="prompt=DIST,output=DIST[,prefix=N]; DIST as `pdserve bench`: N, uniform:LO:HI, "
@@ -76,4 +84,59 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     c.add_argument("--window", type=float, default=300.0,
                    help="seconds of traffic to average: scrape twice this far apart (/metrics), or the "
                         "query range (Prometheus); 0 with /metrics: since the frontend started")
+    return p
+
+
+def _add_damping(g: argparse._ArgumentGroup, prefix: str = "") -> None:
+    g.add_argument(f"--{prefix}attainment", type=float, default=0.9, help="target fraction of good requests (0.9)")
+    g.add_argument(f"--{prefix}interval", type=float, default=5.0, metavar="S", help="seconds between decisions (5)")
+    g.add_argument(f"--{prefix}window", type=float, default=60.0, metavar="S",
+                   help="seconds of traffic each decision averages (60)")
+    g.add_argument(f"--{prefix}cooldown", type=float, default=60.0, metavar="S",
+                   help="at least this long between two changes of the shape (60)")
+    g.add_argument(f"--{prefix}band", type=float, default=0.2, metavar="F",
+                   help="hysteresis: scale down only when the smaller shape meets the SLOs at the observed rate "
+                        "times 1 + F (0.2)")
+
+
+def add_up_autoscale_flags(u: argparse.ArgumentParser) -> None:
+    """`pdserve up --autoscale`: the controller starts and drains this machine's nodes."""
+    g = u.add_argument_group("autoscaling (--autoscale)")
+    g.add_argument("--autoscale", action="store_true",
+                   help="size the pools to the live traffic: the planner's model against --autoscale-slo decides "
+                        "the P:D shape, nodes are started and drained within --node-budget")
+    g.add_argument("--node-budget", type=int, default=None, metavar="N", help="the most nodes the autoscaler runs")
+    g.add_argument("--autoscale-profile", default=None, metavar="PROFILE.json", help="from `pdserve profile`")
+    g.add_argument("--autoscale-slo", default=None, metavar="ttft_p90=1s,tpot_p99=50ms",
+                   help="the SLOs the shape must meet, as `pdserve plan --slo`")
+    _add_damping(g, "autoscale-")
+    g.add_argument("--allow-other-machine", action="store_true",
+                   help="use a profile measured on another CPU kind anyway, with a warning")
+
+
+def add_autoscale_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """`pdserve autoscale`: the controller against a cluster it does not run (Kubernetes)."""
+    p = sub.add_parser("autoscale", help="decide the P:D shape from live metrics and export the desired replicas "
+                                         "per pool (pdserve_autoscale_desired_replicas, for KEDA or an HPA)",
+                       description="Reads the live traffic as `pdserve plan --check` does (each frontend's "
+                                   "/metrics, or Prometheus), decides the cheapest shape within --node-budget "
+                                   "that meets --slo with the planner's model, damped (hysteresis, cooldown), "
+                                   "and serves its decisions on /metrics.")
+    p.add_argument("--profile", required=True, metavar="PROFILE.json", help="from `pdserve profile`")
+    add_machine_flag(p)
+    p.add_argument("--slo", required=True, metavar="ttft_p90=1s,tpot_p99=50ms", help="as `pdserve plan --slo`")
+    p.add_argument("--node-budget", type=int, required=True, metavar="N", help="the most nodes of both pools")
+    p.add_argument("--colocated", action="store_true", help="the cluster runs colocated nodes (no prefill pool)")
+    s = p.add_argument_group("metrics source")
+    s.add_argument("--metrics-url", action="append", default=[], metavar="URL", help="a frontend's /metrics "
+                                                                                     "(repeatable)")
+    s.add_argument("--node-metrics-url", action="append", default=[], metavar="URL",
+                   help="a node's /metrics (repeatable): the current shape")
+    s.add_argument("--prometheus", default=None, metavar="URL", help="a Prometheus server instead of /metrics URLs")
+    d = p.add_argument_group("damping")
+    _add_damping(d)
+    o = p.add_argument_group("output")
+    o.add_argument("--metrics-host", default="0.0.0.0", help="where its /metrics listens (0.0.0.0)")
+    o.add_argument("--metrics-port", type=int, default=9400, help="its /metrics port (9400; 0: none)")
+    o.add_argument("--once", action="store_true", help="one decision (after one --window), printed, then exit")
     return p

@@ -21,6 +21,7 @@ import sys
 import time
 import urllib.parse
 import urllib.request
+from collections import deque
 from dataclasses import asdict, dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -28,7 +29,7 @@ from rich.console import Console
 
 from pdserve.planner.loadgen.metrics import parse_slos
 from pdserve.planner.plan import PlanConfig, Planner
-from pdserve.planner.profile_model import load_profile
+from pdserve.planner.profile_model import load_profile_here
 from pdserve.planner.sim import NodeSettings, Shape
 from pdserve.planner.traffic import Traffic
 
@@ -64,20 +65,22 @@ class Observed:
 
 
 @dataclass
-class _Counters:
+class Counters:
+    """One or more frontends' request and token counters (summed)."""
+
     requests: float = 0.0
     prompt: float = 0.0
     completion: float = 0.0
     created: float = math.inf  # earliest counter creation (unix s)
 
 
-def _get(url: str, timeout: float = 10.0) -> str:
+def get_text(url: str, timeout: float = 10.0) -> str:
     with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310 (operator-given URL)
         return resp.read().decode("utf-8")
 
 
-def _frontend_counters(text: str) -> _Counters:
-    c = _Counters()
+def frontend_counters(text: str) -> Counters:
+    c = Counters()
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
             if s.name == "pdserve_frontend_requests_total" and s.labels.get("status") == "200":
@@ -92,7 +95,7 @@ def _frontend_counters(text: str) -> _Counters:
     return c
 
 
-def _node_pool(text: str) -> str | None:
+def node_pool(text: str) -> str | None:
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
             if s.labels.get("pool") in ("prefill", "decode"):
@@ -102,11 +105,11 @@ def _node_pool(text: str) -> str | None:
 
 def observe_metrics(frontend_urls: list[str], node_urls: list[str], window_s: float) -> Observed:
     """Reads the frontends' /metrics (twice, `window_s` apart; once with 0) and the nodes' pools."""
-    first = [_frontend_counters(_get(u)) for u in frontend_urls]
+    first = [frontend_counters(get_text(u)) for u in frontend_urls]
     if window_s > 0:
         started = time.monotonic()
         time.sleep(window_s)  # the observation window itself, not a synchronisation
-        second = [_frontend_counters(_get(u)) for u in frontend_urls]
+        second = [frontend_counters(get_text(u)) for u in frontend_urls]
         window = time.monotonic() - started
         delta = [(b.requests - a.requests, b.prompt - a.prompt, b.completion - a.completion)
                  for a, b in zip(first, second, strict=True)]
@@ -114,7 +117,7 @@ def observe_metrics(frontend_urls: list[str], node_urls: list[str], window_s: fl
         created = min((c.created for c in first), default=math.inf)
         window = time.time() - created if math.isfinite(created) else 0.0
         delta = [(c.requests, c.prompt, c.completion) for c in first]
-    pools = [_node_pool(_get(u)) for u in node_urls]
+    pools = [node_pool(get_text(u)) for u in node_urls]
     obs = Observed(sum(d[0] for d in delta), sum(d[1] for d in delta), sum(d[2] for d in delta), window)
     if node_urls:
         obs.prefill_nodes, obs.decode_nodes = pools.count("prefill"), pools.count("decode")
@@ -123,7 +126,7 @@ def observe_metrics(frontend_urls: list[str], node_urls: list[str], window_s: fl
 
 def _prom_scalar(base: str, query: str) -> float:
     url = f"{base.rstrip('/')}/api/v1/query?{urllib.parse.urlencode({'query': query})}"
-    data = json.loads(_get(url))
+    data = json.loads(get_text(url))
     if data.get("status") != "success":
         raise ValueError(f"Prometheus query {query!r} failed: {data.get('error', data)}")
     result = data["data"]["result"]
@@ -139,6 +142,57 @@ def observe_prometheus(base: str, window_s: float) -> Observed:
     prefill = _prom_scalar(base, 'count(count by (node) (pdserve_kv_blocks{pool="prefill"}))')
     decode = _prom_scalar(base, 'count(count by (node) (pdserve_kv_blocks{pool="decode"}))')
     return Observed(req, prompt, completion, float(max(int(window_s), 1)), int(prefill), int(decode))
+
+
+class ScrapeSource:
+    """Frontends' /metrics scraped at each observation; the traffic is the counters' increase over the
+    samples of the last `window_s` (a counter that went down, a restarted frontend, starts a new window).
+    `node_urls` give the current shape (each node's pool)."""
+
+    def __init__(self, frontend_urls: list[str], node_urls: list[str], window_s: float,
+                 timeout_s: float = 3.0) -> None:
+        assert frontend_urls, "a ScrapeSource needs at least one frontend /metrics URL"
+        self.frontend_urls, self.node_urls = frontend_urls, node_urls
+        self.window_s, self.timeout_s = window_s, timeout_s
+        self.history: deque[tuple[float, Counters]] = deque()
+
+    def observe(self) -> Observed:
+        total = Counters()
+        for url in self.frontend_urls:
+            c = frontend_counters(get_text(url, self.timeout_s))
+            total.requests, total.prompt, total.completion = (total.requests + c.requests, total.prompt + c.prompt,
+                                                              total.completion + c.completion)
+        now = time.monotonic()
+        if self.history and total.requests < self.history[-1][1].requests:
+            self.history.clear()  # a frontend restarted: its counters began again
+        self.history.append((now, total))
+        while len(self.history) > 2 and now - self.history[1][0] >= self.window_s:
+            self.history.popleft()
+        t0, first = self.history[0]
+        obs = Observed(total.requests - first.requests, total.prompt - first.prompt,
+                       total.completion - first.completion, now - t0)
+        if self.node_urls:
+            pools = [node_pool(get_text(u, self.timeout_s)) for u in self.node_urls]
+            obs.prefill_nodes, obs.decode_nodes = pools.count("prefill"), pools.count("decode")
+        return obs
+
+    @property
+    def warm(self) -> bool:
+        """Whether the samples span a whole window yet."""
+        return len(self.history) >= 2 and self.history[-1][0] - self.history[0][0] >= self.window_s * 0.9
+
+
+class PrometheusSource:
+    """The same figures from a Prometheus server over the last `window_s`."""
+
+    warm = True
+
+    def __init__(self, base: str, window_s: float) -> None:
+        self.base, self.window_s = base, window_s
+
+    def observe(self) -> Observed:
+        return observe_prometheus(self.base, self.window_s)
+
 
 
 @dataclass
@@ -181,7 +235,7 @@ def check(args: argparse.Namespace) -> CheckResult:
            else observe_metrics(args.metrics_url, args.node_metrics_url, args.window))
     if obs.requests < 1 or obs.rate <= 0:
         raise ValueError("the cluster finished no request in the window: nothing to plan for")
-    profile = load_profile(args.profile)
+    profile = load_profile_here(args.profile, args.allow_other_machine)
     traffic = Traffic.parse(str(max(1, round(obs.mean_prompt))), str(max(1, round(obs.mean_output))), 0, args.seed)
     settings = NodeSettings.of(profile, local_prefill_threshold=args.local_prefill_threshold,
                                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,

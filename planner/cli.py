@@ -15,7 +15,7 @@ from rich.table import Table
 
 from pdserve.planner.loadgen.metrics import parse_slos
 from pdserve.planner.plan import Plan, PlanConfig, Planner, ShapeResult, write_values
-from pdserve.planner.profile_model import load_profile
+from pdserve.planner.profile_model import load_profile_here
 from pdserve.planner.sim import NodeSettings, SimResult, load_overheads
 from pdserve.planner.traffic import Traffic, trace_requests
 
@@ -40,7 +40,7 @@ def parse_workload(spec: str, seed: int = 0) -> Traffic:
 
 def config_from_args(args: argparse.Namespace) -> PlanConfig:
     """Validates the options into a PlanConfig. Raises ValueError (or OSError reading a file)."""
-    profile = load_profile(args.profile)
+    profile = load_profile_here(args.profile, args.allow_other_machine)
     if args.trace and args.workload:
         raise ValueError("give --workload or --trace, not both")
     traffic = None if args.trace else parse_workload(args.workload or "", args.seed)

@@ -39,6 +39,7 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kernels import get_kernel_ops
 from pdserve.kv_transfer import ChannelConfig, ChannelManager, KVReceiver, KVSender, TransferMeta
+from pdserve.planner.machine import PROFILE_KEY, this_machine
 from pdserve.planner.profile_model import EngineFacts, Profile, fit_linear
 
 
@@ -202,8 +203,18 @@ def model_fingerprint(model_dir: Path) -> str:
     return h.hexdigest()
 
 
+def kernel_isa(engine: LLMEngine) -> str:
+    """The kernels this engine runs its weights on: the quantized path's ISA ("avx2", "avx512_vnni",
+    "portable"), else the float weights' dtype on the kernel backend (e.g. "bfloat16 CpuOps")."""
+    weights = engine.weights
+    if weights.kernels:
+        return weights.kernels
+    return f"{weights.format} {type(engine.ops).__name__}"
+
+
 def machine_facts(engine: LLMEngine) -> dict[str, Any]:
-    return {"platform": platform.platform(), "machine": platform.machine(), "processor": platform.processor(),
+    return {PROFILE_KEY: this_machine(kernel_isa(engine)).to_dict(),
+            "platform": platform.platform(), "machine": platform.machine(), "processor": platform.processor(),
             "cpu_count": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
             "torch_threads": torch.get_num_threads(), "device": engine.cfg.device,
             "kernel_backend": type(engine.ops).__name__, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ",

@@ -19,9 +19,12 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from pdserve.planner.machine import check_profile_machine
 
 SCHEMA_VERSION = 1
 
@@ -101,6 +104,16 @@ class Profile:
                        EngineFacts(**d["engine"]), d.get("machine", {}), d.get("model", {}), d.get("points", {}))
         except (KeyError, TypeError) as err:
             raise ValueError(f"not a pdserve profile: {err}") from None
+
+
+def load_profile_here(path: str | Path, allow_other_machine: bool = False) -> Profile:
+    """`load_profile`, refused (ValueError) when measured on another CPU kind than this machine's unless
+    `allow_other_machine`; the warnings (another kind allowed, an old profile without the record) go to
+    stderr."""
+    profile = load_profile(path)
+    for warning in check_profile_machine(profile.machine, allow_other_machine):
+        print(f"pdserve plan: {path}: {warning}", file=sys.stderr)
+    return profile
 
 
 def load_profile(path: str | Path) -> Profile:

@@ -108,6 +108,53 @@ class UpCluster:
             raise RuntimeError(f"pdserve status failed: {result.stderr}")
         return dict(json.loads(result.stdout))
 
+    def nodes(self) -> dict[str, dict[str, Any]]:
+        """The launcher's live node processes by name (cluster.json: pool, pid, grpc, metrics)."""
+        return {p["name"]: p for p in self.state()["processes"]
+                if p["pool"] in ("prefill", "decode") and p["pid"] and p.get("grpc")}
+
+    def _loads(self, names: list[str]) -> dict[str, Any]:
+        from pdserve.rpc import RpcSecurity
+        from pdserve.rpc import pdserve_pb2 as pb
+        from pdserve.rpc import pdserve_pb2_grpc as pb_grpc
+
+        nodes, out = self.nodes(), {}
+        for name in names:
+            with RpcSecurity.from_env().channel(nodes[name]["grpc"]) as channel:
+                stub = (pb_grpc.DecodeNodeStub if nodes[name]["pool"] == "decode" else pb_grpc.PrefillNodeStub)(channel)
+                out[name] = stub.GetLoad(pb.LoadRequest(), timeout=10)
+        return out
+
+    def check_integrity(self) -> None:
+        """NodeControl/CheckIntegrity on every live node of the cluster (testing.cluster.LocalCluster's
+        check: KV blocks, engine requests, streams, reservations agree). Raises AssertionError."""
+        from pdserve.rpc import RpcSecurity
+        from pdserve.rpc import pdserve_pb2 as pb
+        from pdserve.rpc import pdserve_pb2_grpc as pb_grpc
+
+        problems = {}
+        for name, node in self.nodes().items():
+            with RpcSecurity.from_env().channel(node["grpc"]) as channel:
+                report = pb_grpc.NodeControlStub(channel).CheckIntegrity(pb.IntegrityRequest(), timeout=10)
+            if not report.ok:
+                problems[name] = report.problem
+        assert not problems, f"node integrity: {problems}"
+
+    def wait_clean(self, timeout_s: float = 30.0) -> None:
+        """Waits until every live node has no request in flight and zero used KV blocks, then checks their
+        integrity (testing.cluster.LocalCluster.wait_clean for `pdserve up`'s nodes)."""
+        from testing.cluster import _clean
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            loads = self._loads(list(self.nodes()))
+            if all(_clean(load) for load in loads.values()):
+                self.check_integrity()
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"nodes not clean after {timeout_s}s: {loads}")
+            time.sleep(0.05)  # the poll interval
+
     def interrupt(self, timeout_s: float = 120.0) -> int:
         """Ctrl-C: SIGINT to the launcher's process group; returns its exit code."""
         os.killpg(self.proc.pid, signal.SIGINT)

@@ -414,6 +414,8 @@ def test_profile_quick_then_plan_on_it(tiny_llama_dir: Path, tmp_path: Path) -> 
     data = json.loads(prof_path.read_text())
     assert data["schema_version"] == 1 and len(data["model"]["fingerprint"]) == 64
     assert data["machine"]["cpu_count"] >= 1 and prof.engine.num_kv_blocks > 0
+    cpu = data["machine"]["cpu"]  # the machine kind `plan` compares against (planner/machine.py)
+    assert cpu["vendor"] and cpu["model_name"] and cpu["kernel_isa"] and isinstance(cpu["flags"], list)
     assert {"prefill", "decode", "transfer"} <= data["points"].keys()
     assert any(p["cached"] > 0 for p in data["points"]["prefill"])  # the prefix-hit points
     assert all(p["seconds"] > 0 for pts in data["points"].values() for p in pts)
@@ -548,3 +550,62 @@ def _check_through_prometheus(cluster: Any, frontend_url: str, tmp_path: Path, p
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+# ---------------------------------------------------------------------------------------- machine kind
+
+_XEON = ("processor\t: 0\nvendor_id\t: GenuineIntel\nmodel name\t: Intel(R) Xeon(R)  Platinum 8480+\n"
+         "flags\t\t: fpu sse2 avx2 fma f16c avx512f avx512bw avx512_vnni avx512_bf16 amx_tile amx_bf16 amx_int8\n\n"
+         "processor\t: 1\nvendor_id\t: GenuineIntel\n")
+_ZEN3 = "vendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC 7763 64-Core Processor\nflags\t\t: sse2 avx2 fma f16c\n"
+
+
+def test_machine_kind_reads_cpuinfo_and_names_what_differs() -> None:
+    from pdserve.planner.machine import MachineKind, differences, this_machine
+
+    xeon, zen = this_machine("avx512_vnni", _XEON), this_machine("avx2", _ZEN3)
+    assert (xeon.vendor, xeon.model_name) == ("GenuineIntel", "Intel(R) Xeon(R) Platinum 8480+")
+    assert "amx_bf16" in xeon.flags and "avx512_bf16" in xeon.flags and "avx512f" not in zen.flags
+    assert MachineKind.from_dict(xeon.to_dict()) == xeon
+    diff = differences(xeon, zen)
+    assert any("lacks avx512f" in d and "amx_bf16" in d for d in diff) and any("vendor" in d for d in diff)
+    assert differences(xeon, this_machine("avx512_vnni", _XEON)) == []
+    here = this_machine()  # this machine: whatever it is, it is its own kind
+    assert here.arch and differences(here, this_machine()) == []
+
+
+def _profile_of(tmp_path: Path, cpu: dict[str, Any] | None) -> Path:
+    prof = synthetic(decode=Linear(0.01, 2e-4, 1e-7), prefill=Linear(0.01, 1e-4, 1e-8), transfer=Linear(0.002, 1e-9))
+    prof.machine = {} if cpu is None else {"cpu": cpu}
+    path = tmp_path / "profile.json"
+    prof.save(path)
+    return path
+
+
+def test_plan_refuses_a_profile_of_another_machine_kind_unless_allowed(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A profile measured on another CPU kind is refused with a message naming both kinds and the flag;
+    --allow-other-machine plans with it and warns loudly; an old profile without the record plans with a
+    warning; a profile of this machine's kind plans silently."""
+    from pdserve.planner.machine import this_machine
+
+    here = this_machine()
+    other = (this_machine("avx2", _ZEN3) if here.vendor != "AuthenticAMD" else this_machine("amx", _XEON)).to_dict()
+    argv = ["plan", "--workload", "prompt=64,output=16", "--rate", "1", "--slo", "ttft_p90=30s", "--max-nodes", "2",
+            "--requests", "20"]
+    def run(cpu: dict[str, Any] | None, *extra: str) -> tuple[int, str, str]:
+        from pdserve.deploy.cli import build_parser
+
+        args = build_parser().parse_args([*argv, "--profile", str(_profile_of(tmp_path, cpu)), *extra])
+        rc = args.fn(args)
+        got = capsys.readouterr()
+        return rc, got.out, got.err
+
+    with pytest.raises(ValueError, match="measured on .* this machine is .*--allow-other-machine"):
+        run(other)
+    rc, out, err = run(other, "--allow-other-machine")
+    assert rc == 0 and "recommended:" in out and "WARNING: --allow-other-machine" in err
+    rc, out, err = run(None)
+    assert rc == 0 and "records no CPU kind" in err
+    rc, out, err = run(here.to_dict())
+    assert rc == 0 and "recommended:" in out and "WARNING" not in err and "records no" not in err

@@ -23,7 +23,8 @@ Files, under `<runs>/<cluster>/` (`runs/` in the repository root by default):
 
 Modules: `config` (LauncherConfig, build_config, ClusterState), `process` (Slot, command lines, start,
 stdout reader), `supervisor` (Launcher: start order, supervision, files), `display` (progress table,
-banner), `shutdown` (stop order, registry check).
+banner), `shutdown` (stop order, registry check), `autoscaling` (--autoscale: the planner's controller
+starting and draining node slots).
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from pdserve.node_common.pinning import parse_cpus, split_cpus
 
 if TYPE_CHECKING:
+    from pdserve.deploy.launcher.autoscaling import AutoscaleOptions
     from pdserve.engine.default_model import ResolvedModel
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -77,6 +78,7 @@ class LauncherConfig:
     otlp_endpoint: str = ""
     trace_sample_ratio: float = 1.0
     python: str = sys.executable
+    autoscale: AutoscaleOptions | None = None  # --autoscale: the controller starts and drains nodes
 
     def __post_init__(self) -> None:
         checks = [
@@ -104,6 +106,16 @@ class LauncherConfig:
             (not self.otlp_endpoint or self.otlp_endpoint.startswith(("http://", "https://")),
              f"--otlp-endpoint must be an http(s) URL, got {self.otlp_endpoint!r}"),
         ]
+        if self.autoscale is not None:
+            checks += [
+                (self.autoscale.node_budget >= self.num_prefill + self.num_decode,
+                 f"--node-budget {self.autoscale.node_budget} is below the starting shape's "
+                 f"{self.num_prefill + self.num_decode} nodes"),
+                (not self.pin, "--autoscale does not pin (--pin splits the CPUs over a fixed set of nodes)"),
+                (self.autoscale.profile.is_file(), f"--autoscale needs a profile: {self.autoscale.profile} does not "
+                                                   f"exist (run `pdserve profile --out FILE` on this machine)"),
+                (bool(self.autoscale.slo), "--autoscale needs --autoscale-slo (e.g. ttft_p90=1s,tpot_p99=50ms)"),
+            ]
         for ok, msg in checks:
             if not ok:
                 raise ValueError(f"pdserve up: {msg}")
@@ -207,4 +219,22 @@ def build_config(args: Any, resolve_model: Callable[[str | None], ResolvedModel]
         node_args=tuple(args.node_arg or ()), frontend_args=tuple(args.frontend_arg or ()),
         limits_redis=getattr(args, "limits_redis", "") or "",
         otlp_endpoint=getattr(args, "otlp_endpoint", "") or "", trace_sample_ratio=getattr(args, "trace_sample_ratio", 1.0),
+        autoscale=_autoscale_options(args),
     )
+
+
+def _autoscale_options(args: Any) -> AutoscaleOptions | None:
+    """--autoscale's flags (None without --autoscale; the controller's other flags then must not be given)."""
+    if not getattr(args, "autoscale", False):
+        if getattr(args, "node_budget", None) is not None:
+            raise ValueError("pdserve up: --node-budget needs --autoscale")
+        return None
+    from pdserve.deploy.launcher.autoscaling import AutoscaleOptions
+
+    if args.node_budget is None:
+        raise ValueError("pdserve up: --autoscale needs --node-budget N (the most nodes it may run)")
+    if not args.autoscale_profile:
+        raise ValueError("pdserve up: --autoscale needs --autoscale-profile FILE (from `pdserve profile`)")
+    return AutoscaleOptions(Path(args.autoscale_profile), args.autoscale_slo or "", args.node_budget,
+                            args.autoscale_attainment, args.autoscale_interval, args.autoscale_window,
+                            args.autoscale_cooldown, args.autoscale_band, args.allow_other_machine)

@@ -40,6 +40,8 @@ class Slot:
     restart_at: float | None = None
     backoff_s: float = 1.0
     status: str = "waiting"
+    retiring: bool = False  # being drained for good (autoscaling): removed once it exits, never restarted
+    retire_deadline: float = 0.0  # monotonic time past which a draining process is killed
 
     @property
     def alive(self) -> bool:

@@ -13,16 +13,21 @@ import threading
 import time
 from collections.abc import Sequence
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.live import Live
 
 from pdserve.deploy.launcher.config import ClusterState, LauncherConfig, write_json_atomic
 from pdserve.deploy.launcher.display import endpoint, print_banner, progress_table
-from pdserve.deploy.launcher.process import Slot, StartupError, command, http_ok, spawn
+from pdserve.deploy.launcher.process import Slot, StartupError, command, http_ok, send_signal, spawn
 from pdserve.deploy.launcher.shutdown import STOP_ORDER, empty_registry, stop_grace_s, stop_group
+from pdserve.registry.etcd_server import free_port
 from pdserve.rpc import TOKEN_ENV
+
+if TYPE_CHECKING:
+    from pdserve.deploy.launcher.autoscaling import Autoscaler
+    from pdserve.planner.sim import Shape
 
 _POLL_S = 0.2
 _BACKOFF_MAX_S = 30.0
@@ -61,6 +66,12 @@ class Launcher:
         # caller's $PDSERVE_CLUSTER_TOKEN, else a fresh one (kept in token_path for `pdserve drain`).
         self._cluster_token = os.environ.get(TOKEN_ENV, "").strip() or secrets.token_urlsafe(24)
         self.token_path = config.cluster_dir / "cluster-token"
+        # --autoscale: the controller's thread reads the slots and asks for a shape under this lock; only
+        # the supervising thread starts, drains and removes slots.
+        self.lock = threading.RLock()
+        self.wanted_shape: Shape | None = None
+        self._next_index = {"prefill": config.num_prefill, "decode": config.num_decode}
+        self.autoscaler: Autoscaler | None = None
 
     # -- entry point ----------------------------------------------------------------------------------
 
@@ -81,6 +92,14 @@ class Launcher:
             if self._stop.is_set():
                 return 130
             print_banner(self.out, self.config, self.slots, self.etcd_endpoints, self.logs_dir)
+            if self.autoscaler is not None:
+                self.autoscaler.start(self.config.host)
+                a = self.autoscaler.config
+                self.out.print(f"autoscale: on, node budget {a.node_budget}, SLOs "
+                               f"{', '.join(f'{x.name}<={1000 * x.threshold_s:g}ms' for x in a.slos)}, every "
+                               f"{a.interval_s:g}s over {a.window_s:g}s, cooldown {a.cooldown_s:g}s; its metrics "
+                               f"on http://{self.config.host}:{self.autoscaler.metrics_port}/metrics")
+                self._write_files()
             self._supervise()
             return 0
         finally:
@@ -118,6 +137,13 @@ class Launcher:
         shutil.rmtree(etcd_dir / "data", ignore_errors=True)
         with contextlib.suppress(FileNotFoundError):
             (etcd_dir / "ports.json").unlink()
+        if cfg.autoscale is not None:
+            from pdserve.deploy.launcher.autoscaling import Autoscaler
+
+            try:
+                self.autoscaler = Autoscaler(self, cfg.autoscale, free_port(cfg.host))
+            except (ValueError, OSError) as err:
+                raise StartupError(f"--autoscale: {err}") from err
         self._write_files()
 
     def _start_all(self) -> None:
@@ -186,13 +212,67 @@ class Launcher:
 
     def _supervise(self) -> None:
         while not self._stop.wait(_POLL_S):
-            for slot in self.slots:
+            self._reshape()
+            with self.lock:
+                slots = list(self.slots)
+            for slot in slots:
                 self._tend(slot)
+
+    # -- autoscaling ----------------------------------------------------------------------------------
+
+    def _reshape(self) -> None:
+        """Starts and drains nodes toward the shape the autoscaler asked for (the newest nodes drain first)."""
+        with self.lock:
+            want, self.wanted_shape = self.wanted_shape, None
+        if want is None:
+            return
+        for pool, count in (("prefill", want.prefill), ("decode", want.decode)):
+            live = [s for s in self.slots if s.pool == pool and not s.retiring]
+            for _ in range(count - len(live)):
+                self._add_node(pool)
+            for slot in sorted(live, key=lambda s: int(s.name.rsplit("-", 1)[1]), reverse=True)[:max(0, len(live) - count)]:
+                self._retire(slot)
+        self._write_files()
+
+    def _add_node(self, pool: str) -> None:
+        index = self._next_index[pool]
+        self._next_index[pool] += 1
+        slot = Slot(f"{pool}-{index}", pool, self.logs_dir / f"{pool}-{index}.log")
+        with self.lock:
+            self.slots.insert(len(self.slots) - 1, slot)  # the frontend stays last
+        self._spawn(slot)
+        self.console.print(f"  starting {slot.name} (pid {slot.proc.pid if slot.proc else '-'}) for the autoscaler")
+
+    def _retire(self, slot: Slot) -> None:
+        """Drains the node for good: SIGTERM (it leaves the registry, finishes or hands over its requests and
+        exits); `_tend` removes the slot once it has exited, or kills it past its stop grace."""
+        with self.lock:
+            slot.retiring = True
+        slot.restart_at = None
+        slot.status = "draining"
+        slot.retire_deadline = time.monotonic() + stop_grace_s(slot.pool, self.config.drain_timeout_s)
+        send_signal(slot, signal.SIGTERM)
+        self.console.print(f"  draining {slot.name} (pid {slot.pid}) for the autoscaler")
+
+    def _tend_retiring(self, slot: Slot) -> None:
+        if slot.alive:
+            if time.monotonic() > slot.retire_deadline:
+                send_signal(slot, signal.SIGKILL)
+            return
+        code = slot.proc.returncode if slot.proc is not None else None
+        with self.lock:
+            self.slots.remove(slot)
+        self.console.print(f"  drained {slot.name} (exit {code})")
+        self._write_files()
+
+    # -- supervise ------------------------------------------------------------------------------------
 
     def _tend(self, slot: Slot) -> None:
         """Notices a death (reports it, schedules a restart), restarts when due, and notices readiness."""
         now = time.monotonic()
-        if slot.proc is not None and not slot.alive and slot.restart_at is None:
+        if slot.retiring:
+            self._tend_retiring(slot)
+        elif slot.proc is not None and not slot.alive and slot.restart_at is None:
             code = slot.proc.returncode
             slot.ready = False
             if now - slot.started_at > _STABLE_S:
@@ -211,7 +291,11 @@ class Launcher:
         elif slot.restart_at is not None and now >= slot.restart_at:
             self._spawn(slot)
         elif slot.alive and not slot.ready and self._check_ready(slot):
-            self.console.print(f"[green]{slot.name} is back[/green] (pid {slot.pid}, start #{slot.starts})")
+            if slot.starts == 1:
+                self.console.print(f"  [green]ready[/green] {slot.name:<11} pid {slot.pid}  "
+                                   f"{endpoint(self.config, slot, self.etcd_endpoints)}")
+            else:
+                self.console.print(f"[green]{slot.name} is back[/green] (pid {slot.pid}, start #{slot.starts})")
 
     # -- files ----------------------------------------------------------------------------------------
 
@@ -227,6 +311,9 @@ class Launcher:
             if addresses and slot.alive:
                 labels = {"cluster": self.config.cluster, "pool": slot.pool, "node": slot.name}
                 groups.append({"targets": addresses, "labels": labels})
+        if self.autoscaler is not None and self.autoscaler.running:
+            groups.append({"targets": [f"{self.config.host}:{self.autoscaler.metrics_port}"],
+                           "labels": {"cluster": self.config.cluster, "pool": "autoscaler", "node": "autoscaler"}})
         return groups
 
     def _write_files(self) -> None:
@@ -248,6 +335,8 @@ class Launcher:
         """Stops every process in order; checks (and if need be empties) the registry before etcd goes."""
         self._stop.set()
         self.console.print("[bold]pdserve: stopping[/bold] (Ctrl-C again to stop at once)")
+        if self.autoscaler is not None:
+            self.autoscaler.stop()
         for pool in STOP_ORDER:
             group = [s for s in self.slots if s.pool == pool]
             if group:
