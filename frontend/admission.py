@@ -158,8 +158,9 @@ class Admitter:
         try:
             if slot is not None and slot.waited:
                 degraded.append(LONG_PROMPT_LANE)
-            job = self._admit_routed(kind, tenant, req, model, picked, tokenized, budgets, session_key, headers,
-                                     budget_ms, arrived, AdmissionStamps(parsed, tokenized_at), dropped)
+            job = await self._admit_routed(kind, tenant, req, model, picked, tokenized, budgets, session_key,
+                                           headers, budget_ms, arrived, AdmissionStamps(parsed, tokenized_at),
+                                           dropped, batch)
         except BaseException:
             if slot is not None:
                 slot.release()
@@ -177,10 +178,10 @@ class Admitter:
             return None
         return await self.lanes.acquire(model.name, lane, f"Model `{model.name}`")
 
-    def _admit_routed(self, kind: str, tenant: Tenant, req: GenerationRequest, model: ServedModel, picked: PickedModel,
+    async def _admit_routed(self, kind: str, tenant: Tenant, req: GenerationRequest, model: ServedModel, picked: PickedModel,
                       tokenized: Tokenized, budgets: list[OutputBudget], session_key: str | None,
                       headers: Mapping[str, str], budget_ms: float | None, arrived: float, stamps: AdmissionStamps,
-                      dropped: int) -> Job:
+                      dropped: int, batch: bool) -> Job:
         """Routes every choice, checks the TTFT budget and takes the tenant's grant: the admitted job."""
         prompts = tokenized.prompts
         per_prompt_max = [b.max_tokens for b in budgets]

@@ -66,8 +66,8 @@ from pdserve.frontend.config_files import (
     entries,
     load_config_file,
 )
-from pdserve.frontend.pricing import Prices
 from pdserve.frontend.degrade import NO_POLICY, DegradePolicy, parse_degrade
+from pdserve.frontend.pricing import Prices
 from pdserve.frontend.protocol import RequestLimits
 from pdserve.frontend.reasoning import REASONING_SETTINGS
 from pdserve.frontend.tls import TLSConfigError, check_pair
