@@ -34,11 +34,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import redis.asyncio as aioredis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
-
 from pdserve.frontend.errors import QUOTA, RATE_LIMIT, APIError
 from pdserve.frontend.limits import (
     SECONDS_PER_DAY,
@@ -241,6 +236,13 @@ class RedisLimitStore:
         assert lease_s > 0, lease_s
         self.url, self.lease_s, self._wall = url, lease_s, wall
         self._prefix = f"pdserve:limits:{{{cluster}/"
+        # Imported here: redis-py pulls in the OpenTelemetry SDK, which a frontend without a store never loads.
+        import redis.asyncio as aioredis
+        from redis.asyncio.retry import Retry
+        from redis.backoff import NoBackoff
+        from redis.exceptions import RedisError
+
+        self.errors: tuple[type[Exception], ...] = (RedisError, OSError)  # what "unreachable" means
         self.redis = aioredis.Redis.from_url(url, socket_timeout=_REDIS_TIMEOUT_S,
                                              socket_connect_timeout=_REDIS_TIMEOUT_S, retry=Retry(NoBackoff(), 0),
                                              health_check_interval=0)
@@ -300,7 +302,7 @@ class RedisLimitStore:
                 str(_DAY_TTL_S), str(_MONTH_TTL_S)]
         try:
             await self._release(keys=keys, args=args)
-        except (RedisError, OSError) as err:
+        except self.errors as err:
             self.on_release_failed(grant, output_used, cost_usd, err)
 
     async def renew(self) -> None:
@@ -399,7 +401,7 @@ class Limiter:
             return
         try:
             await self.store.ping()
-        except (RedisError, OSError) as err:
+        except self.store.errors as err:
             self._lost(err)
         self._renewer = asyncio.get_running_loop().create_task(self._renew_loop())
 
@@ -427,7 +429,7 @@ class Limiter:
             await asyncio.sleep(_PING_S)
             try:
                 await self.store.ping()
-            except (RedisError, OSError):
+            except self.store.errors:
                 continue
             self._set_up(True)
             self._pinger = None
@@ -442,7 +444,7 @@ class Limiter:
                 continue
             try:
                 await self.store.renew()
-            except (RedisError, OSError) as err:
+            except self.store.errors as err:
                 self._lost(err)
 
     def _release_failed(self, grant: SharedGrant, output_used: int, cost_usd: float, err: Exception) -> None:
@@ -450,13 +452,19 @@ class Limiter:
         tokens and the spend are kept in the local ledger."""
         self.local.ledger.charge(grant.tenant.name, grant.day, grant.input_tokens + output_used, cost_usd,
                                  self.local.wall())
-        if isinstance(err, RedisError | OSError):
+        if isinstance(err, self.store.errors):
             self._lost(err)
 
     def precheck(self, tenant: Tenant) -> None:
         """The early check before tokenizing: local only (the shared check is the one round trip of `grant`)."""
-        if not self.shared:
+        if self.shared:
+            return
+        try:
             self.local.precheck(tenant)
+        except APIError:
+            if self.store is not None and self._fallbacks is not None:
+                self._fallbacks.inc()  # refused by the local share: a decision made without the store
+            raise
 
     async def grant(self, tenant: Tenant, input_tokens: int, output_reserve: int,
                     output_estimate: int = 0) -> AnyGrant:
@@ -464,7 +472,7 @@ class Limiter:
         if self.store is not None and self.up:
             try:
                 return await self.store.admit(tenant, input_tokens, output_reserve, output_estimate)
-            except (RedisError, OSError) as err:
+            except self.store.errors as err:
                 self._lost(err)
         if self.store is not None and self._fallbacks is not None:
             self._fallbacks.inc()

@@ -36,7 +36,9 @@ TENANTS: dict[str, dict[str, Any]] = {
     "solo": {"daily_token_quota": 400},  # the frontend without Redis
     "share": {"requests_per_minute": 30},  # 10 a frontend while Redis is down
     "broke": {"daily_budget_usd": 0},
+    "spender": {"daily_budget_usd": 0.02},
 }
+OUTPUT_USD_PER_MILLION = 1000.0  # the models file's output price: 8 completion tokens cost $0.008
 KEYS = {name: f"sk-{name}-{'k' * 24}" for name in TENANTS}
 N_FRONTENDS = 3
 
@@ -70,7 +72,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: Path,
     tenants.write_bytes(orjson.dumps({"tenants": [
         {"name": name, "keys_sha256": [hash_key(KEYS[name])], **limits} for name, limits in TENANTS.items()]}))
     models = tmp / "models.yaml"
-    models.write_bytes(orjson.dumps({"models": [{"name": "tiny-llama", "path": str(tiny_llama_dir)}]}))
+    models.write_bytes(orjson.dumps({"models": [{"name": "tiny-llama", "path": str(tiny_llama_dir),
+                                                 "prices": {"output": OUTPUT_USD_PER_MILLION}}]}))
     clock_file = tmp / "clock-offset"
     clock_file.write_text("0")
     with EtcdServer(tmp / "etcd") as etcd:
@@ -176,6 +179,24 @@ def test_daily_quota_survives_a_restart_of_every_frontend_and_rolls_over_at_midn
         assert solo.stop() == 0
     print(f"\nquota 400 tokens: {admitted} requests admitted over {N_FRONTENDS} frontends, still refused after "
           f"restarting all of them; {admitted_solo} without Redis, still refused after a restart")
+
+
+def test_spend_survives_a_restart_of_every_frontend(cluster: Cluster) -> None:
+    """Spend charged at the models file's prices by three frontends sharing Redis reaches the tenant's daily
+    budget; restarting every frontend keeps it reached (the spend is the store's, not a process's)."""
+    admitted, refusal = _use_up_quota(cluster.frontends, "spender")
+    assert admitted == 3, (admitted, refusal)  # $0.008 a request: refused once $0.024 >= $0.02 was spent
+    assert refusal["code"] == "insufficient_quota"
+    assert "tenant 'spender' reached its daily budget of $0.02 ($0.0240 spent)" in refusal["message"]
+    spent = sum(metric(fe, "pdserve_frontend_cost_total") for fe in cluster.frontends)
+    for i, fe in enumerate(cluster.frontends):
+        assert fe.stop() == 0
+        cluster.frontends[i] = cluster.start_shared(i)
+    after = [one(fe, "spender", max_tokens=8) for fe in cluster.frontends]
+    assert [r.status_code for r in after] == [429] * N_FRONTENDS
+    assert all(r.json()["error"]["message"] == refusal["message"] for r in after)
+    print(f"\ndaily budget $0.02: {admitted} requests admitted (cost metric ${spent:.4f} over all tenants), "
+          f"still refused after restarting all {N_FRONTENDS} frontends")
 
 
 def test_budget_zero_admits_nothing_on_every_frontend(cluster: Cluster) -> None:

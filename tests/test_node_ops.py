@@ -40,7 +40,7 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 COMMON = {"pdserve_prefix_cache_queries", "pdserve_prefix_cache_hits", "pdserve_kv_blocks", "pdserve_kv_usage_ratio",
           "pdserve_requests_running", "pdserve_requests_waiting", "pdserve_preemptions", "pdserve_build_info",
           "pdserve_model_info", "pdserve_node_step_failures", "pdserve_node_step_running_seconds", "pdserve_node_healthy",
-          "pdserve_embedding_requests", "pdserve_embedding_inputs", "pdserve_embedding_tokens"}
+          "pdserve_embedding_requests", "pdserve_embedding_inputs", "pdserve_embedding_tokens", "pdserve_kv_channel_auth_failures"}
 EXPECTED = {
     "prefill": COMMON | {"pdserve_prefill_queue_seconds", "pdserve_prefill_time_seconds", "pdserve_prefill_batch_tokens",
                          "pdserve_prefill_tokens", "pdserve_kv_transfer_seconds", "pdserve_kv_transfer_bytes",
