@@ -367,7 +367,10 @@ class Admitter:
         try:
             # The fallback model's tokenizer, off the loop as in `prepare` (the whole prompt is re-tokenized).
             tokenized = await self.workers.tokenize(req, model)
-            per_prompt_max = [self._max_tokens(req, job.tenant, model, len(p)).max_tokens for p in tokenized.prompts]
+            status = self.router.status(model.pool)  # the fallback's own pool pressure sets its cap
+            cap = pressure_cap(model.degrade, pool_pressure(status.decode, status.prefill))
+            budgets = [self._max_tokens(req, job.tenant, model, len(p), cap) for p in tokenized.prompts]
+            per_prompt_max = [b.max_tokens for b in budgets]
             decisions = self._route(req, model, tokenized.prompts, per_prompt_max, job.session_key)
         except APIError:
             return False
@@ -376,6 +379,9 @@ class Admitter:
         job.model, job.prompts, job.echo_texts = model, tokenized.prompts, tokenized.echo_texts
         job.choices = self._choices(job.id, req, model, tokenized.prompts, per_prompt_max, decisions)
         job.fallback_reason = picked.fallback_reason
+        if any(b.capped for b in budgets) and CAP_MAX_TOKENS not in job.degraded:
+            job.degraded.append(CAP_MAX_TOKENS)
+            self.metrics.degradations.labels(*self.metrics.labels(model), CAP_MAX_TOKENS).inc()
         self._count_routes(job)
         return True
 

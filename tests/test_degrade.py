@@ -42,6 +42,7 @@ def _models_yaml(model_dir: Path, cap: int = 4, cap_policy: str | None = None) -
     entries = [
         f"{{name: tiny, pool: {POOL}, path: '{model_dir}'}}",
         f"{{name: tiny-cap, pool: {POOL}, path: '{model_dir}', degrade: {cap_policy}}}",
+        f"{{name: tiny-gone, pool: gone, path: '{model_dir}', fallback: tiny-cap}}",  # no node: served by tiny-cap
         f"{{name: tiny-trim, pool: {POOL}, path: '{model_dir}', max_context: {TRIM_CONTEXT}}}",
         f"{{name: tiny-trim-auto, pool: {POOL}, path: '{model_dir}', max_context: {TRIM_CONTEXT}, "
         "degrade: {trim_history: {default: auto}}}",
@@ -129,7 +130,11 @@ def test_cap_max_tokens_shortens_output_under_pressure(env: tuple[FrontendProc, 
                                                              temperature=0, extra_body=extra)
     assert HEADER not in small.headers and small.parse().usage.completion_tokens == 2
     assert log_line(request_log, small.parse().id)["degraded"] is None
-    assert degradations(fe, "tiny-cap", "cap_max_tokens") - before == 2
+    # A model whose pool has no node falls back to tiny-cap, and tiny-cap's cap applies to it.
+    fell = client.chat.completions.with_raw_response.create(model="tiny-gone", messages=messages, max_tokens=16,
+                                                            temperature=0, extra_body=extra)
+    assert fell.headers[HEADER] == "cap_max_tokens" and fell.parse().usage.completion_tokens == 4
+    assert degradations(fe, "tiny-cap", "cap_max_tokens") - before == 3
 
 
 # --- trim_history ----------------------------------------------------------------------------------
