@@ -290,7 +290,7 @@ def test_a_reload_with_a_bad_price_table_keeps_the_prices_in_force(env: Env) -> 
     while env.reloads("error") == errors:
         assert time.monotonic() < deadline
         time.sleep(0.1)  # the poll interval
-    assert "models file" in env.frontend.proc.log_text() and "keeping the weights and prices in force" in \
+    assert "models file" in env.frontend.proc.log_text() and "keeping the weights, prices and degradation policies in force" in \
         env.frontend.proc.log_text()
     assert "model 'cheap': prices: input must be a finite number >= 0" in env.frontend.proc.log_text()
     r = client.chat.completions.create(model="cheap", messages=[{"role": "user", "content": "still old prices"}],
