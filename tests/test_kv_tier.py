@@ -6,15 +6,17 @@ block of the pool and of the tier accounted for after each test.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.kv_tier import KVTier
+from pdserve.engine.kv_tier import MAGIC, KVTier
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
 from testing.disks import small_tmpfs
@@ -128,9 +130,23 @@ def test_a_bad_tier_file_is_detected_and_recomputed(tiny_llama_dir: Path, tmp_pa
     assert run(second, prompt(3)) == reference[3]
     # a damaged header is refused at startup; damaged K/V bytes when the block is read
     assert second.kv_tier.stats.corrupt == 1, second.kv_tier.stats
-    # removed, then written anew from the recomputed block: the good file again, bit for bit
-    assert not victim.exists() or victim.read_bytes() == original
     settle(second)
+    second.close()
+    # Removed, then written anew from the recomputed block: a good file whose K/V match the original's up to
+    # float rounding (a suffix prefill multiplies other shapes than the whole prompt's did).
+    if victim.exists():
+        assert torch.allclose(_payload(victim.read_bytes()), _payload(original), rtol=1e-4, atol=1e-5)
+        third = engine(tiny_llama_dir, tier_dir)
+        assert run(third, prompt(3)) == reference[3] and third.kv_tier.stats.corrupt == 0, third.kv_tier.stats
+        settle(third)
+
+
+def _payload(data: bytes) -> torch.Tensor:
+    """A float32 tier file's K/V values (the bytes after its header)."""
+    n = int.from_bytes(data[len(MAGIC):len(MAGIC) + 4], "little")
+    meta = json.loads(data[len(MAGIC) + 4:len(MAGIC) + 4 + n])
+    assert meta["dtype"] == "float32", meta
+    return torch.frombuffer(bytearray(data[len(MAGIC) + 4 + n:]), dtype=torch.float32)
 
 
 def test_a_tier_directory_removed_while_serving_is_a_miss_then_made_again(
