@@ -164,7 +164,8 @@ class LogWatch:
     """The launcher's log lines about the shape (controller decisions, nodes ready or drained), each with
     the time it was seen."""
 
-    PATTERN = re.compile(r"autoscale: (scale_up|scale_down|reshape): (\S+) -> (\S+)|\bready\s+(\S+)|drained (\S+)")
+    PATTERN = re.compile(r"^autoscale: (scale_up|scale_down|reshape): (\d+P:\d+D) -> (\d+P:\d+D)"
+                         r"|^\s*ready\s+(\S+)|^\s*drained (\S+)")
 
     def __init__(self, up: UpCluster) -> None:
         self.up = up
@@ -245,7 +246,7 @@ def up_args(model: str, shape: tuple[int, int], common: list[str]) -> list[str]:
 
 
 def run_one(label: str, model: str, argv: list[str], sends: list[Send], phases: list[Phase], slos: list[SLO],
-            workdir: Path, timeout_s: float, watch: bool) -> dict[str, Any]:
+            workdir: Path, timeout_s: float, watch: bool, log_dir: Path) -> dict[str, Any]:
     print(f"-- {label}: pdserve up {' '.join(argv)}", flush=True)
     t_start = time.monotonic()
     up = UpCluster.start(workdir, argv, timeout_s=600)
@@ -261,6 +262,9 @@ def run_one(label: str, model: str, argv: list[str], sends: list[Send], phases: 
             up.interrupt(timeout_s=120)
         finally:
             up.close()
+            log_dir.mkdir(parents=True, exist_ok=True)
+            for stream, text in (("stdout", up.stdout()), ("stderr", up.stderr())):
+                (log_dir / f"{label.replace(' ', '-').replace(':', '')}.{stream}").write_text(text, encoding="utf-8")
     res = summarize(answers, len(sends), slos)
     res["label"] = label
     res["final_nodes"] = {pool: final.count(pool) for pool in ("prefill", "decode")}
@@ -292,10 +296,14 @@ def main() -> int:
     ap.add_argument("--interval", type=float, default=2.0, help="the controller's interval (2 s)")
     ap.add_argument("--window", type=float, default=10.0, help="the controller's window (10 s)")
     ap.add_argument("--cooldown", type=float, default=10.0, help="the controller's cooldown (10 s)")
+    ap.add_argument("--fixed", default="all", help="fixed shapes to replay against (all: every disaggregated "
+                                                   "shape within the budget; '' for none)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="autoscale-result", help="directory for result.json")
     ap.add_argument("--smoke", action="store_true", help="the tiny model, 6-second phases (the test's run)")
     args = ap.parse_args()
+    # one token for the clusters started here and this process's integrity checks on their nodes
+    os.environ.setdefault("PDSERVE_CLUSTER_TOKEN", "pdserve-bench-" + os.urandom(12).hex())
     if args.smoke:
         args.model = args.model or "tiny"
         args.phase_s, args.short, args.long, args.output = min(args.phase_s, 6.0), 12, 64, 4
@@ -331,7 +339,8 @@ def main() -> int:
                                                  f"tokens for {p.duration_s:g} s" for p in phases), flush=True)
     common = ["--num-threads", "1", "--lease-ttl", "2", "--kv-memory", "64", "--drain-timeout", "30"]
     timeout_s = 120.0
-    fixed = [(s.prefill, s.decode) for s in shapes(args.node_budget) if s.prefill > 0]
+    fixed = [(s.prefill, s.decode) for s in shapes(args.node_budget) if s.prefill > 0
+             and (args.fixed == "all" or s.label in args.fixed.split(","))]
     result: dict[str, Any] = {"isa": isa_summary(), "model": model, "profile": str(profile_path), "slo": slo_text,
                               "node_budget": args.node_budget, "phases": [asdict(p) for p in phases],
                               "requests": len(sends)}
@@ -344,14 +353,17 @@ def main() -> int:
             *(["--allow-other-machine"] if args.allow_other_machine else [])]
         (Path(tmp) / "auto").mkdir()
         result["autoscaled"] = run_one("autoscaled", model, auto_argv, sends, phases, slos, Path(tmp) / "auto",
-                                       timeout_s, watch=True)
+                                       timeout_s, watch=True, log_dir=out / "logs")
         result["fixed"] = []
         for p, d in fixed:
             label = f"{p}P:{d}D"
             wd = Path(tmp) / label.replace(":", "")
             wd.mkdir()
             result["fixed"].append(run_one(f"fixed {label}", model, up_args(model, (p, d), common), sends, phases,
-                                           slos, wd, timeout_s, watch=False))
+                                           slos, wd, timeout_s, watch=False, log_dir=out / "logs"))
+    if not result["fixed"]:
+        (out / "result.json").write_text(json.dumps(result, indent=1, default=str) + "\n", encoding="utf-8")
+        return 0
     best = max(result["fixed"], key=lambda r: (r["attainment"], -sum(r["final_nodes"].values())))
     auto = result["autoscaled"]
     result["best_fixed"] = best["label"]
