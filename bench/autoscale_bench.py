@@ -6,7 +6,9 @@
 One open-loop schedule of requests (Poisson arrivals, seeded) in three phases:
 A. short prompts at a base rate, B. the same prompts at twice the rate, C. long prompts at the base rate.
 The base rate is chosen from the profile: 0.7 times the planner's highest rate for 1P:1D on phase A's
-traffic, so phase B is past what 1P:1D serves within the SLOs (1.4 times its highest rate).
+traffic, so phase B is past what 1P:1D serves within the SLOs (1.4 times its highest rate); `--base-rate`
+sets it instead (a profile's engine steps leave out the frontend's and the nodes' other costs, so on a
+small shared machine its rates can be far above what the cluster serves).
 
 1. `pdserve up --autoscale` starting from 1P:1D with `--node-budget` nodes (3 on this 2-core machine):
    the schedule is sent, the launcher's log is watched for the controller's decisions and the nodes it
@@ -287,6 +289,8 @@ def main() -> int:
     ap.add_argument("--profile", default=None, help="a `pdserve profile` JSON (else profiled here with --quick)")
     ap.add_argument("--allow-other-machine", action="store_true", help="use a profile of another CPU kind")
     ap.add_argument("--node-budget", type=int, default=3, help="the most nodes (3: on 2 cores)")
+    ap.add_argument("--base-rate", type=float, default=None,
+                    help="phase A's rate in req/s (default 0.7 times the planner's highest rate for 1P:1D)")
     ap.add_argument("--phase-s", type=float, default=40.0, help="seconds each phase lasts (40)")
     ap.add_argument("--short", type=int, default=32, help="phases A and B: prompt tokens (32)")
     ap.add_argument("--long", type=int, default=512, help="phase C: prompt tokens (512)")
@@ -329,7 +333,7 @@ def main() -> int:
     top = next(r for r in sweep.results if r.shape.label == "1P:1D").max_rate
     if not top:
         raise SystemExit(f"1P:1D meets {slo_text} at no rate the planner tried: loosen --slo")
-    base = float(f"{0.7 * top:.3g}")
+    base = args.base_rate or float(f"{0.7 * top:.3g}")
     phases = [Phase("A", base, args.short, args.output, args.phase_s),
               Phase("B", 2 * base, args.short, args.output, args.phase_s),
               Phase("C", base, args.long, args.output, args.phase_s)]
