@@ -1,5 +1,6 @@
 """A real Prometheus (Debian's `prometheus` package) scraping a real local cluster (`pdserve up`: etcd, a
-prefill and a decode node, the frontend with two tenants, one of them rate-limited) under a little load:
+prefill and a decode node, the frontend with two tenants, one of them rate-limited, and the autoscaler with a
+budget of two nodes, so that it only ever holds 1P:1D) under a little load:
 
 1. Prometheus runs deploy/prometheus/prometheus.yml (pointed at this cluster's targets file, shorter
    intervals) with the recording rules of rules.yml, and scrapes every process the launcher started;
@@ -34,6 +35,7 @@ import yaml
 
 from pdserve.deploy.metrics_render import RenderConfig, expand, load_panels, query, render
 from pdserve.frontend.tenants import hash_key
+from pdserve.planner.profile_model import EngineFacts, Linear, Profile
 from pdserve.registry.etcd_server import free_port
 from testing.debian import require_package
 from testing.up_cluster import REPO_ROOT, UpCluster
@@ -110,6 +112,13 @@ def start_prometheus(workdir: Path, targets_file: Path) -> PrometheusServer:
                 server.stop()
                 raise RuntimeError(f"prometheus did not start:\n{log_path.read_text()[-3000:]}") from None
             time.sleep(0.2)  # the poll interval
+
+
+def synthetic_profile(path: Path) -> Path:
+    """A hand-made cost model for the autoscaler (it describes no machine, so it holds on any)."""
+    Profile(Linear(0.005, 1e-5), Linear(0.01), Linear(0.0), EngineFacts(16, 100_000, 1000, 2048, 8, 64),
+            machine={"synthetic": True}).save(path)
+    return path
 
 
 def tenants_file(path: Path) -> Path:
@@ -205,6 +214,9 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveEnv]:
         # the speculative decoding panels have data.
         "--speculative", "ngram", "--node-arg=--speculative-min-match=1",
         f"--frontend-arg=--tenants={tenants_file(workdir / 'tenants.yaml')}",
+        # The autoscaler's panels: a budget of two nodes leaves 1P:1D the only shape, so it holds.
+        "--autoscale", "--node-budget", "2", "--autoscale-profile", str(synthetic_profile(workdir / "profile.json")),
+        "--autoscale-slo", "ttft_p90=3s", "--autoscale-interval", "1", "--autoscale-window", "4",
     ])
     prometheus: PrometheusServer | None = None
     try:
@@ -227,10 +239,11 @@ def test_prometheus_scrapes_every_process(live: LiveEnv) -> None:
     assert live.load["ok"] > 10 and live.load["rate_limited"] > 0, live.load
     up = {(labels["pool"], labels["node"]): v for labels, v in query(live.prometheus.url, "up")}
     assert up == {("etcd", "etcd"): 1, ("prefill", "prefill-0"): 1, ("decode", "decode-0"): 1,
-                  ("frontend", "frontend-0"): 1}, up
+                  ("frontend", "frontend-0"): 1, ("autoscaler", "autoscaler"): 1}, up
     # Every process labels its own series: pool/node/model win over the target labels (honor_labels).
     pools = {labels["pool"] for labels, _ in query(live.prometheus.url, '{__name__=~"pdserve_.+"}')}
-    assert pools == {"frontend", "prefill", "decode"}
+    # (the autoscaler's series without a pool of their own keep the target's)
+    assert pools == {"frontend", "prefill", "decode", "autoscaler"}
 
 
 @pytest.mark.parametrize("dashboard", DASHBOARDS, ids=[d.stem for d in DASHBOARDS])
