@@ -304,13 +304,14 @@ def main() -> int:
                                                    "shape within the budget; '' for none)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="autoscale-result", help="directory for result.json")
-    ap.add_argument("--smoke", action="store_true", help="the tiny model, 6-second phases (the test's run)")
+    ap.add_argument("--smoke", action="store_true", help="the tiny model, 4-second phases, one fixed shape (the test's run)")
     args = ap.parse_args()
     # one token for the clusters started here and this process's integrity checks on their nodes
     os.environ.setdefault("PDSERVE_CLUSTER_TOKEN", "pdserve-bench-" + os.urandom(12).hex())
     if args.smoke:
         args.model = args.model or "tiny"
-        args.phase_s, args.short, args.long, args.output = min(args.phase_s, 6.0), 12, 64, 4
+        args.phase_s, args.short, args.long, args.output = min(args.phase_s, 4.0), 12, 64, 4
+        args.fixed = "1P:1D" if args.fixed == "all" else args.fixed  # one fixed replay keeps the smoke short
         args.interval, args.window, args.cooldown = 1.0, 3.0, 2.0
         args.slo = args.slo if args.slo != "ttft_p90=4x" else "ttft_p90=1s"
     model = str(resolve_model(args.model).path) if args.model != "tiny" else "tiny"

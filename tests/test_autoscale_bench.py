@@ -1,6 +1,6 @@
 """`bench/autoscale_bench.py --smoke`: the autoscaler bench's smoke run (the tiny model, seconds-long phases,
 the hand-made profile), so it cannot rot. The structure of its report: the three phases in every run,
-the step delays of the autoscaled run, each fixed shape within the budget replayed, the best of them and
+the step delays of the autoscaled run, a fixed shape replayed, the best of them and
 the ratio to it, every request sent answered with 200 (none lost or failed while nodes start and drain)."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def test_smoke_run_reports_every_phase_and_loses_no_request(tmp_path: Path) -> N
     assert result["phases"][1]["rate"] == 2 * result["phases"][0]["rate"]
     assert result["phases"][2]["prompt_tokens"] > result["phases"][0]["prompt_tokens"]
     auto, fixed = result["autoscaled"], result["fixed"]
-    assert {r["label"] for r in fixed} == {"fixed 1P:1D", "fixed 1P:2D", "fixed 2P:1D"}  # a budget of 3 nodes
+    assert [r["label"] for r in fixed] == ["fixed 1P:1D"]  # the smoke run's one fixed shape
     for r in [auto, *fixed]:
         assert set(r["phases"]) == {"A", "B", "C"}, r["label"]
         assert r["sent"] == result["requests"] > 0 and r["answered"] == r["sent"] == r["ok"], r
@@ -42,6 +42,6 @@ def test_smoke_run_reports_every_phase_and_loses_no_request(tmp_path: Path) -> N
     assert result["best_fixed"] in {r["label"] for r in fixed}
     assert math.isfinite(result["ratio_autoscaled_to_best_fixed"]) and result["ratio_autoscaled_to_best_fixed"] > 0
     table = run.stdout[run.stdout.index("== autoscale bench"):]
-    for label in ("autoscaled", "fixed 1P:1D", "fixed 1P:2D", "fixed 2P:1D", "step to B", "step to C",
+    for label in ("autoscaled", "fixed 1P:1D", "step to B", "step to C",
                   "autoscaled / best fixed"):
         assert label in table, table
