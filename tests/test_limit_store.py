@@ -149,16 +149,21 @@ def _use_up_quota(frontends: list[FrontendProc], tenant: str) -> tuple[int, dict
     raise AssertionError("the daily quota never refused")
 
 
+def _restart_every_frontend_and_expect(cluster: Cluster, tenant: str, refusal: dict[str, Any]) -> None:
+    """Restarts all the shared frontends; each then refuses the tenant with the same message."""
+    for i, fe in enumerate(cluster.frontends):
+        assert fe.stop() == 0
+        cluster.frontends[i] = cluster.start_shared(i)
+    after = [one(fe, tenant, max_tokens=8) for fe in cluster.frontends]
+    assert [r.status_code for r in after] == [429] * N_FRONTENDS
+    assert all(r.json()["error"]["message"] == refusal["message"] for r in after)
+
+
 def test_daily_quota_survives_a_restart_of_every_frontend_and_rolls_over_at_midnight(cluster: Cluster) -> None:
     admitted, refusal = _use_up_quota(cluster.frontends, "quota")
     assert admitted >= 3 and refusal["code"] == "insufficient_quota"
     assert "exceeded its daily token quota (400 tokens" in refusal["message"]
-    for i, fe in enumerate(cluster.frontends):
-        assert fe.stop() == 0
-        cluster.frontends[i] = cluster.start_shared(i)
-    after = [one(fe, "quota", max_tokens=8) for fe in cluster.frontends]
-    assert [r.status_code for r in after] == [429] * N_FRONTENDS
-    assert all(r.json()["error"]["message"] == refusal["message"] for r in after)
+    _restart_every_frontend_and_expect(cluster, "quota", refusal)
     # The same without Redis: one frontend, its ledger beside its state, restarted.
     solo = cluster.start(0, name="solo")
     try:
@@ -189,12 +194,7 @@ def test_spend_survives_a_restart_of_every_frontend(cluster: Cluster) -> None:
     assert refusal["code"] == "insufficient_quota"
     assert "tenant 'spender' reached its daily budget of $0.02 ($0.0240 spent)" in refusal["message"]
     spent = sum(metric(fe, "pdserve_frontend_cost_total") for fe in cluster.frontends)
-    for i, fe in enumerate(cluster.frontends):
-        assert fe.stop() == 0
-        cluster.frontends[i] = cluster.start_shared(i)
-    after = [one(fe, "spender", max_tokens=8) for fe in cluster.frontends]
-    assert [r.status_code for r in after] == [429] * N_FRONTENDS
-    assert all(r.json()["error"]["message"] == refusal["message"] for r in after)
+    _restart_every_frontend_and_expect(cluster, "spender", refusal)
     print(f"\ndaily budget $0.02: {admitted} requests admitted (cost metric ${spent:.4f} over all tenants), "
           f"still refused after restarting all {N_FRONTENDS} frontends")
 
