@@ -22,6 +22,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.parallel import head_shard
 from pdserve.engine.sampling_params import SamplingParams
+from tests.logit_reference import assert_fp32_close, forward_logits, load_float64_reference
 
 NUM_HEADS = 4
 PROMPTS = [[5, 17, 300, 42, 9, 77, 1200, 3], [8, 900, 31], list(range(100, 137)), [2000, 11, 64, 65, 66]]
@@ -32,7 +33,7 @@ VARIANTS = [("llama", 1), ("llama", 2), ("llama", 4), ("qwen2", 1), ("qwen2", 2)
 def make_variant(src: Path, dst: Path, num_kv_heads: int) -> Path:
     """The checkpoint at src cut to NUM_HEADS query heads and `num_kv_heads` KV heads (written to dst)."""
     cfg = json.loads((src / "config.json").read_text())
-    d, kv0 = cfg["head_dim"], cfg["num_key_value_heads"]
+    d, kv0 = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"], cfg["num_key_value_heads"]
     heads = [h % kv0 for h in range(num_kv_heads)]  # KV heads kept (repeated when more than the source's)
     kv_rows = torch.cat([torch.arange(h * d, (h + 1) * d) for h in heads])
     tensors = load_file(str(src / "model.safetensors"))
@@ -48,7 +49,7 @@ def make_variant(src: Path, dst: Path, num_kv_heads: int) -> Path:
     for f in src.iterdir():
         if f.name not in ("config.json", "model.safetensors"):
             shutil.copy(f, dst / f.name)
-    cfg.update(num_attention_heads=NUM_HEADS, num_key_value_heads=num_kv_heads)
+    cfg.update(num_attention_heads=NUM_HEADS, num_key_value_heads=num_kv_heads, head_dim=d)
     (dst / "config.json").write_text(json.dumps(cfg))
     save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
     return dst
@@ -60,7 +61,7 @@ def variant(tiny_model_dir: Callable[[str], Path], tmp_path_factory: pytest.Temp
 
     def get(arch: str, kv: int) -> Path:
         if (arch, kv) not in made:
-            made[(arch, kv)] = make_variant(tiny_model_dir(arch), tmp_path_factory.mktemp(f"{arch}-kv{kv}"), kv)
+            made[(arch, kv)] = make_variant(tiny_model_dir(arch), tmp_path_factory.mktemp(f"{arch}-kv{kv}") / "model", kv)
         return made[(arch, kv)]
 
     return get
@@ -71,20 +72,55 @@ def engine(path: Path, tp: int) -> LLMEngine:
                                   max_num_batched_tokens=32, tensor_parallel_size=tp), capture_logits=True)
 
 
-def run(eng: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> list[tuple[list[int], torch.Tensor]]:
-    """Continuous batching: prompts join one step apart; returns each request's tokens and its first logits."""
-    out: dict[str, tuple[list[int], torch.Tensor]] = {}
-    pending = list(enumerate(prompts))
+def stream(eng: LLMEngine, params: list[SamplingParams]) -> dict[str, list[int]]:
+    """Continuous batching over ragged prompts: one joins per step; every step ends with the invariants
+    checked on every rank. Returns each request's tokens."""
+    out: dict[str, list[int]] = {}
+    pending = list(enumerate(PROMPTS))
     while pending or eng.has_unfinished():
         if pending:
             i, p = pending.pop(0)
-            eng.add_request(f"r{i}", p, params)
+            eng.add_request(f"r{i}", p, params[i])
         for o in eng.step():
-            if o.finished:
-                out[o.request_id] = o
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
         eng.check_integrity()
-    results = eng.generate  # noqa: F841  (generate is the batch path; this loop is the streaming one)
-    return [(out[f"r{i}"].new_token_ids, torch.empty(0)) for i in range(len(prompts))]
+    return out
+
+
+def check_drained(eng: LLMEngine) -> None:
+    eng.check_integrity()
+    load = eng.load()
+    assert load.kv_blocks_used == 0 and load.kv_blocks_free == eng.num_blocks
+
+
+@pytest.mark.parametrize(("arch", "kv"), VARIANTS)
+def test_tp2_matches_tp1(variant: Callable[[str, int], Path], arch: str, kv: int) -> None:
+    path = variant(arch, kv)
+    greedy = SamplingParams(max_tokens=6, temperature=0)
+    seeded = [SamplingParams(max_tokens=6, temperature=1.0, seed=100 + i) for i in range(len(PROMPTS))]
+    got = {}
+    for tp in (1, 2):
+        eng = engine(path, tp)
+        try:
+            res = eng.generate(PROMPTS, greedy)
+            check_drained(eng)
+            got[tp] = ([r.token_ids for r in res], [r.logits[0] for r in res], stream(eng, seeded),
+                       stream(eng, [greedy] * len(PROMPTS)))
+            check_drained(eng)
+        finally:
+            eng.close()
+    (tok1, logits1, seed1, ragged1), (tok2, logits2, seed2, ragged2) = got[1], got[2]
+    assert tok2 == tok1, f"{arch} kv={kv}: greedy tokens differ at TP 2"
+    assert seed2 == seed1, f"{arch} kv={kv}: seeded sampling differs at TP 2"
+    assert ragged2 == ragged1 == {f"r{i}": t for i, t in enumerate(tok1)}
+    # the last prompt position's logits against the float64 reference, within the parity tests' fp32 bound
+    hf = load_float64_reference(path)
+    ref64 = [forward_logits(hf, p)[-1:] for p in PROMPTS]
+    hf.float()
+    for prompt, got2, r64 in zip(PROMPTS, logits2, ref64, strict=True):
+        assert_fp32_close(got2[None], forward_logits(hf, prompt)[-1:], r64, f"{arch} kv={kv} TP 2")
+    diff = max(float((a - b).abs().max()) for a, b in zip(logits1, logits2, strict=True))
+    print(f"{arch} kv={kv}: max |TP2 - TP1| first-token logit {diff:.2e}")
 
 
 def test_head_shard_replicates_fewer_kv_heads() -> None:
