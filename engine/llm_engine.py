@@ -140,6 +140,7 @@ class LLMEngine:
         if self.ranks is not None:  # this process is rank 0 of the model's shards
             kv_heads = shard_model(self.model, 0, cfg.tensor_parallel_size).num_kv_heads
             self.model.pack_cpu_weights()
+            self.ranks.join()
         block_bytes = kv_block_bytes(mc.num_layers, cfg.block_size, kv_heads, mc.head_dim, self.kv_dtype)
         num_blocks = cfg.num_kv_blocks or max(2, cfg.kv_cache_memory_bytes // block_bytes)
         self.kv_cache = torch.zeros(

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import multiprocessing.process
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -214,12 +215,15 @@ def rank_main(cfg: EngineConfig, rank: int, world: int, store_port: int) -> None
 
     if cfg.num_threads is not None:
         torch.set_num_threads(cfg.num_threads)
-    init_group(store_port, rank, world, cfg.device)
+    # load first, then join: the collectives' short timeout never waits on a rank still loading
+    ops = get_kernel_ops(cfg.kernel_backend, cfg.device)
+    model = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device, ops=ops, pack_weights=False).model
+    shard = shard_model(model, rank, world)
+    model.pack_cpu_weights()
+    store = dist.TCPStore(_HOST, store_port, world, False, timeout=datetime.timedelta(seconds=TP_START_TIMEOUT_S))
+    store.set(f"loaded{rank}", "1")
+    init_group(store_port, rank, world, cfg.device, master=store)
     try:
-        ops = get_kernel_ops(cfg.kernel_backend, cfg.device)
-        model = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device, ops=ops, pack_weights=False).model
-        shard = shard_model(model, rank, world)
-        model.pack_cpu_weights()
         sizes = torch.empty(1, dtype=torch.int64)
         dist.broadcast(sizes, 0)  # the KV pool's block count, chosen by rank 0
         mc = dataclasses.replace(model.cfg, num_kv_heads=shard.num_kv_heads)
@@ -255,10 +259,24 @@ class RankGroup:
         ]
         for p in self.procs:
             p.start()
-        init_group(store.port, 0, world, cfg.device, master=store)
         self._store = store
+        self.cfg = cfg
         self.steps = 0
+        self.joined = False
         self.closed = False
+
+    def join(self) -> None:
+        """Rank 0, its own shard loaded: waits (up to TP_START_TIMEOUT_S) for every worker to load, then
+        forms the group. Raises RuntimeError if a worker exits first."""
+        deadline = time.monotonic() + TP_START_TIMEOUT_S
+        keys = [f"loaded{r}" for r in range(1, self.world)]
+        while not self._store.check(keys):
+            self.check_alive()
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"tensor-parallel ranks did not load within {TP_START_TIMEOUT_S:.0f} s")
+            time.sleep(0.05)
+        init_group(self._store.port, 0, self.world, self.cfg.device, master=self._store)
+        self.joined = True
 
     def check_alive(self) -> None:
         """Raises RuntimeError naming a worker rank that exited (before a collective would wait on it)."""
@@ -291,7 +309,7 @@ class RankGroup:
             return
         self.closed = True
         try:
-            if all(p.is_alive() for p in self.procs):
+            if self.joined and all(p.is_alive() for p in self.procs):
                 dist.broadcast(torch.tensor([_OP_STOP] + [0] * (_HEADER - 1), dtype=torch.int64), 0)
         finally:
             for p in self.procs:
@@ -299,4 +317,5 @@ class RankGroup:
                 if p.is_alive():
                     p.kill()
                     p.join()
-            dist.destroy_process_group()
+            if self.joined:
+                dist.destroy_process_group()
