@@ -43,6 +43,9 @@ class EngineConfig:
     # kv_tier_bytes, read back on a prefix the pool has evicted (and after a restart). None: no tier.
     kv_tier_dir: str | None = None
     kv_tier_bytes: int = 8 << 30
+    # Ranks the model is split over (engine.parallel): 1 runs it whole in this process; N spawns N - 1
+    # worker processes holding the other shards.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         checks = [
@@ -69,6 +72,9 @@ class EngineConfig:
             (1 <= self.speculative_min_match <= 16, "speculative_min_match must be in [1, 16]"),
             (self.kv_tier_bytes > 0, "kv_tier_bytes must be > 0"),
             (self.kv_tier_dir is None or self.enable_prefix_caching, "a KV tier needs prefix caching"),
+            (1 <= self.tensor_parallel_size <= 64, "tensor_parallel_size must be in [1, 64]"),
+            (self.tensor_parallel_size == 1 or self.kv_tier_dir is None,
+             "a KV tier runs with tensor_parallel_size 1 only (its files hold every KV head)"),
         ]
         for ok, msg in checks:
             if not ok:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import cached_property
+from pathlib import Path
 
 import torch
 
@@ -17,7 +19,9 @@ from pdserve.engine.kv_events import KVEventLog
 from pdserve.engine.kv_tier import KVTier
 from pdserve.engine.live_request import LiveRequest, RequestBuilder
 from pdserve.engine.loader import load_model
-from pdserve.engine.model_runner import ModelRunner, kv_block_bytes
+from pdserve.engine.model_config import load_model_config
+from pdserve.engine.model_runner import ModelRunner, TensorParallelRunner, kv_block_bytes
+from pdserve.engine.parallel import RankGroup, check_shardable, shard_model
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
@@ -109,7 +113,21 @@ class LLMEngine:
         if cfg.num_threads is not None:
             torch.set_num_threads(cfg.num_threads)
         self.ops = get_kernel_ops(cfg.kernel_backend, cfg.device)
-        loaded = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device, ops=self.ops)
+        # TP > 1: the worker ranks start first and load their copies while this process loads its own.
+        tp = cfg.tensor_parallel_size
+        if tp > 1:
+            check_shardable(load_model_config(Path(cfg.model)), tp)
+        self.ranks = RankGroup(cfg, tp) if tp > 1 else None
+        try:
+            self._build(cfg, capture_logits)
+        except BaseException:
+            if self.ranks is not None:
+                self.ranks.close()
+            raise
+
+    def _build(self, cfg: EngineConfig, capture_logits: bool) -> None:
+        # packed weights can't be cut: a shard packs its own after shard_model
+        loaded = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device, ops=self.ops, pack_weights=self.ranks is None)
         self.model_config = mc = loaded.config
         self.model = loaded.model
         self.tokenizer = Tokenizer(cfg.model)
@@ -118,11 +136,19 @@ class LLMEngine:
         self.max_model_len = min(cfg.max_model_len or mc.max_model_len, mc.max_model_len)
         # An fp8 KV cache holds twice the blocks of a 16-bit one in the same budget; attention reads it as float32.
         self.kv_dtype = kv_cache_torch_dtype(cfg.kv_cache_dtype, self.dtype)
-        block_bytes = kv_block_bytes(mc.num_layers, cfg.block_size, mc.num_kv_heads, mc.head_dim, self.kv_dtype)
+        kv_heads = mc.num_kv_heads
+        if self.ranks is not None:  # this process is rank 0 of the model's shards
+            kv_heads = shard_model(self.model, 0, cfg.tensor_parallel_size).num_kv_heads
+            self.model.pack_cpu_weights()
+            self.ranks.join()
+        block_bytes = kv_block_bytes(mc.num_layers, cfg.block_size, kv_heads, mc.head_dim, self.kv_dtype)
         num_blocks = cfg.num_kv_blocks or max(2, cfg.kv_cache_memory_bytes // block_bytes)
         self.kv_cache = torch.zeros(
-            mc.kv_cache_shape(num_blocks, cfg.block_size), dtype=self.kv_dtype, device=cfg.device
-        )  # [L, 2, NB, BS, Hkv, D]
+            dataclasses.replace(mc, num_kv_heads=kv_heads).kv_cache_shape(num_blocks, cfg.block_size),
+            dtype=self.kv_dtype, device=cfg.device,
+        )  # [L, 2, NB, BS, Hkv, D], this rank's KV heads
+        if self.ranks is not None:
+            self.ranks.send_blocks(num_blocks)
         # Which blocks this engine holds, per tier, as numbered events (what a node streams to the frontends).
         self.kv_events = KVEventLog()
         # The tier's files are keyed by the model fingerprint (weights, format, dtype): a foreign file is refused.
@@ -138,7 +164,11 @@ class LLMEngine:
             ),
         )
         self.sampler = Sampler(seed=cfg.seed, device=cfg.device, ops=self.ops)
-        self.runner = ModelRunner(self.model, self.kv_cache, cfg.block_size, self.sampler, capture_logits)
+        if self.ranks is None:
+            self.runner = ModelRunner(self.model, self.kv_cache, cfg.block_size, self.sampler, capture_logits)
+        else:
+            self.runner = TensorParallelRunner(self.model, self.kv_cache, cfg.block_size, self.sampler, self.ranks,
+                                               capture_logits)
         self._requests: dict[str, LiveRequest] = {}  # every request whose finished output is still to come
         self._builder = RequestBuilder(self.tokenizer, mc.vocab_size, self.max_model_len, lambda: self.grammars)
         self.num_blocks = num_blocks
@@ -285,6 +315,8 @@ class LLMEngine:
         """Puts the KV tier's pending blocks on disk (a restarted node finds them). Call once, at the end."""
         if self.kv_tier is not None:
             self.kv_tier.close()
+        if self.ranks is not None:
+            self.ranks.close()
 
     def has_unfinished(self) -> bool:
         """Whether a step has anything to schedule (reserved requests wait for their transfer)."""
@@ -300,6 +332,8 @@ class LLMEngine:
         reserved = frozenset(s.seq_id for s in sched.reserved_seqs)
         held = frozenset(s.seq_id for s in sched.held_seqs)
         sched.check_integrity()
+        if self.ranks is not None:  # every rank ran the same plans over a pool of the same blocks
+            self.ranks.check(self.num_blocks)
         if self.kv_tier is not None:  # its writes done, then its index against its files
             self.kv_tier.flush()
             self.kv_tier.check_integrity()
@@ -411,6 +445,8 @@ class LLMEngine:
         run in batches of at most max_num_batched_tokens tokens over a scratch KV cache: the engine's KV
         cache, blocks and scheduler are untouched. Raises ValueError as `check_embed_prompts`, or for an
         unknown pooling. Call between steps (on the engine thread)."""
+        if self.ranks is not None:
+            raise ValueError("embeddings run with tensor_parallel_size 1 only")
         check_pooling(pooling)
         self.check_embed_prompts(prompts)
         if not prompts:

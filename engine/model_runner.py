@@ -10,6 +10,7 @@ import torch
 
 from pdserve.engine.attention import AttentionMetadata
 from pdserve.engine.batch import SchedulerOutput
+from pdserve.engine.parallel import RankGroup, StepPlan
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.sequence import Sequence, TokenLogprob
 
@@ -100,16 +101,23 @@ class ModelRunner:
         )
         return self._tensor(ids, torch.int64), self._tensor(pos, torch.int64), meta, sample_rows, sample_seqs
 
+    def _logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, rows: list[int],
+                on_layer: Callable[[int], None] | None) -> torch.Tensor | None:  # [N, V] float32; None: no rows
+        """Runs the model over the step and returns the logits of `rows` (a tensor-parallel runner overrides it)."""
+        hidden = self.model(input_ids, positions, meta, self.kv_cache, on_layer)  # [T, hidden]
+        if not rows:
+            return None
+        if len(rows) < hidden.shape[0]:  # rows ascend, so all of them means every row in order
+            hidden = hidden.index_select(0, torch.tensor(rows, device=hidden.device))  # [N, hidden]
+        return self.model.compute_logits(hidden)  # [N, V] float32
+
     @torch.inference_mode()
     def run(self, out: SchedulerOutput, on_layer: Callable[[int], None] | None = None) -> StepResult:
         """Runs the step; `on_layer(i)` is called after layer i's ops were issued (engine.step_hook)."""
         input_ids, positions, meta, rows, seqs = self.prepare(out)
-        hidden = self.model(input_ids, positions, meta, self.kv_cache, on_layer)  # [T, hidden]
-        if not rows:
+        logits = self._logits(input_ids, positions, meta, rows, on_layer)  # [N, V] float32
+        if logits is None:
             return StepResult({}, {}, int(input_ids.shape[0]))
-        if len(rows) < hidden.shape[0]:  # rows ascend, so all of them means every row in order
-            hidden = hidden.index_select(0, torch.tensor(rows, device=hidden.device))  # [N, hidden]
-        logits = self.model.compute_logits(hidden)  # [N, V] float32
         drafts = out.decode_drafts + [[] for _ in range(len(seqs) - len(out.decode_seqs))]
         res = self.sampler.verify(logits, seqs, drafts)
         sampled = {s.seq_id: t[-1] for s, t in zip(seqs, res.token_ids, strict=True)}
@@ -121,3 +129,21 @@ class ModelRunner:
             captured = {s.seq_id: [logits[r + j].clone() for j in range(len(t))]
                         for s, t, r in zip(seqs, res.token_ids, starts, strict=True)}
         return StepResult(sampled, lps, int(input_ids.shape[0]), captured, accepted)
+
+
+class TensorParallelRunner(ModelRunner):
+    """Rank 0's runner at TP > 1: the same step, its plan broadcast to the worker ranks, the model (this
+    rank's shard) run by all of them together, the vocabulary shards gathered here for the sampler."""
+
+    def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, block_size: int, sampler: Sampler,
+                 ranks: RankGroup, capture_logits: bool = False):
+        super().__init__(model, kv_cache, block_size, sampler, capture_logits)
+        self.ranks = ranks
+
+    def _logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, rows: list[int],
+                on_layer: Callable[[int], None] | None) -> torch.Tensor | None:
+        logits = self.ranks.step(self.model, StepPlan(input_ids, positions, meta, rows), self.kv_cache)
+        if on_layer is not None:  # the layers ran inside the collective step: report them done together
+            for i in range(self.model.cfg.num_layers):
+                on_layer(i)
+        return logits
