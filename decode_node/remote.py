@@ -47,6 +47,7 @@ from pdserve.kernels.interface import KV_LAYOUT_VERSION
 from pdserve.kv_transfer import ChannelError, KVReceiver, TransferHandle, TransferResult
 from pdserve.kv_transfer.checksum import CHECKSUM_ALGO
 from pdserve.node_common.convert import logprob_from_proto, params_to_proto, transfer_meta_from_proto
+from pdserve.node_common.kv_pool import transfer_pool
 from pdserve.node_common.runtime import GRPC_OPTIONS
 from pdserve.node_common.service import NodeContext
 from pdserve.registry import Member
@@ -108,6 +109,7 @@ class PrefillLink:
         self._receiver = KVReceiver(get_kernel_ops(config.engine.kernel_backend, config.engine.device))
         self._stubs: dict[tuple[str, str], tuple[grpc.aio.Channel, pb_grpc.PrefillNodeStub]] = {}
         self._kv_dtype = str(ctx.engine.engine.kv_cache.dtype).removeprefix("torch.")
+        self._pool = transfer_pool(ctx.engine.engine)  # every TP rank's heads, or the engine's pool
 
     def _stub(self, member: Member) -> pb_grpc.PrefillNodeStub:
         key = (member.node_id, member.record.grpc_address)
@@ -277,7 +279,7 @@ class PrefillLink:
             # Nobody wants these blocks any more; consuming the bytes keeps later transfers in step.
             rem.recv = self._receiver.discard(channel, meta, timeout_s=timeout)
             return
-        recv = self._receiver.recv(channel, self.ctx.engine.engine.kv_cache, list(req.reservation.fill_block_ids),
+        recv = self._receiver.recv(channel, self._pool, list(req.reservation.fill_block_ids),
                                    meta, timeout_s=timeout)
         rem.recv = recv
         loop = asyncio.get_running_loop()

@@ -21,7 +21,7 @@ from pdserve.engine.live_request import LiveRequest, RequestBuilder
 from pdserve.engine.loader import load_model
 from pdserve.engine.model_config import load_model_config
 from pdserve.engine.model_runner import ModelRunner, TensorParallelRunner, kv_block_bytes
-from pdserve.engine.parallel import RankGroup, check_shardable, shard_model
+from pdserve.engine.parallel import RankGroup, check_shardable, head_shard, shard_model
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
@@ -147,8 +147,17 @@ class LLMEngine:
             dataclasses.replace(mc, num_kv_heads=kv_heads).kv_cache_shape(num_blocks, cfg.block_size),
             dtype=self.kv_dtype, device=cfg.device,
         )  # [L, 2, NB, BS, Hkv, D], this rank's KV heads
+        # Every rank's pool with its first KV head, rank 0 first: what KV transfer reads and writes. None
+        # where the workers' pools are not in this process's reach (TP on CUDA devices).
+        self.kv_shards: list[tuple[torch.Tensor, int]] | None = [(self.kv_cache, 0)]
         if self.ranks is not None:
-            self.ranks.send_blocks(num_blocks)
+            world = cfg.tensor_parallel_size
+            heads = [head_shard(mc.num_heads, mc.num_kv_heads, r, world) for r in range(world)]
+            shapes = [dataclasses.replace(mc, num_kv_heads=h.num_kv_heads).kv_cache_shape(num_blocks, cfg.block_size)
+                      for h in heads]
+            pools = self.ranks.share_pools(num_blocks, shapes, self.kv_dtype)
+            self.kv_shards = ([(self.kv_cache, 0)] + [(t, h.kv_start) for t, h in zip(pools, heads[1:], strict=True)]
+                              if pools else None)
         # Which blocks this engine holds, per tier, as numbered events (what a node streams to the frontends).
         self.kv_events = KVEventLog()
         # The tier's files are keyed by the model fingerprint (weights, format, dtype): a foreign file is refused.

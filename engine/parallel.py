@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import multiprocessing.process
+import os
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
@@ -73,6 +74,25 @@ def init_group(store_port: int, rank: int, world: int, device: str, master: dist
     backend = "nccl" if device.startswith("cuda") else "gloo"
     dist.init_process_group(backend, store=store, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=TP_TIMEOUT_S))
+
+
+def shared_zeros(shape: tuple[int, ...], dtype: torch.dtype, name: str) -> tuple[torch.Tensor, int]:
+    """A zeroed CPU tensor in anonymous shared memory (a memfd, freed once every process that mapped it
+    exits) and its descriptor, which a child process maps with `open_shared(os.getpid(), fd, ...)`."""
+    numel = 1
+    for s in shape:
+        numel *= s
+    fd = os.memfd_create(name)
+    os.ftruncate(fd, max(1, numel * dtype.itemsize))
+    return open_shared(os.getpid(), fd, shape, dtype), fd
+
+
+def open_shared(pid: int, fd: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Maps process `pid`'s shared-memory descriptor `fd` (see shared_zeros) as a tensor of `shape`."""
+    numel = 1
+    for s in shape:
+        numel *= s
+    return torch.from_file(f"/proc/{pid}/fd/{fd}", shared=True, size=numel, dtype=dtype).view(shape)
 
 
 class RowParallelLinear(Linear):
@@ -224,11 +244,14 @@ def rank_main(cfg: EngineConfig, rank: int, world: int, store_port: int) -> None
     store.set(f"loaded{rank}", "1")
     init_group(store_port, rank, world, cfg.device, master=store)
     try:
-        sizes = torch.empty(1, dtype=torch.int64)
-        dist.broadcast(sizes, 0)  # the KV pool's block count, chosen by rank 0
+        pools = torch.empty(2 + world, dtype=torch.int64)
+        dist.broadcast(pools, 0)  # the KV pool's block count, chosen by rank 0, and where each rank's pool lives
+        num_blocks, pid, fd = int(pools[0]), int(pools[1]), int(pools[2 + rank])
         mc = dataclasses.replace(model.cfg, num_kv_heads=shard.num_kv_heads)
         dtype = kv_cache_torch_dtype(cfg.kv_cache_dtype, next(model.parameters()).dtype)
-        kv_cache = torch.zeros(mc.kv_cache_shape(int(sizes), cfg.block_size), dtype=dtype, device=cfg.device)
+        shape = mc.kv_cache_shape(num_blocks, cfg.block_size)
+        kv_cache = (open_shared(pid, fd, shape, dtype) if fd >= 0
+                    else torch.zeros(shape, dtype=dtype, device=cfg.device))
         steps = 0
         with torch.inference_mode():
             while True:
@@ -264,6 +287,7 @@ class RankGroup:
         self.steps = 0
         self.joined = False
         self.closed = False
+        self._fds: list[int] = []  # the memfds of the workers' shared KV pools (CPU)
 
     def join(self) -> None:
         """Rank 0, its own shard loaded: waits (up to TP_START_TIMEOUT_S) for every worker to load, then
@@ -284,8 +308,17 @@ class RankGroup:
             if not p.is_alive():
                 raise RuntimeError(f"tensor-parallel rank {r} exited (code {p.exitcode}); the engine cannot run")
 
-    def send_blocks(self, num_blocks: int) -> None:
-        dist.broadcast(torch.tensor([num_blocks], dtype=torch.int64), 0)
+    def share_pools(self, num_blocks: int, shapes: list[tuple[int, ...]], dtype: torch.dtype) -> list[torch.Tensor]:
+        """Tells the workers the pool's block count. On a CPU, allocates each worker's KV pool (shape
+        `shapes[r]`, r = 1..N-1) in shared memory that worker maps, and returns them: rank 0 can then
+        read and write every rank's heads (KV transfer, no collective). On CUDA returns [] (each rank
+        allocates its own)."""
+        shared = self.cfg.device == "cpu"
+        pools = [shared_zeros(shapes[r], dtype, f"pdserve-kv-rank{r}") for r in range(1, self.world)] if shared else []
+        self._fds = [fd for _, fd in pools]
+        fds = self._fds or [-1] * (self.world - 1)
+        dist.broadcast(torch.tensor([num_blocks, os.getpid(), -1, *fds], dtype=torch.int64), 0)
+        return [t for t, _ in pools]
 
     def step(self, model: torch.nn.Module, plan: StepPlan, kv_cache: torch.Tensor) -> torch.Tensor | None:
         self.check_alive()
@@ -319,3 +352,6 @@ class RankGroup:
                     p.join()
             if self.joined:
                 dist.destroy_process_group()
+            for fd in self._fds:
+                os.close(fd)
+            self._fds = []

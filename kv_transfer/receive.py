@@ -16,6 +16,7 @@ from pdserve.kv_transfer import hostcopy
 from pdserve.kv_transfer.backend import PendingOp
 from pdserve.kv_transfer.channel import Channel, ChannelJob, WorkerContext
 from pdserve.kv_transfer.checksum import KVDigest
+from pdserve.kv_transfer.sharded import HeadShardedKV, KVPool
 from pdserve.kv_transfer.staging import StagingBuffers, StagingSlot
 from pdserve.kv_transfer.transfer import (
     TAG_SPACE,
@@ -36,7 +37,7 @@ class _RecvJob(ChannelJob):
     with no kv_cache it drains the messages and changes nothing."""
 
     def __init__(
-        self, meta: TransferMeta, ops: KernelOps, kv_cache: torch.Tensor | None, ids: torch.Tensor | None,
+        self, meta: TransferMeta, ops: KernelOps, kv_cache: KVPool | None, ids: torch.Tensor | None,
         timeout_s: float, on_layer: Callable[[int], None] | None, rejection: str | None,
     ) -> None:
         super().__init__(meta.request_id, timeout_s)
@@ -56,7 +57,7 @@ class _RecvJob(ChannelJob):
         self._next_post = 0  # the next message to post; the slot base is fixed once it is past 0
         self._digest = KVDigest()  # over the received messages, in order, before they are unpacked
         self._host_ids: np.ndarray | None = None  # [n] int64, set when the KV cache takes hostcopy.scatter
-        if kv_cache is not None and ids is not None and hostcopy.supported(kv_cache):
+        if isinstance(kv_cache, torch.Tensor) and ids is not None and hostcopy.supported(kv_cache):
             self._host_ids = ids.numpy()
 
     def prepost(self, ctx: WorkerContext, slot_base: int, upto: int) -> None:
@@ -123,7 +124,9 @@ class _RecvJob(ChannelJob):
 
     def _unpack(self, slot: StagingSlot, l0: int, l1: int) -> None:
         assert self._kv is not None and self._ids is not None
-        if self._host_ids is not None:  # on this thread only (see hostcopy)
+        if isinstance(self._kv, HeadShardedKV):  # each head range into every rank's pool that holds it
+            self._kv.scatter(slot.compute, l0, l1, self._ids)
+        elif self._host_ids is not None:  # on this thread only (see hostcopy)
             hostcopy.scatter(slot.compute, self._kv[l0:l1], self._host_ids)
         elif l1 - l0 == 1:
             self._ops.unpack_blocks(slot.compute[0], self._kv, self._ids, layer=l0)
@@ -140,7 +143,7 @@ class KVReceiver:
     def recv(
         self,
         channel: Channel,
-        kv_cache: torch.Tensor,  # [L, 2, NB', BS, Hkv, D]; NB' may differ from the sender's
+        kv_cache: KVPool,  # [L, 2, NB', BS, Hkv, D]; NB' may differ from the sender's
         dst_block_ids: BlockIds,  # [meta.num_blocks] reserved ids, matching the sender's order
         meta: TransferMeta,
         *,
@@ -175,7 +178,7 @@ class KVReceiver:
         return self._submit(channel, meta, timeout_s, None, None, None, None)
 
     def _submit(
-        self, channel: Channel, meta: TransferMeta, timeout_s: float, kv_cache: torch.Tensor | None,
+        self, channel: Channel, meta: TransferMeta, timeout_s: float, kv_cache: KVPool | None,
         ids: torch.Tensor | None, on_layer: Callable[[int], None] | None, problem: str | None,
     ) -> TransferHandle:
         try:
@@ -188,7 +191,7 @@ class KVReceiver:
         return TransferHandle(job.future, meta)
 
     @staticmethod
-    def _mismatch(meta: TransferMeta, kv_cache: torch.Tensor) -> str | None:
+    def _mismatch(meta: TransferMeta, kv_cache: KVPool) -> str | None:
         if meta.layout_version != KV_LAYOUT_VERSION:
             return f"layout version {meta.layout_version} is not {KV_LAYOUT_VERSION}"
         if kv_cache.dim() != 6 or kv_cache.shape[1] != 2:

@@ -16,6 +16,7 @@ from pdserve.kv_transfer import hostcopy
 from pdserve.kv_transfer.backend import PendingOp, TransferTimeout
 from pdserve.kv_transfer.channel import Channel, ChannelJob, WorkerContext
 from pdserve.kv_transfer.checksum import KVDigest
+from pdserve.kv_transfer.sharded import HeadShardedKV, KVPool
 from pdserve.kv_transfer.staging import StagingBuffers, StagingSlot
 from pdserve.kv_transfer.transfer import (
     TAG_SPACE,
@@ -103,7 +104,7 @@ class _SendJob(ChannelJob):
     """Packs and sends the source blocks; reads kv_cache, changes nothing of it."""
 
     def __init__(
-        self, meta: TransferMeta, ops: KernelOps, kv_cache: torch.Tensor, ids: torch.Tensor,
+        self, meta: TransferMeta, ops: KernelOps, kv_cache: KVPool, ids: torch.Tensor,
         gate: _LayerGate, timeout_s: float,
     ) -> None:
         super().__init__(meta.request_id, timeout_s)
@@ -118,7 +119,7 @@ class _SendJob(ChannelJob):
         self._slot_base = 0
         # The first message, packed and posted by the previous job while its own last one was in flight.
         self._present: tuple[StagingSlot, PendingOp] | None = None
-        self._host_copy = hostcopy.supported(kv_cache)
+        self._host_copy = isinstance(kv_cache, torch.Tensor) and hostcopy.supported(kv_cache)
 
     def on_abandon(self) -> None:
         self._gate.abandon()
@@ -200,7 +201,9 @@ class _SendJob(ChannelJob):
         return total
 
     def _pack(self, slot: StagingSlot, l0: int, l1: int) -> None:
-        if self._host_copy:  # [l1-l0, 2, n, BS, Hkv, D], on this thread only (see hostcopy)
+        if isinstance(self._kv, HeadShardedKV):  # every rank's heads, straight from its pool
+            self._kv.gather(l0, l1, self._ids, slot.compute)
+        elif self._host_copy:  # [l1-l0, 2, n, BS, Hkv, D], on this thread only (see hostcopy)
             hostcopy.gather(self._kv[l0:l1], self._ids, slot.compute)
         elif l1 - l0 == 1:
             self._ops.pack_blocks(self._kv, self._ids, layer=l0, out=slot.compute[0])
@@ -238,7 +241,7 @@ class KVSender:
     def send(
         self,
         channel: Channel,
-        kv_cache: torch.Tensor,  # [L, 2, NB, BS, Hkv, D]
+        kv_cache: KVPool,  # [L, 2, NB, BS, Hkv, D], or every TP rank's heads (HeadShardedKV)
         block_ids: BlockIds,  # [n] source block ids, in the order the receiver's ids follow
         *,
         request_id: str,

@@ -108,6 +108,9 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-threads", type=int, default=None,
                         help="torch threads (default: the number of --cpus, else torch's default)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                        help="split the model over N rank processes (float weights; KV transfer reshards heads "
+                             "between nodes of different widths); default 1")
     parser.add_argument("--cpus", default="", metavar="LIST",
                         help="pin the node to these CPUs, e.g. 0 or 0,2-3 (default: not pinned)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
@@ -164,7 +167,7 @@ def node_kwargs(args: argparse.Namespace) -> dict[str, object]:
         seed=args.seed, num_threads=num_threads, kv_cache_dtype=args.kv_cache_dtype,
         speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
         speculative_min_match=args.speculative_min_match, kv_tier_dir=args.kv_tier_dir,
-        kv_tier_bytes=max(1, int(args.kv_tier_gib * 2**30)),
+        kv_tier_bytes=max(1, int(args.kv_tier_gib * 2**30)), tensor_parallel_size=args.tensor_parallel_size,
     )
     return dict(
         node_id=args.node_id, cluster=args.cluster,

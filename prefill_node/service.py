@@ -46,6 +46,7 @@ from pdserve.node_common.config import setup_logging
 from pdserve.node_common.convert import call_key, logprob_to_proto, params_from_proto, transfer_start_to_proto
 from pdserve.node_common.embed import EmbedServer
 from pdserve.node_common.faults import load_faults
+from pdserve.node_common.kv_pool import transfer_pool
 from pdserve.node_common.runtime import run_node
 from pdserve.node_common.service import NodeContext, NodeService
 from pdserve.prefill_node.call import LayerwiseSend, PrefillCall, Stage
@@ -72,7 +73,7 @@ class PrefillService(NodeService, pb_grpc.PrefillNodeServicer):
         self.faults: PrefillFaults = ctx.faults
         engine = ctx.engine.engine
         ops = get_kernel_ops(self.config.engine.kernel_backend, self.config.engine.device)
-        self.sends = Sends(self.faults.new_sender(ops), engine.kv_cache, ctx.channels, self.calls, self.metrics,
+        self.sends = Sends(self.faults.new_sender(ops), transfer_pool(engine), ctx.channels, self.calls, self.metrics,
                            self.config.transfer_timeout_s)
         self._eos = engine.tokenizer.eos_token_ids
         self._kv_dtype = str(engine.kv_cache.dtype).removeprefix("torch.")
