@@ -22,6 +22,7 @@ from typing import Generic, TypeVar
 
 from pdserve.engine.block_manager import Reservation
 from pdserve.engine.llm_engine import EngineLoad, LLMEngine, RequestOutput
+from pdserve.engine.parallel import RankLost
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import Resume, Sequence, TokenLogprob
 from pdserve.engine.stopping import FinishReason
@@ -85,6 +86,7 @@ class EngineProgress:
     step_failures: int  # steps that raised, in all
     consecutive_failures: int  # steps that raised since the last one that did not
     step_running_s: float  # how long the step in progress has run; 0.0 between steps
+    lost: str | None = None  # why the engine can never step again (a tensor-parallel rank lost), else None
 
 
 class AsyncEngine:
@@ -105,6 +107,7 @@ class AsyncEngine:
         # Written by the engine thread only; read anywhere (`progress`).
         self._step_failures = 0
         self._consecutive_failures = 0
+        self._lost: str | None = None  # set once, by the engine thread (EngineProgress.lost)
         self._step_started: float | None = None
 
     # -- lifecycle ----------------------------------------------------------------------------------
@@ -241,7 +244,7 @@ class AsyncEngine:
         """Step failures and the running step's age (no engine call; any thread)."""
         started = self._step_started
         return EngineProgress(self._step_failures, self._consecutive_failures,
-                              0.0 if started is None else time.monotonic() - started)
+                              0.0 if started is None else time.monotonic() - started, self._lost)
 
     def load(self) -> EngineLoad:
         """The engine's load as of its latest step or command (no engine call; any thread)."""
@@ -274,11 +277,14 @@ class AsyncEngine:
             for cmd in commands:
                 self._execute(cmd)
             outputs: list[RequestOutput] = []
-            idle = False
-            if engine.has_unfinished():
+            idle = self._lost is not None  # a lost engine only runs commands (the node's hand-over)
+            if engine.has_unfinished() and self._lost is None:
                 self._step_started = time.monotonic()
                 try:
                     outputs = engine.step()
+                except RankLost as err:  # no step can run again: the requests stay for the node to hand over
+                    log.error("%s: %s; the engine stops stepping", self._name, err)
+                    self._lost = str(err)
                 except Exception:
                     log.exception("%s: engine step failed; aborting every request", self._name)
                     self._step_failures += 1

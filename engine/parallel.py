@@ -15,10 +15,12 @@ model refuses TP > 1 (its row groups would need re-blocking).
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import datetime
 import multiprocessing.process
 import os
+import signal
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
@@ -42,6 +44,11 @@ _HOST = "127.0.0.1"
 # StepPlan header fields (int64): op, T, decode rows, decode table width, prefill seqs, prefill table width, rows
 _HEADER = 7
 _OP_STOP, _OP_STEP, _OP_CHECK = 0, 1, 2
+
+
+class RankLost(RuntimeError):
+    """A worker rank exited or a collective with it failed: the engine cannot step again. Its requests
+    keep their state (nothing is aborted) for the node to hand over."""
 
 
 class HeadShard(NamedTuple):
@@ -226,6 +233,17 @@ def _step(model: torch.nn.Module, plan: StepPlan, kv_cache: torch.Tensor, world:
     return gather_logits(model.compute_logits(hidden), world, model.cfg.vocab_size)
 
 
+def _die_with_parent() -> None:
+    """Linux: this worker gets SIGKILL when rank 0 exits, however it exits (even stopped or hung)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() == 1:  # rank 0 is already gone
+        os._exit(1)
+
+
 def rank_main(cfg: EngineConfig, rank: int, world: int, store_port: int) -> None:
     """A worker rank's whole life: join the group, load and shard the model, allocate its KV pool, then
     run the plans rank 0 broadcasts until it says stop."""
@@ -233,6 +251,7 @@ def rank_main(cfg: EngineConfig, rank: int, world: int, store_port: int) -> None
     from pdserve.engine.loader import load_model
     from pdserve.kernels import get_kernel_ops
 
+    _die_with_parent()
     if cfg.num_threads is not None:
         torch.set_num_threads(cfg.num_threads)
     # load first, then join: the collectives' short timeout never waits on a rank still loading
@@ -288,6 +307,7 @@ class RankGroup:
         self.joined = False
         self.closed = False
         self._fds: list[int] = []  # the memfds of the workers' shared KV pools (CPU)
+        self.lost: str | None = None  # why a collective failed; no collective is tried after that
 
     def join(self) -> None:
         """Rank 0, its own shard loaded: waits (up to TP_START_TIMEOUT_S) for every worker to load, then
@@ -306,7 +326,7 @@ class RankGroup:
         """Raises RuntimeError naming a worker rank that exited (before a collective would wait on it)."""
         for r, p in enumerate(self.procs, start=1):
             if not p.is_alive():
-                raise RuntimeError(f"tensor-parallel rank {r} exited (code {p.exitcode}); the engine cannot run")
+                raise RankLost(f"tensor-parallel rank {r} exited (code {p.exitcode}); the engine cannot run")
 
     def share_pools(self, num_blocks: int, shapes: list[tuple[int, ...]], dtype: torch.dtype) -> list[torch.Tensor]:
         """Tells the workers the pool's block count. On a CPU, allocates each worker's KV pool (shape
@@ -321,9 +341,15 @@ class RankGroup:
         return [t for t, _ in pools]
 
     def step(self, model: torch.nn.Module, plan: StepPlan, kv_cache: torch.Tensor) -> torch.Tensor | None:
+        """One step on every rank. Raises RankLost where a rank is gone or a collective with it failed
+        (a rank that hangs turns into that error after TP_TIMEOUT_S)."""
         self.check_alive()
-        plan.send()
-        logits = _step(model, plan, kv_cache, self.world)
+        try:
+            plan.send()
+            logits = _step(model, plan, kv_cache, self.world)
+        except RuntimeError as err:  # gloo/NCCL: a peer closed, reset or timed out
+            self.lost = str(err)
+            raise RankLost(f"a tensor-parallel collective failed: {err}") from err
         self.steps += 1
         return logits
 
@@ -342,7 +368,7 @@ class RankGroup:
             return
         self.closed = True
         try:
-            if self.joined and all(p.is_alive() for p in self.procs):
+            if self.joined and self.lost is None and all(p.is_alive() for p in self.procs):
                 dist.broadcast(torch.tensor([_OP_STOP] + [0] * (_HEADER - 1), dtype=torch.int64), 0)
         finally:
             for p in self.procs:

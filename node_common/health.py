@@ -39,6 +39,8 @@ class HealthWatch:
     def verdict(self) -> str | None:
         """Why the node can no longer serve, or None while it can."""
         p = self.engine.progress()
+        if p.lost is not None:
+            return p.lost
         if p.consecutive_failures >= self.max_step_failures:
             return f"{p.consecutive_failures} engine steps failed in a row"
         if p.step_running_s >= self.stall_timeout_s:

@@ -42,3 +42,80 @@ def test_prefill_tp2_to_decode_tp1_and_tp1_to_tp2(tiny_llama_dir: Path, tmp_path
         loads = cluster.wait_clean()
         assert all(load.kv_blocks_used == 0 for load in loads.values()), loads
         cluster.check_integrity()
+
+
+def worker_ranks(pid: int) -> list[int]:
+    """The tensor-parallel worker rank processes of node process `pid` (its spawned children)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == pid and "multiprocessing.spawn" in cmdline and "resource_tracker" not in cmdline:
+            found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.parametrize("sig", ["SIGKILL", "SIGSTOP"])
+def test_a_lost_rank_takes_the_node_out_and_its_streams_finish_elsewhere(
+        tiny_llama_dir: Path, tmp_path: Path, sig: str) -> None:
+    import os
+    import signal
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pdserve.node_common.ready import EXIT_UNHEALTHY
+    from pdserve.registry.etcd_server import free_port
+    from testing.procs import start_frontend
+    from tests.test_nodes_health import MODEL, serving_node, stream
+
+    decode_args = ["--local-prefill-threshold", "0", "--max-step-failures", "1", "--step-stall-timeout", "2",
+                   "--tensor-parallel-size", "2"]
+    with LocalCluster(tmp_path / "cluster", tiny_llama_dir, node_args=[*NODE_ARGS, "--model-name", MODEL],
+                      lease_ttl_s=10) as cluster:
+        cluster.start(1, 2, decode_args=decode_args)
+        fe = start_frontend("frontend", tmp_path, cluster.etcd_endpoints, free_port(), "--cluster", cluster.cluster,
+                            "--model", f"{MODEL}={tiny_llama_dir}", "--max-migrations", "2", "--log-level", "warning")
+        try:
+            prompts = [f"The {sig} report of lighthouse number {i} says" for i in range(3)]
+            expected = [stream(fe, p, 60) for p in prompts]
+            injected: list[tuple[str, int]] = []
+            lock = threading.Lock()
+
+            def on_chunk(n: int) -> None:
+                with lock:
+                    if n == 8 and not injected:
+                        node_id = serving_node(cluster)
+                        ranks = worker_ranks(cluster.nodes[node_id].proc.pid)
+                        assert len(ranks) == 1, ranks
+                        os.kill(ranks[0], getattr(signal, sig))
+                        injected.append((node_id, ranks[0]))
+
+            with ThreadPoolExecutor(3) as pool:
+                futures = [pool.submit(stream, fe, p, 60, on_chunk if i == 0 else None) for i, p in enumerate(prompts)]
+                got = [f.result(timeout=300) for f in futures]
+            assert injected, "the stream ended before the rank was signalled"
+            bad, rank_pid = injected[0]
+            assert got == expected, "a stream moved off the node that lost a rank differs from its uninterrupted run"
+            cluster.wait_registry(lambda m: bad not in m, 30, f"{bad} out of the registry")
+            assert cluster.nodes[bad].proc.wait(timeout=60) == EXIT_UNHEALTHY
+            deadline = time.monotonic() + 10
+            while Path(f"/proc/{rank_pid}").exists() and time.monotonic() < deadline:  # reaped or a zombie
+                if "Z" in Path(f"/proc/{rank_pid}/stat").read_text().rsplit(")", 1)[1].split()[0]:
+                    break
+                time.sleep(0.1)
+            assert not Path(f"/proc/{rank_pid}").exists() or "Z" in Path(
+                f"/proc/{rank_pid}/stat").read_text().rsplit(")", 1)[1].split()[0], "the worker rank outlived its node"
+            cluster.kill(bad)
+            log = cluster.nodes[bad].log_path.read_text()
+            assert "is unhealthy" in log, log[-3000:]
+            others = [n for n in ("d0", "d1") if n != bad]
+            cluster.wait_clean(["p0", *others])
+        finally:
+            assert fe.stop() == 0, fe.proc.tail()
