@@ -108,7 +108,19 @@ def _cmd_up(args: argparse.Namespace) -> int:
     from pdserve.engine.default_model import resolve_model
     from pdserve.engine.gguf_import import StderrProgress
 
-    return Launcher(build_config(args, lambda spec: resolve_model(spec, StderrProgress(), weights=args.weights))).run()
+    if args.tp is not None:
+        args.prefill_tp = args.prefill_tp or args.tp
+        args.decode_tp = args.decode_tp or args.tp
+    cfg = build_config(args, lambda spec: resolve_model(spec, StderrProgress(), weights=args.weights))
+    if max(cfg.prefill_tp, cfg.decode_tp) > 1:
+        from pdserve.engine.model_config import load_model_config
+
+        fmt = load_model_config(Path(cfg.model)).weight_format
+        if fmt:
+            print(f"pdserve up: tensor parallelism splits float weights; this model is {fmt} (GGUF): "
+                  "add --weights float", file=sys.stderr)
+            return 2
+    return Launcher(cfg).run()
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
@@ -274,6 +286,10 @@ def _add_up_parser(sub: argparse._SubParsersAction) -> None:
                    help="a disk tier under each node's KV pool, at most GIB per node, in the cluster directory "
                         "(kv-tier/<node>): evicted prefixes are read back, and a restarted node comes back warm "
                         "(default 0: none)")
+    u.add_argument("--tp", type=int, default=None, metavar="N",
+                   help="tensor parallelism: every node splits the model over N rank processes (needs --weights float)")
+    u.add_argument("--prefill-tp", type=int, default=None, metavar="N", help="the prefill nodes' TP width (default --tp, else 1)")
+    u.add_argument("--decode-tp", type=int, default=None, metavar="N", help="the decode nodes' TP width (default --tp, else 1)")
     u.add_argument("--num-threads", type=int, default=None,
                    help="torch threads per node (default: with --pin the node's CPU count, else the usable CPUs "
                         "divided among the nodes of its pool)")

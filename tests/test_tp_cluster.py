@@ -18,8 +18,10 @@ NODE_ARGS = ["--num-threads", "1", "--num-kv-blocks", "256", "--block-size", "16
 
 
 def test_prefill_tp2_to_decode_tp1_and_tp1_to_tp2(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    shared = random_prompt(70, 99)  # a prefix-cache hit on each node after the first request
     prompts = [random_prompt(n, seed) for seed, n in enumerate((40, 75, 130))]
-    params = SamplingParams(max_tokens=12, temperature=0)
+    prompts += [shared + random_prompt(n, 10 + seed) for seed, n in enumerate((9, 20, 33))]
+    params = SamplingParams(max_tokens=24, temperature=0)
     ref = reference_engine(tiny_llama_dir)
     try:
         want = [r.token_ids for r in ref.generate(prompts, params)]
@@ -119,3 +121,44 @@ def test_a_lost_rank_takes_the_node_out_and_its_streams_finish_elsewhere(
             cluster.wait_clean(["p0", *others])
         finally:
             assert fe.stop() == 0, fe.proc.tail()
+
+
+def test_pdserve_up_with_pools_of_different_widths_matches_tp1(tmp_path: Path) -> None:
+    """`pdserve up --prefill-tp 2 --decode-tp 1` and `--prefill-tp 1 --decode-tp 2` (the tiny model, every
+    prompt prefilled remotely) against colocated TP = 1: the same greedy text through the openai SDK, and
+    every block back on every node (and rank: CheckIntegrity compares the ranks) afterwards. float32: in
+    bfloat16 (`--dtype auto` on a machine with AVX512-BF16) a rank's partial sums round differently from
+    the whole sum, so TP 2 decode may pick another token at a near tie, as any TP implementation does."""
+    import httpx
+    import openai
+
+    from testing.up_cluster import UpCluster
+
+    story = "The old lighthouse keeper kept a logbook of every ship, storm and visitor for forty years. "
+    prompts = [f"{story * 3}Tell me about the {w} he kept there." for w in ("boat", "lamp", "dog")]  # > 64 tokens:
+    common = ["--model", "tiny", "--dtype", "float32", "--lease-ttl", "2", "--kv-memory", "64",
+              "--max-prefill-queue-tokens", "0"]  # remote
+    texts = {}
+    for name, flags in (("colocated tp1", ["--prefill", "0"]), ("prefill tp2 -> decode tp1", ["--prefill-tp", "2"]),
+                        ("prefill tp1 -> decode tp2", ["--decode-tp", "2"])):
+        workdir = tmp_path / name.replace(" -> ", "-").replace(" ", "-")
+        workdir.mkdir()
+        up = UpCluster.start(workdir, [*common, *flags])
+        try:
+            client = openai.OpenAI(base_url=f"{up.base_url}/v1", api_key="none", max_retries=0)
+            model = client.models.list().data[0].id
+            texts[name] = [client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": p}], max_tokens=16, temperature=0,
+            ).choices[0].message.content for p in prompts]
+            up.wait_clean()
+            up.check_integrity()
+            if "prefill-0" in up.nodes():  # every prompt was prefilled there and its KV shipped
+                metrics = httpx.get(f"http://{up.nodes()['prefill-0']['metrics']}/metrics", timeout=10).text
+                computed = sum(float(line.split()[-1]) for line in metrics.splitlines()
+                               if line.startswith("pdserve_prefill_tokens_total"))
+                assert computed > 64, computed  # (the shared story is a prefix-cache hit after the first)
+            assert up.interrupt() == 0, up.stderr()[-3000:]
+        finally:
+            up.close()
+    assert texts["prefill tp2 -> decode tp1"] == texts["colocated tp1"]
+    assert texts["prefill tp1 -> decode tp2"] == texts["colocated tp1"], texts

@@ -54,6 +54,8 @@ class LauncherConfig:
     speculative: str = "off"  # every node's --speculative (engine.speculative.SPECULATIVE_METHODS)
     num_speculative_tokens: int = 4
     kv_tier_gib: float = 0.0  # each node's --kv-tier-gib, its tier in cluster_dir/kv-tier/<node> (0: no tier)
+    prefill_tp: int = 1  # the prefill nodes' --tensor-parallel-size (ranks per node)
+    decode_tp: int = 1
     # torch threads per node; None = `node_threads`' rule: with `pin` the size of the node's CPU set,
     # unpinned the usable CPUs divided among the nodes of the node's pool.
     num_threads: int | None = None
@@ -93,6 +95,7 @@ class LauncherConfig:
             (1 <= self.num_speculative_tokens <= 16, "--num-speculative-tokens must be in [1, 16]"),
             (self.kv_tier_gib >= 0, "--kv-tier-gib must be >= 0"),
             (self.num_threads is None or self.num_threads >= 1, "--num-threads must be >= 1"),
+            (1 <= self.prefill_tp <= 64 and 1 <= self.decode_tp <= 64, "--tp/--prefill-tp/--decode-tp must be in [1, 64]"),
             (set(self.cpus) <= os.sched_getaffinity(0), f"--cpus {self.cpus} are not all usable here"),
             (not self.cpus or self.pin, "--cpus needs --pin"),
             (self.max_prefill_queue_tokens is None or self.max_prefill_queue_tokens >= 0,
@@ -149,10 +152,15 @@ class LauncherConfig:
         between the nodes' sessions fairly."""
         if self.num_threads is not None:
             return self.num_threads
+        tp = self.node_tp(name)  # each rank runs this many threads
         if self.pin:
-            return len(self.node_cpus().get(name, ())) or 1
+            return max(1, (len(self.node_cpus().get(name, ())) or 1) // tp)
         pool = self.num_prefill if name.startswith("prefill") else self.num_decode
-        return max(1, len(os.sched_getaffinity(0)) // max(1, pool))
+        return max(1, len(os.sched_getaffinity(0)) // max(1, pool) // tp)
+
+    def node_tp(self, name: str) -> int:
+        """The named node's tensor-parallel width."""
+        return self.prefill_tp if name.startswith("prefill") else self.decode_tp
 
     @property
     def cluster_dir(self) -> Path:
@@ -212,6 +220,7 @@ def build_config(args: Any, resolve_model: Callable[[str | None], ResolvedModel]
         speculative=getattr(args, "speculative", "off"), num_speculative_tokens=getattr(args, "num_speculative_tokens", 4),
         kv_tier_gib=getattr(args, "kv_tier_gib", 0.0),
         num_threads=args.num_threads, pin=bool(getattr(args, "pin", False)),
+        prefill_tp=getattr(args, "prefill_tp", None) or 1, decode_tp=getattr(args, "decode_tp", None) or 1,
         max_prefill_queue_tokens=getattr(args, "max_prefill_queue_tokens", None),
         cpus=parse_cpus(args.cpus) if getattr(args, "cpus", None) else (), cluster=args.cluster,
         runs_dir=Path(args.runs_dir) if args.runs_dir else default_runs_dir(), lease_ttl_s=args.lease_ttl,

@@ -87,7 +87,7 @@ def command(cfg: LauncherConfig, slot: Slot, etcd_endpoints: Sequence[str], logs
         "--model", cfg.model, "--model-name", cfg.model_name, "--dtype", cfg.dtype, *pinning,
         "--kv-cache-memory-mib", str(cfg.kv_memory_mib), "--kv-cache-dtype", cfg.kv_cache_dtype,
         "--speculative", cfg.speculative, "--num-speculative-tokens", str(cfg.num_speculative_tokens),
-        "--num-threads", str(cfg.node_threads(slot.name)),
+        "--num-threads", str(cfg.node_threads(slot.name)), "--tensor-parallel-size", str(cfg.node_tp(slot.name)),
         "--lease-ttl", str(cfg.lease_ttl_s), "--drain-timeout", str(cfg.drain_timeout_s),
         "--metrics-host", "127.0.0.1", "--metrics-port", str(slot.metrics_port), *tracing,
         *(["--colocated"] if slot.pool == "decode" and cfg.num_prefill == 0 else []),
