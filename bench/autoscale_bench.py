@@ -56,6 +56,7 @@ from pdserve.engine.default_model import resolve_model  # noqa: E402
 from pdserve.planner.loadgen.metrics import SLO, parse_slos  # noqa: E402
 from pdserve.planner.plan import PlanConfig, Planner, shapes  # noqa: E402
 from pdserve.planner.profile_model import EngineFacts, Linear, Profile, load_profile_here  # noqa: E402
+from pdserve.planner.sim import Shape  # noqa: E402
 from pdserve.planner.traffic import Traffic  # noqa: E402
 from testing.up_cluster import UpCluster  # noqa: E402
 
@@ -344,8 +345,10 @@ def main() -> int:
                                                  f"tokens for {p.duration_s:g} s" for p in phases), flush=True)
     common = ["--num-threads", "1", "--lease-ttl", "2", "--kv-memory", "64", "--drain-timeout", "30"]
     timeout_s = 120.0
+    # labels as `Shape.parse` reads them (1P:1D, 1p:2d, ...); TP 1 shapes only: the replays run pdserve up at TP 1
+    wanted = None if args.fixed == "all" else {Shape.parse(x) for x in args.fixed.split(",") if x.strip()}
     fixed = [(s.prefill, s.decode) for s in shapes(args.node_budget) if s.prefill > 0
-             and (args.fixed == "all" or s.label in args.fixed.split(","))]
+             and (wanted is None or s in wanted)]
     result: dict[str, Any] = {"isa": isa_summary(), "model": model, "profile": str(profile_path), "slo": slo_text,
                               "node_budget": args.node_budget, "phases": [asdict(p) for p in phases],
                               "requests": len(sends)}

@@ -6,6 +6,17 @@ from __future__ import annotations
 import argparse
 
 
+def tp_widths(text: str) -> tuple[int, ...]:
+    """`1,2` -> (1, 2): distinct integers >= 1, ascending (argparse type; ArgumentTypeError otherwise)."""
+    try:
+        widths = tuple(sorted({int(w) for w in text.split(",") if w.strip()}))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, e.g. 1,2; got {text!r}") from None
+    if not widths or widths[0] < 1:
+        raise argparse.ArgumentTypeError(f"TP widths must be integers >= 1, got {text!r}")
+    return widths
+
+
 def add_profile_parser(sub: argparse._SubParsersAction, model_help: str) -> argparse.ArgumentParser:
     """`pdserve profile`: time the engine on this machine for the planner."""
     p = sub.add_parser("profile", help="time the engine on this machine (prefill, decode steps, KV transfer, "
@@ -21,6 +32,9 @@ def add_profile_parser(sub: argparse._SubParsersAction, model_help: str) -> argp
     p.add_argument("--max-num-seqs", type=int, default=128, help="the nodes' sequences per step")
     p.add_argument("--local-prefill-threshold", type=int, default=64, help="the decode nodes' threshold")
     p.add_argument("--num-threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--tp-widths", default="1", metavar="W1,W2", type=tp_widths,
+                   help="tensor-parallel widths to profile (default 1): the engine runs with tensor_parallel_size "
+                        "W for each (W > 1 needs float weights); `pdserve plan --tp-widths` picks among them")
     p.add_argument("--out", default="profile.json", help="where to write the profile (default profile.json)")
     p.add_argument("--quick", action="store_true", help="few, small points (seconds on a tiny model): a smoke test")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -58,7 +72,12 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     g.add_argument("--slo", default=None, metavar="ttft_p90=1s,tpot_p99=50ms",
                    help="as `pdserve bench --slo`: per-request thresholds, judged at the _pNN percentile")
     g.add_argument("--attainment", type=float, default=0.9, help="target fraction of good requests (0.9)")
-    g.add_argument("--max-nodes", type=int, default=8, help="node budget: shapes up to this many nodes (8)")
+    g.add_argument("--max-nodes", "--max-cores", dest="max_nodes", type=int, default=8,
+                   help="budget: shapes up to this many node ranks, i.e. cores or GPUs (a TP-w node counts w; "
+                        "at TP 1, nodes) (8)")
+    g.add_argument("--tp-widths", default=None, metavar="W1,W2", type=tp_widths,
+                   help="TP widths each pool may take, e.g. 1,2 (each must be in the profile: `pdserve profile "
+                        "--tp-widths`); default: the profile's first width (1)")
     n = p.add_argument_group("node settings (default: the profile's)")
     n.add_argument("--local-prefill-threshold", type=int, default=None)
     n.add_argument("--max-num-seqs", type=int, default=None)

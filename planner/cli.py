@@ -50,7 +50,7 @@ def config_from_args(args: argparse.Namespace) -> PlanConfig:
                                num_kv_blocks=args.num_kv_blocks)
     overheads = load_overheads(args.overheads) if args.overheads else None
     return PlanConfig(profile, parse_slos(args.slo), args.attainment, args.max_nodes, args.rate, args.sweep,
-                      traffic, trace, args.requests, settings, overheads)
+                      traffic, trace, args.requests, settings, overheads, getattr(args, "tp_widths", None))
 
 
 def _ms(x: float) -> str:
@@ -60,14 +60,16 @@ def _ms(x: float) -> str:
 def shapes_table(plan: Plan) -> Table:
     """One row per shape: fits, the rate it was judged at, predicted percentiles, goodput."""
     t = Table(title="shapes (simulated)")
-    for col in ("shape", "nodes", "fits", "rate", "max rate", "TTFT p90 ms", "TPOT p90 ms", "TPOT p99 ms",
+    wide = any(r.shape.tp for r in plan.results)  # a "cores" column where a node may run several ranks
+    for col in ("shape", "nodes", *(("cores",) if wide else ()), "fits", "rate", "max rate", "TTFT p90 ms", "TPOT p90 ms", "TPOT p99 ms",
                 "ITL p99 ms", "attainment", "goodput req/s"):
         t.add_column(col, justify="left" if col == "shape" else "right", no_wrap=col == "shape")
     for r in plan.results:
         run = r.best
         s = run.summary if run else None
         mark = " *" if r is plan.recommended else ""
-        t.add_row(r.shape.label + mark, str(r.shape.nodes), "yes" if r.fits else "no",
+        t.add_row(r.shape.label + mark, str(r.shape.nodes), *((str(r.shape.cores),) if wide else ()),
+                  "yes" if r.fits else "no",
                   "-" if run is None or run.rate is None else f"{run.rate:.3g}",
                   "-" if r.max_rate is None else f"{r.max_rate:.3g}",
                   *(("-",) * 6 if s is None else (
@@ -82,7 +84,8 @@ def recommendation_text(plan: Plan) -> str:
     slos = ", ".join(f"{s.name}<={_ms(s.threshold_s)}ms" for s in cfg.slos)
     if rec is None or rec.best is None:
         what = f"at {cfg.target_rate:.3g} req/s" if cfg.target_rate is not None else "at any rate tried"
-        return (f"no shape of at most {cfg.max_nodes} nodes meets {slos} for {100 * cfg.attainment:.0f}% of "
+        unit = "ranks" if any(w > 1 for w in cfg.tp_widths or ()) else "nodes"
+        return (f"no shape of at most {cfg.max_nodes} {unit} meets {slos} for {100 * cfg.attainment:.0f}% of "
                 f"requests {what}: raise --max-nodes, relax the SLOs, or lower the rate")
     s = rec.best.summary
     kind = "colocated (every node prefills and decodes)" if rec.shape.colocated else "disaggregated"
@@ -90,7 +93,12 @@ def recommendation_text(plan: Plan) -> str:
                     if k in ("ttft", "tpot"))
     at = f"{rec.best.rate:.3g} req/s" if rec.best.rate is not None else "the trace's rate"
     more = f"; sustains up to {rec.max_rate:.3g} req/s" if rec.max_rate is not None else ""
-    return (f"recommended: {rec.shape.label} ({rec.shape.prefill} prefill + {rec.shape.decode} decode nodes, "
+    sh = rec.shape
+    nodes = (f"{sh.prefill} prefill + {sh.decode} decode nodes" if not sh.tp
+             else f"{sh.decode} nodes of TP {sh.decode_tp}, {sh.cores} ranks" if sh.colocated
+             else f"{sh.prefill} prefill nodes of TP {sh.prefill_tp} + {sh.decode} decode nodes of TP {sh.decode_tp}, "
+                  f"{sh.cores} ranks")
+    return (f"recommended: {sh.label} ({nodes}, "
             f"{kind}) at {at}: {lat}; SLO attainment {100 * s.attainment:.1f}% "
             f"(target {100 * cfg.attainment:.0f}%), goodput {s.goodput_rate:.2f} req/s{more}")
 

@@ -6,6 +6,11 @@ In-process, no cluster: an `LLMEngine` with the nodes' settings runs
 - KV transfers of T tokens' K/V between this process and a child over a loopback gloo pair channel
   (`kv_transfer`'s sender and receiver, as a prefill node ships to a decode node);
 - the KV capacity: the pool's blocks at the configured memory.
+With `--tp-widths 1,2` all of it is measured once per width, the engine running with
+`tensor_parallel_size` W (its W-1 worker ranks spawned, float weights only; `engine.parallel`), and each
+width's fits are kept (`Profile.by_tp`). The KV transfer is timed once, at the first width, and its fit
+shared by every width: a node's whole K/V a token crosses the pair either way (a resharded transfer
+between widths moves the same bytes, split over rank pairs), so it is an upper bound for wider pairs.
 Each point is the median of a few repeats (the machine may be shared). The fits are least squares
 (`planner.profile_model.fit_linear`); the profile keeps the raw points next to them.
 """
@@ -227,8 +232,10 @@ def _median_point(points: list[dict[str, float]]) -> dict[str, float]:
     return best
 
 
-def measure(engine: LLMEngine, grid: Grid, tick: Callable[[str], None]) -> dict[str, list[dict[str, float]]]:
-    """Every point of `grid`; `tick(label)` after each."""
+def measure(engine: LLMEngine, grid: Grid, tick: Callable[[str], None],
+            transfer: bool = True) -> dict[str, list[dict[str, float]]]:
+    """Every point of `grid`; `tick(label)` after each. `transfer=False` leaves the KV transfer out (its
+    points empty)."""
     timer = EngineTimer(engine)
     timer.prefill(1, 16)  # warm-up: first calls pay one-off allocations
     budget, capacity = engine.cfg.max_num_batched_tokens, engine.num_blocks * engine.cfg.block_size
@@ -252,6 +259,8 @@ def measure(engine: LLMEngine, grid: Grid, tick: Callable[[str], None]) -> dict[
             if runs:
                 points["decode"].append(_median_point(runs))
         tick(f"decode {batch}x{context}")
+    if not transfer:
+        return points
     tt = TransferTimer(engine, max(grid.transfer))
     try:
         tt.send(16)  # warm-up: the pair connects
@@ -272,43 +281,71 @@ def kv_bytes_per_token(engine: LLMEngine) -> int:
 
 def fit_profile(engine: LLMEngine, points: dict[str, list[dict[str, float]]], facts: EngineFacts,
                 model: dict[str, Any]) -> Profile:
-    """The least-squares fits of `points` (see planner.profile_model for the model)."""
+    """The least-squares fits of `points` (see planner.profile_model for the model), at the engine's TP width."""
     pre, dec, tr = points["prefill"], points["decode"], points["transfer"]
     prefill = fit_linear([(p["tokens"], p["attn"]) for p in pre], [p["seconds"] for p in pre])
     decode = fit_linear([(p["batch"], p["context"]) for p in dec], [p["seconds"] for p in dec])
     transfer = fit_linear([(p["bytes"], 0.0) for p in tr], [p["seconds"] for p in tr])
-    return Profile(prefill, decode, transfer, facts, machine_facts(engine), model, points)
+    return Profile(prefill, decode, transfer, facts, machine_facts(engine), model, points,
+                   tp=engine.cfg.tensor_parallel_size)
 
 
 def main(args: argparse.Namespace) -> int:
-    """Runs `pdserve profile`: measures, fits, writes --out, prints the fitted coefficients."""
+    """Runs `pdserve profile`: measures (at each of --tp-widths), fits, writes --out, prints the fitted
+    coefficients."""
     resolved = resolve_model(args.model, StderrProgress())
-    cfg = EngineConfig(model=str(resolved.path), dtype=args.dtype, kv_cache_memory_bytes=args.kv_memory << 20,
-                       max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                       num_threads=args.num_threads)
+    widths: tuple[int, ...] = tuple(getattr(args, "tp_widths", None) or (1,))
     grid = QUICK if args.quick else FULL
     console = Console(stderr=True)
-    total = len(grid.prefill) + len(grid.prefix) + len(grid.decode) + len(grid.transfer)
+    per_width = len(grid.prefill) + len(grid.prefix) + len(grid.decode)
+    total = per_width * len(widths) + len(grid.transfer)
+    model: dict[str, Any] = {}
+    profiles: list[Profile] = []
     with Progress(TextColumn("profiling {task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=console, disable=args.no_progress) as bar:
         task = bar.add_task("engine load", total=total)
-        engine = LLMEngine(cfg)
-        gc.freeze()  # a full collection over torch's heap would land inside some timed step
-        points = measure(engine, grid, lambda label: bar.update(task, advance=1, description=label))
-    facts = EngineFacts(cfg.block_size, engine.num_blocks, kv_bytes_per_token(engine), cfg.max_num_batched_tokens,
-                        cfg.max_num_seqs, args.local_prefill_threshold)
-    model = {"name": resolved.name, "path": str(resolved.path), "fingerprint": model_fingerprint(Path(resolved.path)),
-             "dtype": str(engine.dtype).removeprefix("torch."), "arch": engine.model_config.arch,
-             "layers": engine.model_config.num_layers, "quick": bool(args.quick)}
-    profile = fit_profile(engine, points, facts, model)
+        for i, width in enumerate(widths):
+            cfg = EngineConfig(model=str(resolved.path), dtype=args.dtype, kv_cache_memory_bytes=args.kv_memory << 20,
+                               max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                               num_threads=args.num_threads, tensor_parallel_size=width)
+            tag = f"TP {width}: " if len(widths) > 1 else ""
+            bar.update(task, description=f"{tag}engine load")
+            try:
+                engine = LLMEngine(cfg)
+            except ValueError as err:  # e.g. a GGUF model at TP > 1, or heads that do not split
+                print(f"pdserve profile: TP {width}: {err}", file=sys.stderr)
+                return 2
+            try:
+                gc.freeze()  # a full collection over torch's heap would land inside some timed step
+                points = measure(engine, grid, lambda label, tag=tag: bar.update(task, advance=1, description=tag + label),
+                                 transfer=i == 0)
+                if i:
+                    points["transfer"] = profiles[0].points["transfer"]
+                facts = EngineFacts(cfg.block_size, engine.num_blocks, kv_bytes_per_token(engine),
+                                    cfg.max_num_batched_tokens, cfg.max_num_seqs, args.local_prefill_threshold)
+                model = model or {"name": resolved.name, "path": str(resolved.path),
+                                  "fingerprint": model_fingerprint(Path(resolved.path)),
+                                  "dtype": str(engine.dtype).removeprefix("torch."), "arch": engine.model_config.arch,
+                                  "layers": engine.model_config.num_layers, "quick": bool(args.quick)}
+                prof = fit_profile(engine, points, facts, model)
+                if i:  # one transfer fit for every width, the machine as the first width recorded it
+                    prof.transfer, prof.machine = profiles[0].transfer, profiles[0].machine
+                profiles.append(prof)
+            finally:
+                gc.unfreeze()
+                engine.close()
+    profile = profiles[0].with_widths(profiles[1:])
     profile.save(args.out)
-    p, d, t = profile.prefill, profile.decode, profile.transfer
-    print(f"prefill_s = {p.a * 1e3:.3f} ms + {p.b * 1e6:.3f} us/token + {p.c * 1e9:.4f} ns/attn-token^2 "
-          f"(rmse {p.rmse * 1e3:.3f} ms)\n"
-          f"decode_step_s = {d.a * 1e3:.3f} ms + {d.b * 1e6:.3f} us/seq + {d.c * 1e9:.3f} ns/context-token "
-          f"(rmse {d.rmse * 1e3:.3f} ms)\n"
-          f"transfer_s = {t.a * 1e3:.3f} ms + {t.b * 1e9:.4f} s/GB (rmse {t.rmse * 1e3:.3f} ms)\n"
-          f"KV capacity: {facts.num_kv_blocks} blocks of {facts.block_size} tokens "
-          f"({facts.kv_bytes_per_token} bytes/token)")
+    for prof in profiles:
+        p, d, t, facts = prof.prefill, prof.decode, prof.transfer, prof.engine
+        if len(profiles) > 1:
+            print(f"TP {prof.tp}:")
+        print(f"prefill_s = {p.a * 1e3:.3f} ms + {p.b * 1e6:.3f} us/token + {p.c * 1e9:.4f} ns/attn-token^2 "
+              f"(rmse {p.rmse * 1e3:.3f} ms)\n"
+              f"decode_step_s = {d.a * 1e3:.3f} ms + {d.b * 1e6:.3f} us/seq + {d.c * 1e9:.3f} ns/context-token "
+              f"(rmse {d.rmse * 1e3:.3f} ms)\n"
+              f"transfer_s = {t.a * 1e3:.3f} ms + {t.b * 1e9:.4f} s/GB (rmse {t.rmse * 1e3:.3f} ms)\n"
+              f"KV capacity: {facts.num_kv_blocks} blocks of {facts.block_size} tokens "
+              f"({facts.kv_bytes_per_token} bytes/token)")
     print(f"wrote {args.out}", file=sys.stderr)
     return 0

@@ -1,10 +1,14 @@
-"""The shape search behind `pdserve plan`: which P:D (or colocated C) shapes up to a node budget meet the
-SLOs for a traffic, at a target rate or at the highest rate each shape sustains; the recommendation and
-the Kubernetes values file for it.
+"""The shape search behind `pdserve plan`: which P:D (or colocated C) shapes up to a budget meet the SLOs
+for a traffic, at a target rate or at the highest rate each shape sustains; the recommendation and the
+Kubernetes values file for it.
+
+The budget counts ranks (cores, or GPUs): a node of TP width w runs w of them (`Shape.cores`), so at TP 1
+it is the node count. With `tp_widths` (e.g. (1, 2)) every pool may take each width the profile measured.
 
 A shape *fits* at a rate when its simulated run meets the SLO attainment target with every SLO passing
 (`planner.loadgen.metrics.Summary.meets_target`, the definition `pdserve bench` judges a real run by). The
-cheapest shape is the one with the fewest nodes that fits; among equals, the one with the higher goodput.
+cheapest shape is the one with the fewest ranks that fits (at TP 1: the fewest nodes); among equals, the
+one with the higher goodput.
 """
 
 from __future__ import annotations
@@ -42,12 +46,16 @@ class PlanConfig:
     requests: int = 400
     settings: NodeSettings | None = None
     overheads: Overheads | None = None  # costs beyond the profile's engine steps (none by default)
+    tp_widths: tuple[int, ...] | None = None  # the TP widths a pool may take (None: the profile's own, `tp`)
 
     def __post_init__(self) -> None:
         if (self.traffic is None) == (self.trace is None):
             raise ValueError("give a workload or a trace, not both")
         if self.max_nodes < 1:
             raise ValueError("--max-nodes must be >= 1")
+        self.tp_widths = tuple(sorted(set(self.tp_widths or (self.profile.tp,))))
+        for w in self.tp_widths:
+            self.profile.at_tp(w)  # ValueError naming the widths the profile has
         if not 0 < self.attainment <= 1:
             raise ValueError("--attainment must be in (0, 1]")
         if self.rate is not None and not 0 < self.rate < math.inf:
@@ -115,22 +123,28 @@ class Plan:
                     "slos": [{"name": x.name, "threshold_s": x.threshold_s, "observed_s": x.observed_s,
                               "passed": x.passed} for x in s.slos]}
 
-        rows = [{"shape": r.shape.label, "prefill": r.shape.prefill, "decode": r.shape.decode,
-                 "nodes": r.shape.nodes, "fits": r.fits, "max_rate": r.max_rate, "run": run(r.best)}
-                for r in self.results]
+        def shape(s: Shape) -> dict[str, Any]:
+            return {"shape": s.label, "prefill": s.prefill, "decode": s.decode, "prefill_tp": s.prefill_tp,
+                    "decode_tp": s.decode_tp}
+
+        rows = [{**shape(r.shape), "nodes": r.shape.nodes, "cores": r.shape.cores, "fits": r.fits,
+                 "max_rate": r.max_rate, "run": run(r.best)} for r in self.results]
         rec = self.recommended
         return {"target_rate": self.config.target_rate, "attainment_target": self.config.attainment,
+                "tp_widths": list(self.config.tp_widths or ()),
                 "slos": [{"name": s.name, "threshold_s": s.threshold_s} for s in self.config.slos],
-                "recommended": None if rec is None else {"shape": rec.shape.label, "prefill": rec.shape.prefill,
-                                                         "decode": rec.shape.decode, "run": run(rec.best)},
+                "recommended": None if rec is None else {**shape(rec.shape), "run": run(rec.best)},
                 "shapes": rows}
 
 
-def shapes(max_nodes: int) -> list[Shape]:
-    """Every colocated C and disaggregated P:D shape of at most `max_nodes` nodes, fewest nodes first."""
-    out = [Shape(0, n) for n in range(1, max_nodes + 1)]
-    out += [Shape(p, n - p) for n in range(2, max_nodes + 1) for p in range(1, n)]
-    return sorted(out, key=lambda s: (s.nodes, s.prefill))
+def shapes(max_nodes: int, tp_widths: tuple[int, ...] = (1,)) -> list[Shape]:
+    """Every colocated C and disaggregated P:D shape of at most `max_nodes` ranks (`Shape.cores`: at TP 1
+    the nodes), each pool at each of `tp_widths`; fewest ranks first, then fewest nodes."""
+    widths = sorted(set(tp_widths))
+    out = [Shape(0, n, 1, w) for w in widths for n in range(1, max_nodes // w + 1)]
+    out += [Shape(p, d, pw, dw) for pw in widths for dw in widths
+            for p in range(1, max_nodes // pw + 1) for d in range(1, (max_nodes - p * pw) // dw + 1)]
+    return sorted(out, key=lambda s: (s.cores, s.nodes, s.prefill, s.prefill_tp, s.decode_tp))
 
 
 class Planner:
@@ -157,7 +171,7 @@ class Planner:
 
     def run(self) -> Plan:
         """Every shape at the target rate (and swept, with --sweep); the recommendation."""
-        cfg, all_shapes = self.cfg, shapes(self.cfg.max_nodes)
+        cfg, all_shapes = self.cfg, shapes(self.cfg.max_nodes, self.cfg.tp_widths or (1,))
         results = []
         for i, shape in enumerate(all_shapes):
             res = ShapeResult(shape)
@@ -173,14 +187,15 @@ class Planner:
         return Plan(cfg, results, self.recommend(results))
 
     def recommend(self, results: list[ShapeResult]) -> ShapeResult | None:
-        """Fewest nodes that fit the target rate (ties: higher goodput); sweeping without a target rate,
-        the highest fitting rate per node."""
+        """Fewest ranks (at TP 1: nodes) that fit the target rate (ties: higher goodput, then fewer nodes);
+        sweeping without a target rate, the highest fitting rate per rank."""
         fitting = [r for r in results if r.fits]
         if not fitting:
             return None
         if self.cfg.target_rate is None:
-            return max(fitting, key=lambda r: ((r.max_rate or 0.0) / r.shape.nodes, -r.shape.nodes))
-        return min(fitting, key=lambda r: (r.shape.nodes, -(r.best.summary.goodput_rate if r.best else 0.0)))
+            return max(fitting, key=lambda r: ((r.max_rate or 0.0) / r.shape.cores, -r.shape.cores, -r.shape.nodes))
+        return min(fitting, key=lambda r: (r.shape.cores, -(r.best.summary.goodput_rate if r.best else 0.0),
+                                           r.shape.nodes))
 
     def _sweep(self, res: ShapeResult) -> None:
         """Brackets the shape's highest fitting rate: doubling from a start rate, then bisection."""
@@ -226,9 +241,12 @@ class Planner:
 
 
 def values_document(shape: Shape, header: str) -> str:
-    """A deploy/k8s values file that sets the pools' replica counts (prefill 0: colocated decode nodes)."""
-    body = yaml.safe_dump({"prefill": {"replicas": shape.prefill}, "decode": {"replicas": shape.decode}},
-                          sort_keys=False)
+    """A deploy/k8s values file that sets the pools' replica counts (prefill 0: colocated decode nodes) and,
+    for a shape wider than TP 1, each pool's `tp`."""
+    values: dict[str, dict[str, int]] = {"prefill": {"replicas": shape.prefill}, "decode": {"replicas": shape.decode}}
+    if shape.tp:
+        values["prefill"]["tp"], values["decode"]["tp"] = shape.prefill_tp, shape.decode_tp
+    body = yaml.safe_dump(values, sort_keys=False)
     comment = "".join(f"# {line}\n" for line in header.splitlines())
     return comment + body
 

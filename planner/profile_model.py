@@ -13,6 +13,12 @@ before it). A pure decode step is `decode.a + ...`, a pure prefill step `prefill
 (a colocated node, or a decode node's local prefill) pays the fixed cost once.
 
 KV transfer: `transfer_s = transfer.a + transfer.b * bytes`, bytes = tokens * kv_bytes_per_token.
+
+Tensor parallelism: a profile's fits are those of one TP width (`Profile.tp`, 1 unless measured
+otherwise); `pdserve profile --tp-widths 1,2` measures more, each kept whole (its fits, engine facts, the
+KV capacity of a node of that width, points) in `Profile.by_tp` and returned by `Profile.at_tp(w)`. The
+JSON holds the first width at the top level as before (`tensor_parallel_size`, 1 when absent: older
+profiles are TP 1) and the others under `"tp": {"2": {...}}`.
 """
 
 from __future__ import annotations
@@ -63,6 +69,31 @@ class Profile:
     model: dict[str, Any] = field(default_factory=dict)
     points: dict[str, list[dict[str, float]]] = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
+    tp: int = 1  # the tensor-parallel width these fits were measured at
+    by_tp: dict[int, Profile] = field(default_factory=dict)  # the other widths measured (each with its own tp)
+
+    @property
+    def tp_widths(self) -> tuple[int, ...]:
+        """Every width this profile has fits for, ascending."""
+        return tuple(sorted({self.tp, *self.by_tp}))
+
+    def at_tp(self, width: int) -> Profile:
+        """The profile of nodes `width` ranks wide. Raises ValueError when it was not measured."""
+        if width == self.tp:
+            return self
+        if width in self.by_tp:
+            return self.by_tp[width]
+        raise ValueError(f"the profile has no TP {width} measurements (it has TP "
+                         f"{', '.join(map(str, self.tp_widths))}): run `pdserve profile --tp-widths "
+                         f"{','.join(map(str, sorted({*self.tp_widths, width})))}`")
+
+    def with_widths(self, others: list[Profile]) -> Profile:
+        """This profile holding `others` (profiles of other widths, the same model and machine) too."""
+        for o in others:
+            if o.tp == self.tp or o.tp in self.by_tp:
+                raise ValueError(f"TP {o.tp} given twice")
+            self.by_tp[o.tp] = o
+        return self
 
     def step_s(self, decode_seqs: int, context_tokens: int, prefill_tokens: int, prefill_attn: float) -> float:
         """One engine step's predicted time (see the module docstring); 0 for an empty step."""
@@ -81,12 +112,18 @@ class Profile:
         """Shipping the K/V of `tokens` tokens over one pair channel."""
         return max(self.transfer.a + self.transfer.b * tokens * self.engine.kv_bytes_per_token, 0.0)
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"schema_version": self.schema_version, "machine": self.machine, "model": self.model,
-                "engine": asdict(self.engine),
+    def _fits_dict(self) -> dict[str, Any]:
+        return {"engine": asdict(self.engine),
                 "fits": {"prefill": asdict(self.prefill), "decode": asdict(self.decode),
                          "transfer": asdict(self.transfer)},
                 "points": self.points}
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {"schema_version": self.schema_version, "machine": self.machine, "model": self.model,
+             "tensor_parallel_size": self.tp, **self._fits_dict()}
+        if self.by_tp:
+            d["tp"] = {str(w): p._fits_dict() for w, p in sorted(self.by_tp.items())}
+        return d
 
     def save(self, path: str | Path) -> None:
         """Writes the profile as JSON to `path`."""
@@ -98,12 +135,27 @@ class Profile:
         if d.get("schema_version") != SCHEMA_VERSION:
             raise ValueError(f"profile schema_version {d.get('schema_version')!r}, this pdserve reads "
                              f"{SCHEMA_VERSION}: measure again with `pdserve profile`")
+        machine, model = d.get("machine", {}), d.get("model", {})
+
+        def one(part: dict[str, Any], tp: Any) -> Profile:
+            if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+                raise ValueError(f"not a pdserve profile: tensor_parallel_size {tp!r} is not an integer >= 1")
+            try:
+                fits = part["fits"]
+                return cls(Linear(**fits["prefill"]), Linear(**fits["decode"]), Linear(**fits["transfer"]),
+                           EngineFacts(**part["engine"]), machine, model, part.get("points", {}), tp=tp)
+            except (KeyError, TypeError) as err:
+                raise ValueError(f"not a pdserve profile: {err}") from None
+
+        base = one(d, d.get("tensor_parallel_size", 1))
+        others = d.get("tp", {})
+        if not isinstance(others, dict):
+            raise ValueError("not a pdserve profile: \"tp\" is not a mapping of widths")
         try:
-            fits = d["fits"]
-            return cls(Linear(**fits["prefill"]), Linear(**fits["decode"]), Linear(**fits["transfer"]),
-                       EngineFacts(**d["engine"]), d.get("machine", {}), d.get("model", {}), d.get("points", {}))
-        except (KeyError, TypeError) as err:
-            raise ValueError(f"not a pdserve profile: {err}") from None
+            widths = {int(w): part for w, part in others.items()}
+        except ValueError:
+            raise ValueError(f"not a pdserve profile: TP widths {list(others)} are not integers") from None
+        return base.with_widths([one(part, w) for w, part in sorted(widths.items())])
 
 
 def load_profile_here(path: str | Path, allow_other_machine: bool = False) -> Profile:

@@ -15,7 +15,9 @@ the cluster's do):
   free blocks), the prefill node batches prompts into chunked steps under the same token budget, the
   first token is the client's first token, then the K/V ship over the (prefill, decode) pair channel,
   one transfer at a time per pair, and the sequence joins the decode batch;
-- a step's time: `Profile.step_s` (fixed cost + decodes + K/V read + prefill tokens + attention);
+- a step's time: `Profile.step_s` (fixed cost + decodes + K/V read + prefill tokens + attention), from the
+  profile of the node's pool's TP width (`Shape.prefill_tp`, `Shape.decode_tp`; `Profile.at_tp`), and a
+  decode node's KV capacity that width's;
 - `Overheads`, what a profile's engine steps leave out: a node's own CPU around its steps (per prompt on
   a prefill node, per request and per streamed token on a decode node) added to the step that causes it; the frontend's
   and clients' latency, added to every token's arrival; and, when they share the nodes' cores, their CPU
@@ -33,9 +35,10 @@ from __future__ import annotations
 import heapq
 import itertools
 import json
+import re
 from collections import deque
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from pdserve.planner.loadgen.client import RequestRecord
@@ -43,29 +46,76 @@ from pdserve.planner.loadgen.metrics import SLO, Summary, summarize
 from pdserve.planner.profile_model import Profile
 from pdserve.planner.sim_nodes import DecodeNode, PrefillNode, Seq, Stepper
 
+_SHAPE_RE = re.compile(r"^(?:(\d+)P(?:\(tp(\d+)\))?:(\d+)D(?:\(tp(\d+)\))?|(\d+)C(?:\(tp(\d+)\))?)$", re.IGNORECASE)
+
 
 @dataclass(frozen=True)
 class Shape:
-    """P prefill + D decode nodes; P = 0 is D colocated nodes (each prefills everything itself)."""
+    """P prefill + D decode nodes; P = 0 is D colocated nodes (each prefills everything itself). Each pool's
+    nodes have a tensor-parallel width (`prefill_tp`, `decode_tp`: ranks a node, one core or GPU each);
+    a colocated shape's width is `decode_tp` (its `prefill_tp` is 1)."""
 
     prefill: int
     decode: int
+    prefill_tp: int = 1
+    decode_tp: int = 1
 
     def __post_init__(self) -> None:
         if self.prefill < 0 or self.decode < 1:
             raise ValueError(f"a shape needs >= 0 prefill and >= 1 decode nodes, got {self.prefill}:{self.decode}")
+        for name in ("prefill_tp", "decode_tp"):
+            w = getattr(self, name)
+            if isinstance(w, bool) or not isinstance(w, int) or w < 1:
+                raise ValueError(f"a shape's {name} must be an integer >= 1, got {w!r}")
+        if self.prefill == 0 and self.prefill_tp != 1:
+            raise ValueError(f"a colocated shape has no prefill pool: its width is decode_tp, got prefill_tp "
+                             f"{self.prefill_tp}")
 
     @property
     def nodes(self) -> int:
         return self.prefill + self.decode
 
     @property
+    def cores(self) -> int:
+        """The ranks of every node (a TP-w node runs w): the cores, or GPUs, the shape occupies."""
+        return self.prefill * self.prefill_tp + self.decode * self.decode_tp
+
+    @property
     def colocated(self) -> bool:
         return self.prefill == 0
 
     @property
+    def tp(self) -> bool:
+        """Whether some pool is wider than one rank."""
+        return max(self.prefill_tp, self.decode_tp) > 1
+
+    @property
     def label(self) -> str:
-        return f"{self.decode}C" if self.colocated else f"{self.prefill}P:{self.decode}D"
+        """"1P:2D" / "2C" at TP 1; "1P(tp2):2D(tp1)" / "2C(tp2)" otherwise (`Shape.parse` reads both)."""
+        if self.colocated:
+            return f"{self.decode}C" + (f"(tp{self.decode_tp})" if self.tp else "")
+        if not self.tp:
+            return f"{self.prefill}P:{self.decode}D"
+        return f"{self.prefill}P(tp{self.prefill_tp}):{self.decode}D(tp{self.decode_tp})"
+
+    @classmethod
+    def parse(cls, text: str) -> Shape:
+        """A label back to its shape: "1P:2D", "2C", "1P(tp2):2D(tp1)", "2C(tp2)" (a width left out is 1;
+        case and spaces ignored). Raises ValueError."""
+        m = _SHAPE_RE.match("".join(str(text).split()))
+        if m is None:
+            raise ValueError(f"bad shape {text!r}: expected PP:DD (e.g. 1P:2D), NC (e.g. 2C), or with TP widths "
+                             f"1P(tp2):2D(tp1), 2C(tp2)")
+        p, ptp, d, dtp, c, ctp = m.groups()
+        if c is not None:
+            return cls(0, int(c), 1, int(ctp or 1))
+        if int(p) == 0:
+            raise ValueError(f"bad shape {text!r}: 0 prefill nodes is a colocated shape, written {d}C")
+        return cls(int(p), int(d), int(ptp or 1), int(dtp or 1))
+
+    def with_tp(self, prefill_tp: int, decode_tp: int) -> Shape:
+        """The same node counts at these widths (a colocated shape takes `decode_tp`)."""
+        return Shape(self.prefill, self.decode, prefill_tp if self.prefill else 1, decode_tp)
 
 
 @dataclass(frozen=True)
@@ -119,7 +169,7 @@ class Overheads:
     decode_cpu_per_token_s: float = 0.0  # and per streamed token
     host_cpu_per_request_s: float = 0.0  # the frontend's and clients' CPU per request
     host_cpu_per_token_s: float = 0.0  # and per streamed token
-    host_cores: int = 0  # cores the nodes share with them (0: they have their own); a node has a core of its own
+    host_cores: int = 0  # cores the nodes share with them (0: they have their own); a node rank has a core of its own
 
     WINDOW_S = 1.0  # a step is stretched by the host CPU of the last second
     MAX_SHARE = 0.5  # a node's thread and a runnable host thread on one core each get half of it
@@ -144,7 +194,7 @@ class Overheads:
         disaggregated shape (a decode node steps back to back while it has sequences, a prefill node
         sleeps between prompts, so the scheduler wakes the frontend and clients on its core and they share
         it once a prompt comes), and on every node of a colocated one."""
-        need = cpu_per_s - max(0, self.host_cores - shape.nodes)
+        need = cpu_per_s - max(0, self.host_cores - shape.cores)  # a TP-w node's ranks take w cores
         if not self.host_shares_cores or need <= 0 or (shape.prefill and not prefill_node):
             return 0.0
         return min(self.MAX_SHARE, need / (shape.prefill or shape.decode))
@@ -193,7 +243,15 @@ class Simulation:
     def __init__(self, profile: Profile, shape: Shape, requests: list[SimRequest],
                  settings: NodeSettings | None = None, overheads: Overheads | None = None) -> None:
         self.profile, self.shape = profile, shape
-        self.settings = settings or NodeSettings.of(profile)
+        # Each pool is timed by the profile of its TP width (ValueError when the profile lacks it); the K/V
+        # transfer by the prefill pool's (the sending side's) fit.
+        self.decode_profile = profile.at_tp(shape.decode_tp)
+        self.prefill_profile = profile.at_tp(shape.prefill_tp) if shape.prefill else self.decode_profile
+        settings = settings or NodeSettings.of(profile)
+        base, wide = profile.engine.num_kv_blocks, self.decode_profile.engine.num_kv_blocks
+        if wide != base:  # a TP-w decode node holds what the profile measured at w (scaled as the settings are)
+            settings = replace(settings, num_kv_blocks=max(1, round(settings.num_kv_blocks * wide / base)))
+        self.settings = settings
         self.overheads = overheads or Overheads()
         self._host_cpu: deque[tuple[float, float]] = deque()  # (when, host CPU seconds) of the last WINDOW_S
         self._host_cpu_sum = 0.0  # their sum
@@ -211,7 +269,8 @@ class Simulation:
     def step_s(self, node: Stepper, plan: list[tuple[Seq, int]]) -> float:
         """One node step's time: the profile's for the plan's work plus the node's own CPU around it
         (`Stepper.own_cpu_s`), stretched by the host processes' share of the node's core."""
-        t = self.profile.step_s(*Stepper.step_cost(plan)) + node.own_cpu_s(plan)
+        prof = self.prefill_profile if isinstance(node, PrefillNode) else self.decode_profile
+        t = prof.step_s(*Stepper.step_cost(plan)) + node.own_cpu_s(plan)
         o = self.overheads
         if o.host_shares_cores:
             horizon = self.events.now - Overheads.WINDOW_S

@@ -176,7 +176,7 @@ class DecodeNode(Stepper):
             return
         sim = self.sim
         start = max(sim.events.now, sim.channel_free.get((p, self.index), 0.0))
-        end = start + sim.profile.transfer_s(seq.req.prompt_tokens)
+        end = start + sim.prefill_profile.transfer_s(seq.req.prompt_tokens)
         sim.channel_free[(p, self.index)] = end
         sim.events.at(end, lambda: self._land(seq))
 
