@@ -112,8 +112,13 @@ def kubernetes_validate() -> Any:
     return pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate (dev extra)")
 
 
+# Tensor parallelism: TP 2 prefill and TP 4 decode pools on GPUs, and a second model's TP 2 pools on CPU.
+TP_SETS = ("prefill.tp=2", "decode.tp=4", "decode.gpus=4", "prefill.resources.limits.cpu=8",
+           "decode.resources.limits.cpu=8")
+
+
 @pytest.mark.parametrize("case", ["defaults", "all-features", "multi-model-example", "model-sources", "rdma-example",
-                                  "autoscaling-hpa", "external-response-store"])
+                                  "autoscaling-hpa", "external-response-store", "tensor-parallel"])
 def test_manifests_validate_against_kubernetes_schemas(case: str, kubernetes_validate: Any) -> None:
     if case == "defaults":
         objs = _render()
@@ -134,6 +139,13 @@ def test_manifests_validate_against_kubernetes_schemas(case: str, kubernetes_val
                        "responseStore.postgres.tolerations=[{key: storage, operator: Exists, effect: NoSchedule}]",
                        "podSecurityContext={runAsNonRoot: true}", "containerSecurityContext={allowPrivilegeEscalation: false}")
         assert _one(objs, "StatefulSet", STORE)["spec"]["volumeClaimTemplates"][0]["spec"]["storageClassName"] == "fast-ssd"
+    elif case == "tensor-parallel":
+        values = k8s.load_values([EXAMPLE], [*TP_SETS, "autoscaling.mode=hpa"])
+        values["models"][1]["prefill"] = {"device": "cpu", "tp": 2}
+        values["models"][1]["decode"] = {"device": "cpu", "tp": 2, "gpus": 1}
+        objs = k8s.render_objects(values)
+        assert {_flag(_container(d)["args"], "tensor-parallel-size") for d in _by_kind(objs, "Deployment")
+                if "tensor-parallel-size" in str(_container(d)["args"])} == {"2", "4"}
     elif case == "external-response-store":
         objs = _render(*ALL_FEATURES, *EXTERNAL_STORE)
         assert not [o for o in objs if o["metadata"]["name"].startswith(STORE)]
@@ -855,6 +867,44 @@ def test_autoscaling_keda_queries_parse_and_select_each_pool(promtool: str, tmp_
     assert "SUCCESS" in _promtool(promtool, "check", "rules", "q.yml", cwd=tmp_path)
 
 
+@pytest.mark.parametrize("role,tp", [("prefill", 2), ("decode", 4)])
+def test_a_tp_pool_runs_its_ranks_and_requests_a_gpu_for_each(role: str, tp: int) -> None:
+    """`tp: N`: the node gets --tensor-parallel-size N and the pod N GPUs (requested = limited); at TP 1
+    the flag is left out and `gpus` is what the pod asks for, as before."""
+    objs = _render(*TP_SETS)
+    _, _, c = _node_pod(objs, role)
+    assert _flag(c["args"], "tensor-parallel-size") == str(tp) and _flag(c["args"], "device") == "cuda"
+    assert c["resources"]["requests"]["nvidia.com/gpu"] == tp == c["resources"]["limits"]["nvidia.com/gpu"]
+    assert c["resources"]["requests"]["cpu"] == "4"  # a GPU pod's CPU is the pod's, as given
+    _, _, plain = _node_pod(_render("decode.gpus=2"), role)
+    assert not any(a.startswith("--tensor-parallel-size") for a in plain["args"])
+    assert plain["resources"]["requests"]["nvidia.com/gpu"] == {"prefill": 1, "decode": 2}[role]
+
+
+def test_a_tp_pool_on_cpu_scales_its_cpu_and_asks_for_no_gpu() -> None:
+    objs = _render("decode.device=cpu", "decode.tp=3", "decode.resources.requests.cpu=1500m",
+                   "decode.resources.limits.cpu=2", "prefill.device=cpu")
+    _, _, c = _node_pod(objs, "decode")
+    assert _flag(c["args"], "device") == "cpu" and _flag(c["args"], "tensor-parallel-size") == "3"
+    assert c["resources"]["requests"]["cpu"] == "4500m" and c["resources"]["limits"]["cpu"] == "6"
+    assert "nvidia.com/gpu" not in c["resources"]["requests"] and "nvidia.com/gpu" not in c["resources"]["limits"]
+    _, _, p = _node_pod(objs, "prefill")  # TP 1 on CPU: its resources as given
+    assert p["resources"]["requests"]["cpu"] == "4" and "nvidia.com/gpu" not in p["resources"]["requests"]
+
+
+def test_the_planners_tp_values_file_renders() -> None:
+    """What `pdserve plan --tp-widths` writes for a TP shape (planner.plan.values_document) renders."""
+    from pdserve.planner.plan import values_document
+    from pdserve.planner.sim import Shape
+
+    values = k8s.deep_merge(k8s.load_values(), yaml.safe_load(values_document(Shape.parse("1P(tp2):3D(tp1)"), "x")))
+    objs = k8s.render_objects(values)
+    (pre,), (dec,) = _pools(objs, "prefill"), _pools(objs, "decode")
+    assert (pre["spec"]["replicas"], dec["spec"]["replicas"]) == (1, 3)
+    assert _flag(_container(pre)["args"], "tensor-parallel-size") == "2"
+    assert not any(a.startswith("--tensor-parallel-size") for a in _container(dec)["args"])
+
+
 def _set(assignment: str) -> Callable[[dict[str, Any]], None]:
     return lambda values: k8s.set_value(values, assignment)
 
@@ -925,6 +975,21 @@ def _tenant(**fields: Any) -> Callable[[dict[str, Any]], None]:
                  "ClusterIssuer or Issuer", id="ingress-issuer-kind"),
     pytest.param(_set("frontend.extraArgs=[--tls-cert=/x.pem]"), "frontend.ingress", id="tls-in-extra-args"),
     pytest.param(_set("frontend.maxFileBytes=0"), "maxFileBytes", id="max-file-bytes"),
+    pytest.param(_set("decode.tp=0"), "tp must be an integer >= 1", id="tp-zero"),
+    pytest.param(_set("prefill.tp=1.5"), "tp must be an integer >= 1", id="tp-fraction"),
+    pytest.param(_set("prefill.tp='2'"), "tp must be an integer >= 1", id="tp-string"),
+    pytest.param(_set("decode.tp=true"), "tp must be an integer >= 1", id="tp-bool"),
+    pytest.param(_set("decode.tp=65"), r"tp must be in \[1, 64\]", id="tp-too-wide"),
+    pytest.param(lambda v: (k8s.set_value(v, "decode.tp=2"), k8s.set_value(v, "decode.gpus=3")),
+                 "drives 2 GPUs", id="tp-gpus-mismatch"),
+    pytest.param(lambda v: (k8s.set_value(v, "prefill.tp=2"), k8s.set_value(v, "prefill.kvTierGiB=8")),
+                 "KV tier runs at tp 1 only", id="tp-kv-tier"),
+    pytest.param(_set("decode.extraArgs=[--tensor-parallel-size=2]"), "use tp / device", id="tp-in-extra-args"),
+    pytest.param(_set("decode.device=tpu"), "device must be cuda or cpu", id="device"),
+    pytest.param(lambda v: (k8s.set_value(v, "decode.device=cpu"), k8s.set_value(v, "decode.tp=2"),
+                            k8s.set_value(v, "decode.resources.requests.cpu=lots")),
+                 "not a CPU quantity", id="tp-cpu-quantity"),
+    pytest.param(lambda v: v["models"][0].update(decode={"tp": -1}), "tp must be an integer", id="tp-model-override"),
 ])
 def test_bad_values_are_refused(edit: Callable[[dict[str, Any]], None], message: str) -> None:
     values = k8s.load_values()

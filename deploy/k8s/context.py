@@ -196,13 +196,15 @@ def _node_args(v: dict[str, Any], m: dict[str, Any], cfg: dict[str, Any], etcd: 
         ("model", f"{mount}/{m['path']}"),
         ("model-name", m["name"]),
         ("dtype", cfg["dtype"]),
-        ("device", "cuda"),
+        ("device", cfg.get("device", "cuda")),
         ("kv-cache-memory-mib", cfg["kvCacheMemoryMiB"]),
         ("max-num-seqs", cfg["maxNumSeqs"]),
         ("max-num-batched-tokens", cfg["maxNumBatchedTokens"]),
     ]
     if m.get("maxContext"):
         pairs.append(("max-model-len", m["maxContext"]))
+    if cfg.get("tp", 1) > 1:  # the node's ranks: one process (and device, or core) each
+        pairs.append(("tensor-parallel-size", cfg["tp"]))
     if cfg.get("speculative"):
         pairs += [("speculative", cfg["speculative"]), ("num-speculative-tokens", cfg.get("numSpeculativeTokens", 4))]
     if cfg.get("kvTierGiB"):  # the pod's kv-tier emptyDir (40-pools.yaml.j2)
@@ -274,6 +276,10 @@ def _pool(v: dict[str, Any], m: dict[str, Any], role: str, model_label: str, cfg
         if str(arg).split("=", 1)[0] in ("--drain-timeout", "--drain-grace"):
             raise ValuesError(f"{where}: extraArgs sets {arg}: use drainTimeoutSeconds / drainGraceSeconds, which "
                               "also size the preStop hook and the grace period")
+        if str(arg).split("=", 1)[0] in ("--tensor-parallel-size", "--device"):
+            raise ValuesError(f"{where}: extraArgs sets {arg}: use tp / device, which also size the pod's GPU or "
+                              "CPU requests")
+    tp, device = _check_tp(where, cfg, m, gpus)
     _check_rollout(where, cfg["strategy"])
     startup = _int(f"{where}: startupTimeoutSeconds", cfg["startupTimeoutSeconds"], 10)
     for port in ("grpcPort", "kvPort", "metricsPort"):
@@ -288,9 +294,14 @@ def _pool(v: dict[str, Any], m: dict[str, Any], role: str, model_label: str, cfg
     if not isinstance(extra, dict) or "nvidia.com/gpu" in extra:
         raise ValuesError(f"{where}: extraResources must map resource names to counts (GPUs go in `gpus`)")
     # Extended resources (GPUs, RDMA devices) cannot be overcommitted: request and limit must be equal.
+    # A TP-N node drives N GPUs (one a rank); on CPU its N ranks take N times the pod's CPU.
     for kind in ("requests", "limits"):
-        resources.setdefault(kind, {})["nvidia.com/gpu"] = gpus
-        resources[kind].update(extra)
+        if device == "cuda":
+            resources.setdefault(kind, {})["nvidia.com/gpu"] = tp if tp > 1 else gpus
+        elif tp > 1 and (resources.get(kind) or {}).get("cpu") is not None:
+            resources[kind]["cpu"] = _scale_cpu(f"{where}: resources.{kind}.cpu", resources[kind]["cpu"], tp)
+        if extra:
+            resources.setdefault(kind, {}).update(extra)
     extra_env = cfg.get("extraEnv") or []
     reserved = {"POD_NAME", "POD_IP", "POD_NAMESPACE", "PDSERVE_CLUSTER_TOKEN"}
     if not isinstance(extra_env, list) or any(not isinstance(e, dict) or e.get("name") in reserved for e in extra_env):
@@ -323,6 +334,39 @@ def _pool(v: dict[str, Any], m: dict[str, Any], role: str, model_label: str, cfg
         "startup_failure_threshold": -(-startup // 10),
         "pdb": _check_pdb(f"{where}: pdb", cfg["pdb"], replicas),
     }
+
+
+def _check_tp(where: str, cfg: dict[str, Any], m: dict[str, Any], gpus: int) -> tuple[int, str]:
+    """The pool's TP width and device, checked: an integer in [1, 64]; on CUDA, `gpus` left at 1 or equal
+    to it (a rank drives one device); no KV tier (its files hold every KV head: TP 1 only). `m`: the model."""
+    tp = _int(f"{where}: tp", cfg.get("tp", 1), 1)
+    if tp > 64:
+        raise ValuesError(f"{where}: tp must be in [1, 64], got {tp}")
+    device = cfg.get("device", "cuda")
+    if device not in ("cuda", "cpu"):
+        raise ValuesError(f"{where}: device must be cuda or cpu, got {device!r}")
+    if tp == 1:
+        return tp, device
+    if device == "cuda" and gpus not in (1, tp):
+        raise ValuesError(f"{where}: gpus {gpus} with tp {tp}: a TP-{tp} node drives {tp} GPUs, one a rank "
+                          f"(leave gpus at 1, or set it to {tp})")
+    if cfg.get("kvTierGiB"):
+        raise ValuesError(f"{where}: kvTierGiB with tp {tp}: a KV tier runs at tp 1 only (its files hold every "
+                          "KV head); set kvTierGiB: 0")
+    # Every source the init containers fetch is float weights (a `gguf` source is dequantized to its dtype),
+    # which is what TP splits; a `dir` or `none` source holding quantized weights is refused by the node.
+    return tp, device
+
+
+def _scale_cpu(where: str, quantity: Any, factor: int) -> str:
+    """A CPU quantity ("4", 4, "500m", 0.5) times `factor`, as millicores or whole cores."""
+    text = str(quantity).strip()
+    try:
+        milli = int(text[:-1]) if text.endswith("m") else round(float(text) * 1000)
+    except ValueError:
+        raise ValuesError(f"{where}: {quantity!r} is not a CPU quantity (e.g. 4 or 500m)") from None
+    milli *= factor
+    return str(milli // 1000) if milli % 1000 == 0 else f"{milli}m"
 
 
 def _autoscaler(v: dict[str, Any], where: str, role: str, cfg: dict[str, Any], model: str) -> dict[str, Any] | None:
