@@ -144,8 +144,12 @@ def add_autoscale_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPa
     p.add_argument("--profile", required=True, metavar="PROFILE.json", help="from `pdserve profile`")
     add_machine_flag(p)
     p.add_argument("--slo", required=True, metavar="ttft_p90=1s,tpot_p99=50ms", help="as `pdserve plan --slo`")
-    p.add_argument("--node-budget", type=int, required=True, metavar="N", help="the most nodes of both pools")
+    p.add_argument("--node-budget", type=int, required=True, metavar="N",
+                   help="the most node ranks of both pools (a TP-w node counts w; at TP 1, nodes)")
     p.add_argument("--colocated", action="store_true", help="the cluster runs colocated nodes (no prefill pool)")
+    p.add_argument("--prefill-tp", type=int, default=1, metavar="N",
+                   help="the prefill nodes' TP width (prefill.tp; default 1): kept, counted N ranks a node")
+    p.add_argument("--decode-tp", type=int, default=1, metavar="N", help="the decode nodes' TP width (decode.tp)")
     s = p.add_argument_group("metrics source")
     s.add_argument("--metrics-url", action="append", default=[], metavar="URL", help="a frontend's /metrics "
                                                                                      "(repeatable)")

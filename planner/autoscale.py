@@ -14,7 +14,9 @@ Decisions are damped (`damp`, a pure function):
 - with no metrics (the source unreachable, its counters unreadable) the shape is kept and the controller
   says so (log, `pdserve_autoscale_metrics_up` 0).
 The shape keeps its kind: colocated nodes (prefill 0) stay colocated, a disaggregated shape keeps at least
-one prefill node (changing kind restarts every decode node, which the controller does not do).
+one prefill node (changing kind restarts every decode node, which the controller does not do). It keeps
+its pools' TP widths too (`prefill_tp`, `decode_tp`: what the nodes were started with; only the node
+counts change), and the budget counts ranks (`Shape.cores`: a TP-w node takes w; at TP 1, nodes).
 """
 
 from __future__ import annotations
@@ -60,11 +62,15 @@ class AutoscaleConfig:
     requests: int = 200  # simulated requests per candidate shape
     settings: NodeSettings | None = None
     seed: int = 0
+    prefill_tp: int = 1  # the pools' TP widths, kept (see the module docstring)
+    decode_tp: int = 1
 
     def __post_init__(self) -> None:
+        smallest = (Shape(0, 1) if self.colocated else Shape(1, 1)).with_tp(self.prefill_tp, self.decode_tp)
         checks = [
-            (self.node_budget >= (1 if self.colocated else 2),
-             f"--node-budget must be >= {1 if self.colocated else 2} (the smallest shape of this kind)"),
+            (self.node_budget >= smallest.cores,
+             f"--node-budget must be >= {smallest.cores} (the smallest shape of this kind, {smallest.label}, "
+             f"in ranks)"),
             (0 < self.attainment <= 1, "--attainment must be in (0, 1]"),
             (self.interval_s > 0, "--interval must be > 0"),
             (self.window_s >= self.interval_s, "--window must be >= --interval"),
@@ -79,11 +85,16 @@ class AutoscaleConfig:
 
     @property
     def minimum(self) -> Shape:
-        return Shape(0, 1) if self.colocated else Shape(1, 1)
+        return self.widths(Shape(0, 1) if self.colocated else Shape(1, 1))
+
+    def widths(self, shape: Shape) -> Shape:
+        """`shape`'s node counts at the pools' TP widths (a shape counted from the nodes has no widths)."""
+        return shape.with_tp(self.prefill_tp, self.decode_tp)
 
     def candidates(self) -> list[Shape]:
-        """The shapes of this kind within the budget, fewest nodes first."""
-        return [s for s in shapes(self.node_budget) if (s.prefill == 0) == self.colocated]
+        """The shapes of this kind within the budget (in ranks), fewest ranks first."""
+        out = [self.widths(s) for s in shapes(self.node_budget) if (s.prefill == 0) == self.colocated]
+        return sorted((s for s in out if s.cores <= self.node_budget), key=lambda s: (s.cores, s.nodes, s.prefill))
 
 
 @dataclass(frozen=True)
@@ -125,7 +136,7 @@ def damp(current: Shape, proposal: Proposal, now: float, last_change: float, coo
     at = f"{p.rate:.3g} req/s"
     if busy:
         return Decision("hold", current, f"{busy}: waiting before another change")
-    if p.current_fits and (p.target.nodes >= current.nodes or p.target == current):
+    if p.current_fits and (p.target.cores >= current.cores or p.target == current):
         return Decision("hold", current, f"{current.label} meets the SLOs at {at} "
                                          f"(attainment {100 * p.current_attainment:.0f}% predicted)")
     if p.target == current:
@@ -133,7 +144,7 @@ def damp(current: Shape, proposal: Proposal, now: float, last_change: float, coo
                                          f"(attainment {100 * p.current_attainment:.0f}%) but no shape within "
                                          f"the budget does better")
     wait = last_change + cooldown_s - now
-    if p.target.nodes < current.nodes:
+    if p.target.cores < current.cores:
         if not p.margin_fits:
             return Decision("hold", current, f"{p.target.label} would meet the SLOs at {at} but not with the "
                                              f"hysteresis margin: keeping {current.label}")
@@ -144,7 +155,7 @@ def damp(current: Shape, proposal: Proposal, now: float, last_change: float, coo
         if wait > 0:
             return Decision("hold", current, f"{why}; cooldown: {wait:.0f} s before scaling down to {nxt.label}")
         return Decision("scale_down", nxt, why)
-    grow = p.target.nodes > current.nodes
+    grow = p.target.cores > current.cores
     action = "scale_up" if grow else "reshape"
     fit = (f"meets them (attainment {100 * p.target_attainment:.0f}% predicted)" if p.target_fits
            else f"comes closest (attainment {100 * p.target_attainment:.0f}% predicted; none within the budget fits)")
@@ -168,22 +179,22 @@ def propose(cfg: AutoscaleConfig, obs: Observed, current: Shape) -> Proposal:
         return s.meets_target, s.attainment
 
     results: dict[Shape, tuple[bool, float]] = {}
-    fitting_nodes: int | None = None
+    fitting_cores: int | None = None  # ranks: at TP 1, nodes
     for shape in cfg.candidates():
-        if fitting_nodes is not None and shape.nodes > fitting_nodes:
+        if fitting_cores is not None and shape.cores > fitting_cores:
             break  # the cheapest fitting count is found; its equals were simulated too
         results[shape] = run(shape, obs.rate)
-        if results[shape][0] and fitting_nodes is None:
-            fitting_nodes = shape.nodes
+        if results[shape][0] and fitting_cores is None:
+            fitting_cores = shape.cores
     cur = results.get(current) or run(current, obs.rate)
     fitting = [s for s, (ok, _) in results.items() if ok]
     if fitting:  # the fewest nodes; among equals the best attainment, then the current shape
-        target = min(fitting, key=lambda s: (s.nodes, -results[s][1], s != current))
+        target = min(fitting, key=lambda s: (s.cores, -results[s][1], s != current))
     else:
-        target = max(results, key=lambda s: (results[s][1], -s.nodes, s == current))
+        target = max(results, key=lambda s: (results[s][1], -s.cores, s == current))
     ok, att = results[target]
     margin = ok
-    if target.nodes < current.nodes and ok:
+    if target.cores < current.cores and ok:
         margin = run(target, obs.rate * (1 + cfg.band))[0]
     return Proposal(obs.rate, cur[0], cur[1], target, ok, att, margin)
 
@@ -281,13 +292,15 @@ class Controller:
         self.metrics_up = True
         self.metrics.metrics_up.set(1)
         self.metrics.rate.set(obs.rate)
+        observed = None if obs.shape is None else self.cfg.widths(obs.shape)
         if isinstance(self.actuator, ExportActuator):
-            self.actuator.observed = obs.shape
+            self.actuator.observed = observed
         current = self.actuator.shape()
         if current is None:
-            current = obs.shape
+            current = observed
         if current is None:
             return self._hold_reason(None, "current shape unknown (give each node's /metrics)")
+        current = self.cfg.widths(current)  # the actuator counts nodes; the pools' widths are fixed
         if not getattr(self.source, "warm", True):
             self._publish(current, current)
             return None
@@ -359,7 +372,8 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError("give each node's --node-metrics-url too: the controller needs the current shape")
     profile = load_profile_here(args.profile, args.allow_other_machine)
     cfg = AutoscaleConfig(profile, parse_slos(args.slo), args.node_budget, args.colocated, args.attainment,
-                          args.interval, args.window, args.cooldown, args.band, settings=NodeSettings.of(profile))
+                          args.interval, args.window, args.cooldown, args.band, settings=NodeSettings.of(profile),
+                          prefill_tp=getattr(args, "prefill_tp", 1), decode_tp=getattr(args, "decode_tp", 1))
     source: MetricsSource = (PrometheusSource(args.prometheus, cfg.window_s) if args.prometheus
                              else ScrapeSource(args.metrics_url, args.node_metrics_url, cfg.window_s))
     metrics = ControllerMetrics()

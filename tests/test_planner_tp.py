@@ -18,8 +18,8 @@ from pdserve.planner.traffic import Traffic
 
 
 def synthetic(tp: int = 1, decode: Linear = Linear(0.01), prefill: Linear = Linear(0.01),
-              transfer: Linear = Linear(0.0), blocks: int = 100_000) -> Profile:
-    return Profile(prefill, decode, transfer, EngineFacts(16, blocks, 1000, 2048, 128, 64),
+              transfer: Linear = Linear(0.0), blocks: int = 100_000, seqs: int = 128) -> Profile:
+    return Profile(prefill, decode, transfer, EngineFacts(16, blocks, 1000, 2048, seqs, 64),
                    machine={"synthetic": True}, tp=tp)
 
 
@@ -174,6 +174,38 @@ def test_plan_cli_takes_tp_widths(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert "1C(tp2)" in {r["shape"] for r in out["shapes"]} and all(r["cores"] <= 2 for r in out["shapes"])
     with pytest.raises(SystemExit):
         build_parser().parse_args(["plan", "--profile", str(path), "--tp-widths", "0,1"])
+
+
+def test_the_autoscaler_keeps_the_pools_widths_and_counts_ranks() -> None:
+    """Decode nodes of TP 2 (one sequence at a time, 50 ms a step): the candidates keep the widths within a
+    budget of ranks, and a controller that counts nodes from the metrics (no widths) scales the decode
+    pool at its width."""
+    from pdserve.planner.autoscale import AutoscaleConfig, Controller, ExportActuator, propose
+    from pdserve.planner.check import Observed
+    from pdserve.planner.sim import NodeSettings
+
+    prof = synthetic(1, decode=Linear(0.1), prefill=Linear(0.005, 1e-5), seqs=1).with_widths(
+        [synthetic(2, decode=Linear(0.05), prefill=Linear(0.005, 1e-5), seqs=1)])
+    cfg = AutoscaleConfig(prof, parse_slos("ttft_p90=3s"), node_budget=5, decode_tp=2, cooldown_s=0.0,
+                          settings=NodeSettings.of(prof))
+    cands = cfg.candidates()
+    assert cands[0] == cfg.minimum == Shape(1, 1, 1, 2)
+    assert set(cands) == {Shape(1, 1, 1, 2), Shape(2, 1, 1, 2), Shape(1, 2, 1, 2), Shape(3, 1, 1, 2)}
+    heavy = Observed(16, 16 * 12, 16 * 8, 4.0)  # 4 req/s of 8 tokens: more than one TP 2 node's 2.5 req/s
+    p = propose(cfg, heavy, cfg.widths(Shape(1, 1)))
+    assert not p.current_fits and p.target == Shape(1, 2, 1, 2)
+
+    class Source:
+        warm = True
+
+        def observe(self) -> Observed:
+            return Observed(16, 16 * 12, 16 * 8, 4.0, prefill_nodes=1, decode_nodes=1)
+
+    d = Controller(cfg, Source(), ExportActuator(), say=lambda line: None).tick()
+    assert d is not None and (d.action, d.target) == ("scale_up", Shape(1, 2, 1, 2)), d
+    assert "1P(tp1):1D(tp2) misses the SLOs" in d.reason
+    with pytest.raises(ValueError, match="node-budget must be >= 3"):
+        AutoscaleConfig(prof, parse_slos("ttft_p90=3s"), node_budget=2, decode_tp=2)
 
 
 # ---------------------------------------------------------------------------------------- profiling
