@@ -121,8 +121,9 @@ def transfer_times(layers: int, kv_heads: int, head_dim: int, tokens: int, reps:
     """Median ms of shipping `tokens` tokens of KV blocks: TP1 -> TP1, TP2 -> TP1, TP1 -> TP2."""
     from pdserve.engine.parallel import head_shard
     from pdserve.kernels import get_kernel_ops
-    from pdserve.kv_transfer import ChannelConfig, ChannelManager, KVReceiver, KVSender, TransferMeta
+    from pdserve.kv_transfer import KVReceiver, KVSender, TransferMeta
     from pdserve.kv_transfer.sharded import HeadShardedKV
+    from testing.kv_pair import loopback_pair
 
     n = -(-tokens // 16)
     shape = (layers, 2, n + 8, 16, kv_heads, head_dim)
@@ -138,12 +139,7 @@ def transfer_times(layers: int, kv_heads: int, head_dim: int, tokens: int, reps:
     src_ids, dst_ids = list(range(n)), list(range(8, n + 8))
     ops = get_kernel_ops("auto", "cpu")
     out: dict[str, float] = {}
-    with ChannelManager(ChannelConfig("p-bench", "prefill", "127.0.0.1:0")) as prefill, \
-            ChannelManager(ChannelConfig("d-bench", "decode", "127.0.0.1:0")) as decode:
-        ch = prefill.channel_to("d-bench")
-        peer = decode.channel_from("p-bench", prefill.kv_address, ch.key.epoch)
-        ch.wait_connected(10)
-        peer.wait_connected(10)
+    with loopback_pair("p-bench", "d-bench") as (ch, peer):
         cases = {"tp1->tp1": (whole, torch.zeros_like(whole)), "tp2->tp1": (shards(), torch.zeros_like(whole)),
                  "tp1->tp2": (whole, shards())}
         for name, (src, dst) in cases.items():

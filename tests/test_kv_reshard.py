@@ -20,8 +20,9 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.parallel import head_shard
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kernels import get_kernel_ops
-from pdserve.kv_transfer import ChannelConfig, ChannelManager, KVReceiver, KVSender, TransferMeta
+from pdserve.kv_transfer import KVReceiver, KVSender, TransferMeta
 from pdserve.kv_transfer.sharded import HeadShardedKV
+from testing.kv_pair import loopback_pair
 from tests.test_tensor_parallel import make_variant
 
 PROMPT = list(range(200, 261))  # 61 tokens: 8 blocks of 8, the last one partial
@@ -29,13 +30,8 @@ PROMPT = list(range(200, 261))  # 61 tokens: 8 blocks of 8, the last one partial
 
 @pytest.fixture(scope="module")
 def channel_pair():
-    with ChannelManager(ChannelConfig("p-tp", "prefill", "127.0.0.1:0")) as prefill, \
-            ChannelManager(ChannelConfig("d-tp", "decode", "127.0.0.1:0")) as decode:
-        ch = prefill.channel_to("d-tp")
-        peer = decode.channel_from("p-tp", prefill.kv_address, ch.key.epoch)
-        ch.wait_connected(10)
-        peer.wait_connected(10)
-        yield ch, peer
+    with loopback_pair("p-tp", "d-tp") as pair:
+        yield pair
 
 
 def transfer(pair, src, src_ids: list[int], dst, dst_ids: list[int]) -> tuple[str, str]:
