@@ -1,14 +1,17 @@
 """The autoscaler under a traffic step, against the best fixed shape within the same node budget.
 
-    .venv/bin/python bench/autoscale_bench.py [--model DIR|tiny] [--profile FILE] [--node-budget 3]
-        [--phase-s 40] [--slo ttft_p90=4x] [--out DIR] [--smoke]
+    .venv/bin/python bench/autoscale_bench.py [--model DIR|tiny] [--profile FILE] [--overheads FILE]
+        [--node-budget 3] [--phase-s 40] [--slo ttft_p90=4x] [--out DIR] [--smoke]
 
 One open-loop schedule of requests (Poisson arrivals, seeded) in three phases:
 A. short prompts at a base rate, B. the same prompts at twice the rate, C. long prompts at the base rate.
-The base rate is chosen from the profile: 0.7 times the planner's highest rate for 1P:1D on phase A's
-traffic, so phase B is past what 1P:1D serves within the SLOs (1.4 times its highest rate); `--base-rate`
-sets it instead (a profile's engine steps leave out the frontend's and the nodes' other costs, so on a
-small shared machine its rates can be far above what the cluster serves).
+The base rate is chosen from the profile and the serving overheads: 0.7 times the planner's highest rate
+for 1P:1D on phase A's traffic, so phase B is past what 1P:1D serves within the SLOs (1.4 times its
+highest rate); `--base-rate` sets it instead. The overheads (what the profile's engine steps leave out:
+the frontend's and the nodes' own CPU, which on a small machine share the nodes' cores) are measured first
+(bench/shapes.py's `calibrate_overheads`, on other traffic than the schedule's) unless `--overheads FILE`
+gives them or `--no-overheads` leaves them out; the controller is given the same file
+(`--autoscale-overheads`). Without them the model's rates can be several times what the cluster serves.
 
 1. `pdserve up --autoscale` starting from 1P:1D with `--node-budget` nodes (3 on this 2-core machine):
    the schedule is sent, the launcher's log is watched for the controller's decisions and the nodes it
@@ -51,12 +54,12 @@ if str(REPO_ROOT) not in sys.path:
 import httpx  # noqa: E402
 
 from bench.cpu_isa import isa_summary  # noqa: E402
-from bench.shapes import profile_here, relative_slos  # noqa: E402
+from bench.shapes import calibrate_overheads, profile_here, relative_slos  # noqa: E402
 from pdserve.engine.default_model import resolve_model  # noqa: E402
 from pdserve.planner.loadgen.metrics import SLO, parse_slos  # noqa: E402
 from pdserve.planner.plan import PlanConfig, Planner, shapes  # noqa: E402
 from pdserve.planner.profile_model import EngineFacts, Linear, Profile, load_profile_here  # noqa: E402
-from pdserve.planner.sim import Shape  # noqa: E402
+from pdserve.planner.sim import Overheads, Shape, load_overheads  # noqa: E402
 from pdserve.planner.traffic import Traffic  # noqa: E402
 from testing.up_cluster import UpCluster  # noqa: E402
 
@@ -289,6 +292,9 @@ def main() -> int:
     ap.add_argument("--model", default=None, help="model directory, or tiny (default: the embedded default model)")
     ap.add_argument("--profile", default=None, help="a `pdserve profile` JSON (else profiled here with --quick)")
     ap.add_argument("--allow-other-machine", action="store_true", help="use a profile of another CPU kind")
+    ap.add_argument("--overheads", default=None, help="an overheads JSON (`pdserve plan --overheads`; else measured "
+                                                      "here, or none with --no-overheads or --smoke)")
+    ap.add_argument("--no-overheads", action="store_true", help="plan with the profile's engine steps alone")
     ap.add_argument("--node-budget", type=int, default=3, help="the most nodes (3: on 2 cores)")
     ap.add_argument("--base-rate", type=float, default=None,
                     help="phase A's rate in req/s (default 0.7 times the planner's highest rate for 1P:1D)")
@@ -328,10 +334,21 @@ def main() -> int:
         profile_path = out / "profile.json"
         profile_here(model, profile_path, sorted(os.sched_getaffinity(0))[0], quick=True)
     profile = load_profile_here(str(profile_path), args.allow_other_machine)
+    overheads: Overheads | None = None
+    overheads_path: Path | None = None
+    if args.overheads:
+        overheads_path = Path(args.overheads)
+        overheads = load_overheads(overheads_path)
+    elif not (args.no_overheads or args.smoke):
+        with tempfile.TemporaryDirectory(prefix="asbench-overheads-") as tmp:
+            overheads = calibrate_overheads(model, profile, tuple(sorted(os.sched_getaffinity(0))), Path(tmp))
+        overheads_path = out / "overheads.json"
+        overheads.save(overheads_path)
     short = Traffic.parse(str(args.short), str(args.output), 0, args.seed)
     slo_text = relative_slos(args.slo, profile, short)
     slos = parse_slos(slo_text)
-    sweep = Planner(PlanConfig(profile, slos, args.attainment, 2, None, True, short, requests=200)).run()
+    sweep = Planner(PlanConfig(profile, slos, args.attainment, 2, None, True, short, requests=200,
+                               overheads=overheads)).run()
     top = next(r for r in sweep.results if r.shape.label == "1P:1D").max_rate
     if not top:
         raise SystemExit(f"1P:1D meets {slo_text} at no rate the planner tried: loosen --slo")
@@ -350,6 +367,7 @@ def main() -> int:
     fixed = [(s.prefill, s.decode) for s in shapes(args.node_budget) if s.prefill > 0
              and (wanted is None or s in wanted)]
     result: dict[str, Any] = {"isa": isa_summary(), "model": model, "profile": str(profile_path), "slo": slo_text,
+                              "overheads": asdict(overheads) if overheads else None,
                               "node_budget": args.node_budget, "phases": [asdict(p) for p in phases],
                               "requests": len(sends)}
     t_all = time.monotonic()
@@ -358,7 +376,8 @@ def main() -> int:
             "--autoscale", "--node-budget", str(args.node_budget), "--autoscale-profile", str(profile_path),
             "--autoscale-slo", slo_text, "--autoscale-interval", str(args.interval), "--autoscale-window",
             str(args.window), "--autoscale-cooldown", str(args.cooldown),
-            *(["--allow-other-machine"] if args.allow_other_machine else [])]
+            *(["--allow-other-machine"] if args.allow_other_machine else []),
+            *(["--autoscale-overheads", str(overheads_path)] if overheads_path else [])]
         (Path(tmp) / "auto").mkdir()
         result["autoscaled"] = run_one("autoscaled", model, auto_argv, sends, phases, slos, Path(tmp) / "auto",
                                        timeout_s, watch=True, log_dir=out / "logs")

@@ -11,7 +11,8 @@
 #
 # Phases: environment, kernels (bench/gpu_check.py: compile, check against references at real sizes,
 # decode GB/s against the measured copy bandwidth, pack/unpack against a plain copy), engine parity
-# (PDSERVE_TEST_DEVICE=cuda pytest tests/test_engine_parity.py), report. Each phase has a time limit
+# (PDSERVE_TEST_DEVICE=cuda pytest tests/test_engine_parity.py), tensor parallelism over NCCL (2 GPUs or
+# more: tests/test_tensor_parallel.py, tests/test_kv_reshard.py, bench/tp_bench.py --device cuda), report. Each phase has a time limit
 # (all together well under 8 minutes); a failing phase is recorded and the next one still runs.
 set -euo pipefail
 
@@ -85,6 +86,9 @@ else
 fi
 
 # --- phases ---------------------------------------------------------------------------------------
+# the smoke run (a CPU machine) runs each test phase's flow on the CPU (gloo for tensor parallelism)
+test_device=cuda tp_bench_args=""
+[[ -z "${PDSERVE_GPU_CHECK_SMOKE:-}" ]] || test_device=cpu tp_bench_args="--smoke"
 if [[ -n "$py" ]]; then
   run_phase "environment" 30 "$out/env.log" bash -c '
     if command -v nvidia-smi >/dev/null; then
@@ -98,14 +102,25 @@ if [[ -n "$py" ]]; then
   # shellcheck disable=SC2086  # the smoke-test arguments are meant to split
   run_phase "kernels" 270 "$out/kernels.log" "$py" bench/gpu_check.py --out "$out" ${PDSERVE_GPU_CHECK_SMOKE:-}
   if [[ -f tests/test_engine_parity.py ]]; then
-    run_phase "engine parity" 120 "$out/parity.log" env PDSERVE_TEST_DEVICE=cuda \
+    run_phase "engine parity" 120 "$out/parity.log" env PDSERVE_TEST_DEVICE=$test_device \
       "$py" -m pytest -q -p no:cacheprovider -o addopts="" -ra tests/test_engine_parity.py
   else
     phases+=("engine parity")
     result["engine parity"]="skipped (tests/test_engine_parity.py not in this checkout)"
   fi
+  # Tensor parallelism over NCCL, a GPU a rank: TP 2 against TP 1 (greedy, seeded, logits), the resharded
+  # KV transfer (TP 2 pools on two GPUs mapped by CUDA IPC, the channel over NCCL), then bench/tp_bench.py.
+  ngpu=$("$py" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+  if [[ $test_device == cpu || $ngpu -ge 2 ]]; then
+    run_phase "tensor parallel" 180 "$out/tp.log" env PDSERVE_TEST_DEVICE=$test_device bash -c '
+      "$0" -m pytest -q -p no:cacheprovider -o addopts="" -ra tests/test_tensor_parallel.py tests/test_kv_reshard.py \
+        && "$0" bench/tp_bench.py --device "$1" $2' "$py" "$test_device" "$tp_bench_args"
+  else
+    phases+=("tensor parallel")
+    result["tensor parallel"]="skipped (TP over NCCL needs 2 GPUs; $ngpu visible)"
+  fi
 else
-  for name in environment kernels "engine parity"; do
+  for name in environment kernels "engine parity" "tensor parallel"; do
     phases+=("$name")
     result[$name]="skipped (no CUDA python)"
   done
@@ -131,6 +146,9 @@ $(($(date +%s) - t_start)) s in all."
   fi
   if [[ -f "$out/parity.log" ]]; then
     echo; echo "## Engine parity on the GPU (end of log)"; echo; echo '```'; tail -n 40 "$out/parity.log"; echo '```'
+  fi
+  if [[ -f "$out/tp.log" ]]; then
+    echo; echo "## Tensor parallelism (end of log)"; echo; echo '```'; tail -n 30 "$out/tp.log"; echo '```'
   fi
 } >"$report"
 log "report: $report"

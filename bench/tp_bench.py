@@ -9,7 +9,10 @@ Prints, each against its baseline measured in this run:
 - KV transfer of a 1k- and a 4k-token prompt over a real channel on loopback: TP 2 -> TP 1 and
   TP 1 -> TP 2 (heads resharded on the way, `kv_transfer.sharded`) against TP 1 -> TP 1.
 
-    .venv/bin/python bench/tp_bench.py [--layers 8 --hidden 1024 --heads 16 --kv-heads 4] [--smoke]
+    .venv/bin/python bench/tp_bench.py [--layers 8 --hidden 1024 --heads 16 --kv-heads 4] [--smoke] [--device cuda]
+
+--device cuda (bench/gpu_check.sh, 2 GPUs or more) runs the ranks over NCCL, a GPU each; the KV channel's
+decode side is the second GPU. There the collectives are timed between device synchronisations.
 
 The model is a synthetic llama checkpoint of the given shape (random weights, the tiny model's tokenizer);
 --smoke uses the tiny model and a few steps (seconds; the suite runs it so the bench cannot rot).
@@ -58,9 +61,17 @@ def synthetic_model(out: Path, layers: int, hidden: int, heads: int, kv_heads: i
     return out
 
 
+DEVICE = "cpu"  # set by --device
+
+
 def engine(model: Path, tp: int, threads: int, blocks: int) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(model), dtype="float32", num_kv_blocks=blocks, block_size=16,
+    return LLMEngine(EngineConfig(model=str(model), device=DEVICE, dtype="float32", num_kv_blocks=blocks, block_size=16,
                                   num_threads=threads, tensor_parallel_size=tp, max_num_batched_tokens=2048))
+
+
+def _sync() -> None:
+    if DEVICE.startswith("cuda"):
+        torch.cuda.synchronize()
 
 
 def prefill_rate(model: Path, tp: int, threads: int, prompts: list[list[int]], reps: int) -> float:
@@ -89,10 +100,12 @@ def decode_collectives(model: Path, batch: int, context: int, steps: int) -> tup
 
     def timed(name: str):
         def call(*args, **kwargs):
+            _sync()
             t0 = time.perf_counter()
             try:
                 return originals[name](*args, **kwargs)
             finally:
+                _sync()
                 spent[name] += time.perf_counter() - t0
         return call
 
@@ -127,24 +140,28 @@ def transfer_times(layers: int, kv_heads: int, head_dim: int, tokens: int, reps:
 
     n = -(-tokens // 16)
     shape = (layers, 2, n + 8, 16, kv_heads, head_dim)
-    whole = torch.randn(shape)
+    # on CUDA: the prefill side's rank 0 and the decode side on two GPUs, a TP 2 side over both
+    p_dev, d_dev = ("cuda:0", "cuda:1") if DEVICE.startswith("cuda") else ("cpu", "cpu")
+    whole = torch.randn(shape, device=p_dev)
 
-    def shards() -> HeadShardedKV:
+    def shards(first: str) -> HeadShardedKV:
         parts = []
-        for r in range(2):
+        for r, dev in enumerate((first, d_dev if first == p_dev else p_dev)):
             h = head_shard(kv_heads * 2, kv_heads, r, 2)
-            parts.append((whole[:, :, :, :, h.kv_start : h.kv_start + h.num_kv_heads].clone(), h.kv_start))
+            parts.append((whole[:, :, :, :, h.kv_start : h.kv_start + h.num_kv_heads].to(dev, copy=True), h.kv_start))
         return HeadShardedKV(parts, kv_heads)
 
     src_ids, dst_ids = list(range(n)), list(range(8, n + 8))
-    ops = get_kernel_ops("auto", "cpu")
+    ops = get_kernel_ops("auto", DEVICE)
     out: dict[str, float] = {}
-    with loopback_pair("p-bench", "d-bench") as (ch, peer):
-        cases = {"tp1->tp1": (whole, torch.zeros_like(whole)), "tp2->tp1": (shards(), torch.zeros_like(whole)),
-                 "tp1->tp2": (whole, shards())}
+    with loopback_pair("p-bench", "d-bench", p_dev, d_dev) as (ch, peer):
+        cases = {"tp1->tp1": (whole, torch.zeros_like(whole, device=d_dev)),
+                 "tp2->tp1": (shards(p_dev), torch.zeros_like(whole, device=d_dev)),
+                 "tp1->tp2": (whole, shards(d_dev))}
         for name, (src, dst) in cases.items():
             times = []
             for i in range(reps + 1):
+                _sync()
                 t0 = time.perf_counter()
                 handle = KVSender(ops).send(ch, src, src_ids, request_id=f"{name}-{i}", num_tokens=tokens, timeout_s=60)
                 got = KVReceiver(ops).recv(peer, dst, dst_ids, TransferMeta.from_dict(handle.meta.to_dict()),
@@ -164,8 +181,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-heads", type=int, default=4)
     ap.add_argument("--intermediate", type=int, default=2816)
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (NCCL, a GPU a rank; 2 GPUs or more)")
     args = ap.parse_args(argv)
+    global DEVICE
+    DEVICE = args.device
     print(f"CPU ISA {isa_summary()}")
+    if DEVICE.startswith("cuda"):
+        if torch.cuda.device_count() < 2:
+            print(f"TP 2 on CUDA needs 2 GPUs; {torch.cuda.device_count()} visible: nothing to measure")
+            return 0
+        print(f"devices: {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}")
     with tempfile.TemporaryDirectory(prefix="pdserve-tp-bench-") as tmp:
         if args.smoke:
             model = default_model_dir("llama")

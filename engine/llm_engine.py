@@ -147,17 +147,16 @@ class LLMEngine:
             dataclasses.replace(mc, num_kv_heads=kv_heads).kv_cache_shape(num_blocks, cfg.block_size),
             dtype=self.kv_dtype, device=cfg.device,
         )  # [L, 2, NB, BS, Hkv, D], this rank's KV heads
-        # Every rank's pool with its first KV head, rank 0 first: what KV transfer reads and writes. None
-        # where the workers' pools are not in this process's reach (TP on CUDA devices).
-        self.kv_shards: list[tuple[torch.Tensor, int]] | None = [(self.kv_cache, 0)]
+        # Every rank's pool with its first KV head, rank 0 first: what KV transfer reads and writes (the
+        # workers' pools are mapped here: host shared memory, or CUDA IPC from each worker's device).
+        self.kv_shards: list[tuple[torch.Tensor, int]] = [(self.kv_cache, 0)]
         if self.ranks is not None:
             world = cfg.tensor_parallel_size
             heads = [head_shard(mc.num_heads, mc.num_kv_heads, r, world) for r in range(world)]
             shapes = [dataclasses.replace(mc, num_kv_heads=h.num_kv_heads).kv_cache_shape(num_blocks, cfg.block_size)
                       for h in heads]
             pools = self.ranks.share_pools(num_blocks, shapes, self.kv_dtype)
-            self.kv_shards = ([(self.kv_cache, 0)] + [(t, h.kv_start) for t, h in zip(pools, heads[1:], strict=True)]
-                              if pools else None)
+            self.kv_shards += [(t, h.kv_start) for t, h in zip(pools, heads[1:], strict=True)]
         # Which blocks this engine holds, per tier, as numbered events (what a node streams to the frontends).
         self.kv_events = KVEventLog()
         # The tier's files are keyed by the model fingerprint (weights, format, dtype): a foreign file is refused.

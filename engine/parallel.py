@@ -7,6 +7,11 @@ positions, slots, block tables, context lengths, rows to sample) as two int64 te
 forward, the row-parallel projections (o_proj, down_proj) all-reduce their partial sums, and the LM head's
 vocabulary shards are gathered on rank 0, which samples once (so seeded sampling equals TP = 1).
 
+Devices: on a CPU every rank runs on the host (gloo); on CUDA rank r runs on the r-th device from the
+engine's (`rank_device`: "cuda" -> cuda:0, cuda:1, ...; NCCL, which needs one device per rank). Rank 0
+allocates every worker's KV pool where that worker computes (host shared memory, or the worker's device
+shared by CUDA IPC), so rank 0's KV transfers read and write every rank's heads without a collective.
+
 Sharding (`shard_model`): q/k/v and gate/up split by output rows (heads, intermediate features), o and
 down by input columns, the LM head by vocabulary rows (padded to equal shards). With fewer KV heads than
 ranks each KV head is replicated on the ranks whose query heads read it. Float weights only: a GGUF
@@ -20,6 +25,7 @@ import dataclasses
 import datetime
 import multiprocessing.process
 import os
+import pickle
 import signal
 import time
 from dataclasses import dataclass
@@ -44,6 +50,9 @@ _HOST = "127.0.0.1"
 # StepPlan header fields (int64): op, T, decode rows, decode table width, prefill seqs, prefill table width, rows
 _HEADER = 7
 _OP_STOP, _OP_STEP, _OP_CHECK = 0, 1, 2
+# Where a worker finds its KV pool (sent in place of a memfd number): allocated by itself, or on its CUDA
+# device by rank 0 and shared through CUDA IPC (the handle is in the TCP store under f"pool{rank}").
+_POOL_OWN, _POOL_CUDA_IPC = -1, -2
 
 
 class RankLost(RuntimeError):
@@ -74,11 +83,33 @@ def head_shard(num_heads: int, num_kv_heads: int, rank: int, world: int) -> Head
     return HeadShard(rank * hq, hq, rank * num_kv_heads // world, 1)
 
 
+def rank_device(device: str, rank: int) -> torch.device:
+    """The device rank `rank` computes on: the host for "cpu", else the engine's CUDA device + rank."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return dev
+    return torch.device("cuda", (dev.index or 0) + rank)
+
+
+def check_devices(device: str, world: int) -> None:
+    """Raises ValueError where `world` ranks from `device` need more CUDA devices than are visible."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return
+    visible = torch.cuda.device_count()
+    first = dev.index or 0
+    if first + world > visible:
+        raise ValueError(f"tensor_parallel_size {world} needs CUDA devices {first}..{first + world - 1} "
+                         f"(one a rank); {visible} visible")
+
+
 def init_group(store_port: int, rank: int, world: int, device: str, master: dist.TCPStore | None = None) -> None:
     """Joins the node's one process group (gloo on a CPU, NCCL on CUDA) through the TCP store on loopback."""
     start = datetime.timedelta(seconds=TP_START_TIMEOUT_S)
     store = master or dist.TCPStore(_HOST, store_port, world, False, timeout=start)
     backend = "nccl" if device.startswith("cuda") else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(rank_device(device, rank))
     dist.init_process_group(backend, store=store, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=TP_TIMEOUT_S))
 
@@ -182,8 +213,9 @@ class StepPlan:
     meta: AttentionMetadata
     rows: list[int]
 
-    def send(self) -> None:
-        """Rank 0: broadcasts the plan (a 7-int header, then one int64 payload)."""
+    def send(self, device: torch.device) -> None:
+        """Rank 0: broadcasts the plan (a 7-int header, then one int64 payload) from `device` (the
+        group's: the host for gloo, rank 0's GPU for NCCL)."""
         m = self.meta
         dt, pt = m.decode_block_tables, m.prefill_block_tables
         header = [_OP_STEP, self.input_ids.shape[0], m.num_decode_tokens, 0 if dt is None else dt.shape[1],
@@ -192,19 +224,19 @@ class StepPlan:
         parts += [t.reshape(-1).long() for t in (dt, m.decode_context_lens, pt, m.prefill_cu_seqlens_q,
                                                  m.prefill_context_lens) if t is not None]
         parts.append(torch.tensor(self.rows, dtype=torch.int64))
-        dist.broadcast(torch.tensor(header, dtype=torch.int64), 0)
-        dist.broadcast(torch.cat(parts), 0)
+        dist.broadcast(torch.tensor(header, dtype=torch.int64, device=device), 0)
+        dist.broadcast(torch.cat([p.to(device) for p in parts]), 0)
 
     @staticmethod
-    def receive() -> StepPlan | int:
-        """Ranks > 0: the next plan, or the op code of a control message (stop, check)."""
-        header = torch.empty(_HEADER, dtype=torch.int64)
+    def receive(device: torch.device) -> StepPlan | int:
+        """Ranks > 0: the next plan (its tensors on `device`), or the op code of a control message (stop, check)."""
+        header = torch.empty(_HEADER, dtype=torch.int64, device=device)
         dist.broadcast(header, 0)
         op, t, nd, dw, bp, pw, nrows = header.tolist()
         if op != _OP_STEP:
             return op
         n = 3 * t + (nd * dw + nd if nd else 0) + (bp * pw + 2 * bp + 1 if bp else 0) + nrows
-        payload = torch.empty(n, dtype=torch.int64)
+        payload = torch.empty(n, dtype=torch.int64, device=device)
         dist.broadcast(payload, 0)
         sizes = [t, t, t] + ([nd * dw, nd] if nd else []) + ([bp * pw, bp + 1, bp] if bp else []) + [nrows]
         it = iter(payload.split(sizes))
@@ -245,7 +277,7 @@ def _die_with_parent() -> None:
 
 
 def rank_main(cfg: EngineConfig, rank: int, world: int, store_port: int) -> None:
-    """A worker rank's whole life: join the group, load and shard the model, allocate its KV pool, then
+    """A worker rank's whole life: join the group, load and shard the model, map its KV pool, then
     run the plans rank 0 broadcasts until it says stop."""
     from pdserve.engine.config import kv_cache_torch_dtype
     from pdserve.engine.loader import load_model
@@ -254,31 +286,40 @@ def rank_main(cfg: EngineConfig, rank: int, world: int, store_port: int) -> None
     _die_with_parent()
     if cfg.num_threads is not None:
         torch.set_num_threads(cfg.num_threads)
+    dev = rank_device(cfg.device, rank)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
     # load first, then join: the collectives' short timeout never waits on a rank still loading
     ops = get_kernel_ops(cfg.kernel_backend, cfg.device)
-    model = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device, ops=ops, pack_weights=False).model
+    model = load_model(cfg.model, dtype=cfg.dtype, device=str(dev), ops=ops, pack_weights=False).model
     shard = shard_model(model, rank, world)
     model.pack_cpu_weights()
     store = dist.TCPStore(_HOST, store_port, world, False, timeout=datetime.timedelta(seconds=TP_START_TIMEOUT_S))
     store.set(f"loaded{rank}", "1")
     init_group(store_port, rank, world, cfg.device, master=store)
     try:
-        pools = torch.empty(2 + world, dtype=torch.int64)
+        pools = torch.empty(2 + world, dtype=torch.int64, device=dev)
         dist.broadcast(pools, 0)  # the KV pool's block count, chosen by rank 0, and where each rank's pool lives
-        num_blocks, pid, fd = int(pools[0]), int(pools[1]), int(pools[2 + rank])
+        num_blocks, pid, fd = (int(x) for x in pools[[0, 1, 2 + rank]].tolist())
         mc = dataclasses.replace(model.cfg, num_kv_heads=shard.num_kv_heads)
         dtype = kv_cache_torch_dtype(cfg.kv_cache_dtype, next(model.parameters()).dtype)
         shape = mc.kv_cache_shape(num_blocks, cfg.block_size)
-        kv_cache = (open_shared(pid, fd, shape, dtype) if fd >= 0
-                    else torch.zeros(shape, dtype=dtype, device=cfg.device))
+        if fd >= 0:
+            kv_cache = open_shared(pid, fd, shape, dtype)
+        elif fd == _POOL_CUDA_IPC:
+            rebuild, args = pickle.loads(store.get(f"pool{rank}"))
+            kv_cache = rebuild(*args)
+            assert kv_cache.shape == shape and kv_cache.device == dev, (kv_cache.shape, kv_cache.device)
+        else:
+            kv_cache = torch.zeros(shape, dtype=dtype, device=dev)
         steps = 0
         with torch.inference_mode():
             while True:
-                plan = StepPlan.receive()
+                plan = StepPlan.receive(dev)
                 if plan == _OP_STOP:
                     break
                 if plan == _OP_CHECK:
-                    dist.gather(torch.tensor([steps, kv_cache.shape[2]]), None, dst=0)
+                    dist.gather(torch.tensor([steps, kv_cache.shape[2]], device=dev), None, dst=0)
                     continue
                 assert isinstance(plan, StepPlan)
                 _step(model, plan, kv_cache, world)
@@ -291,7 +332,9 @@ class RankGroup:
     """Rank 0's handle on the worker ranks: spawns them, checks they live, stops them."""
 
     def __init__(self, cfg: EngineConfig, world: int) -> None:
+        check_devices(cfg.device, world)
         self.world = world
+        self.device = rank_device(cfg.device, 0)  # where this rank's collectives' tensors live
         timeout = datetime.timedelta(seconds=TP_START_TIMEOUT_S)
         store = dist.TCPStore(_HOST, 0, world, True, timeout=timeout, wait_for_workers=False)  # port 0: any free one
         ctx = mp.get_context("spawn")
@@ -307,6 +350,7 @@ class RankGroup:
         self.joined = False
         self.closed = False
         self._fds: list[int] = []  # the memfds of the workers' shared KV pools (CPU)
+        self._pools: list[torch.Tensor] = []  # the workers' KV pools, kept alive here (CUDA IPC needs the owner)
         self.lost: str | None = None  # why a collective failed; no collective is tried after that
 
     def join(self) -> None:
@@ -329,23 +373,33 @@ class RankGroup:
                 raise RankLost(f"tensor-parallel rank {r} exited (code {p.exitcode}); the engine cannot run")
 
     def share_pools(self, num_blocks: int, shapes: list[tuple[int, ...]], dtype: torch.dtype) -> list[torch.Tensor]:
-        """Tells the workers the pool's block count. On a CPU, allocates each worker's KV pool (shape
-        `shapes[r]`, r = 1..N-1) in shared memory that worker maps, and returns them: rank 0 can then
-        read and write every rank's heads (KV transfer, no collective). On CUDA returns [] (each rank
-        allocates its own)."""
-        shared = self.cfg.device == "cpu"
-        pools = [shared_zeros(shapes[r], dtype, f"pdserve-kv-rank{r}") for r in range(1, self.world)] if shared else []
-        self._fds = [fd for _, fd in pools]
-        fds = self._fds or [-1] * (self.world - 1)
-        dist.broadcast(torch.tensor([num_blocks, os.getpid(), -1, *fds], dtype=torch.int64), 0)
-        return [t for t, _ in pools]
+        """Allocates each worker's KV pool (shape `shapes[r]`, r = 1..N-1) where that worker computes and
+        shares it with the worker: host shared memory on a CPU, the worker's own GPU through CUDA IPC.
+        Returns them (rank 1 first): rank 0 can then read and write every rank's heads (KV transfer,
+        no collective)."""
+        if self.device.type == "cuda":
+            from torch.multiprocessing.reductions import reduce_tensor
+
+            pools = [torch.zeros(shapes[r], dtype=dtype, device=rank_device(self.cfg.device, r))
+                     for r in range(1, self.world)]
+            for r, pool in enumerate(pools, start=1):
+                self._store.set(f"pool{r}", pickle.dumps(reduce_tensor(pool)))
+            where = [_POOL_CUDA_IPC] * (self.world - 1)
+        else:
+            shared = [shared_zeros(shapes[r], dtype, f"pdserve-kv-rank{r}") for r in range(1, self.world)]
+            pools = [t for t, _ in shared]
+            self._fds = where = [fd for _, fd in shared]
+        self._pools = pools
+        dist.broadcast(torch.tensor([num_blocks, os.getpid(), _POOL_OWN, *where], dtype=torch.int64,
+                                    device=self.device), 0)
+        return pools
 
     def step(self, model: torch.nn.Module, plan: StepPlan, kv_cache: torch.Tensor) -> torch.Tensor | None:
         """One step on every rank. Raises RankLost where a rank is gone or a collective with it failed
         (a rank that hangs turns into that error after TP_TIMEOUT_S)."""
         self.check_alive()
         try:
-            plan.send()
+            plan.send(self.device)
             logits = _step(model, plan, kv_cache, self.world)
         except RuntimeError as err:  # gloo/NCCL: a peer closed, reset or timed out
             self.lost = str(err)
@@ -356,9 +410,9 @@ class RankGroup:
     def check(self, num_blocks: int) -> None:
         """Asserts every rank ran the same steps and holds a KV pool of the same blocks as rank 0."""
         self.check_alive()
-        dist.broadcast(torch.tensor([_OP_CHECK] + [0] * (_HEADER - 1), dtype=torch.int64), 0)
-        got = [torch.empty(2, dtype=torch.int64) for _ in range(self.world)]
-        dist.gather(torch.tensor([self.steps, num_blocks]), got, dst=0)
+        dist.broadcast(torch.tensor([_OP_CHECK] + [0] * (_HEADER - 1), dtype=torch.int64, device=self.device), 0)
+        got = [torch.empty(2, dtype=torch.int64, device=self.device) for _ in range(self.world)]
+        dist.gather(torch.tensor([self.steps, num_blocks], device=self.device), got, dst=0)
         states = [tuple(g.tolist()) for g in got]
         assert all(s == (self.steps, num_blocks) for s in states), f"ranks disagree (steps, KV blocks): {states}"
 
@@ -369,7 +423,7 @@ class RankGroup:
         self.closed = True
         try:
             if self.joined and self.lost is None and all(p.is_alive() for p in self.procs):
-                dist.broadcast(torch.tensor([_OP_STOP] + [0] * (_HEADER - 1), dtype=torch.int64), 0)
+                dist.broadcast(torch.tensor([_OP_STOP] + [0] * (_HEADER - 1), dtype=torch.int64, device=self.device), 0)
         finally:
             for p in self.procs:
                 p.join(TP_TIMEOUT_S)
@@ -381,3 +435,4 @@ class RankGroup:
             for fd in self._fds:
                 os.close(fd)
             self._fds = []
+            self._pools = []

@@ -2,8 +2,8 @@
 
 A node running its model over N ranks (`engine.parallel`) keeps one pool per rank, each holding that
 rank's KV heads for the same block ids; with fewer KV heads than ranks a head is replicated on several
-ranks. On a CPU host rank 0 maps every rank's pool (shared memory), so a transfer reads and writes each
-rank's heads where they lie: the sender packs message bytes straight from every rank's pool into the
+ranks. Rank 0 maps every rank's pool (host shared memory on a CPU; on CUDA each pool stays on its rank's
+device, mapped by CUDA IPC), so a transfer reads and writes each rank's heads where they lie: the sender packs message bytes straight from every rank's pool into the
 wire format v1 buffer `[L', 2, n, BS, H, D]` of ALL heads, and the receiver unpacks each head range into
 every pool that holds it. That is the resharding: a TP = 2 prefill node and a TP = 1 decode node (or the
 other way round, or any two widths) exchange the same bytes as two TP = 1 nodes, checksums included.
@@ -28,7 +28,7 @@ class HeadShardedKV:
             if pool.dim() != 6 or pool.shape[1] != 2:
                 raise ValueError(f"a KV pool must be [L, 2, NB, BS, Hkv, D], got {tuple(pool.shape)}")
             same = (pool.shape[:4] == first.shape[:4] and pool.shape[5] == first.shape[5]
-                    and pool.dtype == first.dtype and pool.device == first.device)
+                    and pool.dtype == first.dtype and pool.device.type == first.device.type)
             if not same or start < 0 or start + pool.shape[4] > num_kv_heads:
                 raise ValueError(f"shard of heads [{start}, {start + pool.shape[4]}) {tuple(pool.shape)} does not fit "
                                  f"{num_kv_heads} KV heads over {tuple(first.shape)}")
@@ -45,7 +45,7 @@ class HeadShardedKV:
         layers, two, nb, bs, _, d = first.shape
         self.shape = torch.Size((layers, two, nb, bs, num_kv_heads, d))
         self.dtype = first.dtype
-        self.device = first.device
+        self.device = first.device  # where the transfer's buffers live: rank 0's
 
     def dim(self) -> int:
         return 6
@@ -56,12 +56,13 @@ class HeadShardedKV:
     def gather(self, l0: int, l1: int, ids: torch.Tensor, out: torch.Tensor) -> None:
         """out[l, kv, j, :, h] = head h of block ids[j] in layer l0 + l. out: [l1-l0, 2, n, BS, H, D]."""
         for pool, start in self._sources:
-            out[:, :, :, :, start : start + pool.shape[4]] = pool[l0:l1].index_select(2, ids)
+            out[:, :, :, :, start : start + pool.shape[4]].copy_(pool[l0:l1].index_select(2, ids.to(pool.device)))
 
     def scatter(self, buf: torch.Tensor, l0: int, l1: int, ids: torch.Tensor) -> None:
         """Every pool's heads of blocks `ids` in layers [l0, l1) from buf [l1-l0, 2, n, BS, H, D]."""
         for pool, start in self.shards:
-            pool[l0:l1].index_copy_(2, ids, buf[:, :, :, :, start : start + pool.shape[4]])
+            part = buf[:, :, :, :, start : start + pool.shape[4]]
+            pool[l0:l1].index_copy_(2, ids.to(pool.device), part.to(pool.device))
 
 
 KVPool = torch.Tensor | HeadShardedKV

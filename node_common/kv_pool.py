@@ -7,12 +7,8 @@ from pdserve.kv_transfer.sharded import HeadShardedKV, KVPool
 
 
 def transfer_pool(engine: LLMEngine) -> KVPool:
-    """engine.kv_cache at TP = 1; at TP = N the N rank pools as one pool of all KV heads. Raises
-    ValueError where rank 0 cannot reach the other ranks' pools (TP over CUDA devices)."""
+    """engine.kv_cache at TP = 1; at TP = N the N rank pools as one pool of all KV heads."""
     shards = engine.kv_shards
-    if shards is None:
-        raise ValueError("KV transfer at tensor_parallel_size > 1 needs the ranks' pools in shared host memory "
-                         "(CPU); on CUDA devices run the node colocated or at tensor_parallel_size 1")
     if len(shards) == 1:
         return engine.kv_cache
     return HeadShardedKV(shards, engine.model_config.num_kv_heads)

@@ -128,6 +128,9 @@ def add_up_autoscale_flags(u: argparse.ArgumentParser) -> None:
     g.add_argument("--autoscale-profile", default=None, metavar="PROFILE.json", help="from `pdserve profile`")
     g.add_argument("--autoscale-slo", default=None, metavar="ttft_p90=1s,tpot_p99=50ms",
                    help="the SLOs the shape must meet, as `pdserve plan --slo`")
+    g.add_argument("--autoscale-overheads", default=None, metavar="FILE.json",
+                   help="costs beyond the profile's engine steps, as `pdserve plan --overheads` (bench/shapes.py "
+                        "measures them); default: none")
     _add_damping(g, "autoscale-")
     g.add_argument("--allow-other-machine", action="store_true",
                    help="use a profile measured on another CPU kind anyway, with a warning")
@@ -144,6 +147,8 @@ def add_autoscale_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPa
     p.add_argument("--profile", required=True, metavar="PROFILE.json", help="from `pdserve profile`")
     add_machine_flag(p)
     p.add_argument("--slo", required=True, metavar="ttft_p90=1s,tpot_p99=50ms", help="as `pdserve plan --slo`")
+    p.add_argument("--overheads", default=None, metavar="FILE.json",
+                   help="costs beyond the profile's engine steps, as `pdserve plan --overheads`; default: none")
     p.add_argument("--node-budget", type=int, required=True, metavar="N",
                    help="the most node ranks of both pools (a TP-w node counts w; at TP 1, nodes)")
     p.add_argument("--colocated", action="store_true", help="the cluster runs colocated nodes (no prefill pool)")

@@ -37,7 +37,7 @@ from pdserve.planner.check import Observed, PrometheusSource, ScrapeSource
 from pdserve.planner.loadgen.metrics import SLO
 from pdserve.planner.plan import shapes
 from pdserve.planner.profile_model import Profile
-from pdserve.planner.sim import NodeSettings, Shape, simulate
+from pdserve.planner.sim import NodeSettings, Overheads, Shape, load_overheads, simulate
 from pdserve.planner.traffic import Traffic
 
 log = logging.getLogger("pdserve.autoscale")
@@ -64,6 +64,9 @@ class AutoscaleConfig:
     seed: int = 0
     prefill_tp: int = 1  # the pools' TP widths, kept (see the module docstring)
     decode_tp: int = 1
+    # costs beyond the profile's engine steps (`pdserve plan --overheads`): without them a small machine's
+    # frontend and node CPU are left out and the model's rates can be several times what the cluster serves
+    overheads: Overheads | None = None
 
     def __post_init__(self) -> None:
         smallest = (Shape(0, 1) if self.colocated else Shape(1, 1)).with_tp(self.prefill_tp, self.decode_tp)
@@ -175,7 +178,7 @@ def propose(cfg: AutoscaleConfig, obs: Observed, current: Shape) -> Proposal:
 
     def run(shape: Shape, rate: float) -> tuple[bool, float]:
         sample = reqs if rate == obs.rate else traffic.requests(rate, cfg.requests)
-        s = simulate(cfg.profile, shape, sample, cfg.slos, cfg.attainment, cfg.settings, rate).summary
+        s = simulate(cfg.profile, shape, sample, cfg.slos, cfg.attainment, cfg.settings, rate, cfg.overheads).summary
         return s.meets_target, s.attainment
 
     results: dict[Shape, tuple[bool, float]] = {}
@@ -373,7 +376,8 @@ def main(args: argparse.Namespace) -> int:
     profile = load_profile_here(args.profile, args.allow_other_machine)
     cfg = AutoscaleConfig(profile, parse_slos(args.slo), args.node_budget, args.colocated, args.attainment,
                           args.interval, args.window, args.cooldown, args.band, settings=NodeSettings.of(profile),
-                          prefill_tp=getattr(args, "prefill_tp", 1), decode_tp=getattr(args, "decode_tp", 1))
+                          prefill_tp=getattr(args, "prefill_tp", 1), decode_tp=getattr(args, "decode_tp", 1),
+                          overheads=load_overheads(args.overheads) if getattr(args, "overheads", None) else None)
     source: MetricsSource = (PrometheusSource(args.prometheus, cfg.window_s) if args.prometheus
                              else ScrapeSource(args.metrics_url, args.node_metrics_url, cfg.window_s))
     metrics = ControllerMetrics()

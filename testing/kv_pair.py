@@ -10,10 +10,12 @@ from pdserve.kv_transfer import Channel, ChannelConfig, ChannelManager
 
 
 @contextmanager
-def loopback_pair(prefill_id: str = "p-pair", decode_id: str = "d-pair") -> Iterator[tuple[Channel, Channel]]:
-    """Yields (prefill-side channel, decode-side channel), connected; closes both managers on exit."""
-    with ChannelManager(ChannelConfig(prefill_id, "prefill", "127.0.0.1:0")) as prefill, \
-            ChannelManager(ChannelConfig(decode_id, "decode", "127.0.0.1:0")) as decode:
+def loopback_pair(prefill_id: str = "p-pair", decode_id: str = "d-pair", prefill_device: str = "cpu",
+                  decode_device: str = "cpu") -> Iterator[tuple[Channel, Channel]]:
+    """Yields (prefill-side channel, decode-side channel), connected; closes both managers on exit.
+    On CUDA the two sides need two devices (an NCCL pair is one device a rank)."""
+    with ChannelManager(ChannelConfig(prefill_id, "prefill", "127.0.0.1:0", device=prefill_device)) as prefill, \
+            ChannelManager(ChannelConfig(decode_id, "decode", "127.0.0.1:0", device=decode_device)) as decode:
         ch = prefill.channel_to(decode_id)
         peer = decode.channel_from(prefill_id, prefill.kv_address, ch.key.epoch)
         ch.wait_connected(10)

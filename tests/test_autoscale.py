@@ -36,7 +36,7 @@ from pdserve.planner.autoscale import (
 from pdserve.planner.check import Observed, ScrapeSource
 from pdserve.planner.loadgen.metrics import parse_slos
 from pdserve.planner.profile_model import EngineFacts, Linear, Profile
-from pdserve.planner.sim import NodeSettings, Shape
+from pdserve.planner.sim import NodeSettings, Overheads, Shape
 from pdserve.registry.etcd_server import free_port
 from testing.up_cluster import UpCluster
 from testing.waits import wait_until
@@ -117,6 +117,17 @@ def test_proposals_follow_the_load_and_keep_the_kind() -> None:
         config(node_budget=1)
 
 
+def test_overheads_enter_the_proposal() -> None:
+    """The light load that one decode node serves on the engine steps alone does not fit once each
+    request costs the decode node 1.5 s of CPU outside its steps (more than a second a second) (`--autoscale-overheads`): the
+    controller then asks for the second decode node."""
+    light = Observed(4, 4 * 12, 4 * 2, 4.0)
+    assert propose(config(), light, Shape(1, 1)).current_fits
+    costly = Overheads(decode_cpu_per_remote_request_s=1.5, decode_cpu_per_local_request_s=1.5)
+    p = propose(config(overheads=costly), light, Shape(1, 1))
+    assert not p.current_fits and p.target == Shape(1, 2)
+
+
 def test_a_controller_without_its_metrics_source_keeps_the_shape_and_says_so() -> None:
     """A ScrapeSource on a port nothing listens on: every tick holds the shape KEDA last got, the log says
     it once, and the series say it (metrics_up 0, desired replicas unchanged)."""
@@ -146,11 +157,14 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpCluster]:
     workdir = tmp_path_factory.mktemp("autoscale")
     prof = workdir / "profile.json"
     one_seq_profile().save(prof)
+    overheads = workdir / "overheads.json"
+    Overheads().save(overheads)  # none: the decisions below are the profile's; the flag's path is exercised
     cluster = UpCluster.start(workdir, [
         "--model", "tiny", "--prefill", "1", "--decode", "1", "--lease-ttl", "2", "--kv-memory", "64",
         "--num-threads", "1", "--drain-timeout", "20", "--autoscale", "--node-budget", "3",
         "--autoscale-profile", str(prof), "--autoscale-slo", SLO, "--autoscale-interval", "1",
-        "--autoscale-window", "4", "--autoscale-cooldown", "4"], timeout_s=480)
+        "--autoscale-window", "4", "--autoscale-cooldown", "4", "--autoscale-overheads", str(overheads)],
+        timeout_s=480)
     try:
         yield cluster
     finally:

@@ -6,11 +6,14 @@ Greedy and seeded tokens must be identical to TP = 1; last-position logits withi
 against a float64 reference (tests/logit_reference.py, the fp32 error
 being the larger of transformers' and TP 1's); every rank ran the same plans over the same
 blocks and every block came back after each test.
+
+PDSERVE_TEST_DEVICE=cuda (bench/gpu_check.sh) runs the same tests over NCCL, a GPU a rank.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -25,6 +28,9 @@ from pdserve.engine.parallel import head_shard
 from pdserve.engine.sampling_params import SamplingParams
 from tests.logit_reference import assert_fp32_close, forward_logits, load_float64_reference
 
+DEVICE = os.environ.get("PDSERVE_TEST_DEVICE", "cpu")
+if DEVICE.startswith("cuda") and torch.cuda.device_count() < 2:
+    pytest.skip(f"TP 2 on CUDA needs 2 GPUs; {torch.cuda.device_count()} visible", allow_module_level=True)
 NUM_HEADS = 4
 PROMPTS = [[5, 17, 300, 42, 9, 77, 1200, 3], [8, 900, 31], list(range(100, 137)), [2000, 11, 64, 65, 66]]
 VARIANTS = [("llama", 1), ("llama", 2), ("llama", 4), ("qwen2", 1), ("qwen2", 2), ("qwen2", 4),
@@ -69,8 +75,9 @@ def variant(tiny_model_dir: Callable[[str], Path], tmp_path_factory: pytest.Temp
 
 
 def engine(path: Path, tp: int) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(path), dtype="float32", num_kv_blocks=64, block_size=8, num_threads=1,
-                                  max_num_batched_tokens=32, tensor_parallel_size=tp), capture_logits=True)
+    return LLMEngine(EngineConfig(model=str(path), device=DEVICE, dtype="float32", num_kv_blocks=64, block_size=8,
+                                  num_threads=1, max_num_batched_tokens=32, tensor_parallel_size=tp),
+                     capture_logits=True)
 
 
 def stream(eng: LLMEngine, params: list[SamplingParams]) -> dict[str, list[int]]:
@@ -105,7 +112,7 @@ def test_tp2_matches_tp1(variant: Callable[[str, int], Path], arch: str, kv: int
         try:
             res = eng.generate(PROMPTS, greedy)
             check_drained(eng)
-            got[tp] = ([r.token_ids for r in res], [r.logits[0] for r in res], stream(eng, seeded),
+            got[tp] = ([r.token_ids for r in res], [r.logits[0].cpu() for r in res], stream(eng, seeded),
                        stream(eng, [greedy] * len(PROMPTS)))
             check_drained(eng)
         finally:

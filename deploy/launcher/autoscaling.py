@@ -17,7 +17,7 @@ from pdserve.planner.autoscale import AutoscaleConfig, Controller, ControllerMet
 from pdserve.planner.check import ScrapeSource
 from pdserve.planner.loadgen.metrics import parse_slos
 from pdserve.planner.profile_model import load_profile_here
-from pdserve.planner.sim import NodeSettings, Shape
+from pdserve.planner.sim import NodeSettings, Shape, load_overheads
 
 if TYPE_CHECKING:
     from pdserve.deploy.launcher.supervisor import Launcher
@@ -36,13 +36,17 @@ class AutoscaleOptions:
     cooldown_s: float = 60.0
     band: float = 0.2
     allow_other_machine: bool = False
+    overheads: Path | None = None  # --autoscale-overheads
 
-    def controller_config(self, colocated: bool) -> AutoscaleConfig:
-        """The controller's configuration (loads the profile: ValueError / OSError)."""
+    def controller_config(self, colocated: bool, prefill_tp: int = 1, decode_tp: int = 1) -> AutoscaleConfig:
+        """The controller's configuration for pools of these TP widths (loads the profile and the overheads:
+        ValueError / OSError)."""
         profile = load_profile_here(self.profile, self.allow_other_machine)
         return AutoscaleConfig(profile, parse_slos(self.slo), self.node_budget, colocated, self.attainment,
                                self.interval_s, self.window_s, self.cooldown_s, self.band,
-                               settings=NodeSettings.of(profile))
+                               settings=NodeSettings.of(profile), prefill_tp=1 if colocated else prefill_tp,
+                               decode_tp=decode_tp,
+                               overheads=load_overheads(self.overheads) if self.overheads else None)
 
 
 class LauncherActuator:
@@ -78,7 +82,7 @@ class Autoscaler:
 
     def __init__(self, launcher: Launcher, options: AutoscaleOptions, metrics_port: int) -> None:
         cfg = launcher.config
-        self.config = options.controller_config(colocated=cfg.num_prefill == 0)
+        self.config = options.controller_config(cfg.num_prefill == 0, cfg.prefill_tp, cfg.decode_tp)
         self.metrics = ControllerMetrics()
         self.source = ScrapeSource([f"{cfg.base_url}/metrics"], [], self.config.window_s,
                                    timeout_s=min(3.0, self.config.interval_s * 2))

@@ -111,13 +111,15 @@ class LauncherConfig:
         ]
         if self.autoscale is not None:
             checks += [
-                (self.autoscale.node_budget >= self.num_prefill + self.num_decode,
+                (self.autoscale.node_budget >= self.num_prefill * self.prefill_tp + self.num_decode * self.decode_tp,
                  f"--node-budget {self.autoscale.node_budget} is below the starting shape's "
-                 f"{self.num_prefill + self.num_decode} nodes"),
+                 f"{self.num_prefill * self.prefill_tp + self.num_decode * self.decode_tp} node ranks"),
                 (not self.pin, "--autoscale does not pin (--pin splits the CPUs over a fixed set of nodes)"),
                 (self.autoscale.profile.is_file(), f"--autoscale needs a profile: {self.autoscale.profile} does not "
                                                    f"exist (run `pdserve profile --out FILE` on this machine)"),
                 (bool(self.autoscale.slo), "--autoscale needs --autoscale-slo (e.g. ttft_p90=1s,tpot_p99=50ms)"),
+                (self.autoscale.overheads is None or self.autoscale.overheads.is_file(),
+                 f"--autoscale-overheads {self.autoscale.overheads} does not exist"),
             ]
         for ok, msg in checks:
             if not ok:
@@ -246,4 +248,5 @@ def _autoscale_options(args: Any) -> AutoscaleOptions | None:
         raise ValueError("pdserve up: --autoscale needs --autoscale-profile FILE (from `pdserve profile`)")
     return AutoscaleOptions(Path(args.autoscale_profile), args.autoscale_slo or "", args.node_budget,
                             args.autoscale_attainment, args.autoscale_interval, args.autoscale_window,
-                            args.autoscale_cooldown, args.autoscale_band, args.allow_other_machine)
+                            args.autoscale_cooldown, args.autoscale_band, args.allow_other_machine,
+                            Path(args.autoscale_overheads) if getattr(args, "autoscale_overheads", None) else None)
