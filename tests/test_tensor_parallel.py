@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.parallel import head_shard
+from pdserve.engine.parallel import check_devices, head_shard, rank_device
 from pdserve.engine.sampling_params import SamplingParams
 from tests.logit_reference import assert_fp32_close, forward_logits, load_float64_reference
 
@@ -140,3 +140,12 @@ def test_head_shard_replicates_fewer_kv_heads() -> None:
     assert [head_shard(8, 4, r, 2) for r in range(2)] == [(0, 4, 0, 2), (4, 4, 2, 2)]
     with pytest.raises(ValueError, match="do not split"):
         head_shard(6, 2, 0, 4)
+
+
+def test_ranks_take_a_device_each_on_cuda() -> None:
+    assert [str(rank_device("cuda", r)) for r in range(3)] == ["cuda:0", "cuda:1", "cuda:2"]
+    assert str(rank_device("cuda:2", 1)) == "cuda:3" and str(rank_device("cpu", 3)) == "cpu"
+    check_devices("cpu", 8)  # every rank on the host
+    if torch.cuda.device_count() < 64:
+        with pytest.raises(ValueError, match=r"tensor_parallel_size 64 needs CUDA devices 0\.\.63 \(one a rank\)"):
+            check_devices("cuda", 64)
