@@ -291,18 +291,19 @@ class NodeMetrics:
         """The KV port refused `peer` (a gate thread; `kv_transfer.auth`)."""
         self._kv_auth_failures.labels(**self.labels.values(), reason=reason.value).inc()
 
-    def set_info(self, fingerprint: str, dtype: str, block_size: int, weights: str = "", kernels: str = "") -> None:
+    def set_info(self, fingerprint: str, dtype: str, block_size: int, weights: str = "", kernels: str = "",
+                 tp: int = 1) -> None:
         """The info series (always 1; once the engine exists): the pdserve version, and which model,
-        dtype, block size, weight format (e.g. "Q4_1+Q8_0" or "float32") and quantized-kernel instruction
-        set ("" for float weights) this node serves."""
+        dtype, block size, weight format (e.g. "Q4_1+Q8_0" or "float32"), quantized-kernel instruction
+        set ("" for float weights) and tensor-parallel width (`tp`: ranks) this node serves."""
         build = Gauge("pdserve_build_info", "Always 1; the labels name the pdserve version",
                       [*LABEL_NAMES, "version", "python"], registry=self.registry)
         build.labels(**self.labels.values(), version=pdserve_version(), python=platform.python_version()).set(1)
         model = Gauge("pdserve_model_info", "Always 1; the labels name the served model's fingerprint",
-                      [*LABEL_NAMES, "fingerprint", "dtype", "block_size", "weights", "quant_kernels"],
+                      [*LABEL_NAMES, "fingerprint", "dtype", "block_size", "weights", "quant_kernels", "tp"],
                       registry=self.registry)
         model.labels(**self.labels.values(), fingerprint=fingerprint[:16], dtype=dtype, block_size=str(block_size),
-                     weights=weights or dtype, quant_kernels=kernels).set(1)
+                     weights=weights or dtype, quant_kernels=kernels, tp=str(tp)).set(1)
 
     def _gauge_snapshot(self) -> NodeLoad | None:
         return self._gauges() if self._gauges is not None else None

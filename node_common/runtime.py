@@ -141,7 +141,7 @@ async def _build(config: NodeConfig, role: str, make_service: type[NodeService],
     ctx.tracer = start_tracing(config.tracing, f"pdserve-{role}", {"service.instance.id": config.node_id},
                                time.monotonic)
     metrics.set_info(ctx.fingerprint, str(engine.dtype).removeprefix("torch."), config.engine.block_size,
-                     engine.weights.format, engine.weights.kernels)
+                     engine.weights.format, engine.weights.kernels, config.engine.tensor_parallel_size)
     service = make_service(ctx)
     metrics.bind(service.node_load)
     if engine.kv_tier is not None:

@@ -30,7 +30,7 @@ from rich.console import Console
 from pdserve.planner.loadgen.metrics import parse_slos
 from pdserve.planner.plan import PlanConfig, Planner
 from pdserve.planner.profile_model import load_profile_here
-from pdserve.planner.sim import NodeSettings, Shape
+from pdserve.planner.sim import NodeSettings, Shape, load_overheads
 from pdserve.planner.traffic import Traffic
 
 
@@ -44,6 +44,8 @@ class Observed:
     window_s: float
     prefill_nodes: int | None = None  # None: not known (no node metrics given)
     decode_nodes: int | None = None
+    prefill_tp: int = 1  # the pools' TP widths (the nodes' pdserve_model_info{tp}; 1 where not known)
+    decode_tp: int = 1
 
     @property
     def rate(self) -> float:
@@ -61,7 +63,15 @@ class Observed:
     def shape(self) -> Shape | None:
         if not self.decode_nodes:
             return None
-        return Shape(self.prefill_nodes or 0, self.decode_nodes)
+        return Shape(self.prefill_nodes or 0, self.decode_nodes, self.prefill_tp if self.prefill_nodes else 1,
+                     self.decode_tp)
+
+    def count_nodes(self, nodes: list[tuple[str | None, int]]) -> None:
+        """Sets the shape from each node's (pool, TP width): a pool's width is its widest node's."""
+        self.prefill_nodes = sum(pool == "prefill" for pool, _ in nodes)
+        self.decode_nodes = sum(pool == "decode" for pool, _ in nodes)
+        self.prefill_tp = max((tp for pool, tp in nodes if pool == "prefill"), default=1)
+        self.decode_tp = max((tp for pool, tp in nodes if pool == "decode"), default=1)
 
 
 @dataclass
@@ -95,12 +105,16 @@ def frontend_counters(text: str) -> Counters:
     return c
 
 
-def node_pool(text: str) -> str | None:
+def node_pool(text: str) -> tuple[str | None, int]:
+    """A node's /metrics -> (its pool, its TP width: pdserve_model_info's `tp`, 1 where absent)."""
+    pool, tp = None, 1
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
-            if s.labels.get("pool") in ("prefill", "decode"):
-                return s.labels["pool"]
-    return None
+            if pool is None and s.labels.get("pool") in ("prefill", "decode"):
+                pool = s.labels["pool"]
+            if s.name == "pdserve_model_info" and s.labels.get("tp", "").isdigit():
+                tp = int(s.labels["tp"])
+    return pool, tp
 
 
 def observe_metrics(frontend_urls: list[str], node_urls: list[str], window_s: float) -> Observed:
@@ -117,20 +131,30 @@ def observe_metrics(frontend_urls: list[str], node_urls: list[str], window_s: fl
         created = min((c.created for c in first), default=math.inf)
         window = time.time() - created if math.isfinite(created) else 0.0
         delta = [(c.requests, c.prompt, c.completion) for c in first]
-    pools = [node_pool(get_text(u)) for u in node_urls]
+    nodes = [node_pool(get_text(u)) for u in node_urls]
     obs = Observed(sum(d[0] for d in delta), sum(d[1] for d in delta), sum(d[2] for d in delta), window)
     if node_urls:
-        obs.prefill_nodes, obs.decode_nodes = pools.count("prefill"), pools.count("decode")
+        obs.count_nodes(nodes)
     return obs
 
 
-def _prom_scalar(base: str, query: str) -> float:
+def _prom_query(base: str, query: str) -> list[dict]:
+    """The result series of an instant query against a Prometheus server's API."""
     url = f"{base.rstrip('/')}/api/v1/query?{urllib.parse.urlencode({'query': query})}"
     data = json.loads(get_text(url))
     if data.get("status") != "success":
         raise ValueError(f"Prometheus query {query!r} failed: {data.get('error', data)}")
-    result = data["data"]["result"]
+    return data["data"]["result"]
+
+
+def _prom_scalar(base: str, query: str) -> float:
+    result = _prom_query(base, query)
     return float(result[0]["value"][1]) if result else 0.0
+
+
+def _prom_label_values(base: str, query: str, label: str) -> list[int]:
+    """The integer values of `label` over the query's result series."""
+    return [int(v) for r in _prom_query(base, query) if (v := r["metric"].get(label, "")).isdigit()]
 
 
 def observe_prometheus(base: str, window_s: float) -> Observed:
@@ -141,7 +165,11 @@ def observe_prometheus(base: str, window_s: float) -> Observed:
     completion = _prom_scalar(base, f'sum(increase(pdserve_frontend_tokens_total{{kind="completion"}}[{w}]))')
     prefill = _prom_scalar(base, 'count(count by (node) (pdserve_kv_blocks{pool="prefill"}))')
     decode = _prom_scalar(base, 'count(count by (node) (pdserve_kv_blocks{pool="decode"}))')
-    return Observed(req, prompt, completion, float(max(int(window_s), 1)), int(prefill), int(decode))
+    obs = Observed(req, prompt, completion, float(max(int(window_s), 1)), int(prefill), int(decode))
+    # a pool's width: its widest node's, from the info series' tp label
+    obs.prefill_tp, obs.decode_tp = (max(_prom_label_values(base, f'count by (tp) (pdserve_model_info{{pool="{pool}"}})',
+                                                            "tp"), default=1) for pool in ("prefill", "decode"))
+    return obs
 
 
 class ScrapeSource:
@@ -172,8 +200,7 @@ class ScrapeSource:
         obs = Observed(total.requests - first.requests, total.prompt - first.prompt,
                        total.completion - first.completion, now - t0)
         if self.node_urls:
-            pools = [node_pool(get_text(u, self.timeout_s)) for u in self.node_urls]
-            obs.prefill_nodes, obs.decode_nodes = pools.count("prefill"), pools.count("decode")
+            obs.count_nodes([node_pool(get_text(u, self.timeout_s)) for u in self.node_urls])
         return obs
 
     @property
@@ -240,8 +267,15 @@ def check(args: argparse.Namespace) -> CheckResult:
     settings = NodeSettings.of(profile, local_prefill_threshold=args.local_prefill_threshold,
                                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                num_kv_blocks=args.num_kv_blocks)
+    # the widths the plan may take: --tp-widths, and the ones the cluster runs at (the profile must have them)
+    shape = obs.shape
+    widths = set(getattr(args, "tp_widths", None) or (profile.tp,))
+    if shape is not None:
+        widths |= {shape.decode_tp} | ({shape.prefill_tp} if shape.prefill else set())
     cfg = PlanConfig(profile, parse_slos(args.slo), args.attainment, args.max_nodes, rate=obs.rate,
-                     traffic=traffic, requests=args.requests, settings=settings)
+                     traffic=traffic, requests=args.requests, settings=settings,
+                     overheads=load_overheads(args.overheads) if getattr(args, "overheads", None) else None,
+                     tp_widths=tuple(sorted(widths)))
     planner = Planner(cfg)
     current = planner.simulate(obs.shape, obs.rate).summary if obs.shape is not None else None
     plan = planner.run()
@@ -265,7 +299,7 @@ def main(args: argparse.Namespace) -> int:
     if args.values_out and res.recommended_decode is not None:
         from pdserve.planner.plan import write_values
 
-        shape = Shape(res.recommended_prefill or 0, res.recommended_decode)
+        shape = Shape.parse(res.recommended) if res.recommended else Shape(0, res.recommended_decode)
         write_values(args.values_out, shape, "pdserve plan --check: " + res.verdict())
         print(f"wrote {args.values_out}", file=sys.stderr)
     if res.current_fits is not None:

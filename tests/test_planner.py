@@ -470,7 +470,7 @@ def test_check_reads_a_live_cluster_and_judges_its_shape(tiny_llama_dir: Path, t
             assert obs["requests"] == 5
             assert obs["prompt_tokens"] == sum(u["prompt_tokens"] for u in usage)
             assert obs["completion_tokens"] == sum(u["completion_tokens"] for u in usage)
-            assert (obs["prefill_nodes"], obs["decode_nodes"]) == (1, 1)
+            assert (obs["prefill_nodes"], obs["decode_nodes"], obs["prefill_tp"], obs["decode_tp"]) == (1, 1, 1, 1)
             assert obs["window_s"] > 0 and obs["rate"] > 0
             assert rc == 0 and res["current_fits"] is True and res["recommended"] is not None
             rc, out = _run_cli([*base, "--slo", "ttft_p90=1us"], capsys)
@@ -541,7 +541,7 @@ def _check_through_prometheus(cluster: Any, frontend_url: str, tmp_path: Path, p
         rc, out = _run_cli(["plan", "--check", "--profile", str(prof_path), "--prometheus", url, "--window", "600",
                             "--max-nodes", "3", "--requests", "50", "--slo", "ttft_p90=60s", "--json"], capsys)
         obs = json.loads(out)["observed"]
-        assert rc == 0 and (obs["prefill_nodes"], obs["decode_nodes"]) == (1, 1)
+        assert rc == 0 and (obs["prefill_nodes"], obs["decode_nodes"], obs["prefill_tp"], obs["decode_tp"]) == (1, 1, 1, 1)
         assert 6 <= obs["requests"] <= 11 * 1.5
         for key, later in (("prompt_tokens", prompt_tokens / 6), ("completion_tokens", completion_tokens / 6)):
             first = sum(u[key] for u in earlier) / len(earlier)

@@ -245,3 +245,27 @@ def test_profiling_at_tp_1_and_2_runs_the_engine_at_each_width(tiny_llama_dir: P
     # The profile plans TP 2 shapes.
     res = simulate(prof, Shape(1, 1, 2, 1), [SimRequest(0, 0.0, 40, 4)])
     assert res.records[0].ok
+
+
+def test_check_reads_each_pools_width_from_the_nodes_info_series() -> None:
+    """`plan --check` and the autoscaler count a node's pool and its TP width from its /metrics
+    (pdserve_model_info{tp}); a pool's width is its widest node's; an older node without the label is TP 1."""
+    from prometheus_client import generate_latest
+
+    from pdserve.node_common.metrics import MetricLabels, NodeMetrics
+    from pdserve.planner.check import Observed, node_pool
+
+    def node_text(pool: str, name: str, tp: int | None) -> str:
+        m = NodeMetrics(MetricLabels(pool, name, "tiny"))
+        if tp is not None:
+            m.set_info("f" * 16, "float32", 16, tp=tp)
+        return generate_latest(m.registry).decode()
+
+    nodes = [node_pool(node_text("prefill", "p0", 2)), node_pool(node_text("decode", "d0", 1)),
+             node_pool(node_text("decode", "d1", None))]
+    assert nodes == [("prefill", 2), ("decode", 1), ("decode", 1)]
+    obs = Observed(10, 100, 100, 10.0)
+    obs.count_nodes(nodes)
+    assert obs.shape == Shape(1, 2, 2, 1) and obs.shape.label == "1P(tp2):2D(tp1)"
+    obs.count_nodes([("decode", 2)])
+    assert obs.shape == Shape(0, 1, 1, 2)
