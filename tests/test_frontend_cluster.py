@@ -260,6 +260,7 @@ def _idle_records(members: dict[str, Member]) -> bool:
         and load.in_flight == 0 for load in loads)
 
 
+@pytest.mark.serial  # the abort within 100 ms
 def test_disconnect_mid_stream_frees_blocks_on_both_nodes(env: Env) -> None:
     rng = random.Random(5)
     words = " ".join(rng.choice(["red", "green", "blue", "sea", "sky", "stone", "wind"]) for _ in range(400))

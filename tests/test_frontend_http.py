@@ -512,6 +512,7 @@ def node_stub(proc: Proc, node_id: str) -> tuple[grpc.Channel, pbg.DecodeNodeStu
     return channel, pbg.DecodeNodeStub(channel)
 
 
+@pytest.mark.serial  # the abort within 100 ms
 def test_client_disconnect_aborts_upstream_within_100ms(env: Env) -> None:
     client, _ = sdk(env)
     channel, stub = node_stub(env.nodes["slow"], "slow")

@@ -43,6 +43,7 @@ def bodies(seed: int) -> Iterator[dict[str, Any]]:
                "temperature": 0}
 
 
+@pytest.mark.serial  # refusals within 50 ms at p90
 def test_ten_times_capacity_refuses_fast_meets_ttft_and_bounds_memory(tmp_path: Path, tiny_llama_dir: Path) -> None:
     tenants = tmp_path / "tenants.yaml"
     tenants.write_bytes(orjson.dumps({"tenants": [

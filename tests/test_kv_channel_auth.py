@@ -63,6 +63,7 @@ def failures(cluster: LocalCluster) -> dict[str, float]:
     return {r.value: cluster.metric("p0", AUTH_FAILURES, reason=r.value) for r in FailureReason}
 
 
+@pytest.mark.serial  # a refusal median under 50 ms
 @pytest.mark.usefixtures("check_integrity_after_each_test")
 def test_strangers_are_refused_before_any_rendezvous_and_the_node_serves_on(
         cluster: LocalCluster, reference: LLMEngine) -> None:
