@@ -143,6 +143,15 @@ def profile_here(model: str, out: Path, cpu: int, quick: bool) -> Profile:
     return load_profile(out)
 
 
+def process_kind(cmdline: str) -> str:
+    """"prefill" or "decode" for a node's command line (`python -m pdserve.prefill_node ...`), else "host"."""
+    args = set(cmdline.split())
+    for kind in ("prefill", "decode"):
+        if {f"pdserve.{kind}_node", f"{kind}_node"} & args:
+            return kind
+    return "host"
+
+
 @dataclass
 class CpuUse:
     """CPU seconds used so far: the load generator and the cluster's processes other than its nodes (the
@@ -165,7 +174,7 @@ class CpuUse:
         use = cls(host=own.ru_utime + own.ru_stime)
         kinds: dict[int, str] = {}
         for pid, cmdline in up.processes().items():
-            kind = "prefill" if " prefill_node " in cmdline else "decode" if " decode_node " in cmdline else "host"
+            kind = process_kind(cmdline)
             with contextlib.suppress(psutil.NoSuchProcess):
                 for p in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]:
                     if kinds.get(p.pid, "host") == "host":  # the launcher's children include the nodes

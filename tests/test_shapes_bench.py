@@ -47,3 +47,19 @@ def test_slos_no_shape_meets_are_loosened_and_said_so(tmp_path: Path) -> None:
     row = result["validation"][0]
     assert row["feasible"] and row["loosened"] > 1, row
     assert "no shape meets" in out and "loosening every threshold" in out and "loosened x" in out, out
+
+
+def test_cpu_use_tells_the_launchers_nodes_from_the_host(tmp_path: Path) -> None:
+    """bench/shapes.py's CPU accounting (the serving overheads) recognises the node processes by the
+    command lines `pdserve up` really starts; the frontend and etcd count as the host."""
+    from bench.shapes import process_kind
+    from pdserve.deploy.launcher.config import LauncherConfig
+    from pdserve.deploy.launcher.process import Slot, command
+
+    from pdserve.engine.tiny import default_model_dir
+
+    cfg = LauncherConfig(model=str(default_model_dir("llama")), model_name="m", runs_dir=tmp_path)
+    kinds = {pool: process_kind(" ".join(command(cfg, Slot(f"{pool}-0", pool, tmp_path / "log"), ["127.0.0.1:2379"],
+                                                 tmp_path)))
+             for pool in ("prefill", "decode", "frontend", "etcd")}
+    assert kinds == {"prefill": "prefill", "decode": "decode", "frontend": "host", "etcd": "host"}
