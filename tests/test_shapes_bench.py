@@ -55,7 +55,6 @@ def test_cpu_use_tells_the_launchers_nodes_from_the_host(tmp_path: Path) -> None
     from bench.shapes import process_kind
     from pdserve.deploy.launcher.config import LauncherConfig
     from pdserve.deploy.launcher.process import Slot, command
-
     from pdserve.engine.tiny import default_model_dir
 
     cfg = LauncherConfig(model=str(default_model_dir("llama")), model_name="m", runs_dir=tmp_path)
