@@ -1,4 +1,4 @@
-"""`./pdserve test`: the suite in two phases, so that it fits its time budget on a 2-core machine.
+"""`./pdserve test`: the suite in two phases, to shorten it on a 2-core machine.
 
 Most tests wait on processes (nodes, frontends, etcd, servers) far more than they compute, so the
 whole suite runs on `PDSERVE_TEST_WORKERS` pytest-xdist workers (default 2; a test file stays on one
