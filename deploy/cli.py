@@ -14,7 +14,8 @@ MODEL_HELP = (
 )
 # The block types `pdserve model quantize` writes (engine.quantize.TYPES; listed here so the parser needs no torch).
 QUANT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q5_K", "Q6_K")
-# engine.speculative.SPECULATIVE_METHODS, likewise.
+# engine.synthetic.GEOMETRIES and engine.speculative.SPECULATIVE_METHODS, likewise.
+GEOMETRIES = ("llama3-8b", "tinyllama-1.1b")
 SPECULATIVE_CHOICES = ("off", "ngram", "suffix")
 WEIGHTS_HELP = (
     "the default model's weights: gguf serves its Q4_1 GGUF blocks as they are (default), float the same "
@@ -70,10 +71,19 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_make_tiny(args: argparse.Namespace) -> int:
-    from pdserve.engine.tiny import make_tiny_model
+    if args.geometry is None:
+        if args.type is not None or args.layers is not None:
+            raise ValueError("--type and --layers go with --geometry (the tiny models are float checkpoints)")
+        from pdserve.engine.tiny import make_tiny_model
 
-    out = make_tiny_model(Path(args.dir), arch=args.arch, seed=args.seed)
-    print(out)
+        print(make_tiny_model(Path(args.dir), arch=args.arch, seed=args.seed))
+        return 0
+    if args.arch != "llama":
+        raise ValueError(f"--geometry {args.geometry} is a llama geometry, not --arch {args.arch}")
+    from pdserve.engine.synthetic import geometry, make_synthetic_model
+
+    print(make_synthetic_model(Path(args.dir), geometry(args.geometry, args.layers), args.type or "Q4_K",
+                               seed=args.seed))
     return 0
 
 
@@ -378,10 +388,20 @@ def _add_quantize_parser(msub: argparse._SubParsersAction) -> None:
 
 def _add_make_tiny_parser(msub: argparse._SubParsersAction) -> None:
     """`pdserve model make-tiny`."""
-    mt = msub.add_parser("make-tiny", help="write a deterministic tiny HF model directory")
+    mt = msub.add_parser(
+        "make-tiny", help="write a deterministic tiny HF model directory, or a synthetic one at a real geometry",
+        description="Without --geometry: a tiny float checkpoint (4 layers x 384) with a trained tokenizer, for "
+                    "tests. With --geometry: random weights at the shapes of a real model, written straight to "
+                    "--type GGUF blocks (model.gguf that pdserve and llama.cpp both load; no float copy), with "
+                    "the tiny llama's tokenizer. Prints DIR.",
+    )
     mt.add_argument("dir")
     mt.add_argument("--arch", default="llama", choices=["llama", "qwen2", "qwen3"])
     mt.add_argument("--seed", type=int, default=0)
+    mt.add_argument("--geometry", default=None, choices=GEOMETRIES,
+                    help="a real model's shapes (TinyLlama-1.1B, Llama-3-8B)")
+    mt.add_argument("--type", default=None, choices=QUANT_TYPES, help="with --geometry: block type (default Q4_K)")
+    mt.add_argument("--layers", type=int, default=None, help="with --geometry: fewer layers (quick checks)")
     mt.set_defaults(fn=_cmd_make_tiny)
 
 

@@ -61,8 +61,7 @@ class CheckpointReader:
             )
         return tensor
 
-    def tensor(self, name: str) -> torch.Tensor:
-        """Tensor `name` as stored, whatever its shape (ModelLoadError when missing or unreadable)."""
+    def _handle(self, name: str) -> tuple[Path, Any]:
         file = self.files.get(name)
         if file is None:
             raise ModelLoadError(f"{self._listing()}: tensor '{name}' is missing from the checkpoint")
@@ -71,8 +70,21 @@ class CheckpointReader:
                 self._handles[file] = self._stack.enter_context(safe_open(file, framework="pt", device="cpu"))
             except Exception as e:  # safetensors raises its own error types for corrupt files
                 raise ModelLoadError(f"{file}: unreadable safetensors file ({e})") from e
+        return file, self._handles[file]
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """Tensor `name` as stored, whatever its shape (ModelLoadError when missing or unreadable)."""
+        file, handle = self._handle(name)
         try:
-            return self._handles[file].get_tensor(name)
+            return handle.get_tensor(name)
+        except Exception as e:
+            raise ModelLoadError(f"{file}: tensor '{name}' is not readable ({e})") from e
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Tensor `name`'s shape from the file's header, its data left unread."""
+        file, handle = self._handle(name)
+        try:
+            return tuple(handle.get_slice(name).get_shape())
         except Exception as e:
             raise ModelLoadError(f"{file}: tensor '{name}' is not readable ({e})") from e
 

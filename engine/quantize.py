@@ -3,10 +3,11 @@
 OUT is a quantized model directory (engine.gguf_weights): DIR's config, generation config, tokenizer and
 chat template files, and `model.gguf` holding every projection and the embedding (and an untied LM head)
 in the asked block type, the norms and biases in F32. Tensors take llama.cpp's names and layout (llama
-Q/K rows interleaved for its RoPE), so the file reads like one llama.cpp's converter would write. A matrix
-whose rows are not a whole number of blocks of the type falls back to Q8_0 (32-value blocks), else F32,
-as llama.cpp's quantizer does. Tensors are read and quantized one at a time, so memory stays near the
-size of the output.
+Q/K rows interleaved for its RoPE) and the metadata holds the hyperparameters, tokenizer and chat template
+(engine.gguf_write), so llama.cpp's `llama-server` loads the same file. A matrix whose rows are not a
+whole number of blocks of the type falls back to Q8_0 (32-value blocks), else F32, as llama.cpp's
+quantizer does. Tensors are read, quantized and written one at a time, so memory stays near the size of
+the largest one.
 """
 
 from __future__ import annotations
@@ -21,8 +22,15 @@ import numpy as np
 
 from pdserve.engine.gguf_config import ARCHITECTURES
 from pdserve.engine.gguf_plan import GLOBAL_TENSORS, LAYER_TENSORS
+from pdserve.engine.gguf_write import GGUFModelWriter, PlannedTensor
 from pdserve.engine.loader import CheckpointReader
-from pdserve.engine.model_config import GGUF_WEIGHTS, ModelLoadError, load_model_config, weight_files
+from pdserve.engine.model_config import (
+    GGUF_WEIGHTS,
+    ModelConfig,
+    ModelLoadError,
+    load_model_config,
+    weight_files,
+)
 from pdserve.kernels.quant_format import QUANT_TYPES, block_layout, quantize
 
 TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q5_K", "Q6_K")
@@ -49,7 +57,7 @@ def permute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return weight.reshape(num_heads, 2, rows // num_heads // 2, *rest).swapaxes(1, 2).reshape(weight.shape)
 
 
-def _type_for(shape: tuple[int, ...], requested: str) -> str:
+def type_for(shape: tuple[int, ...], requested: str) -> str:
     if len(shape) != 2:
         return "F32"
     for candidate in (requested, "Q8_0"):
@@ -61,7 +69,6 @@ def _type_for(shape: tuple[int, ...], requested: str) -> str:
 def quantize_model(src: str | Path, out: str | Path, type_name: str, log: bool = True) -> Path:
     """Writes OUT (which must not exist, or be empty) from the float checkpoint SRC; returns OUT. The
     directory is built beside OUT and renamed into place, so it appears complete or not at all."""
-    import gguf
     import torch
 
     if type_name not in TYPES or type_name not in QUANT_TYPES:
@@ -72,36 +79,32 @@ def quantize_model(src: str | Path, out: str | Path, type_name: str, log: bool =
     cfg = load_model_config(src)
     if cfg.weight_format:
         raise ModelLoadError(f"{src}: already quantized ({cfg.weight_format}); quantize a float checkpoint")
-    arch = next(a for a, hf in ARCHITECTURES.items() if hf == cfg.arch.replace("Mistral", "Llama"))
+    arch = gguf_arch(cfg)
     files = weight_files(src)
     started = time.perf_counter()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     reader = CheckpointReader(src, files)
-    try:
-        writer = gguf.GGUFWriter(str(tmp / GGUF_WEIGHTS), arch)
-        writer.add_name(src.name)
-        writer.add_file_type(int(getattr(gguf.LlamaFileType, f"MOSTLY_{type_name}", gguf.LlamaFileType.ALL_F32)))
-        counts: dict[str, int] = {}
-        for hf in sorted(files, key=_file_order):
+
+    def planned(hf: str) -> PlannedTensor:
+        shape = reader.shape(hf)
+        kind = type_for(shape, type_name)
+
+        def data() -> np.ndarray:
             with torch.no_grad():
-                t = reader.tensor(hf).float()
-            w = t.numpy()
-            if arch == "llama" and hf.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")):
-                heads = cfg.num_heads if ".q_proj." in hf else cfg.num_kv_heads
+                w = reader.tensor(hf).float().numpy()
+            heads = permuted_heads(cfg, arch, hf)
+            if heads:
                 w = permute_rows(w, heads)
-            kind = _type_for(tuple(w.shape), type_name)
-            name = gguf_tensor_name(hf)
-            if kind == "F32":
-                writer.add_tensor(name, np.ascontiguousarray(w, dtype=np.float32))
-            else:
-                q = quantize(torch.from_numpy(np.ascontiguousarray(w)), kind, name=name)
-                writer.add_tensor(name, q.data.numpy(), raw_dtype=gguf.GGMLQuantizationType[kind])
-            counts[kind] = counts.get(kind, 0) + 1
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
+            w = np.ascontiguousarray(w, dtype=np.float32)
+            return w if kind == "F32" else quantize(torch.from_numpy(w), kind, name=gguf_tensor_name(hf)).data.numpy()
+
+        return PlannedTensor(gguf_tensor_name(hf), shape, kind, data)
+
+    try:
+        writer = GGUFModelWriter(tmp / GGUF_WEIGHTS, src, cfg, arch, type_name, src.name)
+        tensors = [*writer.rope_tensor(), *(planned(hf) for hf in sorted(files, key=_file_order))]
+        writer.write(tensors)
         for f in src.iterdir():
             if f.is_file() and not f.name.endswith(SKIP_SUFFIXES):
                 shutil.copyfile(f, tmp / f.name)
@@ -112,11 +115,30 @@ def quantize_model(src: str | Path, out: str | Path, type_name: str, log: bool =
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     if log:
+        counts: dict[str, int] = {}
+        for t in tensors:
+            counts[t.type_name] = counts.get(t.type_name, 0) + 1
         mix = ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))
         size = (out / GGUF_WEIGHTS).stat().st_size
         print(f"[pdserve] quantized {src} -> {out}: {mix}; {size / 2**20:.1f} MiB in "
               f"{time.perf_counter() - started:.1f}s", file=sys.stderr)
     return out
+
+
+def gguf_arch(cfg: ModelConfig) -> str:
+    """llama.cpp's architecture name for the config (Mistral checkpoints are llama to it)."""
+    return next(a for a, hf in ARCHITECTURES.items() if hf == cfg.arch.replace("Mistral", "Llama"))
+
+
+def permuted_heads(cfg: ModelConfig, arch: str, hf: str) -> int:
+    """The head count whose rows llama.cpp interleaves in tensor `hf` (llama Q/K), else 0."""
+    if arch != "llama":
+        return 0
+    if hf.endswith(("q_proj.weight", "q_proj.bias")):
+        return cfg.num_heads
+    if hf.endswith(("k_proj.weight", "k_proj.bias")):
+        return cfg.num_kv_heads
+    return 0
 
 
 def _file_order(hf: str) -> tuple[int, str]:

@@ -317,8 +317,9 @@ _MIX1 = 0xBF58476D1CE4E5B9
 _MIX2 = 0x94D049BB133111EB
 
 
-def bell_noise(seed: int, name: str, count: int) -> np.ndarray:
-    """`count` float64 values with mean 0 and variance 1 (to 1e-9) for tensor `name` of model `seed`.
+def bell_noise(seed: int, name: str, count: int, start: int = 0) -> np.ndarray:
+    """`count` float64 values with mean 0 and variance 1 (to 1e-9) for tensor `name` of model `seed`, from
+    its `start`-th value on (so a large tensor can be made in pieces).
 
     Not torch.randn: its CPU kernel has a vectorised path with different rounding (ATEN_CPU_CAPABILITY
     default vs avx2 give different bits), so weights would depend on the machine. Here a counter-based
@@ -328,7 +329,7 @@ def bell_noise(seed: int, name: str, count: int) -> np.ndarray:
     has its own stream, so adding a tensor does not shift the others."""
     key = int.from_bytes(hashlib.sha256(f"tiny:{seed}:{name}".encode()).digest()[:8], "little")
     with np.errstate(over="ignore"):  # uint64 arithmetic wraps modulo 2**64, as the hash intends
-        z = np.uint64(key) + np.arange(1, count + 1, dtype=np.uint64) * np.uint64(_GOLDEN)
+        z = np.uint64(key) + np.arange(start + 1, start + count + 1, dtype=np.uint64) * np.uint64(_GOLDEN)
         z = (z ^ (z >> np.uint64(30))) * np.uint64(_MIX1)
         z = (z ^ (z >> np.uint64(27))) * np.uint64(_MIX2)
         z ^= z >> np.uint64(31)
