@@ -321,6 +321,7 @@ class Side:
     start_s: float | None = None
     cpu: dict[str, float] = field(default_factory=dict)  # CpuMeter over the measurements
     busy_before: float | None = None  # share of the CPUs others kept busy just before the run
+    memory: dict[str, dict[str, int]] = field(default_factory=dict)  # process -> peak/anon/file bytes
 
 
 def _load_config(base_url: str, model: str, plan: Plan, concurrency: int, requests: int,
@@ -357,6 +358,33 @@ def greedy_outputs(base_url: str, model: str, prompts: list[str], max_tokens: in
                         "completion_tokens": usage.get("completion_tokens"),
                         "prompt_tokens": usage.get("prompt_tokens")})
     return out
+
+
+def process_memory(pids: dict[int, str]) -> dict[str, dict[str, int]]:
+    """Each process's memory from /proc/PID/status, in bytes: peak resident (VmHWM), and now resident in
+    anonymous memory (its own allocations) and in mapped files (the GGUF's page cache, shared by every
+    process that maps the same file), keyed by a name for the process."""
+    out: dict[str, dict[str, int]] = {}
+    for pid, name in pids.items():
+        try:
+            lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+        except OSError:
+            continue
+        fields = {k: int(v.split()[0]) * 1024 for k, v in (ln.split(":", 1) for ln in lines)
+                  if k in ("VmHWM", "RssAnon", "RssFile", "RssShmem")}
+        out[f"{name} {pid}"] = {"peak": fields.get("VmHWM", 0), "anon": fields.get("RssAnon", 0),
+                                "file": fields.get("RssFile", 0), "shmem": fields.get("RssShmem", 0)}
+    return out
+
+
+def _pdserve_process_names(processes: dict[int, str]) -> dict[int, str]:
+    from bench.shapes import process_kind
+
+    names = {}
+    for pid, cmdline in processes.items():
+        kind = process_kind(cmdline)
+        names[pid] = f"{kind} node" if kind != "host" else ("frontend" if "frontend" in cmdline else "launcher")
+    return names
 
 
 def measure(side: Side, plan: Plan, pids: list[int]) -> None:
@@ -396,6 +424,7 @@ def run_pdserve(side: Side, plan: Plan, model_arg: list[str], extra: list[str], 
         side.base_url = up.base_url
         side.info = {"argv": ["pdserve", "up", *model_arg, *extra], **banner_facts(up.stdout())}
         measure(side, plan, list(up.processes()))
+        side.memory = process_memory(_pdserve_process_names(up.processes()))
     finally:
         up.close()
 
@@ -415,6 +444,7 @@ def run_llama(side: Side, plan: Plan, exe: Path, gguf_path: Path, threads: int, 
         side.base_url = server.base_url
         side.info = {"argv": server.argv, "parallel": parallel, "ctx": ctx}
         measure(side, plan, [server.proc.pid] if server.proc else [])
+        side.memory = process_memory({server.proc.pid: "llama-server"} if server.proc else {})
     finally:
         server.stop()
 
@@ -571,6 +601,11 @@ def report(result: dict[str, Any], pd: Side, ll: Side, facts: GGUFFacts, rates: 
     if one is not None:
         lines.append(f"  TPOT p50: pdserve {_ms(one['pdserve']['tpot_p50_s'])} ms, llama.cpp "
                      f"{_ms((one['llama'] or {}).get('tpot_p50_s'))} ms")
+    for side in (pd, ll):
+        if side.memory:
+            lines.append(f"memory of {side.name} (after the run; MB): " + "; ".join(
+                f"{name} peak {m['peak'] / 1e6:,.0f} (now anon {m['anon'] / 1e6:,.0f} + file {m['file'] / 1e6:,.0f}"
+                f" + shared {m['shmem'] / 1e6:,.0f})" for name, m in sorted(side.memory.items())))
     g = result.get("greedy")
     if g and not g["compared"]:
         lines += ["", "greedy agreement: no pair of outputs to compare (a server failed every greedy prompt)"]
@@ -607,6 +642,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     "(llama.cpp only when a build is cached or --llama-server is given)")
     ap.add_argument("--model", default=None, help="a model directory for pdserve (and the tokenizer); "
                     "default: the default model, SmolLM2-135M-Instruct")
+    ap.add_argument("--geometry", default=None, choices=("tinyllama-1.1b", "llama3-8b"),
+                    help="a synthetic Q4_K model at this real geometry (engine.synthetic; made once and cached) "
+                         "for both servers, instead of --model/--gguf")
     ap.add_argument("--gguf", type=Path, default=None, help="the GGUF llama-server serves (default: the default "
                     "model's Q4_1 file; required with --model)")
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="llama-server -t/-tb, and "
@@ -666,6 +704,11 @@ def resolve_models(args: argparse.Namespace, workdir: Path) -> tuple[list[str], 
         model_dir = default_model_dir("llama")
         gguf_path = args.gguf or smoke_gguf(model_dir, workdir)
         return ["--model", "tiny"], model_dir, gguf_path
+    if args.geometry is not None:
+        from pdserve.engine.synthetic import synthetic_model_dir
+
+        model_dir = synthetic_model_dir(args.geometry, "Q4_K")  # made once (minutes), then cached
+        return ["--model", str(model_dir)], model_dir, args.gguf or model_dir / "model.gguf"
     if args.model is not None:
         return ["--model", str(args.model)], Path(args.model), args.gguf
     from pdserve.engine.default_model import GGUF_MEMBER, cache_dir, fetch_default_model

@@ -143,5 +143,12 @@ def _load_quantized(model: CausalLM, root: Path, config: ModelConfig) -> None:
 
     qops = QuantOps.create()
     reader = GGUFWeights(root / GGUF_WEIGHTS, config)
-    model.load_quantized_weights(reader.get, reader.get_weight, qops)
-    log.info("weights %s served quantized: kernels %s", config.weight_format, qops.isa.reason)
+    released = 0
+
+    def loaded() -> None:
+        nonlocal released
+        released += reader.release_copied(model.quant_tensors())
+
+    model.load_quantized_weights(reader.get, reader.get_weight, qops, loaded)
+    log.info("weights %s served quantized: kernels %s; %.0f MiB of copied blocks' file pages released",
+             config.weight_format, qops.isa.reason, released / 2**20)

@@ -423,10 +423,12 @@ class CausalLM(nn.Module):
                 _copy_rows(lin.bias, [get(name, shape) for name, shape in biases])
 
     @torch.no_grad()
-    def load_quantized_weights(self, get: WeightGetter, get_weight: QuantGetter, qops: QuantOps) -> None:
+    def load_quantized_weights(self, get: WeightGetter, get_weight: QuantGetter, qops: QuantOps,
+                               loaded: Callable[[], None] | None = None) -> None:
         """Serves the projections, the LM head and the embedding from GGUF blocks: `get_weight` hands out
         a QuantWeight (or a float32 tensor for a type the kernels don't run), `get` the small float tensors
-        (norms, biases). Changes every parameter; raises what the getters raise."""
+        (norms, biases); `loaded` is called after each projection (the loader frees what it copied). Changes
+        every parameter; raises what the getters raise."""
         cfg = self.cfg
         self.qops = qops
         embed = get_weight("model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size))
@@ -442,6 +444,17 @@ class CausalLM(nn.Module):
             lin.set_quantized([get_weight(name, shape) for name, shape in parts], qops)
             if lin.bias is not None:
                 _copy_rows(lin.bias, [get(name, shape) for name, shape in biases])
+            if loaded is not None:
+                loaded()
+
+    def quant_tensors(self) -> list[torch.Tensor]:
+        """The block tensors the model serves from (each QuantWeight's data)."""
+        blocks = [self.embed_quant.data] if self.embed_quant is not None else []
+        for module in self.modules():
+            for g in getattr(module, "groups", None) or ():
+                if isinstance(g, QuantWeight):
+                    blocks.append(g.data)
+        return blocks
 
     def _load_small(self, get: WeightGetter) -> None:
         """The norms, whatever form the projections take."""

@@ -35,6 +35,10 @@ def test_smoke_reports_both_servers_or_why_not(tmp_path: Path, tiny_llama_dir: P
         assert lv["usage_reported"] and lv["output_tokens"] == [plan["output_tokens"]] * lv["ok"], lv
         assert lv["tpot_p50_s"] > 0 and lv["ttft_p50_s"] > 0 and lv["output_tok_s"] > 0, lv
     assert [g["prompt"] for g in pd["greedy"]] == plan["greedy_prompts"]
+    kinds = {name.rsplit(" ", 1)[0] for name in pd["memory"]}
+    assert {"prefill node", "decode node", "frontend"} <= kinds, pd["memory"]
+    assert all(m["peak"] >= m["anon"] > 0 for m in pd["memory"].values()), pd["memory"]
+    assert "memory of pdserve" in run.stdout
     assert all(g["text"] and 0 < g["completion_tokens"] <= plan["greedy_tokens"] for g in pd["greedy"]), pd["greedy"]
 
     # The GGUF facts and the roofline: a decode step reads every tensor but the (untied) token embedding.
