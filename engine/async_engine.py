@@ -79,6 +79,9 @@ def abort_output(request_id: str, finish_reason: FinishReason = FinishReason.ABO
     )
 
 
+_COST_MIN_TOKENS = 64  # prefill steps at least this big set the per-token cost (smaller ones are overhead)
+
+
 @dataclass(frozen=True)
 class EngineProgress:
     """Whether the engine thread makes progress: what a node's health is judged by."""
@@ -87,6 +90,9 @@ class EngineProgress:
     consecutive_failures: int  # steps that raised since the last one that did not
     step_running_s: float  # how long the step in progress has run; 0.0 between steps
     lost: str | None = None  # why the engine can never step again (a tensor-parallel rank lost), else None
+    # the longest a full step has been seen to need: the slowest seconds per computed token of the recent
+    # prefill steps times the step's token budget (0.0 before any); a big model on few cores needs minutes
+    full_step_s: float = 0.0
 
 
 class AsyncEngine:
@@ -109,6 +115,7 @@ class AsyncEngine:
         self._consecutive_failures = 0
         self._lost: str | None = None  # set once, by the engine thread (EngineProgress.lost)
         self._step_started: float | None = None
+        self._step_costs: deque[float] = deque(maxlen=64)  # seconds per token of recent prefill steps
 
     # -- lifecycle ----------------------------------------------------------------------------------
 
@@ -243,8 +250,10 @@ class AsyncEngine:
     def progress(self) -> EngineProgress:
         """Step failures and the running step's age (no engine call; any thread)."""
         started = self._step_started
+        budget = self.engine.cfg.max_num_batched_tokens
+        full = max(self._step_costs, default=0.0) * budget
         return EngineProgress(self._step_failures, self._consecutive_failures,
-                              0.0 if started is None else time.monotonic() - started, self._lost)
+                              0.0 if started is None else time.monotonic() - started, self._lost, full)
 
     def load(self) -> EngineLoad:
         """The engine's load as of its latest step or command (no engine call; any thread)."""
@@ -279,7 +288,7 @@ class AsyncEngine:
             outputs: list[RequestOutput] = []
             idle = self._lost is not None  # a lost engine only runs commands (the node's hand-over)
             if engine.has_unfinished() and self._lost is None:
-                self._step_started = time.monotonic()
+                began = self._step_started = time.monotonic()
                 try:
                     outputs = engine.step()
                 except RankLost as err:  # no step can run again: the requests stay for the node to hand over
@@ -297,6 +306,8 @@ class AsyncEngine:
                 stats = engine.last_step
                 computed = stats.num_decode_tokens + stats.num_prefill_tokens
                 idle = computed == 0 and not outputs
+                if stats.num_prefill_tokens >= _COST_MIN_TOKENS:
+                    self._step_costs.append((time.monotonic() - began) / computed)
                 if computed:
                     self._token_times.append((time.monotonic(), computed))
                     while len(self._token_times) > 4096:

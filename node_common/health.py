@@ -1,7 +1,8 @@
 """Health from progress, not liveness: a node whose engine keeps failing its steps, or whose step has run
 for too long (hung), is no use to anyone however well its gRPC server answers. `HealthWatch` reads the
 engine's progress (`AsyncEngine.progress`) a few times a second; once `--max-step-failures` steps have
-failed in a row or one step has run for `--step-stall-timeout` seconds, `node_common.runtime` turns the node's
+failed in a row or one step has run for `--step-stall-timeout` seconds (or STALL_FACTOR times the longest a
+full step was seen to need, when that is longer), `node_common.runtime` turns the node's
 service NOT_SERVING, revokes its lease (routers stop sending work; peers drop what they share with it),
 hands its requests over (a decode node's streams end with finish reason HAND_OVER, which the frontend
 resumes on another node; a prefill node's calls end, which decode nodes answer by prefilling elsewhere)
@@ -24,6 +25,9 @@ from pdserve.engine.async_engine import AsyncEngine
 from pdserve.node_common.metrics import LABEL_NAMES, MetricLabels
 
 _POLL_S = 0.2
+# A step is hung only past this many times the longest a full step of the node was seen to need: the
+# fixed timeout suits a small model, while an 8B model's 2,048-token prefill step takes minutes on 2 cores.
+STALL_FACTOR = 4
 
 
 class HealthWatch:
@@ -43,8 +47,11 @@ class HealthWatch:
             return p.lost
         if p.consecutive_failures >= self.max_step_failures:
             return f"{p.consecutive_failures} engine steps failed in a row"
-        if p.step_running_s >= self.stall_timeout_s:
-            return f"an engine step has run for {p.step_running_s:.1f}s (stall timeout {self.stall_timeout_s:g}s)"
+        limit = max(self.stall_timeout_s, STALL_FACTOR * p.full_step_s)
+        if p.step_running_s >= limit:
+            return (f"an engine step has run for {p.step_running_s:.1f}s (stall timeout {limit:g}s: "
+                    f"--step-stall-timeout {self.stall_timeout_s:g}s, or {STALL_FACTOR}x the {p.full_step_s:.1f}s "
+                    "a full step was seen to need)")
         return None
 
     async def wait_unhealthy(self) -> str:

@@ -21,10 +21,11 @@ import httpx
 import openai
 import pytest
 
-from pdserve.engine.async_engine import AsyncEngine
+from pdserve.engine.async_engine import AsyncEngine, EngineProgress
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.node_common.health import HealthWatch
+from pdserve.node_common.health import STALL_FACTOR, HealthWatch
 from pdserve.node_common.metrics import ObservedEngine
 from pdserve.node_common.ready import EXIT_UNHEALTHY
 from pdserve.registry.etcd_server import free_port
@@ -82,6 +83,41 @@ def test_engine_progress_counts_failures_in_a_row_and_the_running_step(tmp_path:
             await aengine.close()
 
     asyncio.run(scenario())
+
+
+def test_the_stall_bound_grows_with_the_full_step_a_node_was_seen_to_need(model_dir: Path) -> None:
+    """A real engine's prefill steps set the per-token cost behind `full_step_s`; a step is judged hung at
+    the fixed timeout, or at STALL_FACTOR x the full step when that is longer (an 8B model on 2 cores)."""
+    engine = LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=64,
+                                    max_num_batched_tokens=256))
+    aengine = AsyncEngine(engine, name="t")
+
+    async def scenario() -> None:
+        aengine.start()
+        try:
+            assert aengine.progress().full_step_s == 0.0  # nothing measured yet
+            stream = await aengine.add_request("p", list(range(5, 205)), SamplingParams(max_tokens=1))
+            while not any(out.finished for out in await stream.next_batch()):
+                pass
+            aengine.close_stream("p")
+            full = aengine.progress().full_step_s
+            assert 0.0 < full < 60.0  # 200 prompt tokens' step, scaled to the 256-token budget
+        finally:
+            await aengine.close()
+
+    asyncio.run(scenario())
+
+    class Stuck:  # the engine's progress as a node whose full step takes 100 s would report it
+        def __init__(self, running_s: float) -> None:
+            self.p = EngineProgress(0, 0, running_s, None, full_step_s=100.0)
+
+        def progress(self) -> EngineProgress:
+            return self.p
+
+    assert HealthWatch(Stuck(300.0), 2, 120.0).verdict() is None  # type: ignore[arg-type]
+    why = HealthWatch(Stuck(400.0), 2, 120.0).verdict()  # type: ignore[arg-type]
+    assert why is not None and "stall timeout 400s" in why and f"{STALL_FACTOR}x the 100.0s" in why
+    assert HealthWatch(Stuck(130.0), 2, 1000.0).verdict() is None  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="module")
