@@ -827,6 +827,32 @@ def test_prepare_workers_are_bounded_and_refuse_at_once() -> None:
     assert results == [None, None] and workers.pending == 0
 
 
+def test_prepare_workers_close_promptly_on_busy_cores() -> None:
+    """A stopping frontend does not wait out its nice +19 workers' exit: beside busy processes that took
+    17 s; close ends them after a second's grace."""
+    import asyncio
+    import subprocess
+    import sys
+    import time
+
+    from pdserve.frontend.workers import PrepareWorkers
+
+    workers = PrepareWorkers(processes=2, queue_limit=1)
+    asyncio.run(workers.start())
+    processes = list(workers._executor._processes.values())  # type: ignore[attr-defined]
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2 * (os.cpu_count() or 2))]
+    try:
+        start = time.monotonic()
+        workers.close()
+        took = time.monotonic() - start
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
+    assert took < 8.0, took
+    assert processes and not any(p.is_alive() for p in processes)
+
+
 def test_prepare_worker_errors_and_deaths(tiny_llama_dir: Path) -> None:
     """An APIError raised in a worker reaches the caller whole; a worker that dies fails its job with 503
     and the pool serves the next job from fresh processes."""
