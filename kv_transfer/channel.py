@@ -3,7 +3,11 @@
 NCCL matches sends and receives by posting order, so both ends must execute a channel's transfers
 in the same order. The sender numbers them (`seq_no`, from 0 in every epoch) as they are submitted;
 the number travels in the metadata; the receiver's worker runs them strictly in `seq_no` order and
-waits for a missing one until some queued transfer's deadline passes. Any failure (timeout, peer
+waits for a missing one until some queued transfer's deadline passes. A deadline bounds how long the
+channel stands still, not a transfer's whole life: every move (a transfer starting or ending, a message
+completing, a layer of a layer-wise send becoming ready) restarts the deadline of every transfer on the
+channel, so transfers queued behind a layer-wise send that lasts as long as a slow prefill step wait for
+it, and a transfer whose metadata never comes fails `timeout_s` after the channel's last move. Any failure (timeout, peer
 gone, connect failure) breaks the channel: every queued transfer fails, the group is aborted (which
 interrupts NCCL; a gloo op runs on to its own deadline) and then released by the worker, which
 closes the connection so the peer's pending ops fail at once; the channel is never used again and
@@ -37,6 +41,7 @@ class WorkerContext:
     device: torch.device
     stream: torch.cuda.Stream | None  # the worker's own stream on CUDA pools
     peek: Callable[[int], ChannelJob | None]  # the queued job with that seq_no, left in the queue
+    moved: Callable[[], None]  # the running job made progress: every deadline on the channel restarts
 
 
 class JobOutcome(NamedTuple):
@@ -53,8 +58,9 @@ class ChannelJob(ABC):
     def __init__(self, request_id: str, timeout_s: float) -> None:
         self.request_id = request_id
         self.seq_no = -1
+        self.timeout_s = timeout_s
         self.submitted = time.monotonic()
-        self.deadline = self.submitted + timeout_s
+        self.deadline = self.submitted + timeout_s  # moved on by `Channel._moved` while the channel moves
         self.future: Future[TransferResult] = Future()
         self.future.set_running_or_notify_cancel()  # a queued transfer cannot be cancelled halfway
         self._finished = threading.Lock()
@@ -240,9 +246,28 @@ class Channel:
         if not overdue:
             return False
         first = min(overdue, key=lambda j: j.seq_no)
-        missing = "" if self._state != ChannelState.READY else f" (waiting for seq {self._next_run})"
-        self._go_down(ChannelState.BROKEN, f"transfer seq {first.seq_no} timed out while queued{missing}")
+        with self._cv:
+            if self._state != ChannelState.READY:
+                behind = ""
+            elif self._current is not None:
+                behind = f" behind seq {self._current.seq_no}, which did not move"
+            elif self._next_run not in self._jobs:
+                behind = f" (seq {self._next_run} never came)"
+            else:
+                behind = ""
+        self._go_down(ChannelState.BROKEN, f"transfer seq {first.seq_no} timed out while queued{behind}")
         return True
+
+    def _moved(self) -> None:
+        """The channel made progress: the deadline of every queued and running transfer restarts."""
+        now = time.monotonic()
+        with self._cv:
+            jobs = list(self._jobs.values())
+            if self._current is not None:
+                jobs.append(self._current)
+            for job in jobs:
+                job.deadline = max(job.deadline, now + job.timeout_s)
+            self._cv.notify_all()
 
     def _go_down(self, state: ChannelState, reason: str) -> None:
         with self._cv:
@@ -285,7 +310,7 @@ class Channel:
             torch.cuda.set_device(self.device)
             stream = torch.cuda.Stream(self.device)
         ctx = WorkerContext(group=self._group, staging=self._staging, peer=self.peer, device=self.device,
-                            stream=stream, peek=self._peek)
+                            stream=stream, peek=self._peek, moved=self._moved)
         try:
             while True:
                 job = self._next_job()
@@ -301,6 +326,7 @@ class Channel:
                 with self._cv:
                     self._current = None
                     self.last_used = time.monotonic()
+                self._moved()
                 job.finish(outcome.result)
                 if not outcome.channel_ok:
                     return

@@ -102,6 +102,7 @@ class _RecvJob(ChannelJob):
             slot, op, l0, l1 = posted.popleft()
             t0 = time.perf_counter()
             op.wait(self.deadline)
+            ctx.moved()
             t1 = time.perf_counter()
             self.phases.wire += t1 - t0
             total += slot.wire.numel() * slot.wire.element_size()

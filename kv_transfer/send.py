@@ -174,9 +174,11 @@ class _SendJob(ChannelJob):
             else:
                 t0 = time.perf_counter()
                 events = self._gate.wait(l0, l1, self.deadline)
+                ctx.moved()  # the prefill computed these layers
                 t1 = time.perf_counter()
                 if len(in_flight) == StagingBuffers.NUM_SLOTS:
                     in_flight.popleft().wait(self.deadline)  # frees the slot this message reuses
+                    ctx.moved()
                 self.phases.layers += t1 - t0
                 self.phases.wire += time.perf_counter() - t1
                 slot = self._slot(ctx, i)
@@ -196,6 +198,7 @@ class _SendJob(ChannelJob):
         t0 = time.perf_counter()
         for op in in_flight:
             op.wait(self.deadline)
+            ctx.moved()
         self.phases.wire += time.perf_counter() - t0
         self.checksum = self._digest.value()
         return total

@@ -35,7 +35,7 @@ class NodeConfig:
     lease_ttl_s: int = 5  # registry lease: a dead node leaves every view within this
     load_interval_s: float = 1.0
     join_timeout_s: float = 30.0  # how long to wait for etcd at start-up
-    transfer_timeout_s: float = 30.0  # last-resort bound on one KV transfer (queue + wire)
+    transfer_timeout_s: float = 30.0  # how long a KV pair channel may stand still (queued or on the wire)
     # A peer of the KV port must prove it holds the cluster token within this (`kv_transfer.auth`).
     kv_handshake_timeout_s: float = 5.0
     metrics_host: str = "127.0.0.1"  # where /metrics is served
@@ -140,7 +140,9 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lease-ttl", type=int, default=5)
     parser.add_argument("--load-interval", type=float, default=1.0)
     parser.add_argument("--join-timeout", type=float, default=30.0)
-    parser.add_argument("--transfer-timeout", type=float, default=30.0)
+    parser.add_argument("--transfer-timeout", type=float, default=30.0,
+                        help="seconds a KV transfer may wait with its pair channel standing still; every layer, "
+                             "message or transfer that moves restarts it, so a slow prefill step is no timeout")
     parser.add_argument("--metrics-host", default="127.0.0.1", help="address /metrics is served on")
     parser.add_argument("--metrics-port", type=int, default=0, help="/metrics port (0: a free one)")
     parser.add_argument("--drain-timeout", type=float, default=30.0,

@@ -289,6 +289,34 @@ def test_layer_by_layer_overlaps_with_compute(cluster: Cluster) -> None:
     _expect_blocks(c, "d1", src, dst)
 
 
+@pytest.mark.timeout(60)
+def test_a_transfer_longer_than_its_timeout_lives_while_it_moves(cluster: Cluster) -> None:
+    """The timeout bounds how long a channel stands still: a layer-wise send whose layers come slower
+    than the whole timeout allows (a slow prefill step), and a transfer queued behind it on both sides,
+    complete, since each layer restarts every deadline on the channel."""
+    c = cluster
+    num_layers = GEOMETRY[0]
+    src = _shuffled_ids(16, PREFILL_BLOCKS, seed=21)
+    dst_a, dst_b = _shuffled_ids(32, DECODE_BLOCKS, seed=22)[:16], _shuffled_ids(32, DECODE_BLOCKS, seed=22)[16:]
+    channel = c.prefill.channel_to("d1")
+    timeout = 1.0
+    slow = c.sender.send(channel, c.kv, src, request_id="slow", num_tokens=16 * 16, timeout_s=timeout,
+                         layerwise=True)
+    behind = c.sender.send(channel, c.kv, src, request_id="behind", num_tokens=16 * 16, timeout_s=timeout)
+    c.peer.recv([_item(c, slow, "slow", dst_a, timeout=timeout), _item(c, behind, "behind", dst_b, timeout=timeout)])
+    start = time.monotonic()
+    for layer in range(num_layers):
+        time.sleep(0.6 * timeout)  # each layer within the timeout, all of them well past it
+        slow.layer_ready(layer)
+    got = c.peer.wait(["slow", "behind"])
+    assert time.monotonic() - start > 2 * timeout
+    for token, handle in (("slow", slow), ("behind", behind)):
+        assert got[token].ok and handle.result(20).ok, (token, got[token], handle.result())
+    _expect_blocks(c, "d1", src, dst_a)
+    _expect_blocks(c, "d1", src, dst_b)
+    assert channel.usable
+
+
 def test_small_layers_travel_in_groups_layer_by_layer() -> None:
     """A layer-wise message holds the fewest whole layers that reach `layerwise_min_bytes`."""
     sender = KVSender(get_kernel_ops("torch"))  # 256 KiB by default
@@ -473,7 +501,7 @@ def test_receiver_waits_for_missing_seq_then_times_out(cluster: Cluster) -> None
     # The metadata of `first` is lost: the receiver holds `second` back, then gives up.
     c.peer.recv([_item(c, second, "m1", dst, timeout=1.0)])
     got = c.peer.wait(["m1"])["m1"]
-    assert not got.ok and "timed out" in (got.error or ""), got
+    assert not got.ok and f"timed out while queued (seq {first.meta.seq_no} never came)" in (got.error or ""), got
     # The decode side aborted the group, so the sender's pending transfers fail fast too.
     assert not first.result(10).ok and not second.result(10).ok
 
