@@ -343,6 +343,18 @@ void quantize_rows16(const float* x, int64_t ldx, int64_t m0, int64_t m1, int64_
   }
 }
 
+// The row kernels read their weight rows as one sequential stream; some CPUs' prefetchers follow it too
+// slowly to keep memory busy (Intel Xeons read a cold weight at 2-4 GB/s that way, a fifth of their copy
+// rate). Each row asks, as it starts, for the row's worth of bytes this far ahead (a hint: never faults).
+#ifndef PDQ_ROW_PREFETCH_BYTES
+#define PDQ_ROW_PREFETCH_BYTES 2048
+#endif
+constexpr int64_t ROW_PREFETCH_BYTES = PDQ_ROW_PREFETCH_BYTES;
+inline void prefetch_row_ahead(const uint8_t* row, int64_t row_bytes) {
+  if (ROW_PREFETCH_BYTES <= 0) return;
+  for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(row + ROW_PREFETCH_BYTES + b, 0, 3);
+}
+
 // Asks for the bytes [off, off + len) of each of `rows` rows ahead of their decode: a panel reads its rows
 // as that many separate streams, more than the hardware prefetchers follow.
 inline void prefetch_rows(const uint8_t* const* rp, int rows, int64_t off, int64_t len) {
@@ -1252,6 +1264,7 @@ PDQ_AVX2 void rows32_avx2(const Problem& pb, int64_t n0, int64_t n1) {
   }
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = pb.w + n * pb.row_bytes;
+    prefetch_row_ahead(row, pb.row_bytes);
     __m256 acc[MT];
     float accs[MT];  // the offsets' (mins') part
     for (int i = 0; i < MT; ++i) {
@@ -1304,6 +1317,7 @@ PDQ_AVX2 void rowsk_avx2(const Problem& pb, int64_t n0, int64_t n1) {
   }
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = pb.w + n * pb.row_bytes;
+    prefetch_row_ahead(row, pb.row_bytes);
     __m256 acc[MT];
     for (int i = 0; i < MT; ++i) acc[i] = _mm256_setzero_ps();
     for (int64_t sb = 0; sb < nsb; ++sb) {
@@ -1422,6 +1436,7 @@ PDQ_AVX2 void rows32w_avx2(const Problem& pb, int64_t n0, int64_t n1) {
   const __m256i off = _mm256_set1_epi8(char(TYPE == Q8_0 ? 0 : t.offset));
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = pb.w + n * pb.row_bytes;
+    prefetch_row_ahead(row, pb.row_bytes);
     __m256 acc[MT];
     float accs[MT];  // Q4_1's mins
     for (int i = 0; i < MT; ++i) {
