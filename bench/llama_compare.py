@@ -213,6 +213,13 @@ class CpuMeter:
 
 # -- the servers --------------------------------------------------------------------------------------
 
+NO_REPACK = "--no-repack"
+
+
+class LlamaCrashed(RuntimeError):
+    """llama-server died by a signal before it answered /health."""
+
+
 class LlamaServer:
     """One llama-server process on a GGUF, logging to `log`; stopped by SIGTERM (then SIGKILL)."""
 
@@ -237,7 +244,10 @@ class LlamaServer:
         with httpx.Client(timeout=5.0) as http:
             while True:
                 if self.proc.poll() is not None:
-                    raise RuntimeError(f"llama-server exited with {self.proc.returncode}:\n{self.tail()}")
+                    code = self.proc.returncode
+                    if code < 0:
+                        raise LlamaCrashed(f"signal {-code}: {signal.Signals(-code).name}")
+                    raise RuntimeError(f"llama-server exited with {code}:\n{self.tail()}")
                 try:
                     if http.get(f"{self.base_url}/health").status_code == 200:
                         return
@@ -438,11 +448,24 @@ def run_llama(side: Side, plan: Plan, exe: Path, gguf_path: Path, threads: int, 
     ctx = -(-parallel * per_slot // 256) * 256
     server = LlamaServer(exe, gguf_path, threads, parallel, ctx, workdir / "llama-server.log", extra)
     t0 = time.monotonic()
-    server.start()
+    fallback = None
+    try:
+        server.start()
+    except LlamaCrashed as crash:
+        if NO_REPACK in extra:
+            raise
+        # Its repacked weight kernels (AMX, AVX-512 interleaved blocks) crashed in the first matmul on one
+        # bench machine (SIGSEGV in ggml_backend_amx_mul_mat): measure the kernels it has without them,
+        # and say so.
+        fallback = f"llama-server crashed at start ({crash}); measured with {NO_REPACK} (no weight repacking)"
+        print(f"llama.cpp: {fallback}", flush=True)
+        server = LlamaServer(exe, gguf_path, threads, parallel, ctx, workdir / "llama-server.log", [*extra, NO_REPACK])
+        t0 = time.monotonic()
+        server.start()
     try:
         side.start_s = time.monotonic() - t0
         side.base_url = server.base_url
-        side.info = {"argv": server.argv, "parallel": parallel, "ctx": ctx}
+        side.info = {"argv": server.argv, "parallel": parallel, "ctx": ctx, "fallback": fallback}
         measure(side, plan, [server.proc.pid] if server.proc else [])
         side.memory = process_memory({server.proc.pid: "llama-server"} if server.proc else {})
     finally:
@@ -564,6 +587,8 @@ def report(result: dict[str, Any], pd: Side, ll: Side, facts: GGUFFacts, rates: 
     ]
     if not ll.skipped:
         lines.append(f"llama.cpp: {token_check(ll, plan.output_tokens)}")
+    if ll.info.get("fallback"):
+        lines.append(f"llama.cpp: {ll.info['fallback']}")
     for side in (pd, ll):
         if side.cpu:
             c = side.cpu
