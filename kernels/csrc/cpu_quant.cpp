@@ -360,6 +360,13 @@ inline void prefetch_row_ahead(const uint8_t* row, int64_t row_bytes) {
   for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(row + ROW_PREFETCH_BYTES + b, 0, 3);
 }
 
+// Asks for [p, p + len): attention reads one KV head's slice of each token row, and the token rows of a
+// sequence lie in blocks the block table scatters over the cache, a pattern no prefetcher follows.
+inline void prefetch_span(const void* p, int64_t len) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t b = 0; b < len; b += 64) __builtin_prefetch(c + b, 0, 3);
+}
+
 // Asks for the bytes [off, off + len) of each of `rows` rows ahead of their decode: a panel reads its rows
 // as that many separate streams, more than the hardware prefetchers follow.
 inline void prefetch_rows(const uint8_t* const* rp, int rows, int64_t off, int64_t len) {
@@ -2182,6 +2189,10 @@ PDQ_AVX2 void pv_group_avx2(const float* p, int64_t ld, const float* inv, int64_
       for (int64_t t0 = 0; t0 < ctx; t0 += bs) {
         const float* base = v_cache + int64_t(table[t0 / bs]) * bs * row_elems + col + c0;
         const int64_t n = std::min(bs, ctx - t0);
+        if (t0 + bs < ctx) {  // the next block's rows, while this one's are summed
+          const float* next = v_cache + int64_t(table[t0 / bs + 1]) * bs * row_elems + col + c0;
+          for (int64_t o = 0, m = std::min(bs, ctx - t0 - bs); o < m; ++o) prefetch_span(next + o * row_elems, 4 * nv * 8);
+        }
         for (int64_t o = 0; o < n; ++o) {
           const float* vr = base + o * row_elems;
           for (int g = 0; g < gn; ++g) {
@@ -2258,6 +2269,7 @@ void attend_rows(const VecOps& v, const StackGeometry& gm, const KvView& kv, con
     for (int64_t t0 = 0; t0 < S; t0 += 8) {
       const int n = int(std::min<int64_t>(8, S - t0));
       for (int i = 0; i < 8; ++i) kr[i] = kv_row(kl, t0 + std::min(i, n - 1));
+      for (int64_t t = t0 + 16; t < std::min(S, t0 + 24); ++t) prefetch_span(kv_row(kl, t), d * 4);
       for (int r = 0; r < R; ++r) {
         const int nr = int(std::min<int64_t>(8, ctx[r] - t0));
         if (nr <= 0) continue;
