@@ -267,7 +267,6 @@ class Channel:
                 jobs.append(self._current)
             for job in jobs:
                 job.deadline = max(job.deadline, now + job.timeout_s)
-            self._cv.notify_all()
 
     def _go_down(self, state: ChannelState, reason: str) -> None:
         with self._cv:
