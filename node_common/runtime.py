@@ -56,6 +56,17 @@ GRPC_OPTIONS = (
     ("grpc.max_receive_message_length", 64 << 20),
     ("grpc.so_reuseport", 0),
 )
+# What a node's server accepts beyond that. Callers ping every 20 s on a call that waits (the frontend's
+# keepalive); gRPC's default server counts a ping less than 5 min after the last as a strike while it sends
+# nothing, and at the third ends the connection (GOAWAY too_many_pings): every call on it failed once first
+# tokens took minutes (an 8B model at 16 streams). Pings every 10 s or slower are fine, and the callers
+# are the cluster's own, so strikes never end a connection.
+MIN_PING_INTERVAL_MS = 10_000
+SERVER_GRPC_OPTIONS = (
+    *GRPC_OPTIONS,
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS),
+    ("grpc.http2.max_ping_strikes", 0),
+)
 # The gRPC service each role serves, whose health status says whether the node takes new work.
 ROLE_SERVICES = {"prefill": "PrefillNode", "decode": "DecodeNode"}
 
@@ -146,7 +157,7 @@ async def _build(config: NodeConfig, role: str, make_service: type[NodeService],
     metrics.bind(service.node_load)
     if engine.kv_tier is not None:
         metrics.bind_tier(engine.kv_tier)
-    server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=config.rpc.server_interceptors())
+    server = grpc.aio.server(options=SERVER_GRPC_OPTIONS, interceptors=config.rpc.server_interceptors())
     service.add_to_server(server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)

@@ -212,3 +212,16 @@ def test_an_unhealthy_decode_node_leaves_and_its_streams_finish_elsewhere(
     cluster.wait_registry(lambda m: bad in m, 30, f"{bad} back")
     assert stream(fe, prompts[0], 60) == expected[0]
     cluster.wait_clean()
+
+
+def test_node_servers_accept_the_keepalive_pings_of_their_callers() -> None:
+    """A call that waits long for its first token carries the caller's keepalive pings; a node's server
+    must not count them as abuse (gRPC's default ends the connection at the third ping within 5 minutes,
+    GOAWAY too_many_pings, failing every call on it)."""
+    from pdserve.frontend.connections import _OPTIONS as FRONTEND_OPTIONS
+    from pdserve.frontend.embeddings import _CHANNEL_OPTIONS as EMBEDDING_OPTIONS
+    from pdserve.node_common.runtime import MIN_PING_INTERVAL_MS, SERVER_GRPC_OPTIONS
+
+    assert dict(SERVER_GRPC_OPTIONS)["grpc.http2.min_recv_ping_interval_without_data_ms"] == MIN_PING_INTERVAL_MS
+    for options in (FRONTEND_OPTIONS, EMBEDDING_OPTIONS):
+        assert dict(options)["grpc.keepalive_time_ms"] >= MIN_PING_INTERVAL_MS
