@@ -247,14 +247,11 @@ class Channel:
             return False
         first = min(overdue, key=lambda j: j.seq_no)
         with self._cv:
-            if self._state != ChannelState.READY:
-                behind = ""
-            elif self._current is not None:
+            behind = ""
+            if self._state == ChannelState.READY and self._current is not None:
                 behind = f" behind seq {self._current.seq_no}, which did not move"
-            elif self._next_run not in self._jobs:
+            elif self._state == ChannelState.READY and self._next_run not in self._jobs:
                 behind = f" (seq {self._next_run} never came)"
-            else:
-                behind = ""
         self._go_down(ChannelState.BROKEN, f"transfer seq {first.seq_no} timed out while queued{behind}")
         return True
 

@@ -39,11 +39,6 @@
 #include <omp.h>
 
 #include <sched.h>
-#if defined(__linux__)
-#include <linux/futex.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
 
 #include <algorithm>
 #include <atomic>
@@ -348,23 +343,19 @@ void quantize_rows16(const float* x, int64_t ldx, int64_t m0, int64_t m1, int64_
   }
 }
 
-// The row kernels read their weight rows as one sequential stream; some CPUs' prefetchers follow it too
-// slowly to keep memory busy (Intel Xeons read a cold weight at 2-4 GB/s that way, a fifth of their copy
-// rate). Each row asks, as it starts, for the row's worth of bytes this far ahead (a hint: never faults).
-#ifndef PDQ_ROW_PREFETCH_BYTES
-#define PDQ_ROW_PREFETCH_BYTES 2048
-#endif
-constexpr int64_t ROW_PREFETCH_BYTES = PDQ_ROW_PREFETCH_BYTES;
-inline void prefetch_row_ahead(const uint8_t* row, int64_t row_bytes) {
-  if (ROW_PREFETCH_BYTES <= 0) return;
-  for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(row + ROW_PREFETCH_BYTES + b, 0, 3);
-}
-
 // Asks for [p, p + len): attention reads one KV head's slice of each token row, and the token rows of a
 // sequence lie in blocks the block table scatters over the cache, a pattern no prefetcher follows.
 inline void prefetch_span(const void* p, int64_t len) {
   const char* c = static_cast<const char*>(p);
   for (int64_t b = 0; b < len; b += 64) __builtin_prefetch(c + b, 0, 3);
+}
+
+// The row kernels read their weight rows as one sequential stream; some CPUs' prefetchers follow it too
+// slowly to keep memory busy (Intel Xeons read a cold weight at 2-4 GB/s that way, a fifth of their copy
+// rate). Each row asks, as it starts, for the row's worth of bytes this far ahead (a hint: never faults).
+constexpr int64_t ROW_PREFETCH_BYTES = 2048;
+inline void prefetch_row_ahead(const uint8_t* row, int64_t row_bytes) {
+  prefetch_span(row + ROW_PREFETCH_BYTES, row_bytes);
 }
 
 // Asks for the bytes [off, off + len) of each of `rows` rows ahead of their decode: a panel reads its rows
@@ -1886,17 +1877,12 @@ inline void cpu_relax() { _mm_pause(); }
 inline void cpu_relax() {}
 #endif
 
-constexpr int SPIN_BEFORE_SLEEP = 1 << 14;  // pauses (~40-140 ns each) before a waiter sleeps
+constexpr int SPIN_BEFORE_YIELD = 1 << 14;  // pauses (~40 ns each) before a waiter yields its core
 constexpr int MAX_GROUPS = 8;               // row groups of one projection (runs of one block type)
 constexpr int64_t MAX_GROUP_HEADS = 64;     // query heads per KV head
 constexpr int MAX_GROUP_ROWS = 16;          // decode rows of one block table attended together
 constexpr int64_t MAX_HEAD_DIM = 512;
 
-// A waiter that has spun that long sleeps on the phase word until the last thread to arrive wakes it. It
-// must not hold the core the last thread needs when the cores are shared with another process, and it
-// must not yield it either: sched_yield hands the core to any runnable process, a niced batch job
-// included, for a whole time slice per barrier (a step of the default model went from 10 to 86 ms beside
-// a niced compiler that way); a woken sleeper preempts such a job at once.
 class SpinBarrier {
  public:
   void reset(int n) { n_ = n; }
@@ -1904,36 +1890,21 @@ class SpinBarrier {
     const int phase = phase_.load(std::memory_order_acquire);
     if (arrived_.fetch_add(1, std::memory_order_acq_rel) == n_ - 1) {
       arrived_.store(0, std::memory_order_relaxed);
-      phase_.fetch_add(1, std::memory_order_seq_cst);
-      if (sleepers_.load(std::memory_order_seq_cst) > 0) wake_all();
+      phase_.fetch_add(1, std::memory_order_release);
       return;
     }
+    // A waiter yields after a while: on cores shared with another process it must not hold the core
+    // the last thread needs.
     for (int i = 0; phase_.load(std::memory_order_acquire) == phase; ++i) {
-      if (i < SPIN_BEFORE_SLEEP) {
-        cpu_relax();
-        continue;
-      }
-      sleepers_.fetch_add(1, std::memory_order_seq_cst);
-      if (phase_.load(std::memory_order_seq_cst) == phase) sleep_while(phase);
-      sleepers_.fetch_sub(1, std::memory_order_relaxed);
+      if (i < SPIN_BEFORE_YIELD) cpu_relax();
+      else sched_yield();
     }
   }
 
  private:
-  int* word() { return reinterpret_cast<int*>(&phase_); }
-#if defined(__linux__)
-  // Returns at once unless the phase word still holds `phase`; a spurious return only loops once more.
-  void sleep_while(int phase) { syscall(SYS_futex, word(), FUTEX_WAIT_PRIVATE, phase, nullptr, nullptr, 0); }
-  void wake_all() { syscall(SYS_futex, word(), FUTEX_WAKE_PRIVATE, INT32_MAX, nullptr, nullptr, 0); }
-#else
-  void sleep_while(int) { sched_yield(); }
-  void wake_all() {}
-#endif
-  static_assert(sizeof(std::atomic<int>) == sizeof(int), "the phase word is a futex");
   int n_ = 1;
   std::atomic<int> arrived_{0};
   std::atomic<int> phase_{0};
-  std::atomic<int> sleepers_{0};
 };
 
 // Phases hand out units from a ring of three counters: phase i takes counter i % 3 and resets the one
